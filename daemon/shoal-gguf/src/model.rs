@@ -1,0 +1,176 @@
+//! What Shoal needs to know about a model, read from its GGUF header: architecture,
+//! sizes, and the bytes each layer and each non-layer tensor takes. Architectures
+//! are allow-listed: each one's graph must be checked (embedding scaling, layer
+//! period) before a split of it can be trusted to give the unsplit model's output.
+
+use crate::file::Gguf;
+use crate::value::Value;
+use crate::GgufError;
+use serde::Serialize;
+
+/// An architecture Shoal has verified split-exact.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Arch {
+    /// `llama` (SmolLM2, Llama 2/3, Mistral …): no per-layer pattern.
+    Llama,
+    /// `gemma3`: sliding-window attention on 5 of every 6 layers.
+    Gemma3,
+}
+
+impl Arch {
+    /// Architectures Shoal accepts, by their GGUF name.
+    pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3"];
+
+    fn from_name(name: &str) -> Option<Arch> {
+        match name {
+            "llama" => Some(Arch::Llama),
+            "gemma3" => Some(Arch::Gemma3),
+            _ => None,
+        }
+    }
+
+    /// The GGUF name (`general.architecture`), also the prefix of its metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+
+    /// Stage boundaries must be multiples of this: llama.cpp derives per-layer
+    /// behaviour from the layer index (Gemma 3: `set_swa_pattern(6)`), and a shard
+    /// renumbers its layers from 0.
+    pub fn layer_period(self) -> u32 {
+        match self {
+            Arch::Llama => 1,
+            Arch::Gemma3 => 6,
+        }
+    }
+}
+
+/// Facts about a model, from its GGUF header alone.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelMeta {
+    /// Verified architecture.
+    pub arch: Arch,
+    /// `general.name`, if present.
+    pub name: Option<String>,
+    /// Transformer blocks (`<arch>.block_count`).
+    pub n_layer: u32,
+    /// Hidden-state width (`<arch>.embedding_length`).
+    pub n_embd: u32,
+    /// Vocabulary size (rows of `token_embd.weight`).
+    pub n_vocab: u32,
+    /// Context the model was trained for (`<arch>.context_length`).
+    pub n_ctx_train: u32,
+    /// Attention heads.
+    pub n_head: u32,
+    /// Key/value heads (grouped-query attention).
+    pub n_head_kv: u32,
+    /// Key width per head.
+    pub head_dim_k: u32,
+    /// Value width per head.
+    pub head_dim_v: u32,
+    /// Tensor bytes of each block, in order.
+    pub layer_bytes: Vec<u64>,
+    /// Bytes of `token_embd.weight`.
+    pub embd_bytes: u64,
+    /// Bytes of `output.weight` (0 when the LM head is tied to the embedding).
+    pub output_bytes: u64,
+    /// Bytes of every other non-layer tensor (`output_norm`, `rope_freqs` …).
+    pub other_bytes: u64,
+    /// The LM head reuses `token_embd.weight` (no `output.weight`).
+    pub tied_embeddings: bool,
+    /// The tensor types used, with how many tensors of each.
+    pub tensor_types: Vec<(String, usize)>,
+}
+
+impl ModelMeta {
+    /// Read the model's facts from a parsed header; refuses architectures Shoal has
+    /// not verified and headers missing what llama.cpp needs.
+    pub fn from_gguf(g: &Gguf) -> Result<ModelMeta, GgufError> {
+        let bad = |what: String| GgufError::Model { path: g.path.clone(), what };
+        let arch_name = g
+            .get("general.architecture")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("no general.architecture string".into()))?;
+        let arch = Arch::from_name(arch_name).ok_or_else(|| GgufError::Unsupported {
+            path: g.path.clone(),
+            what: format!(
+                "architecture {arch_name:?} has not been verified for layer splits (supported: {})",
+                Arch::SUPPORTED.join(", ")
+            ),
+        })?;
+        let key_u32 = |k: &str| -> Result<u32, GgufError> {
+            let key = format!("{arch_name}.{k}");
+            g.get(&key)
+                .and_then(Value::as_u64)
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| bad(format!("missing or non-integer {key}")))
+        };
+        let n_layer = key_u32("block_count")?;
+        let n_embd = key_u32("embedding_length")?;
+        let n_ctx_train = key_u32("context_length")?;
+        let n_head = key_u32("attention.head_count")?;
+        let n_head_kv = key_u32("attention.head_count_kv").unwrap_or(n_head);
+        if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || n_layer > 4096 {
+            return Err(bad(format!("absurd sizes: {n_layer} layers, n_embd {n_embd}, {n_head}/{n_head_kv} heads")));
+        }
+        let head_dim_k = key_u32("attention.key_length").unwrap_or(n_embd / n_head);
+        let head_dim_v = key_u32("attention.value_length").unwrap_or(n_embd / n_head);
+
+        let embd = g.tensor("token_embd.weight").ok_or_else(|| bad("no token_embd.weight tensor".into()))?;
+        if embd.dims.len() != 2 || embd.dims[0] != u64::from(n_embd) {
+            return Err(bad(format!("token_embd.weight has shape {:?}, expected [{n_embd}, n_vocab]", embd.dims)));
+        }
+        let n_vocab = u32::try_from(embd.dims[1]).map_err(|_| bad("absurd vocabulary size".into()))?;
+        let output = g.tensor("output.weight");
+
+        let mut layer_bytes = vec![0u64; n_layer as usize];
+        let mut other_bytes = 0;
+        let mut types: Vec<(String, usize)> = Vec::new();
+        for t in &g.tensors {
+            match types.iter_mut().find(|(n, _)| n == t.ggml_type.name) {
+                Some((_, c)) => *c += 1,
+                None => types.push((t.ggml_type.name.to_string(), 1)),
+            }
+            match t.layer() {
+                Some((i, _)) if i < n_layer => layer_bytes[i as usize] += t.bytes,
+                Some((i, _)) => return Err(bad(format!("tensor {} names block {i}, but the model has {n_layer}", t.name))),
+                None if t.name == "token_embd.weight" || t.name == "output.weight" => {}
+                None => other_bytes += t.bytes,
+            }
+        }
+        if let Some(empty) = layer_bytes.iter().position(|&b| b == 0) {
+            return Err(bad(format!("block {empty} has no tensors")));
+        }
+        Ok(ModelMeta {
+            arch,
+            name: g.get("general.name").and_then(Value::as_str).map(str::to_owned),
+            n_layer,
+            n_embd,
+            n_vocab,
+            n_ctx_train,
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            layer_bytes,
+            embd_bytes: embd.bytes,
+            output_bytes: output.map_or(0, |t| t.bytes),
+            other_bytes,
+            tied_embeddings: output.is_none(),
+            tensor_types: types,
+        })
+    }
+
+    /// KV-cache bytes per token per layer at f16 (llama.cpp's default cache type).
+    pub fn kv_bytes_per_token_per_layer(&self) -> u64 {
+        2 * u64::from(self.n_head_kv) * u64::from(self.head_dim_k + self.head_dim_v)
+    }
+
+    /// Architecture's split period (see [`Arch::layer_period`]).
+    pub fn layer_period(&self) -> u32 {
+        self.arch.layer_period()
+    }
+}

