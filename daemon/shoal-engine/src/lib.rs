@@ -1,1 +1,21 @@
-//! placeholder
+//! The layer-range engine: runs layers `a..b` of a GGUF model with stock llama.cpp,
+//! through shard files (see `shoal-gguf`). This crate holds all of Shoal's `unsafe`
+//! code; everything above it speaks the Rust types of `shoal-types`.
+//!
+//! - [`LlamaStage`]: a loaded shard with a context serving several sessions.
+//! - [`Vocab`]: tokenizer, chat template and streaming detokenizer.
+//! - [`Sampler`]: sampling from the tail's logits.
+//! - [`Chain`]: stages of one process driven on the canonical schedule.
+
+mod backend;
+mod chain;
+mod sampler;
+mod stage;
+mod vocab;
+
+pub use backend::{ggml_type_geometry, system_info};
+pub use chain::{Chain, ChainError, Generation, Observer, StepTiming};
+pub use sampler::{Sampler, SamplingParams};
+pub use shoal_gguf::{open_model, Arch, Gguf, ModelMeta, ShardCache};
+pub use stage::{load_split, LlamaStage, LoadError, StageConfig};
+pub use vocab::{Utf8Stream, Vocab, VocabError};

@@ -43,6 +43,16 @@ impl GgufError {
     }
 }
 
+/// Where downloaded models are cached: `$SHOAL_MODELS`, else `~/.cache/shoal/models`
+/// (`scripts/setup.sh` fills it with the test models).
+pub fn models_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("SHOAL_MODELS") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME").or_else(|| std::env::var_os("USERPROFILE")).unwrap_or_default();
+    PathBuf::from(home).join(".cache").join("shoal").join("models")
+}
+
 /// Open `path`, validate its header and describe the model.
 pub fn open_model(path: &Path) -> Result<(Gguf, ModelMeta), GgufError> {
     let g = Gguf::open(path)?;

@@ -61,10 +61,7 @@ pub fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 /// The cached test models (see scripts/setup.sh); a test that needs one fails with
 /// instructions when it is missing rather than passing silently.
 pub fn real_model(file: &str) -> PathBuf {
-    let dir = std::env::var_os("SHOAL_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/shoal/models"));
-    let p = dir.join(file);
+    let p = shoal_gguf::models_dir().join(file);
     assert!(p.exists(), "test model {} is missing: run scripts/setup.sh (or set SHOAL_MODELS)", p.display());
     p
 }

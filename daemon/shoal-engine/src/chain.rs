@@ -1,0 +1,200 @@
+//! [`Chain`]: the stages of one process driven on Shoal's canonical schedule — the
+//! prompt in chunks of C, then one token per step — so that output depends only on
+//! (model, prompt, sampling, seed, C), never on how the layers are split.
+
+use crate::sampler::Sampler;
+use shoal_types::{LayerRange, SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
+use std::time::{Duration, Instant};
+
+/// Why a chain could not be built or a generation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ChainError {
+    /// The stages do not form one model: gaps, overlaps, or different settings.
+    #[error("stages do not form a chain: {0}")]
+    Shape(String),
+    /// A stage refused or failed a step.
+    #[error("stage {layers}: {source}")]
+    Stage { layers: LayerRange, source: StageError },
+    /// The prompt is empty.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// The prompt plus the tokens asked for do not fit the context.
+    #[error("prompt of {prompt} tokens + {new} new tokens exceeds the context of {n_ctx} tokens")]
+    ContextExceeded { prompt: usize, new: usize, n_ctx: u32 },
+}
+
+/// Time spent in each stage, summed over a generation.
+#[derive(Clone, Debug, Default)]
+pub struct StepTiming {
+    /// Per stage, in chain order.
+    pub per_stage: Vec<Duration>,
+}
+
+/// The result of [`Chain::generate`].
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The generated token ids (the end-of-generation token included, if one came).
+    pub tokens: Vec<TokenId>,
+    /// BLAKE3 over the tail's logits of every step, bit for bit (hex): equal digests
+    /// mean identical logits, not merely identical tokens.
+    pub logits_digest: String,
+    /// Time to process the prompt (until the first token's logits).
+    pub prefill: Duration,
+    /// Time of the remaining decode steps.
+    pub decode: Duration,
+    /// Where the time went.
+    pub timing: StepTiming,
+}
+
+impl Generation {
+    /// Decode speed: tokens produced after the first, per second of decode.
+    pub fn decode_tok_per_s(&self) -> f64 {
+        let steps = self.tokens.len().saturating_sub(1);
+        if steps == 0 || self.decode.is_zero() {
+            return 0.0;
+        }
+        steps as f64 / self.decode.as_secs_f64()
+    }
+}
+
+/// Receives what a generation produces as it goes.
+pub trait Observer {
+    /// The tail's logits of one step (the last prompt chunk, then each decode step).
+    fn logits(&mut self, _logits: &[f32]) {}
+    /// A token was chosen. Return false to stop.
+    fn token(&mut self, _token: TokenId) -> bool {
+        true
+    }
+}
+
+impl Observer for () {}
+
+/// Stages covering a whole model, in order, run one after another in this process.
+pub struct Chain {
+    stages: Vec<Box<dyn Stage>>,
+}
+
+impl Chain {
+    /// Check that `stages` cover `0..n_layer` contiguously with one chunk size and
+    /// hidden-state width.
+    pub fn new(stages: Vec<Box<dyn Stage>>) -> Result<Chain, ChainError> {
+        let first = stages.first().ok_or_else(|| ChainError::Shape("no stages".into()))?.info().clone();
+        let mut expect = 0;
+        for s in &stages {
+            let i = s.info();
+            if i.layers.start != expect {
+                return Err(ChainError::Shape(format!("stage {} follows layer {expect}", i.layers)));
+            }
+            if (i.chunk, i.n_embd, i.n_layer_total) != (first.chunk, first.n_embd, first.n_layer_total) {
+                return Err(ChainError::Shape(format!("stage {} differs in chunk size, n_embd or model", i.layers)));
+            }
+            expect = i.layers.end;
+        }
+        if expect != first.n_layer_total {
+            return Err(ChainError::Shape(format!("stages end at layer {expect} of {}", first.n_layer_total)));
+        }
+        Ok(Chain { stages })
+    }
+
+    /// The stages.
+    pub fn stages(&self) -> &[Box<dyn Stage>] {
+        &self.stages
+    }
+
+    /// Prefill chunk size C.
+    pub fn chunk(&self) -> u32 {
+        self.stages[0].info().chunk
+    }
+
+    /// Context per session (the smallest of the stages').
+    pub fn n_ctx(&self) -> u32 {
+        self.stages.iter().map(|s| s.info().n_ctx_per_session).min().unwrap_or(0)
+    }
+
+    /// Run positions `first_pos..` of `session` (at most C tokens) through every stage;
+    /// returns the tail's logits for the last token.
+    pub fn step(&mut self, session: SessionId, first_pos: u32, tokens: &[TokenId], timing: &mut StepTiming) -> Result<Vec<f32>, ChainError> {
+        timing.per_stage.resize(self.stages.len(), Duration::ZERO);
+        let mut hidden: Vec<f32> = Vec::new();
+        for (k, stage) in self.stages.iter_mut().enumerate() {
+            let input = if k == 0 { StageInput::Tokens(tokens) } else { StageInput::Hidden(&hidden) };
+            let t0 = Instant::now();
+            let out = stage
+                .forward(session, first_pos, input)
+                .map_err(|source| ChainError::Stage { layers: stage.info().layers, source })?;
+            timing.per_stage[k] += t0.elapsed();
+            match out {
+                StageOutput::Hidden(h) => hidden = h,
+                StageOutput::Logits(l) => return Ok(l),
+            }
+        }
+        Err(ChainError::Shape("the last stage returned hidden states, not logits".into()))
+    }
+
+    /// Generate up to `max_new` tokens after `prompt` for `session`, stopping early
+    /// when `observer.token` says so. The session is freed on every stage afterwards.
+    pub fn generate(
+        &mut self,
+        session: SessionId,
+        prompt: &[TokenId],
+        max_new: usize,
+        sampler: &mut Sampler,
+        observer: &mut dyn Observer,
+    ) -> Result<Generation, ChainError> {
+        let result = self.generate_inner(session, prompt, max_new, sampler, observer);
+        for s in &mut self.stages {
+            s.free_session(session);
+        }
+        result
+    }
+
+    fn generate_inner(
+        &mut self,
+        session: SessionId,
+        prompt: &[TokenId],
+        max_new: usize,
+        sampler: &mut Sampler,
+        observer: &mut dyn Observer,
+    ) -> Result<Generation, ChainError> {
+        if prompt.is_empty() {
+            return Err(ChainError::EmptyPrompt);
+        }
+        let n_ctx = self.n_ctx();
+        if prompt.len() + max_new > n_ctx as usize {
+            return Err(ChainError::ContextExceeded { prompt: prompt.len(), new: max_new, n_ctx });
+        }
+        let mut timing = StepTiming::default();
+        let mut digest = blake3::Hasher::new();
+        let mut tokens = Vec::with_capacity(max_new);
+        let t0 = Instant::now();
+        let mut logits = Vec::new();
+        let mut pos = 0u32;
+        for chunk in prompt.chunks(self.chunk() as usize) {
+            logits = self.step(session, pos, chunk, &mut timing)?;
+            pos += chunk.len() as u32;
+        }
+        let prefill = t0.elapsed();
+        let t1 = Instant::now();
+        let mut bytes = Vec::new();
+        while tokens.len() < max_new {
+            bytes.clear();
+            bytes.extend(logits.iter().flat_map(|f| f.to_le_bytes()));
+            digest.update(&bytes);
+            observer.logits(&logits);
+            let token = sampler.sample(&logits);
+            tokens.push(token);
+            if !observer.token(token) || tokens.len() == max_new {
+                break;
+            }
+            logits = self.step(session, pos, &[token], &mut timing)?;
+            pos += 1;
+        }
+        Ok(Generation {
+            tokens,
+            logits_digest: digest.finalize().to_hex().to_string(),
+            prefill,
+            decode: t1.elapsed(),
+            timing,
+        })
+    }
+}

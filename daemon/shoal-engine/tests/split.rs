@@ -1,0 +1,287 @@
+//! Split exactness on real models: a model split into 2 or 3 in-process stages gives
+//! the unsplit model's greedy tokens and logits, replays are exact, sessions do not
+//! disturb each other, and bad input changes nothing.
+
+use shoal_engine::{load_split, Chain, LlamaStage, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
+use shoal_types::{SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
+use std::path::PathBuf;
+
+const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const GEMMA: &str = "gemma-3-270m-q4_k_m.gguf";
+const PROMPT_TOKENS: usize = 100;
+const NEW_TOKENS: usize = 64;
+
+fn model(file: &str) -> PathBuf {
+    let p = shoal_gguf::models_dir().join(file);
+    assert!(p.exists(), "test model {} is missing: run scripts/setup.sh (or set SHOAL_MODELS)", p.display());
+    p
+}
+
+/// Chunk of 32: the 100-token prompt crosses three chunk boundaries.
+fn config() -> StageConfig {
+    StageConfig { n_ctx_per_session: 512, max_sessions: 2, chunk: 32, threads: 1, gpu_layers: gpu_layers() }
+}
+
+/// `SHOAL_TEST_GPU_LAYERS=99` runs the same tests with the layers offloaded.
+fn gpu_layers() -> u32 {
+    std::env::var("SHOAL_TEST_GPU_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+fn prompt(file: &str) -> Vec<TokenId> {
+    let vocab = Vocab::load(&model(file)).unwrap();
+    let text = "The history of the lighthouse begins in antiquity, when fires were lit on hilltops \
+        to guide ships into harbour. The Pharos of Alexandria, built in the third century BC, stood \
+        over a hundred metres tall and was counted among the wonders of the ancient world. Later, \
+        Roman engineers raised towers along the coasts of their empire, from Dover to the Black Sea. \
+        In the eighteenth century, reflectors and oil lamps replaced open fires, and in 1822 Augustin \
+        Fresnel designed the lens that bears his name, which concentrated the light into a beam visible \
+        for many miles. Keepers lived in the towers with their families, trimming wicks and winding clocks.";
+    let t = vocab.tokenize(text, false);
+    assert!(t.len() >= PROMPT_TOKENS, "prompt text too short: {} tokens", t.len());
+    t[..PROMPT_TOKENS].to_vec()
+}
+
+#[derive(Default)]
+struct Record {
+    logits: Vec<Vec<f32>>,
+}
+
+impl Observer for Record {
+    fn logits(&mut self, l: &[f32]) {
+        self.logits.push(l.to_vec());
+    }
+}
+
+fn run(file: &str, points: &[u32], cache: &ShardCache) -> (Vec<TokenId>, Vec<Vec<f32>>, String) {
+    let (_, stages) = load_split(&model(file), points, cache, &config()).unwrap();
+    assert_eq!(stages.len(), points.len() + 1);
+    let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect()).unwrap();
+    let mut rec = Record::default();
+    let g = chain
+        .generate(SessionId(1), &prompt(file), NEW_TOKENS, &mut Sampler::new(&SamplingParams::default()), &mut rec)
+        .unwrap();
+    assert_eq!(g.tokens.len(), NEW_TOKENS);
+    (g.tokens, rec.logits, g.logits_digest)
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn assert_splits_match(file: &str, splits: &[&[u32]]) {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = ShardCache::new(dir.path());
+    let (tokens, logits, digest) = run(file, &[], &cache);
+    assert_eq!(logits.len(), NEW_TOKENS);
+    for points in splits {
+        let (t, l, d) = run(file, points, &cache);
+        assert_eq!(t, tokens, "{file} split at {points:?}: tokens differ from the unsplit model");
+        for (step, (a, b)) in logits.iter().zip(&l).enumerate() {
+            let diff = max_abs_diff(a, b);
+            assert!(diff <= 1e-4, "{file} split at {points:?}: step {step} logits differ by {diff}");
+        }
+        // The canonical schedule makes them bit-identical, not merely close.
+        assert_eq!(d, digest, "{file} split at {points:?}: logits digest differs");
+    }
+}
+
+#[test]
+fn smollm2_splits_match_unsplit() {
+    assert_splits_match(SMOL, &[&[15], &[10, 20]]);
+}
+
+#[test]
+fn gemma3_splits_match_unsplit() {
+    assert_splits_match(GEMMA, &[&[12], &[6, 12]]);
+}
+
+#[test]
+fn gemma3_split_off_its_period_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = load_split(&model(GEMMA), &[9], &ShardCache::new(dir.path()), &config()).err().expect("split at 9 accepted");
+    assert!(err.to_string().contains("period of 6"), "{err}");
+}
+
+fn two_stages() -> (tempfile::TempDir, LlamaStage, LlamaStage) {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, mut stages) = load_split(&model(SMOL), &[15], &ShardCache::new(dir.path()), &config()).unwrap();
+    let tail = stages.pop().unwrap();
+    let head = stages.pop().unwrap();
+    (dir, head, tail)
+}
+
+fn hidden(o: StageOutput) -> Vec<f32> {
+    match o {
+        StageOutput::Hidden(h) => h,
+        StageOutput::Logits(_) => panic!("expected hidden states"),
+    }
+}
+
+fn logits(o: StageOutput) -> Vec<f32> {
+    match o {
+        StageOutput::Logits(l) => l,
+        StageOutput::Hidden(_) => panic!("expected logits"),
+    }
+}
+
+#[test]
+fn replayed_steps_give_identical_output() {
+    let (_dir, mut head, mut tail) = two_stages();
+    let p = prompt(SMOL);
+    let s = SessionId(7);
+    let (c1, c2) = (&p[..32], &p[32..64]);
+    let h1 = hidden(head.forward(s, 0, StageInput::Tokens(c1)).unwrap());
+    let h2 = hidden(head.forward(s, 32, StageInput::Tokens(c2)).unwrap());
+    let l1 = logits(tail.forward(s, 0, StageInput::Hidden(&h1)).unwrap());
+    let l2 = logits(tail.forward(s, 32, StageInput::Hidden(&h2)).unwrap());
+    let h3 = hidden(head.forward(s, 64, StageInput::Tokens(&[42])).unwrap());
+    let l3 = logits(tail.forward(s, 64, StageInput::Hidden(&h3)).unwrap());
+    assert_eq!(h1.len(), 32 * 576);
+
+    // The same step again (rolls back one token) …
+    assert_eq!(hidden(head.forward(s, 64, StageInput::Tokens(&[42])).unwrap()), h3);
+    assert_eq!(logits(tail.forward(s, 64, StageInput::Hidden(&h3)).unwrap()), l3);
+    // … a step further back (rolls back a chunk and the token) …
+    assert_eq!(hidden(head.forward(s, 32, StageInput::Tokens(c2)).unwrap()), h2);
+    assert_eq!(logits(tail.forward(s, 32, StageInput::Hidden(&h2)).unwrap()), l2);
+    // … and from the very start.
+    assert_eq!(hidden(head.forward(s, 0, StageInput::Tokens(c1)).unwrap()), h1);
+    assert_eq!(logits(tail.forward(s, 0, StageInput::Hidden(&h1)).unwrap()), l1);
+    assert_eq!(hidden(head.forward(s, 32, StageInput::Tokens(c2)).unwrap()), h2);
+    assert_eq!(logits(tail.forward(s, 32, StageInput::Hidden(&h2)).unwrap()), l2);
+}
+
+#[test]
+fn interleaved_sessions_match_each_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = ShardCache::new(dir.path());
+    let p = prompt(SMOL);
+    let prompts = [p[..60].to_vec(), p[40..].to_vec()];
+    let greedy = || Sampler::new(&SamplingParams::default());
+
+    // Each alone.
+    let alone: Vec<(Vec<TokenId>, String)> = prompts
+        .iter()
+        .map(|pr| {
+            let (_, stages) = load_split(&model(SMOL), &[10, 20], &cache, &config()).unwrap();
+            let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect()).unwrap();
+            let g = chain.generate(SessionId(1), pr, 24, &mut greedy(), &mut ()).unwrap();
+            (g.tokens, g.logits_digest)
+        })
+        .collect();
+
+    // Interleaved step by step on one set of stages.
+    let (_, stages) = load_split(&model(SMOL), &[10, 20], &cache, &config()).unwrap();
+    let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect()).unwrap();
+    let mut timing = Default::default();
+    let mut state: Vec<(Vec<TokenId>, u32, Vec<f32>, Sampler, blake3::Hasher)> =
+        prompts.iter().map(|_| (Vec::new(), 0, Vec::new(), greedy(), blake3::Hasher::new())).collect();
+    // Prompts chunk by chunk, alternating sessions.
+    for k in 0..2 {
+        for (i, pr) in prompts.iter().enumerate() {
+            if let Some(c) = pr.chunks(32).nth(k) {
+                state[i].2 = chain.step(SessionId(i as u64 + 10), state[i].1, c, &mut timing).unwrap();
+                state[i].1 += c.len() as u32;
+            }
+        }
+    }
+    for step in 0..24 {
+        for (i, st) in state.iter_mut().enumerate() {
+            st.4.update(&st.2.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>());
+            let t = st.3.sample(&st.2);
+            st.0.push(t);
+            if step + 1 < 24 {
+                st.2 = chain.step(SessionId(i as u64 + 10), st.1, &[t], &mut timing).unwrap();
+                st.1 += 1;
+            }
+        }
+    }
+    for (i, st) in state.iter().enumerate() {
+        assert_eq!(st.0, alone[i].0, "session {i}: interleaved tokens differ from running alone");
+        assert_eq!(st.4.finalize().to_hex().to_string(), alone[i].1, "session {i}: logits differ");
+    }
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    let (_dir, mut head, mut tail) = two_stages();
+    let p = prompt(SMOL);
+    let s = SessionId(3);
+    let h1 = hidden(head.forward(s, 0, StageInput::Tokens(&p[..32])).unwrap());
+    let l1 = logits(tail.forward(s, 0, StageInput::Hidden(&h1)).unwrap());
+
+    let e = head.forward(s, 32, StageInput::Hidden(&h1)).unwrap_err();
+    assert!(matches!(e, StageError::WrongInput { .. }), "{e}");
+    let e = tail.forward(s, 32, StageInput::Tokens(&p[..4])).unwrap_err();
+    assert!(matches!(e, StageError::WrongInput { .. }), "{e}");
+    let e = tail.forward(s, 32, StageInput::Hidden(&h1[..1000])).unwrap_err();
+    assert!(matches!(e, StageError::BadHiddenLength { .. }), "{e}");
+    let e = head.forward(s, 32, StageInput::Tokens(&p[..33].repeat(1))).unwrap_err();
+    assert!(matches!(e, StageError::ChunkTooLarge { .. }), "{e}");
+    let e = head.forward(s, 40, StageInput::Tokens(&p[..4])).unwrap_err();
+    assert!(matches!(e, StageError::PositionGap { first_pos: 40, have: 32, .. }), "{e}");
+    let e = head.forward(s, 32, StageInput::Tokens(&[49152])).unwrap_err();
+    assert!(matches!(e, StageError::BadToken { .. }), "{e}");
+    let e = head.forward(s, 32, StageInput::Tokens(&[-1])).unwrap_err();
+    assert!(matches!(e, StageError::BadToken { .. }), "{e}");
+    let e = head.forward(SessionId(99), 5, StageInput::Tokens(&p[..4])).unwrap_err();
+    assert!(matches!(e, StageError::PositionGap { .. }), "{e}");
+    let e = head.forward(s, 500, StageInput::Tokens(&p[..20])).unwrap_err();
+    assert!(matches!(e, StageError::PositionGap { .. } | StageError::ContextFull { .. }), "{e}");
+
+    // The session is as it was: the next chunk gives what it gives on fresh stages.
+    let h2 = hidden(head.forward(s, 32, StageInput::Tokens(&p[32..64])).unwrap());
+    let l2 = logits(tail.forward(s, 32, StageInput::Hidden(&h2)).unwrap());
+    let (_dir2, mut head2, mut tail2) = two_stages();
+    let g1 = hidden(head2.forward(s, 0, StageInput::Tokens(&p[..32])).unwrap());
+    assert_eq!(logits(tail2.forward(s, 0, StageInput::Hidden(&g1)).unwrap()), l1);
+    let g2 = hidden(head2.forward(s, 32, StageInput::Tokens(&p[32..64])).unwrap());
+    assert_eq!(g2, h2);
+    assert_eq!(logits(tail2.forward(s, 32, StageInput::Hidden(&g2)).unwrap()), l2);
+}
+
+#[test]
+fn sessions_are_limited_and_freed() {
+    let (_dir, mut head, _tail) = two_stages();
+    let p = prompt(SMOL);
+    head.forward(SessionId(1), 0, StageInput::Tokens(&p[..4])).unwrap();
+    head.forward(SessionId(2), 0, StageInput::Tokens(&p[..4])).unwrap();
+    let e = head.forward(SessionId(3), 0, StageInput::Tokens(&p[..4])).unwrap_err();
+    assert!(matches!(e, StageError::NoFreeSession { max: 2 }), "{e}");
+    head.free_session(SessionId(1));
+    let a = hidden(head.forward(SessionId(3), 0, StageInput::Tokens(&p[..4])).unwrap());
+    // The freed slot holds nothing of session 1: session 3 at position 0 equals a fresh run.
+    let b = hidden(head.forward(SessionId(2), 0, StageInput::Tokens(&p[..4])).unwrap());
+    assert_eq!(a, b);
+}
+
+#[test]
+fn stages_report_their_memory() {
+    let (_dir, head, tail) = two_stages();
+    for s in [&head, &tail] {
+        let m = s.memory();
+        assert!(m.weights > 10 << 20, "{m:?}");
+        // 15 layers × 512 positions × 2 sessions × (K+V: 3 heads × 64 × 2 B × 2).
+        assert_eq!(m.kv, 15 * 512 * 2 * 3 * 64 * 2 * 2, "{m:?}");
+        assert!(m.compute > 0, "{m:?}");
+    }
+}
+
+#[test]
+fn ggml_type_table_matches_linked_ggml() {
+    for t in shoal_gguf::GgmlType::all() {
+        assert_eq!(shoal_engine::ggml_type_geometry(t.id), (t.block_size, t.type_size), "{}", t.name);
+    }
+}
+
+#[test]
+fn chat_template_and_detokenize() {
+    let v = Vocab::load(&model(SMOL)).unwrap();
+    let chat = v.chat_prompt("Hi there").unwrap();
+    assert!(chat.contains("Hi there") && chat.contains("<|im_start|>assistant"), "{chat}");
+    let t = v.tokenize(&chat, true);
+    assert!(t.iter().any(|&t| v.piece(t).is_empty()), "special tokens should be parsed as such");
+    let text = "Fish 🐟 swim";
+    assert_eq!(v.detokenize(&v.tokenize(text, false)).trim_start(), text);
+}
