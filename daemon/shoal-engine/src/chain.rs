@@ -113,7 +113,13 @@ impl Chain {
 
     /// Run positions `first_pos..` of `session` (at most C tokens) through every stage;
     /// returns the tail's logits for the last token.
-    pub fn step(&mut self, session: SessionId, first_pos: u32, tokens: &[TokenId], timing: &mut StepTiming) -> Result<Vec<f32>, ChainError> {
+    pub fn step(
+        &mut self,
+        session: SessionId,
+        first_pos: u32,
+        tokens: &[TokenId],
+        timing: &mut StepTiming,
+    ) -> Result<Vec<f32>, ChainError> {
         timing.per_stage.resize(self.stages.len(), Duration::ZERO);
         let mut hidden: Vec<f32> = Vec::new();
         for (k, stage) in self.stages.iter_mut().enumerate() {

@@ -101,18 +101,34 @@ unsafe impl Send for LlamaStage {}
 impl LlamaStage {
     /// Load `shard` (a GGUF holding `layers` of a model of `n_layer_total` blocks; the
     /// whole model when `layers` covers it) and create its context.
-    pub fn load(shard: &Path, layers: LayerRange, n_layer_total: u32, config: &StageConfig) -> Result<LlamaStage, LoadError> {
-        if config.chunk == 0 || config.max_sessions == 0 || config.n_ctx_per_session < config.chunk || config.threads == 0 {
-            return Err(LoadError::Config(format!("{config:?}: chunk, sessions and threads must be positive, context ≥ chunk")));
+    pub fn load(
+        shard: &Path,
+        layers: LayerRange,
+        n_layer_total: u32,
+        config: &StageConfig,
+    ) -> Result<LlamaStage, LoadError> {
+        if config.chunk == 0
+            || config.max_sessions == 0
+            || config.n_ctx_per_session < config.chunk
+            || config.threads == 0
+        {
+            return Err(LoadError::Config(format!(
+                "{config:?}: chunk, sessions and threads must be positive, context ≥ chunk"
+            )));
         }
         // Our reader first: llama.cpp's may abort the process on a malformed file.
         let (_, meta) = open_model(shard).map_err(ShardError::from)?;
         if meta.n_layer != layers.len() {
-            return Err(LoadError::Config(format!("{} holds {} layers, expected {layers}", shard.display(), meta.n_layer)));
+            return Err(LoadError::Config(format!(
+                "{} holds {} layers, expected {layers}",
+                shard.display(),
+                meta.n_layer
+            )));
         }
         let llama_err = |what| LoadError::Llama { path: shard.to_owned(), what };
         backend();
-        let c_path = CString::new(shard.as_os_str().as_encoded_bytes()).map_err(|_| llama_err("open a path containing NUL"))?;
+        let c_path =
+            CString::new(shard.as_os_str().as_encoded_bytes()).map_err(|_| llama_err("open a path containing NUL"))?;
         // SAFETY: default params are plain data; the path outlives the call.
         let model = unsafe {
             let mut mp = sys::llama_model_default_params();
@@ -161,7 +177,11 @@ impl LlamaStage {
         // SAFETY: ctx is valid; these are getters.
         let (n_ctx_seq, n_embd, n_vocab) = unsafe {
             let vocab = sys::llama_model_get_vocab(model.as_ptr());
-            (sys::llama_n_ctx_seq(ctx.as_ptr()), sys::llama_model_n_embd(model.as_ptr()), sys::llama_vocab_n_tokens(vocab))
+            (
+                sys::llama_n_ctx_seq(ctx.as_ptr()),
+                sys::llama_model_n_embd(model.as_ptr()),
+                sys::llama_vocab_n_tokens(vocab),
+            )
         };
         let memory = StageMemory {
             // SAFETY: getter on a valid model.
@@ -170,7 +190,8 @@ impl LlamaStage {
             compute: reported_mib(&log, "compute buffer size") + reported_mib(&log, "output buffer size"),
         };
         // SAFETY: allocates a batch for `chunk` tokens: ids for stage 0, else embeddings.
-        let batch = unsafe { sys::llama_batch_init(config.chunk as i32, if layers.start == 0 { 0 } else { n_embd }, 1) };
+        let batch =
+            unsafe { sys::llama_batch_init(config.chunk as i32, if layers.start == 0 { 0 } else { n_embd }, 1) };
         let info = StageInfo {
             layers,
             n_layer_total,
@@ -250,7 +271,12 @@ impl Stage for LlamaStage {
         &self.info
     }
 
-    fn forward(&mut self, session: SessionId, first_pos: u32, input: StageInput<'_>) -> Result<StageOutput, StageError> {
+    fn forward(
+        &mut self,
+        session: SessionId,
+        first_pos: u32,
+        input: StageInput<'_>,
+    ) -> Result<StageOutput, StageError> {
         let n = self.check_input(&input)?;
         let known = self.sessions.get(&session).map_or(0, |s| s.n_pos);
         if first_pos > known {
@@ -381,7 +407,12 @@ unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, user_dat
 
 /// Load a model split at `points` into stages (one per range), building or reusing
 /// verified shards in `cache`. No points: one stage over the original file.
-pub fn load_split(model: &Path, points: &[u32], cache: &ShardCache, config: &StageConfig) -> Result<(ModelMeta, Vec<LlamaStage>), LoadError> {
+pub fn load_split(
+    model: &Path,
+    points: &[u32],
+    cache: &ShardCache,
+    config: &StageConfig,
+) -> Result<(ModelMeta, Vec<LlamaStage>), LoadError> {
     let (g, meta) = open_model(model).map_err(ShardError::from)?;
     let ranges = shoal_types::split_ranges(meta.n_layer, points, meta.layer_period(), meta.arch.name())
         .map_err(|source| LoadError::Split { path: model.to_owned(), source })?;

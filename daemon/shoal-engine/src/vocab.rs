@@ -35,7 +35,8 @@ impl Vocab {
     pub fn load(path: &Path) -> Result<Vocab, VocabError> {
         shoal_gguf::open_model(path)?;
         let params = LlamaModelParams::default().with_vocab_only(true);
-        let model = LlamaModel::load_from_file(backend(), path, &params).map_err(|_| VocabError::Load(path.to_owned()))?;
+        let model =
+            LlamaModel::load_from_file(backend(), path, &params).map_err(|_| VocabError::Load(path.to_owned()))?;
         Ok(Vocab { model, path: path.to_owned() })
     }
 

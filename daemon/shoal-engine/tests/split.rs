@@ -84,6 +84,16 @@ fn assert_splits_match(file: &str, splits: &[&[u32]]) {
         // The canonical schedule makes them bit-identical, not merely close.
         assert_eq!(d, digest, "{file} split at {points:?}: logits digest differs");
     }
+    // A shard of the whole model, written by Shoal, is the model.
+    let (g, meta) = shoal_gguf::open_model(&model(file)).unwrap();
+    let whole = dir.path().join("whole.gguf");
+    let range = shoal_types::LayerRange::new(0, meta.n_layer);
+    shoal_gguf::shard::write_shard(&g, &meta, range, &whole).unwrap();
+    let stage = LlamaStage::load(&whole, range, meta.n_layer, &config()).unwrap();
+    let mut chain = Chain::new(vec![Box::new(stage) as Box<dyn Stage>]).unwrap();
+    let sampler = &mut Sampler::new(&SamplingParams::default());
+    let w = chain.generate(SessionId(1), &prompt(file), NEW_TOKENS, sampler, &mut ()).unwrap();
+    assert_eq!((w.tokens, w.logits_digest), (tokens, digest), "{file}: whole-model shard differs from the source");
 }
 
 #[test]
@@ -99,7 +109,8 @@ fn gemma3_splits_match_unsplit() {
 #[test]
 fn gemma3_split_off_its_period_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let err = load_split(&model(GEMMA), &[9], &ShardCache::new(dir.path()), &config()).err().expect("split at 9 accepted");
+    let err =
+        load_split(&model(GEMMA), &[9], &ShardCache::new(dir.path()), &config()).err().expect("split at 9 accepted");
     assert!(err.to_string().contains("period of 6"), "{err}");
 }
 

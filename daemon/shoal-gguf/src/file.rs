@@ -111,7 +111,9 @@ impl Gguf {
         for i in 0..n_tensors {
             let name = r.string_utf8(&format!("name of tensor {i}"))?;
             if name.is_empty() || name.len() > MAX_NAME {
-                return Err(r.invalid(format!("tensor {i} has a name of {} bytes (1..={MAX_NAME} allowed)", name.len())));
+                return Err(
+                    r.invalid(format!("tensor {i} has a name of {} bytes (1..={MAX_NAME} allowed)", name.len()))
+                );
             }
             if !names.insert(name.clone()) {
                 return Err(r.invalid(format!("duplicate tensor name {name:?}")));
@@ -141,9 +143,8 @@ impl Gguf {
                     dims[0], ggml_type.name, ggml_type.block_size
                 )));
             }
-            let bytes = ggml_type
-                .bytes_for(n_elements)
-                .ok_or_else(|| r.invalid(format!("tensor {name:?} has absurd size")))?;
+            let bytes =
+                ggml_type.bytes_for(n_elements).ok_or_else(|| r.invalid(format!("tensor {name:?} has absurd size")))?;
             let offset = r.u64(&name)?;
             tensors.push(TensorInfo { name, dims, ggml_type, offset, bytes });
         }
@@ -171,7 +172,10 @@ impl Gguf {
         if data_offset.checked_add(data_end).is_none_or(|end| end > len) {
             return Err(GgufError::Truncated {
                 path: path.to_owned(),
-                what: format!("tensor data needs {} bytes after offset {data_offset}, the file has {len} bytes in all", data_end),
+                what: format!(
+                    "tensor data needs {} bytes after offset {data_offset}, the file has {len} bytes in all",
+                    data_end
+                ),
             });
         }
         Ok(Gguf { path: path.to_owned(), version, metadata, tensors, alignment, data_offset, file_size: len })
@@ -360,7 +364,9 @@ impl<R: Read> Reader<'_, R> {
             ValueType::F64 => Value::F64(f64::from_le_bytes(self.bytes_fixed(key)?)),
             ValueType::Array => {
                 if !top {
-                    return Err(self.invalid(format!("metadata {key:?} nests arrays, which GGUF readers do not support")));
+                    return Err(
+                        self.invalid(format!("metadata {key:?} nests arrays, which GGUF readers do not support"))
+                    );
                 }
                 let elem = self.value_type(key)?;
                 let n = self.u64(key)?;

@@ -56,10 +56,12 @@ const TYPES: &[(u32, &str, u64, u64)] = &[
 impl GgmlType {
     /// The type with this id, if Shoal supports it.
     pub fn from_id(id: u32) -> Option<GgmlType> {
-        TYPES
-            .iter()
-            .find(|t| t.0 == id)
-            .map(|&(id, name, block_size, type_size)| GgmlType { id, name, block_size, type_size })
+        TYPES.iter().find(|t| t.0 == id).map(|&(id, name, block_size, type_size)| GgmlType {
+            id,
+            name,
+            block_size,
+            type_size,
+        })
     }
 
     /// Every supported type (for cross-checks against ggml).

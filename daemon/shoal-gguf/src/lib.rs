@@ -43,14 +43,19 @@ impl GgufError {
     }
 }
 
-/// Where downloaded models are cached: `$SHOAL_MODELS`, else `~/.cache/shoal/models`
-/// (`scripts/setup.sh` fills it with the test models).
-pub fn models_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("SHOAL_MODELS") {
-        return PathBuf::from(d);
+/// Shoal's cache directory: `$XDG_CACHE_HOME/shoal`, else `~/.cache/shoal`.
+pub fn cache_root() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("shoal");
     }
     let home = std::env::var_os("HOME").or_else(|| std::env::var_os("USERPROFILE")).unwrap_or_default();
-    PathBuf::from(home).join(".cache").join("shoal").join("models")
+    PathBuf::from(home).join(".cache").join("shoal")
+}
+
+/// Where downloaded models are cached: `$SHOAL_MODELS`, else `<cache_root>/models`
+/// (`scripts/setup.sh` fills it with the test models).
+pub fn models_dir() -> PathBuf {
+    std::env::var_os("SHOAL_MODELS").map(PathBuf::from).unwrap_or_else(|| cache_root().join("models"))
 }
 
 /// Open `path`, validate its header and describe the model.

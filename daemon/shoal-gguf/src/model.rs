@@ -136,7 +136,9 @@ impl ModelMeta {
             }
             match t.layer() {
                 Some((i, _)) if i < n_layer => layer_bytes[i as usize] += t.bytes,
-                Some((i, _)) => return Err(bad(format!("tensor {} names block {i}, but the model has {n_layer}", t.name))),
+                Some((i, _)) => {
+                    return Err(bad(format!("tensor {} names block {i}, but the model has {n_layer}", t.name)))
+                }
                 None if t.name == "token_embd.weight" || t.name == "output.weight" => {}
                 None => other_bytes += t.bytes,
             }

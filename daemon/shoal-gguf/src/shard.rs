@@ -154,7 +154,12 @@ pub fn write_shard(src: &Gguf, meta: &ModelMeta, range: LayerRange, dest: &Path)
         // A trailing hole is not a byte written: fix the length explicitly.
         file.set_len(total).map_err(io_err(&tmp))?;
         file.sync_all().map_err(io_err(&tmp))?;
-        Ok::<_, ShardError>(Manifest { format: SHARD_FORMAT, layers: range, bytes: total, blake3: hasher.finalize().to_hex().to_string() })
+        Ok::<_, ShardError>(Manifest {
+            format: SHARD_FORMAT,
+            layers: range,
+            bytes: total,
+            blake3: hasher.finalize().to_hex().to_string(),
+        })
     })();
     let manifest = match result {
         Ok(m) => m,
@@ -211,6 +216,11 @@ impl ShardCache {
         Self { dir: dir.into() }
     }
 
+    /// The cache's root directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Where the shard of `range` of `source` lives (whether or not it exists yet).
     /// The key covers the source's path, size and modification time, so a changed
     /// source never matches an old shard.
@@ -230,7 +240,13 @@ impl ShardCache {
 
     /// Return a verified shard for `range` of `source`, building it if it is missing,
     /// torn or corrupted. The whole model (`0..n_layer`) is the source file itself.
-    pub fn get_or_build(&self, source: &Path, src: &Gguf, meta: &ModelMeta, range: LayerRange) -> Result<ShardFile, ShardError> {
+    pub fn get_or_build(
+        &self,
+        source: &Path,
+        src: &Gguf,
+        meta: &ModelMeta,
+        range: LayerRange,
+    ) -> Result<ShardFile, ShardError> {
         if range == LayerRange::new(0, meta.n_layer) {
             return Ok(ShardFile { path: source.to_owned(), layers: range, built: false });
         }

@@ -64,7 +64,9 @@ pub enum SplitError {
     /// The architecture derives per-layer behaviour from the layer index with this
     /// period (e.g. Gemma 3's sliding-window pattern of 6): a boundary elsewhere
     /// silently changes the output.
-    #[error("split point {point} breaks the {arch} layer period of {period}: boundaries must be multiples of {period}")]
+    #[error(
+        "split point {point} breaks the {arch} layer period of {period}: boundaries must be multiples of {period}"
+    )]
     Period { point: u32, period: u32, arch: String },
 }
 
@@ -205,7 +207,8 @@ pub trait Stage: Send {
     /// What this stage runs.
     fn info(&self) -> &StageInfo;
     /// Run one step; see the trait's contract.
-    fn forward(&mut self, session: SessionId, first_pos: u32, input: StageInput<'_>) -> Result<StageOutput, StageError>;
+    fn forward(&mut self, session: SessionId, first_pos: u32, input: StageInput<'_>)
+        -> Result<StageOutput, StageError>;
     /// Forget a session and free its KV cache. Unknown sessions are ignored.
     fn free_session(&mut self, session: SessionId);
     /// Memory this stage holds.

@@ -1,1 +1,52 @@
-fn main(){}
+//! The `shoal` binary: command-line parsing and wiring. Each subcommand lives in its
+//! own module; this file only dispatches.
+
+mod bench;
+mod run;
+
+use clap::{Parser, Subcommand};
+
+/// Shoal pools the memory of the computers you own into one LLM server.
+#[derive(Parser)]
+#[command(name = "shoal", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a model in this process, split into in-process stages, and stream its answer.
+    Run(run::RunArgs),
+    /// The demo: the small test model split into three stages, answering a question.
+    Demo(run::DemoArgs),
+    /// Describe a GGUF model: architecture, sizes, bytes per layer.
+    Inspect(run::InspectArgs),
+    /// Benchmarks that print figures.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Demo(a) => run::demo(a),
+        Command::Inspect(a) => run::inspect(a),
+        Command::Bench(b) => bench::bench(b),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -23,7 +23,13 @@ pub fn synthetic_model(n_layer: u32, tied: bool) -> Vec<u8> {
             "llama.attention.head_count_kv".to_string(),
             Value::Array(ValueType::U32, (0..n_layer).map(|i| Value::U32(1 + i % 2)).collect()),
         ),
-        ("tokenizer.ggml.tokens".to_string(), Value::Array(ValueType::String, (0..N_VOCAB).map(|i| Value::String(format!("t{i}").into_bytes())).collect())),
+        (
+            "tokenizer.ggml.tokens".to_string(),
+            Value::Array(
+                ValueType::String,
+                (0..N_VOCAB).map(|i| Value::String(format!("t{i}").into_bytes())).collect(),
+            ),
+        ),
     ];
     let f32t = GgmlType::from_id(0).unwrap();
     let mut specs: Vec<(String, Vec<u64>)> = vec![("token_embd.weight".into(), vec![N_EMBD, N_VOCAB])];

@@ -1,0 +1,277 @@
+//! `shoal run`, `shoal demo` and `shoal inspect`: one process, the model split into
+//! in-process stages on the canonical schedule.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Serialize;
+use shoal_engine::{
+    load_split, open_model, Chain, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Utf8Stream, Vocab,
+};
+use shoal_types::{LayerRange, SessionId, Stage, StageMemory, TokenId};
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Options shared by `run` and `demo`.
+#[derive(Args, Clone, Debug)]
+pub struct GenArgs {
+    /// Text to answer (wrapped in the model's chat template unless --raw).
+    #[arg(long, short)]
+    pub prompt: Option<String>,
+    /// Most tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy (the same answer every time).
+    #[arg(long, default_value_t = 0.0)]
+    pub temp: f32,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u32,
+    /// Keep the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: i32,
+    /// Nucleus sampling threshold (1: off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens below this fraction of the top token's probability (0: off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Repetition penalty (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Use the prompt as is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// Keep going after an end-of-generation token (for benchmarks).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Prefill chunk size C (every stage's micro-batch); output depends on it.
+    #[arg(long, default_value_t = 128)]
+    pub chunk: u32,
+    /// Context length (prompt + answer).
+    #[arg(long, default_value_t = 2048)]
+    pub ctx: u32,
+    /// CPU threads per stage.
+    #[arg(long, default_value_t = 1)]
+    pub threads: u32,
+    /// Layers per stage to offload to a GPU (needs a GPU build).
+    #[arg(long, default_value_t = 0)]
+    pub gpu_layers: u32,
+    /// Where shard files are cached [default: ~/.cache/shoal/shards].
+    #[arg(long)]
+    pub cache: Option<PathBuf>,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `shoal run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The GGUF model file.
+    #[arg(long, short)]
+    pub model: PathBuf,
+    /// Layers at which to split into stages, e.g. `10,20` for three stages.
+    #[arg(long, value_delimiter = ',')]
+    pub split: Vec<u32>,
+    #[command(flatten)]
+    pub gen: GenArgs,
+}
+
+/// `shoal demo`.
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    pub gen: GenArgs,
+}
+
+/// `shoal inspect`.
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// The GGUF model file.
+    #[arg(long, short)]
+    pub model: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What `run --json` prints.
+#[derive(Serialize)]
+struct RunReport {
+    tokens: Vec<TokenId>,
+    text: String,
+    stages: Vec<LayerRange>,
+    prompt_tokens: usize,
+    tok_per_s: f64,
+    prefill_s: f64,
+    decode_s: f64,
+    logits_digest: String,
+    chunk: u32,
+    memory: Vec<StageMemory>,
+    /// Milliseconds each stage spent, over the whole generation (prefill included).
+    stage_ms: Vec<f64>,
+    peak_rss_bytes: Option<u64>,
+}
+
+pub fn run(a: RunArgs) -> Result<()> {
+    let g = &a.gen;
+    let cache = ShardCache::new(g.cache.clone().unwrap_or_else(default_cache));
+    let config = StageConfig {
+        n_ctx_per_session: g.ctx,
+        max_sessions: 1,
+        chunk: g.chunk,
+        threads: g.threads,
+        gpu_layers: g.gpu_layers,
+    };
+    let vocab = Vocab::load(&a.model)?;
+    let prompt_text = g.prompt.clone().context("--prompt is required")?;
+    let prompt = if g.raw || !vocab.has_chat_template() {
+        vocab.tokenize(&prompt_text, false)
+    } else {
+        vocab.tokenize(&vocab.chat_prompt(&prompt_text)?, true)
+    };
+    let max_new = g.max_tokens.min((g.ctx as usize).saturating_sub(prompt.len()));
+    if max_new == 0 {
+        bail!(
+            "the prompt takes {} tokens, which leaves no room in the context of {} (raise --ctx)",
+            prompt.len(),
+            g.ctx
+        );
+    }
+    let (_, stages) = load_split(&a.model, &a.split, &cache, &config)?;
+    let ranges: Vec<LayerRange> = stages.iter().map(|s| s.info().layers).collect();
+    let memory: Vec<StageMemory> = stages.iter().map(|s| s.memory()).collect();
+    let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect())?;
+    if !g.json {
+        let names: Vec<String> = ranges.iter().map(|r| format!("layers {r}")).collect();
+        eprintln!(
+            "[shoal] {} stage(s): {}; prompt {} tokens, chunk {}",
+            ranges.len(),
+            names.join(" | "),
+            prompt.len(),
+            g.chunk
+        );
+    }
+    let params = SamplingParams {
+        temperature: g.temp,
+        top_k: g.top_k,
+        top_p: g.top_p,
+        min_p: g.min_p,
+        repeat_penalty: g.repeat_penalty,
+        seed: g.seed,
+        ..SamplingParams::default()
+    };
+    let mut out = Printer {
+        vocab: &vocab,
+        utf8: Utf8Stream::default(),
+        stream: !g.json,
+        stop_at_eog: !g.ignore_eos,
+        text: String::new(),
+    };
+    let gen = chain.generate(SessionId(0), &prompt, max_new, &mut Sampler::new(&params), &mut out)?;
+    let tail = out.utf8.finish();
+    out.text.push_str(&tail);
+    if g.json {
+        let report = RunReport {
+            tokens: gen.tokens.clone(),
+            text: out.text,
+            stages: ranges,
+            prompt_tokens: prompt.len(),
+            tok_per_s: gen.decode_tok_per_s(),
+            prefill_s: gen.prefill.as_secs_f64(),
+            decode_s: gen.decode.as_secs_f64(),
+            logits_digest: gen.logits_digest,
+            chunk: g.chunk,
+            memory,
+            stage_ms: gen.timing.per_stage.iter().map(|d| d.as_secs_f64() * 1e3).collect(),
+            peak_rss_bytes: peak_rss(),
+        };
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{tail}");
+        println!();
+        eprintln!(
+            "[shoal] {} tokens, {:.1} tok/s decode, prefill {:.2} s",
+            gen.tokens.len(),
+            gen.decode_tok_per_s(),
+            gen.prefill.as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// Streams text as tokens arrive, holding back partial UTF-8 characters.
+struct Printer<'v> {
+    vocab: &'v Vocab,
+    utf8: Utf8Stream,
+    stream: bool,
+    stop_at_eog: bool,
+    text: String,
+}
+
+impl Observer for Printer<'_> {
+    fn token(&mut self, token: TokenId) -> bool {
+        if self.stop_at_eog && self.vocab.is_eog(token) {
+            return false;
+        }
+        let s = self.utf8.push(&self.vocab.piece(token));
+        if self.stream {
+            print!("{s}");
+            let _ = std::io::stdout().flush();
+        }
+        self.text.push_str(&s);
+        true
+    }
+}
+
+/// The demo: SmolLM2 from the model cache, split into three stages.
+pub fn demo(a: DemoArgs) -> Result<()> {
+    let model = shoal_gguf::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.exists() {
+        bail!("{} is missing: run scripts/setup.sh first (the README's demo command does)", model.display());
+    }
+    let mut gen = a.gen;
+    gen.prompt.get_or_insert_with(|| "Explain in three sentences why the sky is blue.".into());
+    run(RunArgs { model, split: vec![10, 20], gen })
+}
+
+pub fn inspect(a: InspectArgs) -> Result<()> {
+    let (g, meta) = open_model(&a.model)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&meta)?);
+        return Ok(());
+    }
+    println!(
+        "{}: {} ({}), GGUF v{}",
+        a.model.display(),
+        meta.name.as_deref().unwrap_or("?"),
+        meta.arch.name(),
+        g.version
+    );
+    println!("  layers {}  n_embd {}  vocab {}  context {}", meta.n_layer, meta.n_embd, meta.n_vocab, meta.n_ctx_train);
+    println!("  heads {} (kv {})  split period {}", meta.n_head, meta.n_head_kv, meta.layer_period());
+    let layers: u64 = meta.layer_bytes.iter().sum();
+    println!(
+        "  layer bytes {} (avg {} per layer)  embedding {}  LM head {}  other {}",
+        layers,
+        layers / u64::from(meta.n_layer),
+        meta.embd_bytes,
+        if meta.tied_embeddings { "tied".to_string() } else { meta.output_bytes.to_string() },
+        meta.other_bytes
+    );
+    println!("  KV cache {} bytes per token per layer (f16)", meta.kv_bytes_per_token_per_layer());
+    let types: Vec<String> = meta.tensor_types.iter().map(|(t, n)| format!("{t}×{n}")).collect();
+    println!("  tensor types {}", types.join(" "));
+    Ok(())
+}
+
+pub fn default_cache() -> PathBuf {
+    shoal_gguf::cache_root().join("shards")
+}
+
+/// Peak resident memory of this process (Linux: VmHWM).
+pub fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -1,0 +1,103 @@
+//! The `shoal` binary end to end: `run --json` split and unsplit agree, errors are
+//! clear and exit non-zero without a panic, and the benchmark prints its table.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn model(file: &str) -> PathBuf {
+    let p = shoal_gguf::models_dir().join(file);
+    assert!(p.exists(), "test model {} is missing: run scripts/setup.sh (or set SHOAL_MODELS)", p.display());
+    p
+}
+
+fn shoal(args: &[&str], cache: &std::path::Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_shoal")).args(args).arg("--cache").arg(cache).output().unwrap()
+}
+
+fn json_run(extra: &[&str], cache: &std::path::Path) -> Value {
+    let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let mut args = vec!["run", "--model", m.to_str().unwrap(), "--prompt", "Name three colours.", "-n", "24", "--json"];
+    args.extend_from_slice(extra);
+    let out = shoal(&args, cache);
+    assert!(out.status.success(), "shoal run failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("run --json prints one JSON object")
+}
+
+#[test]
+fn run_json_split_equals_unsplit() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = json_run(&[], dir.path());
+    let split = json_run(&["--split", "10,20"], dir.path());
+    for key in ["tokens", "text", "logits_digest"] {
+        assert_eq!(whole[key], split[key], "{key} differs between split and unsplit runs");
+    }
+    let tokens = whole["tokens"].as_array().unwrap();
+    assert!(!tokens.is_empty() && tokens.len() <= 24);
+    assert!(!whole["text"].as_str().unwrap().is_empty());
+    assert!(whole["tok_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(whole["stages"], serde_json::json!([{"start": 0, "end": 30}]));
+    assert_eq!(
+        split["stages"],
+        serde_json::json!([{"start": 0, "end": 10}, {"start": 10, "end": 20}, {"start": 20, "end": 30}])
+    );
+    assert_eq!(split["memory"].as_array().unwrap().len(), 3);
+}
+
+fn assert_fails(args: &[&str], want: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = shoal(args, dir.path());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "expected a clean failure, got {:?}: {err}", out.status);
+    assert!(err.contains(want), "stderr does not say {want:?}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"GGUF\x03\0\0\0garbage").unwrap();
+    let junk = junk.to_str().unwrap();
+    assert_fails(&["run", "--model", junk, "--prompt", "hi"], "junk.gguf: truncated GGUF");
+    assert_fails(&["run", "--model", "/nonexistent.gguf", "--prompt", "hi"], "/nonexistent.gguf");
+    let gemma = model("gemma-3-270m-q4_k_m.gguf");
+    assert_fails(&["run", "--model", gemma.to_str().unwrap(), "--split", "9", "--prompt", "hi"], "period of 6");
+    let smol = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let smol = smol.to_str().unwrap();
+    assert_fails(&["run", "--model", smol, "--split", "20,10", "--prompt", "hi"], "strictly increasing");
+    let long = "word ".repeat(400);
+    assert_fails(&["run", "--model", smol, "--ctx", "256", "--prompt", &long], "no room in the context");
+}
+
+#[test]
+fn bench_split_prints_its_table() {
+    let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args([
+            "bench",
+            "split",
+            "--model",
+            m.to_str().unwrap(),
+            "--stages",
+            "3",
+            "-n",
+            "8",
+            "--rounds",
+            "1",
+            "--cache",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("split at [10, 20]"), "{text}");
+    let median = text.lines().find(|l| l.trim_start().starts_with("median")).expect("median row");
+    let figures: Vec<f64> = median.split_whitespace().skip(1).map(|f| f.parse().unwrap()).collect();
+    assert_eq!(figures.len(), 3, "{median}");
+    assert!(figures.iter().all(|f| f.is_finite() && *f > 0.0), "{median}");
+    assert!(text.contains("peak RSS: unsplit"), "{text}");
+    assert!(text.contains("tokens and logits identical: yes"), "{text}");
+}
