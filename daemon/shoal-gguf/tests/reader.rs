@@ -133,4 +133,3 @@ fn missing_file_names_the_path() {
     let e = Gguf::open(Path::new("/nonexistent/x.gguf")).unwrap_err();
     assert!(e.to_string().starts_with("/nonexistent/x.gguf: "));
 }
-

@@ -130,6 +130,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     } else {
         vocab.tokenize(&vocab.chat_prompt(&prompt_text)?, true)
     };
+    if g.max_tokens == 0 {
+        bail!("-n must be at least 1");
+    }
     let max_new = g.max_tokens.min((g.ctx as usize).saturating_sub(prompt.len()));
     if max_new == 0 {
         bail!(
