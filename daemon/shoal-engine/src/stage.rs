@@ -183,11 +183,14 @@ impl LlamaStage {
                 sys::llama_vocab_n_tokens(vocab),
             )
         };
+        // Output buffer: llama.cpp keeps n_vocab floats per output row. The tail outputs
+        // one row per step; a non-tail stage marks every token of a chunk as output, so
+        // the buffer grows to C rows at its first prefill chunk (unused, but allocated).
+        let out_rows = if is_tail { n_seq } else { config.chunk.max(n_seq) };
         let memory = StageMemory {
-            // SAFETY: getter on a valid model.
-            weights: unsafe { sys::llama_model_size(model.as_ptr()) },
+            weights: meta.stage_weight_bytes(layers.start == 0, is_tail),
             kv: reported_mib(&log, "KV buffer size") + reported_mib(&log, "RS buffer size"),
-            compute: reported_mib(&log, "compute buffer size") + reported_mib(&log, "output buffer size"),
+            compute: reported_mib(&log, "compute buffer size") + u64::from(out_rows) * n_vocab as u64 * 4,
         };
         // SAFETY: allocates a batch for `chunk` tokens: ids for stage 0, else embeddings.
         let batch =

@@ -171,6 +171,17 @@ impl ModelMeta {
         2 * u64::from(self.n_head_kv) * u64::from(self.head_dim_k + self.head_dim_v)
     }
 
+    /// Tensor bytes a stage over this file reads: its layers, the small non-layer
+    /// tensors, the embedding on stage 0 (and on the tail when the LM head is tied to
+    /// it), the LM head on the tail. A shard's unused tensors are holes, not counted.
+    pub fn stage_weight_bytes(&self, is_first: bool, is_tail: bool) -> u64 {
+        let embd = is_first || (is_tail && self.tied_embeddings);
+        self.layer_bytes.iter().sum::<u64>()
+            + self.other_bytes
+            + if embd { self.embd_bytes } else { 0 }
+            + if is_tail { self.output_bytes } else { 0 }
+    }
+
     /// Architecture's split period (see [`Arch::layer_period`]).
     pub fn layer_period(&self) -> u32 {
         self.arch.layer_period()

@@ -54,7 +54,7 @@ pub struct Manifest {
 
 /// Which non-layer tensors a stage reads, and so which must hold real bytes; the
 /// others become zero-filled holes (sparse on disk) that llama.cpp's loader requires
-/// but never reads.
+/// but never reads. Keep in step with [`ModelMeta::stage_weight_bytes`].
 fn needs_tensor(name: &str, meta: &ModelMeta, range: LayerRange) -> bool {
     let first = range.start == 0;
     let tail = range.end == meta.n_layer;
