@@ -5,7 +5,7 @@ use llama_cpp_2::token::data::LlamaTokenData;
 use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use llama_cpp_2::token::LlamaToken;
 use serde::{Deserialize, Serialize};
-use shoal_types::TokenId;
+use shoal_types::{TokenId, TokenSampler};
 
 /// How to sample. The defaults are greedy decoding: the most likely token, always.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -75,5 +75,12 @@ impl Sampler {
         let token = data.selected_token().expect("sampler chain selects a token");
         self.chain.accept(token);
         token.0
+    }
+}
+
+impl TokenSampler for Sampler {
+    fn sample(&mut self, logits: &[f32]) -> TokenId {
+        // The inherent method (inherent methods take precedence over trait methods).
+        Sampler::sample(self, logits)
     }
 }

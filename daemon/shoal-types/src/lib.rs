@@ -215,6 +215,13 @@ pub trait Stage: Send {
     fn memory(&self) -> StageMemory;
 }
 
+/// Chooses the next token from the tail's logits; holds per-session state (random
+/// generator, recent tokens). The engine provides llama.cpp's samplers.
+pub trait TokenSampler: Send {
+    /// Choose a token from `logits` (one value per vocabulary entry) and remember it.
+    fn sample(&mut self, logits: &[f32]) -> TokenId;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

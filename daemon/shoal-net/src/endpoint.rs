@@ -1,0 +1,160 @@
+//! One QUIC endpoint per node (quinn), serving several protocols told apart by ALPN,
+//! with pinned-key mutual TLS on every connection. Keep-alive and idle timeouts are
+//! sized for home WiFi: a link silent for a few seconds survives without a reconnect.
+
+use crate::identity::{Identity, NodeId};
+use crate::tls::{client_config, node_id_of, server_config, TrustedKeys};
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use rustls::pki_types::CertificateDer;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The protocols a node speaks, one ALPN each.
+pub mod alpn {
+    /// Pipeline frames between stages.
+    pub const PIPELINE: &[u8] = b"shoal/pipeline/1";
+    /// Control: status, placement, (later) membership and shard transfer.
+    pub const CONTROL: &[u8] = b"shoal/control/1";
+    /// Everything a node accepts.
+    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL];
+}
+
+/// Errors of the endpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// Binding the UDP socket failed.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    /// TLS configuration failed.
+    #[error("TLS setup: {0}")]
+    Tls(#[from] rustls::Error),
+    /// Could not start a connection.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        addr: SocketAddr,
+        #[source]
+        source: quinn::ConnectError,
+    },
+    /// The handshake or the connection failed (a refused key ends up here).
+    #[error("connection with {addr} failed: {source}")]
+    Connection { addr: SocketAddr, source: quinn::ConnectionError },
+    /// The peer did not present a usable certificate.
+    #[error("peer at {0} presented no node key")]
+    NoPeerKey(SocketAddr),
+}
+
+/// Transport timing.
+#[derive(Clone, Debug)]
+pub struct TransportOptions {
+    /// A keep-alive is sent after this much silence.
+    pub keep_alive: Duration,
+    /// A connection silent this long is dead.
+    pub idle_timeout: Duration,
+}
+
+impl Default for TransportOptions {
+    fn default() -> Self {
+        Self { keep_alive: Duration::from_secs(1), idle_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// An accepted connection.
+pub struct Accepted {
+    /// The connection.
+    pub conn: quinn::Connection,
+    /// Who is on the other side (verified in the handshake).
+    pub peer: NodeId,
+    /// The protocol it speaks.
+    pub alpn: Vec<u8>,
+}
+
+/// A node's QUIC endpoint.
+pub struct Node {
+    endpoint: quinn::Endpoint,
+    identity: Arc<Identity>,
+    trusted: TrustedKeys,
+    transport: Arc<quinn::TransportConfig>,
+}
+
+impl Node {
+    /// Listen on `addr` (port 0: any free port). Must run inside a Tokio runtime.
+    pub fn bind(
+        addr: SocketAddr,
+        identity: Arc<Identity>,
+        trusted: TrustedKeys,
+        opts: &TransportOptions,
+    ) -> Result<Node, NetError> {
+        let mut transport = quinn::TransportConfig::default();
+        transport.keep_alive_interval(Some(opts.keep_alive));
+        // Invariant: the idle timeouts we use are far below QUIC's 2^62 ms bound.
+        transport.max_idle_timeout(Some(opts.idle_timeout.try_into().expect("idle timeout fits in a VarInt")));
+        let transport = Arc::new(transport);
+        let tls = server_config(&identity, &trusted, alpn::ALL)?;
+        let quic = QuicServerConfig::try_from(tls).map_err(|e| rustls::Error::General(e.to_string()))?;
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(quic));
+        server.transport_config(transport.clone());
+        let endpoint = quinn::Endpoint::server(server, addr).map_err(|source| NetError::Bind { addr, source })?;
+        Ok(Node { endpoint, identity, trusted, transport })
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.identity.id()
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+
+    /// The keys it accepts.
+    pub fn trusted(&self) -> &TrustedKeys {
+        &self.trusted
+    }
+
+    /// Connect to node `peer` at `addr` for protocol `alpn`. Fails in the handshake if
+    /// the node there does not hold `peer`'s key, or `peer` is not trusted.
+    pub async fn connect(&self, addr: SocketAddr, peer: NodeId, alpn: &[u8]) -> Result<quinn::Connection, NetError> {
+        let tls = client_config(&self.identity, &self.trusted, peer, alpn)?;
+        let quic = QuicClientConfig::try_from(tls).map_err(|e| rustls::Error::General(e.to_string()))?;
+        let mut config = quinn::ClientConfig::new(Arc::new(quic));
+        config.transport_config(self.transport.clone());
+        let connecting =
+            self.endpoint.connect_with(config, addr, "shoal").map_err(|source| NetError::Connect { addr, source })?;
+        connecting.await.map_err(|source| NetError::Connection { addr, source })
+    }
+
+    /// The next incoming connection whose handshake succeeded; `None` once closed.
+    /// Failed handshakes (unknown keys, scanners) are logged and skipped.
+    pub async fn accept(&self) -> Option<Accepted> {
+        loop {
+            let incoming = self.endpoint.accept().await?;
+            let addr = incoming.remote_address();
+            match incoming.await {
+                Ok(conn) => {
+                    let alpn = conn
+                        .handshake_data()
+                        .and_then(|h| h.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+                        .and_then(|h| h.protocol);
+                    match (peer_id(&conn), alpn) {
+                        (Some(peer), Some(alpn)) => return Some(Accepted { conn, peer, alpn }),
+                        _ => tracing::warn!(%addr, "connection without a node key or protocol; closed"),
+                    }
+                }
+                Err(e) => tracing::info!(%addr, "incoming handshake failed: {e}"),
+            }
+        }
+    }
+
+    /// Close every connection and stop accepting.
+    pub fn close(&self) {
+        self.endpoint.close(0u32.into(), b"shutting down");
+    }
+}
+
+/// The verified node id of the peer of `conn`.
+pub fn peer_id(conn: &quinn::Connection) -> Option<NodeId> {
+    let certs = conn.peer_identity()?.downcast::<Vec<CertificateDer<'static>>>().ok()?;
+    node_id_of(certs.first()?).ok()
+}

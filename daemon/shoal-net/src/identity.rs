@@ -1,0 +1,204 @@
+//! A node's identity: an Ed25519 key pair created on first start and kept in the data
+//! directory (readable by the owner only). Its public key *is* the node id; the TLS
+//! certificate is a self-signed wrapper around it, regenerated at every start.
+
+use rcgen::KeyPair;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+/// File name of the node key inside the data directory (PKCS#8, DER).
+pub const KEY_FILE: &str = "node.key";
+
+/// A node's id: its Ed25519 public key. Shown as 64 hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub [u8; 32]);
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl fmt::Debug for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The first 8 hex digits are enough to tell nodes apart in logs.
+        write!(f, "NodeId({})", &self.to_string()[..8])
+    }
+}
+
+impl FromStr for NodeId {
+    type Err = IdentityError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        let bad = || IdentityError::BadNodeId(s.chars().take(80).collect());
+        if s.len() != 64 || !s.is_ascii() {
+            return Err(bad());
+        }
+        let mut out = [0u8; 32];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(NodeId(out))
+    }
+}
+
+/// Why an identity could not be created, loaded or parsed.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    /// Reading or writing the key file failed.
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    /// The key file is not an Ed25519 PKCS#8 key.
+    #[error("{path}: not an Ed25519 node key ({why})")]
+    BadKey { path: PathBuf, why: String },
+    /// The key file can be read by others than its owner.
+    #[error("{path}: node key is readable by others (mode {mode:o}); run `chmod 600` on it")]
+    Permissions { path: PathBuf, mode: u32 },
+    /// A node id string is not 64 hex digits.
+    #[error("{0:?} is not a node id (64 hex digits)")]
+    BadNodeId(String),
+    /// Certificate generation failed.
+    #[error("cannot create the node certificate: {0}")]
+    Cert(String),
+}
+
+/// The key pair and certificate a node presents.
+pub struct Identity {
+    /// Public key.
+    id: NodeId,
+    /// Private key, PKCS#8 DER.
+    pkcs8: Vec<u8>,
+    /// Self-signed certificate over the key.
+    cert: CertificateDer<'static>,
+}
+
+impl Identity {
+    /// A fresh random identity (tests, and first start).
+    pub fn generate() -> Result<Identity, IdentityError> {
+        let kp = KeyPair::generate_for(&rcgen::PKCS_ED25519).map_err(|e| IdentityError::Cert(e.to_string()))?;
+        Identity::from_key_pair(kp)
+    }
+
+    /// Load the key from `dir/node.key`, creating it (mode 0600) on first start.
+    pub fn load_or_create(dir: &Path) -> Result<Identity, IdentityError> {
+        let path = dir.join(KEY_FILE);
+        let io = |source| IdentityError::Io { path: path.clone(), source };
+        match std::fs::read(&path) {
+            Ok(der) => {
+                check_permissions(&path)?;
+                let kp = KeyPair::try_from(der.as_slice())
+                    .map_err(|e| IdentityError::BadKey { path: path.clone(), why: e.to_string() })?;
+                if kp.algorithm() != &rcgen::PKCS_ED25519 {
+                    return Err(IdentityError::BadKey { path, why: "not Ed25519".into() });
+                }
+                Identity::from_key_pair(kp)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::create_dir_all(dir).map_err(io)?;
+                let id = Identity::generate()?;
+                write_private(&path, &id.pkcs8).map_err(io)?;
+                Ok(id)
+            }
+            Err(e) => Err(io(e)),
+        }
+    }
+
+    fn from_key_pair(kp: KeyPair) -> Result<Identity, IdentityError> {
+        let raw: [u8; 32] = kp
+            .public_key_raw()
+            .try_into()
+            .map_err(|_| IdentityError::Cert("unexpected Ed25519 public key length".into()))?;
+        let cert = rcgen::CertificateParams::new(vec!["shoal".to_string()])
+            .and_then(|p| p.self_signed(&kp))
+            .map_err(|e| IdentityError::Cert(e.to_string()))?;
+        Ok(Identity { id: NodeId(raw), pkcs8: kp.serialize_der(), cert: cert.der().clone() })
+    }
+
+    /// The node id (public key).
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+
+    /// Certificate chain to present in TLS.
+    pub(crate) fn cert_chain(&self) -> Vec<CertificateDer<'static>> {
+        vec![self.cert.clone()]
+    }
+
+    /// Private key for TLS.
+    pub(crate) fn private_key(&self) -> PrivateKeyDer<'static> {
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.pkcs8.clone()))
+    }
+}
+
+/// Write `bytes` to a new file only the owner can read, atomically.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("key.tmp");
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    let mut f = opts.open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+fn check_permissions(path: &Path) -> Result<(), IdentityError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(path)
+            .map_err(|source| IdentityError::Io { path: path.to_owned(), source })?
+            .permissions()
+            .mode();
+        if mode & 0o077 != 0 {
+            return Err(IdentityError::Permissions { path: path.to_owned(), mode: mode & 0o777 });
+        }
+    }
+    let _ = path;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_is_created_once_and_kept_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Identity::load_or_create(dir.path()).unwrap();
+        let b = Identity::load_or_create(dir.path()).unwrap();
+        assert_eq!(a.id(), b.id());
+        assert_ne!(a.id(), Identity::generate().unwrap().id());
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let path = dir.path().join(KEY_FILE);
+            assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+            let e = Identity::load_or_create(dir.path()).err().unwrap();
+            assert!(matches!(e, IdentityError::Permissions { .. }), "{e}");
+        }
+    }
+
+    #[test]
+    fn garbage_key_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        write_private(&dir.path().join(KEY_FILE), b"not a key").unwrap();
+        let e = Identity::load_or_create(dir.path()).err().unwrap();
+        assert!(matches!(e, IdentityError::BadKey { .. }), "{e}");
+    }
+
+    #[test]
+    fn node_ids_round_trip_through_text() {
+        let id = Identity::generate().unwrap().id();
+        assert_eq!(id.to_string().parse::<NodeId>().unwrap(), id);
+        assert!("abc".parse::<NodeId>().is_err());
+        assert!("zz".repeat(32).parse::<NodeId>().is_err());
+        assert!("é".repeat(32).parse::<NodeId>().is_err());
+    }
+}

@@ -1,0 +1,14 @@
+//! Shoal's network layer: who a node is (an Ed25519 key), whom it talks to (only keys
+//! it was told to trust, checked inside the TLS handshake — no CA), one QUIC endpoint
+//! per node serving several protocols told apart by ALPN, and the pipeline frame codec.
+//! Nothing here knows about models; the pipeline and cluster crates build on it.
+
+pub mod endpoint;
+pub mod frame;
+pub mod identity;
+pub mod tls;
+
+pub use endpoint::{alpn, NetError, Node, TransportOptions};
+pub use frame::{Dtype, Frame, FrameError, FrameKind, FrameLimits};
+pub use identity::{Identity, IdentityError, NodeId};
+pub use tls::TrustedKeys;

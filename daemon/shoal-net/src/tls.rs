@@ -1,0 +1,200 @@
+//! Mutual TLS with pinned keys. Both sides present self-signed certificates over their
+//! Ed25519 node key; each side accepts the handshake only if the peer's key is in its
+//! trusted set (and, when dialling, is the very node it meant to reach). No CA, no
+//! "accept any certificate": an unknown key fails inside the handshake.
+
+use crate::identity::{Identity, NodeId};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{verify_tls13_signature, CryptoProvider, WebPkiSupportedAlgorithms};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, Error, PeerIncompatible, SignatureScheme};
+use std::collections::HashSet;
+use std::sync::{Arc, RwLock};
+
+/// DER prefix of an Ed25519 SubjectPublicKeyInfo (RFC 8410), followed by the 32-byte key.
+const ED25519_SPKI_PREFIX: [u8; 12] = [0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x03, 0x21, 0x00];
+
+/// The set of node keys a node accepts; shared and updatable (membership changes it
+/// later; today the placement file fills it).
+#[derive(Clone, Debug, Default)]
+pub struct TrustedKeys(Arc<RwLock<HashSet<NodeId>>>);
+
+impl TrustedKeys {
+    /// A set holding `ids`.
+    pub fn new(ids: impl IntoIterator<Item = NodeId>) -> Self {
+        Self(Arc::new(RwLock::new(ids.into_iter().collect())))
+    }
+
+    /// Is `id` trusted?
+    pub fn contains(&self, id: &NodeId) -> bool {
+        // A poisoned lock only means a writer panicked mid-insert; the set is still a set.
+        self.0.read().unwrap_or_else(|e| e.into_inner()).contains(id)
+    }
+
+    /// Trust `id` from now on.
+    pub fn insert(&self, id: NodeId) {
+        self.0.write().unwrap_or_else(|e| e.into_inner()).insert(id);
+    }
+
+    /// Stop trusting `id` (new handshakes fail; open connections are the caller's to close).
+    pub fn remove(&self, id: &NodeId) {
+        self.0.write().unwrap_or_else(|e| e.into_inner()).remove(id);
+    }
+}
+
+/// The node id in a peer's certificate, if it is an Ed25519 certificate.
+pub fn node_id_of(cert: &CertificateDer<'_>) -> Result<NodeId, Error> {
+    let ee =
+        webpki::EndEntityCert::try_from(cert).map_err(|_| Error::InvalidCertificate(CertificateError::BadEncoding))?;
+    let spki = ee.subject_public_key_info();
+    let key = spki
+        .as_ref()
+        .strip_prefix(&ED25519_SPKI_PREFIX[..])
+        .and_then(|k| <[u8; 32]>::try_from(k).ok())
+        .ok_or(Error::PeerIncompatible(PeerIncompatible::NoSignatureSchemesInCommon))?;
+    Ok(NodeId(key))
+}
+
+/// Checks a peer certificate against the trusted set (and an expected id).
+#[derive(Debug)]
+struct PinnedKeys {
+    trusted: TrustedKeys,
+    /// When dialling: the node we mean to reach.
+    expected: Option<NodeId>,
+    algs: WebPkiSupportedAlgorithms,
+}
+
+impl PinnedKeys {
+    fn check(&self, cert: &CertificateDer<'_>, intermediates: &[CertificateDer<'_>]) -> Result<NodeId, Error> {
+        if !intermediates.is_empty() {
+            return Err(Error::InvalidCertificate(CertificateError::BadEncoding));
+        }
+        let id = node_id_of(cert)?;
+        if self.expected.is_some_and(|e| e != id) || !self.trusted.contains(&id) {
+            tracing::warn!(peer = %id, "refused a peer whose key is not trusted");
+            return Err(Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure));
+        }
+        Ok(id)
+    }
+
+    fn verify13(
+        &self,
+        msg: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        verify_tls13_signature(msg, cert, dss, &self.algs)
+    }
+}
+
+impl ServerCertVerifier for PinnedKeys {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, Error> {
+        self.check(end_entity, intermediates).map(|_| ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _: &[u8],
+        _: &CertificateDer<'_>,
+        _: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        // QUIC is TLS 1.3 only.
+        Err(Error::PeerIncompatible(PeerIncompatible::Tls12NotOffered))
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        msg: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        self.verify13(msg, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        vec![SignatureScheme::ED25519]
+    }
+}
+
+impl ClientCertVerifier for PinnedKeys {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _now: UnixTime,
+    ) -> Result<ClientCertVerified, Error> {
+        self.check(end_entity, intermediates).map(|_| ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _: &[u8],
+        _: &CertificateDer<'_>,
+        _: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        Err(Error::PeerIncompatible(PeerIncompatible::Tls12NotOffered))
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        msg: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        self.verify13(msg, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        vec![SignatureScheme::ED25519]
+    }
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn verifier(trusted: &TrustedKeys, expected: Option<NodeId>) -> Arc<PinnedKeys> {
+    Arc::new(PinnedKeys { trusted: trusted.clone(), expected, algs: provider().signature_verification_algorithms })
+}
+
+/// rustls server side: requires a client certificate with a trusted key.
+pub(crate) fn server_config(
+    identity: &Identity,
+    trusted: &TrustedKeys,
+    alpns: &[&[u8]],
+) -> Result<rustls::ServerConfig, Error> {
+    let mut c = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(verifier(trusted, None))
+        .with_single_cert(identity.cert_chain(), identity.private_key())?;
+    c.alpn_protocols = alpns.iter().map(|a| a.to_vec()).collect();
+    Ok(c)
+}
+
+/// rustls client side, to reach node `peer` speaking `alpn`.
+pub(crate) fn client_config(
+    identity: &Identity,
+    trusted: &TrustedKeys,
+    peer: NodeId,
+    alpn: &[u8],
+) -> Result<rustls::ClientConfig, Error> {
+    let mut c = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier(trusted, Some(peer)))
+        .with_client_auth_cert(identity.cert_chain(), identity.private_key())?;
+    c.alpn_protocols = vec![alpn.to_vec()];
+    Ok(c)
+}

@@ -1,0 +1,117 @@
+//! Real QUIC endpoints on 127.0.0.1: only pinned keys get through the handshake, the
+//! dialled node must be the one meant, ALPN selects the protocol, frames cross.
+
+use shoal_net::{alpn, Frame, FrameLimits, Identity, Node, NodeId, TransportOptions, TrustedKeys};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn node(trusted: &[NodeId], id: Identity) -> Node {
+    Node::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::new(id),
+        TrustedKeys::new(trusted.iter().copied()),
+        &TransportOptions::default(),
+    )
+    .unwrap()
+}
+
+fn ids() -> (Identity, Identity, Identity) {
+    (Identity::generate().unwrap(), Identity::generate().unwrap(), Identity::generate().unwrap())
+}
+
+#[tokio::test]
+async fn trusted_peers_connect_and_exchange_frames() {
+    let (a, b, _) = ids();
+    let (ia, ib) = (a.id(), b.id());
+    let na = node(&[ib], a);
+    let nb = node(&[ia], b);
+    let addr_b = nb.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let acc = nb.accept().await.expect("a connection");
+        assert_eq!(acc.peer, ia);
+        assert_eq!(acc.alpn, alpn::PIPELINE);
+        let mut rx = acc.conn.accept_uni().await.unwrap();
+        let bytes = rx.read_to_end(1 << 20).await.unwrap();
+        Frame::decode(&bytes, &FrameLimits { n_embd: 2, max_tokens: 4, max_message: 16 }).unwrap()
+    });
+    let conn = na.connect(addr_b, ib, alpn::PIPELINE).await.unwrap();
+    assert_eq!(shoal_net::endpoint::peer_id(&conn), Some(ib));
+    let frame = Frame::tokens(9, 1, 0, 5, &[17, 18]);
+    let mut tx = conn.open_uni().await.unwrap();
+    tx.write_all(&frame.encode()).await.unwrap();
+    tx.finish().unwrap();
+    assert_eq!(server.await.unwrap(), frame);
+}
+
+/// The server must never hand out a connection from `who`.
+async fn assert_refused_by_server(server: &Node, client: &Node, server_id: NodeId) {
+    let addr = server.local_addr().unwrap();
+    let attempt = async {
+        if let Ok(conn) = client.connect(addr, server_id, alpn::CONTROL).await {
+            // TLS 1.3: the client may finish first; the server's refusal closes it.
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed())
+                .await
+                .expect("refused connection stays open");
+        }
+    };
+    tokio::select! {
+        acc = server.accept() => panic!("server accepted an untrusted peer {:?}", acc.map(|a| a.peer)),
+        _ = attempt => {}
+    }
+}
+
+/// Run `n`'s accept loop (as a real node does); returns its address.
+fn serve(n: Node) -> std::net::SocketAddr {
+    let addr = n.local_addr().unwrap();
+    tokio::spawn(async move { while n.accept().await.is_some() {} });
+    addr
+}
+
+#[tokio::test]
+async fn unknown_keys_are_refused_in_the_handshake() {
+    let (a, b, c) = ids();
+    let (ia, ib, ic) = (a.id(), b.id(), c.id());
+    let na = node(&[ib], a);
+    let nb = node(&[ia, ic], b);
+    let nc = node(&[ia, ib], c);
+    // C trusts A, but A does not trust C.
+    assert_refused_by_server(&na, &nc, ia).await;
+    let (addr_b, addr_c) = (serve(nb), serve(nc));
+    // A dials B's address but expects C there: refused on A's side, at once.
+    let t = std::time::Instant::now();
+    let e = na.connect(addr_b, ic, alpn::PIPELINE).await.err().expect("wrong node accepted");
+    assert!(e.to_string().contains("connection with"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "refusal took {:?}", t.elapsed());
+    // A dials C, whom it does not trust.
+    assert!(na.connect(addr_c, ic, alpn::PIPELINE).await.is_err());
+}
+
+#[tokio::test]
+async fn revoked_keys_cannot_reconnect() {
+    let (a, b, _) = ids();
+    let (ia, ib) = (a.id(), b.id());
+    let na = node(&[ib], a);
+    let nb = node(&[ia], b);
+    let addr = na.local_addr().unwrap();
+    let (conn, acc) = tokio::join!(nb.connect(addr, ia, alpn::CONTROL), na.accept());
+    conn.unwrap();
+    assert_eq!(acc.unwrap().peer, ib);
+    na.trusted().remove(&ib);
+    assert_refused_by_server(&na, &nb, ia).await;
+}
+
+#[tokio::test]
+async fn unknown_alpn_is_refused() {
+    let (a, b, _) = ids();
+    let (ia, ib) = (a.id(), b.id());
+    let na = node(&[ib], a);
+    let nb = node(&[ia], b);
+    let addr = na.local_addr().unwrap();
+    let attempt = async {
+        assert!(nb.connect(addr, ia, b"shoal/nonsense/9").await.is_err());
+    };
+    tokio::select! {
+        acc = na.accept() => panic!("accepted an unknown protocol {:?}", acc.map(|a| a.alpn)),
+        _ = attempt => {}
+    }
+}

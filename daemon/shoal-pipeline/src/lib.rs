@@ -1,0 +1,35 @@
+//! The pipeline across processes and hosts: each node hosts a stage of a placement;
+//! hidden states flow stage to stage over QUIC (`shoal-net`), the tail samples and
+//! sends each token straight back to the coordinator (the node of stage 0), which
+//! drives generations on the canonical schedule (prompt in chunks of C, then one token
+//! per step). Logits never cross the network. Engines are injected as `dyn Stage`, so
+//! this crate builds and tests without llama.cpp.
+//!
+//! Status: the happy path (frames, pinned-key TLS, startup-order-independent links with
+//! retry). Replay after a stage restart, re-driving lost steps and the wait-then-fail
+//! timeout are the next increments of the pipeline issue.
+
+pub mod placement;
+pub mod protocol;
+pub mod service;
+
+pub use placement::{Placement, PlacementError, StagePlace};
+pub use protocol::{generate, GenEvent, GenerateRequest, Report};
+pub use service::{serve, SamplerFactory, ServiceConfig};
+
+/// Errors of the pipeline.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// The network failed.
+    #[error(transparent)]
+    Net(#[from] shoal_net::NetError),
+    /// A QUIC stream failed.
+    #[error("stream: {0}")]
+    Stream(String),
+    /// The coordinator refused or failed the generation.
+    #[error("generation failed: {0}")]
+    Generation(String),
+    /// This node has no stage in the placement.
+    #[error("node {0} has no stage in the placement")]
+    NotPlaced(String),
+}

@@ -1,0 +1,87 @@
+//! The control protocol (ALPN `shoal/control/1`): a client opens a bidirectional
+//! stream to the coordinator, sends one JSON [`GenerateRequest`], and reads
+//! newline-delimited JSON [`GenEvent`]s until `done` or `error`.
+
+use crate::placement::StagePlace;
+use crate::PipelineError;
+use serde::{Deserialize, Serialize};
+use shoal_net::{alpn, Node};
+use shoal_types::TokenId;
+
+/// Largest request accepted (a prompt of ~250k tokens).
+pub const MAX_REQUEST: usize = 1 << 20;
+
+/// Ask the coordinator for a generation.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    /// Prompt token ids (the client tokenizes: every node holds the model's vocabulary).
+    pub prompt: Vec<TokenId>,
+    /// Most tokens to generate.
+    pub max_new: u32,
+    /// Generation stops after any of these (end-of-generation tokens); may be empty.
+    pub stop: Vec<TokenId>,
+    /// Sampling parameters, handed to the tail's sampler factory as they are.
+    pub sampling: serde_json::Value,
+}
+
+/// What a finished generation reports.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    /// Generated tokens.
+    pub tokens: Vec<TokenId>,
+    /// BLAKE3 over the tail's logits of every sampled step (as `shoal run` prints it).
+    pub logits_digest: String,
+    /// Request to first token.
+    pub prefill_s: f64,
+    /// First token to last.
+    pub decode_s: f64,
+    /// Tokens after the first per second of decode.
+    pub tok_per_s: f64,
+}
+
+/// One line of the coordinator's answer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum GenEvent {
+    /// A token was generated.
+    Token(TokenId),
+    /// The generation finished.
+    Done(Report),
+    /// The generation failed.
+    Error(String),
+}
+
+/// Run a generation on the pipeline whose coordinator is `coordinator`, calling
+/// `on_token` for each token as it arrives.
+pub async fn generate(
+    node: &Node,
+    coordinator: &StagePlace,
+    request: &GenerateRequest,
+    mut on_token: impl FnMut(TokenId),
+) -> Result<Report, PipelineError> {
+    let stream_err = |e: &dyn std::fmt::Display| PipelineError::Stream(e.to_string());
+    let conn = node.connect(coordinator.addr, coordinator.node, alpn::CONTROL).await?;
+    let (mut send, recv) = conn.open_bi().await.map_err(|e| stream_err(&e))?;
+    // Invariant: a request of plain numbers and a JSON value always serialises.
+    let body = serde_json::to_vec(request).expect("request serialises");
+    send.write_all(&body).await.map_err(|e| stream_err(&e))?;
+    send.finish().map_err(|e| stream_err(&e))?;
+    let mut lines = tokio::io::BufReader::new(recv);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = tokio::io::AsyncBufReadExt::read_line(&mut lines, &mut line).await.map_err(|e| stream_err(&e))?;
+        if n == 0 {
+            return Err(PipelineError::Generation("the coordinator closed the stream without a result".into()));
+        }
+        match serde_json::from_str::<GenEvent>(&line) {
+            Ok(GenEvent::Token(t)) => on_token(t),
+            Ok(GenEvent::Done(report)) => {
+                conn.close(0u32.into(), b"done");
+                return Ok(report);
+            }
+            Ok(GenEvent::Error(message)) => return Err(PipelineError::Generation(message)),
+            Err(e) => return Err(PipelineError::Generation(format!("bad answer from the coordinator: {e}"))),
+        }
+    }
+}
