@@ -9,6 +9,7 @@ use shoal_types::{TokenId, TokenSampler};
 
 /// How to sample. The defaults are greedy decoding: the most likely token, always.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SamplingParams {
     /// 0 means greedy; otherwise logits are divided by it before sampling.
     pub temperature: f32,

@@ -77,6 +77,11 @@ impl Vocab {
         self.model.vocab().is_eog(LlamaToken(token))
     }
 
+    /// Every end-of-generation token id.
+    pub fn eog_tokens(&self) -> Vec<TokenId> {
+        (0..self.n_vocab() as TokenId).filter(|&t| self.is_eog(t)).collect()
+    }
+
     /// The whole text of `tokens`.
     pub fn detokenize(&self, tokens: &[TokenId]) -> String {
         let mut s = Utf8Stream::default();

@@ -2,6 +2,7 @@
 //! own module; this file only dispatches.
 
 mod bench;
+mod pipeline;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -20,6 +21,12 @@ enum Command {
     Run(run::RunArgs),
     /// The demo: the small test model split into three stages, answering a question.
     Demo(run::DemoArgs),
+    /// Serve this node's stage of a placement (stages in separate processes or hosts).
+    Serve(pipeline::ServeArgs),
+    /// Run one generation through a running pipeline (ask its coordinator).
+    Generate(pipeline::GenerateArgs),
+    /// Print this node's id (its public key), creating the key on first use.
+    Key(pipeline::KeyArgs),
     /// Describe a GGUF model: architecture, sizes, bytes per layer.
     Inspect(run::InspectArgs),
     /// Benchmarks that print figures.
@@ -40,6 +47,9 @@ fn main() -> std::process::ExitCode {
         Command::Run(a) => run::run(a),
         Command::Demo(a) => run::demo(a),
         Command::Inspect(a) => run::inspect(a),
+        Command::Serve(a) => pipeline::serve(a),
+        Command::Generate(a) => pipeline::generate(a),
+        Command::Key(a) => pipeline::key(a),
         Command::Bench(b) => bench::bench(b),
     };
     match result {

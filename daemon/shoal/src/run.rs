@@ -11,9 +11,9 @@ use shoal_types::{LayerRange, SessionId, Stage, StageMemory, TokenId};
 use std::io::Write;
 use std::path::PathBuf;
 
-/// Options shared by `run` and `demo`.
+/// What to generate and how to show it: shared by `run`, `demo` and `generate`.
 #[derive(Args, Clone, Debug)]
-pub struct GenArgs {
+pub struct TextArgs {
     /// Text to answer (wrapped in the model's chat template unless --raw).
     #[arg(long, short)]
     pub prompt: Option<String>,
@@ -44,6 +44,44 @@ pub struct GenArgs {
     /// Keep going after an end-of-generation token (for benchmarks).
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl TextArgs {
+    /// The prompt as token ids, through the chat template unless `--raw`.
+    pub fn prompt_tokens(&self, vocab: &Vocab) -> Result<Vec<TokenId>> {
+        let text = self.prompt.clone().context("--prompt is required")?;
+        if self.max_tokens == 0 {
+            bail!("-n must be at least 1");
+        }
+        Ok(if self.raw || !vocab.has_chat_template() {
+            vocab.tokenize(&text, false)
+        } else {
+            vocab.tokenize(&vocab.chat_prompt(&text)?, true)
+        })
+    }
+
+    /// The sampling parameters the flags describe.
+    pub fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            seed: self.seed,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+/// Options of `run` and `demo`: the text, and how the in-process stages run.
+#[derive(Args, Clone, Debug)]
+pub struct GenArgs {
+    #[command(flatten)]
+    pub text: TextArgs,
     /// Prefill chunk size C (every stage's micro-batch); output depends on it.
     #[arg(long, default_value_t = 128)]
     pub chunk: u32,
@@ -59,9 +97,6 @@ pub struct GenArgs {
     /// Where shard files are cached [default: ~/.cache/shoal/shards].
     #[arg(long)]
     pub cache: Option<PathBuf>,
-    /// Print one JSON object instead of streaming text.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// `shoal run`.
@@ -123,17 +158,10 @@ pub fn run(a: RunArgs) -> Result<()> {
         threads: g.threads,
         gpu_layers: g.gpu_layers,
     };
+    let t = &g.text;
     let vocab = Vocab::load(&a.model)?;
-    let prompt_text = g.prompt.clone().context("--prompt is required")?;
-    let prompt = if g.raw || !vocab.has_chat_template() {
-        vocab.tokenize(&prompt_text, false)
-    } else {
-        vocab.tokenize(&vocab.chat_prompt(&prompt_text)?, true)
-    };
-    if g.max_tokens == 0 {
-        bail!("-n must be at least 1");
-    }
-    let max_new = g.max_tokens.min((g.ctx as usize).saturating_sub(prompt.len()));
+    let prompt = t.prompt_tokens(&vocab)?;
+    let max_new = t.max_tokens.min((g.ctx as usize).saturating_sub(prompt.len()));
     if max_new == 0 {
         bail!(
             "the prompt takes {} tokens, which leaves no room in the context of {} (raise --ctx)",
@@ -145,7 +173,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let ranges: Vec<LayerRange> = stages.iter().map(|s| s.info().layers).collect();
     let memory: Vec<StageMemory> = stages.iter().map(|s| s.memory()).collect();
     let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect())?;
-    if !g.json {
+    if !t.json {
         let names: Vec<String> = ranges.iter().map(|r| format!("layers {r}")).collect();
         eprintln!(
             "[shoal] {} stage(s): {}; prompt {} tokens, chunk {}",
@@ -155,29 +183,13 @@ pub fn run(a: RunArgs) -> Result<()> {
             g.chunk
         );
     }
-    let params = SamplingParams {
-        temperature: g.temp,
-        top_k: g.top_k,
-        top_p: g.top_p,
-        min_p: g.min_p,
-        repeat_penalty: g.repeat_penalty,
-        seed: g.seed,
-        ..SamplingParams::default()
-    };
-    let mut out = Printer {
-        vocab: &vocab,
-        utf8: Utf8Stream::default(),
-        stream: !g.json,
-        stop_at_eog: !g.ignore_eos,
-        text: String::new(),
-    };
-    let gen = chain.generate(SessionId(0), &prompt, max_new, &mut Sampler::new(&params), &mut out)?;
-    let tail = out.utf8.finish();
-    out.text.push_str(&tail);
-    if g.json {
+    let mut out = Printer::new(&vocab, !t.json, !t.ignore_eos);
+    let gen = chain.generate(SessionId(0), &prompt, max_new, &mut Sampler::new(&t.sampling()), &mut out)?;
+    let tail = out.finish();
+    if t.json {
         let report = RunReport {
             tokens: gen.tokens.clone(),
-            text: out.text,
+            text: out.text.clone(),
             stages: ranges,
             prompt_tokens: prompt.len(),
             tok_per_s: gen.decode_tok_per_s(),
@@ -204,12 +216,28 @@ pub fn run(a: RunArgs) -> Result<()> {
 }
 
 /// Streams text as tokens arrive, holding back partial UTF-8 characters.
-struct Printer<'v> {
+pub struct Printer<'v> {
     vocab: &'v Vocab,
     utf8: Utf8Stream,
+    /// Print to stdout as it comes (not with --json).
     stream: bool,
+    /// End the generation at an end-of-generation token.
     stop_at_eog: bool,
-    text: String,
+    /// Everything so far.
+    pub text: String,
+}
+
+impl<'v> Printer<'v> {
+    pub fn new(vocab: &'v Vocab, stream: bool, stop_at_eog: bool) -> Self {
+        Self { vocab, utf8: Utf8Stream::default(), stream, stop_at_eog, text: String::new() }
+    }
+
+    /// End of stream: returns the held-back tail (already added to `text`).
+    pub fn finish(&mut self) -> String {
+        let tail = self.utf8.finish();
+        self.text.push_str(&tail);
+        tail
+    }
 }
 
 impl Observer for Printer<'_> {
@@ -234,7 +262,7 @@ pub fn demo(a: DemoArgs) -> Result<()> {
         bail!("{} is missing: run scripts/setup.sh first (the README's demo command does)", model.display());
     }
     let mut gen = a.gen;
-    gen.prompt.get_or_insert_with(|| "Explain in three sentences why the sky is blue.".into());
+    gen.text.prompt.get_or_insert_with(|| "Explain in three sentences why the sky is blue.".into());
     run(RunArgs { model, split: vec![10, 20], gen })
 }
 

@@ -1,0 +1,239 @@
+//! `shoal key`, `shoal serve` and `shoal generate`: stages in separate processes (on
+//! one machine or several) connected over QUIC, as a placement file describes.
+
+use crate::run::{default_cache, Printer, TextArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Serialize;
+use shoal_engine::{open_model, LlamaStage, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
+use shoal_net::{Dtype, Identity, Node, TransportOptions, TrustedKeys};
+use shoal_pipeline::{
+    generate as run_generation, serve as serve_stage, GenerateRequest, Placement, SamplerFactory, ServiceConfig,
+};
+use shoal_types::{LayerRange, TokenId, TokenSampler};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// `shoal key`.
+#[derive(Args, Debug)]
+pub struct KeyArgs {
+    /// The node's data directory (the key is created there on first use).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+}
+
+/// `shoal serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// The placement file every node of the pipeline shares.
+    #[arg(long)]
+    placement: PathBuf,
+    /// The node's data directory (its key) [default: ~/.local/share/shoal].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Address to listen on [default: this node's address in the placement].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// CPU threads for the stage.
+    #[arg(long, default_value_t = 1)]
+    threads: u32,
+    /// Layers to offload to a GPU (needs a GPU build).
+    #[arg(long, default_value_t = 0)]
+    gpu_layers: u32,
+    /// Send hidden states as f16 (half the bytes; not bit-exact).
+    #[arg(long)]
+    f16: bool,
+    /// Where shard files are cached [default: ~/.cache/shoal/shards].
+    #[arg(long)]
+    cache: Option<PathBuf>,
+}
+
+/// `shoal generate`.
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// The placement file of the running pipeline.
+    #[arg(long)]
+    placement: PathBuf,
+    /// Data directory whose key identifies this client; the key must be a stage node's
+    /// or listed under `clients` in the placement [default: ~/.local/share/shoal].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    #[command(flatten)]
+    text: TextArgs,
+}
+
+/// `$XDG_DATA_HOME/shoal`, else `~/.local/share/shoal`.
+fn data_dir(given: &Option<PathBuf>) -> PathBuf {
+    if let Some(d) = given {
+        return d.clone();
+    }
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("shoal");
+    }
+    let home = std::env::var_os("HOME").or_else(|| std::env::var_os("USERPROFILE")).unwrap_or_default();
+    PathBuf::from(home).join(".local").join("share").join("shoal")
+}
+
+pub fn key(a: KeyArgs) -> Result<()> {
+    let id = Identity::load_or_create(&data_dir(&a.data_dir))?;
+    println!("{}", id.id());
+    Ok(())
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    let placement = Placement::load(&a.placement)?;
+    let dir = data_dir(&a.data_dir);
+    let identity = Arc::new(Identity::load_or_create(&dir)?);
+    let Some(index) = placement.stage_of(identity.id()) else {
+        bail!("this node ({}, key in {}) has no stage in {}", identity.id(), dir.display(), a.placement.display());
+    };
+    let place = placement.stages[index].clone();
+    let (g, meta) = open_model(&placement.model)?;
+    if meta.n_layer != placement.n_layer() {
+        bail!(
+            "{} has {} layers, but the placement covers {}",
+            placement.model.display(),
+            meta.n_layer,
+            placement.n_layer()
+        );
+    }
+    let cache = ShardCache::new(a.cache.clone().unwrap_or_else(default_cache));
+    let shard = cache.get_or_build(&placement.model, &g, &meta, place.layers)?;
+    let config = StageConfig {
+        n_ctx_per_session: placement.context,
+        max_sessions: placement.sessions,
+        chunk: placement.chunk,
+        threads: a.threads,
+        gpu_layers: a.gpu_layers,
+    };
+    let stage = LlamaStage::load(&shard.path, place.layers, meta.n_layer, &config)?;
+    let samplers: SamplerFactory = Arc::new(|v: &serde_json::Value| {
+        let params: SamplingParams = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+        Ok(Box::new(Sampler::new(&params)) as Box<dyn TokenSampler>)
+    });
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let listen = a.listen.unwrap_or(place.addr);
+        let node = Arc::new(Node::bind(
+            listen,
+            identity.clone(),
+            TrustedKeys::new(placement.trusted()),
+            &TransportOptions::default(),
+        )?);
+        eprintln!(
+            "[shoal] serving layers {} of {} on {} as node {}",
+            place.layers,
+            placement.model.display(),
+            node.local_addr()?,
+            identity.id()
+        );
+        let dtype = if a.f16 { Dtype::F16 } else { Dtype::F32 };
+        let cfg = ServiceConfig { placement, index, stage: Box::new(stage), samplers, dtype };
+        tokio::select! {
+            r = serve_stage(node.clone(), cfg) => r?,
+            _ = shutdown_signal() => eprintln!("[shoal] shutting down"),
+        }
+        node.close();
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => return std::future::pending().await,
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// What `generate --json` prints: the shape of `run --json`.
+#[derive(Serialize)]
+struct GenerateReport {
+    tokens: Vec<TokenId>,
+    text: String,
+    stages: Vec<LayerRange>,
+    prompt_tokens: usize,
+    tok_per_s: f64,
+    prefill_s: f64,
+    decode_s: f64,
+    logits_digest: String,
+    chunk: u32,
+}
+
+pub fn generate(a: GenerateArgs) -> Result<()> {
+    let placement = Placement::load(&a.placement)?;
+    let t = &a.text;
+    let vocab = Vocab::load(&placement.model)?;
+    let prompt = t.prompt_tokens(&vocab)?;
+    let max_new = t.max_tokens.min((placement.context as usize).saturating_sub(prompt.len()));
+    if max_new == 0 {
+        bail!("the prompt takes {} tokens, which leaves no room in the context of {}", prompt.len(), placement.context);
+    }
+    let request = GenerateRequest {
+        prompt: prompt.clone(),
+        max_new: max_new as u32,
+        stop: if t.ignore_eos { Vec::new() } else { vocab.eog_tokens() },
+        sampling: serde_json::to_value(t.sampling())?,
+    };
+    let dir = data_dir(&a.data_dir);
+    let identity = Arc::new(Identity::load_or_create(&dir)?);
+    let me = identity.id();
+    if !placement.trusted().contains(&me) {
+        bail!(
+            "this client's key {me} (in {}) is neither a stage node nor listed under `clients` in the placement",
+            dir.display()
+        );
+    }
+    let mut out = Printer::new(&vocab, !t.json, false);
+    let report = runtime()?.block_on(async {
+        let any: SocketAddr = if placement.stages[0].addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse()?;
+        let node = Node::bind(any, identity, TrustedKeys::new(placement.trusted()), &TransportOptions::default())?;
+        let r = run_generation(&node, &placement.stages[0], &request, |tok| {
+            out.token(tok);
+        })
+        .await;
+        node.close();
+        anyhow::Ok(r?)
+    })?;
+    let tail = out.finish();
+    if t.json {
+        let r = GenerateReport {
+            tokens: report.tokens,
+            text: out.text.clone(),
+            stages: placement.stages.iter().map(|s| s.layers).collect(),
+            prompt_tokens: prompt.len(),
+            tok_per_s: report.tok_per_s,
+            prefill_s: report.prefill_s,
+            decode_s: report.decode_s,
+            logits_digest: report.logits_digest,
+            chunk: placement.chunk,
+        };
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("{tail}");
+        eprintln!(
+            "[shoal] {} tokens, {:.1} tok/s decode, prefill {:.2} s",
+            report.tokens.len(),
+            report.tok_per_s,
+            report.prefill_s
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,150 @@
+//! Stages in separate processes over real QUIC on loopback: `shoal serve` ×3 and
+//! `shoal generate` give the same tokens and logits digest as `shoal run` unsplit.
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const PROMPT: &str = "The history of the lighthouse begins in antiquity, when fires were lit on hilltops \
+    to guide ships into harbour. The Pharos of Alexandria, built in the third century BC, stood over a \
+    hundred metres tall and was counted among the wonders of the ancient world. Later, Roman engineers \
+    raised towers along the coasts of their empire, from Dover to the Black Sea.";
+
+fn model(file: &str) -> PathBuf {
+    let p = shoal_gguf::models_dir().join(file);
+    assert!(p.exists(), "test model {} is missing: run scripts/setup.sh (or set SHOAL_MODELS)", p.display());
+    p
+}
+
+fn shoal() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+}
+
+fn key(dir: &Path) -> String {
+    let out = shoal().args(["key", "--data-dir"]).arg(dir).output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+fn free_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Kills the stage processes when the test ends, passed or failed.
+struct Stages(Vec<Child>);
+
+impl Drop for Stages {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Start one `shoal serve` per split range and wait until each says it is serving.
+fn start(dir: &Path, model: &Path, splits: &[[u32; 2]], chunk: u32) -> (PathBuf, Stages) {
+    let client = key(&dir.join("client"));
+    let mut toml =
+        format!("model = {:?}\nchunk = {chunk}\ncontext = 1024\nsessions = 2\nclients = [\"{client}\"]\n", model);
+    for (i, r) in splits.iter().enumerate() {
+        let node = key(&dir.join(format!("node{i}")));
+        toml += &format!(
+            "[[stage]]\nnode = \"{node}\"\naddr = \"127.0.0.1:{}\"\nlayers = [{}, {}]\n",
+            free_port(),
+            r[0],
+            r[1]
+        );
+    }
+    let placement = dir.join("placement.toml");
+    std::fs::write(&placement, toml).unwrap();
+    let mut stages = Stages(Vec::new());
+    for i in (0..splits.len()).rev() {
+        let child = shoal()
+            .args(["serve", "--placement"])
+            .arg(&placement)
+            .arg("--data-dir")
+            .arg(dir.join(format!("node{i}")))
+            .arg("--cache")
+            .arg(dir.join("shards"))
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        stages.0.push(child);
+    }
+    for c in &mut stages.0 {
+        let mut lines = BufReader::new(c.stderr.take().unwrap()).lines();
+        let t0 = Instant::now();
+        loop {
+            let line = lines.next().expect("stage exited before serving").unwrap();
+            if line.contains("[shoal] serving") {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(120), "stage did not start");
+        }
+        // Keep draining its log so it never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+    }
+    (placement, stages)
+}
+
+fn json(out: std::process::Output) -> Value {
+    assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn check(file: &str, splits: &[[u32; 2]]) {
+    let m = model(file);
+    let dir = tempfile::tempdir().unwrap();
+    let chunk = 32;
+    let (placement, _stages) = start(dir.path(), &m, splits, chunk);
+    let args = ["--prompt", PROMPT, "--raw", "-n", "64", "--ignore-eos", "--json"];
+    let g = json(
+        shoal()
+            .args(["generate", "--placement"])
+            .arg(&placement)
+            .arg("--data-dir")
+            .arg(dir.path().join("client"))
+            .args(args)
+            .output()
+            .unwrap(),
+    );
+    let r = json(
+        shoal().args(["run", "--model"]).arg(&m).args(["--chunk", "32", "--ctx", "1024"]).args(args).output().unwrap(),
+    );
+    assert!(g["prompt_tokens"].as_u64().unwrap() > 2 * chunk as u64, "prompt should span at least 3 chunks");
+    assert_eq!(g["tokens"].as_array().unwrap().len(), 64);
+    assert_eq!(g["tokens"], r["tokens"], "{file}: pipeline tokens differ from the unsplit run");
+    assert_eq!(g["logits_digest"], r["logits_digest"], "{file}: pipeline logits differ from the unsplit run");
+    assert_eq!(g["text"], r["text"]);
+}
+
+#[test]
+fn smollm2_in_three_processes_matches_unsplit() {
+    check("SmolLM2-135M-Instruct.Q4_1.gguf", &[[0, 10], [10, 20], [20, 30]]);
+}
+
+#[test]
+fn gemma3_in_three_processes_matches_unsplit() {
+    check("gemma-3-270m-q4_k_m.gguf", &[[0, 6], [6, 12], [12, 18]]);
+}
+
+#[test]
+fn a_client_outside_the_placement_is_refused() {
+    let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let dir = tempfile::tempdir().unwrap();
+    let (placement, _stages) = start(dir.path(), &m, &[[0, 15], [15, 30]], 32);
+    let out = shoal()
+        .args(["generate", "--placement"])
+        .arg(&placement)
+        .arg("--data-dir")
+        .arg(dir.path().join("stranger"))
+        .args(["--prompt", "hi", "-n", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("neither a stage node nor listed under `clients`"), "{err}");
+}
