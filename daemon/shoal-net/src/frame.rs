@@ -24,10 +24,13 @@ pub enum FrameKind {
     Hidden = 2,
     /// Sampled token ids, tail → coordinator.
     Token = 3,
-    /// Ends a session; stages free it.
+    /// Ends a session; stages free it. The tail's answer carries the logits digest.
     Close = 4,
-    /// A refusal, with a UTF-8 reason; sent back to the sender of a bad frame.
+    /// A refusal, with a UTF-8 reason; travels on to the coordinator.
     Error = 5,
+    /// A stage does not hold the positions before this step (it restarted, or frames
+    /// were lost): the coordinator replays the session.
+    Lost = 6,
 }
 
 /// Element type of the payload.
@@ -193,6 +196,7 @@ impl Frame {
             3 => FrameKind::Token,
             4 => FrameKind::Close,
             5 => FrameKind::Error,
+            6 => FrameKind::Lost,
             k => return Err(FrameError::Kind(k)),
         };
         let dtype = match bytes[28] {
@@ -216,7 +220,7 @@ impl Frame {
                 let per_token = if kind == FrameKind::Hidden { limits.n_embd as usize } else { 1 };
                 n_tokens as usize * per_token * dtype.size()
             }
-            (FrameKind::Open | FrameKind::Close | FrameKind::Error, Dtype::Bytes) => {
+            (FrameKind::Open | FrameKind::Close | FrameKind::Error | FrameKind::Lost, Dtype::Bytes) => {
                 if payload_len > limits.max_message as usize {
                     return Err(FrameError::Length { got: payload_len, want: limits.max_message as usize });
                 }

@@ -5,14 +5,15 @@
 //! per step). Logits never cross the network. Engines are injected as `dyn Stage`, so
 //! this crate builds and tests without llama.cpp.
 //!
-//! Status: the happy path (frames, pinned-key TLS, startup-order-independent links with
-//! retry). Replay after a stage restart, re-driving lost steps and the wait-then-fail
-//! timeout are the next increments of the pipeline issue.
+//! The protocol logic lives in [`core`] (pure, simulated in tests); `service` is the
+//! async shell around it.
 
+pub mod core;
 pub mod placement;
 pub mod protocol;
 pub mod service;
 
+pub use core::{Counters, RetryPolicy};
 pub use placement::{Placement, PlacementError, StagePlace};
 pub use protocol::{generate, GenEvent, GenerateRequest, Report};
 pub use service::{serve, SamplerFactory, ServiceConfig};

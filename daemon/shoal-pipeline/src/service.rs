@@ -1,22 +1,21 @@
-//! The stage service: one per node. An actor owns the node's sessions and runs a
-//! `select!`-free event loop over one channel fed by the links, the control streams
-//! and the stage worker; the stage itself computes on its own thread so the network
-//! keeps flowing while it works (prefill chunks overlap across stages).
+//! The async shell around [`NodeCore`](crate::core::NodeCore): it owns the sockets,
+//! the stage thread and the clock, feeds the core one input at a time and carries out
+//! the actions it returns. The stage computes on its own thread so the network keeps
+//! flowing while it works (prefill chunks overlap across stages).
 
+pub use crate::core::SamplerFactory;
+use crate::core::{Action, ClientId, CoreConfig, Input, Job, JobInput, NodeCore, RetryPolicy, StepOutput};
 use crate::placement::Placement;
-use crate::protocol::{GenEvent, GenerateRequest, Report, MAX_REQUEST};
+use crate::protocol::{GenEvent, GenerateRequest, MAX_REQUEST};
 use crate::PipelineError;
-use shoal_net::frame::{FLAG_SAMPLE, HEADER_LEN};
-use shoal_net::{alpn, Dtype, Frame, FrameKind, FrameLimits, Node, NodeId};
-use shoal_types::{SessionId, Stage, StageError, StageInput, StageOutput, TokenId, TokenSampler};
+use shoal_net::frame::HEADER_LEN;
+use shoal_net::{alpn, Dtype, Frame, FrameLimits, Node, NodeId};
+use shoal_types::{SessionId, Stage, StageError, StageInput, StageOutput};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
-
-/// Makes the tail's sampler for a session from the request's sampling parameters.
-pub type SamplerFactory = Arc<dyn Fn(&serde_json::Value) -> Result<Box<dyn TokenSampler>, String> + Send + Sync>;
 
 /// What a node needs to serve its stage.
 pub struct ServiceConfig {
@@ -30,10 +29,14 @@ pub struct ServiceConfig {
     pub samplers: SamplerFactory,
     /// Element type of hidden states on the wire (F32: exact).
     pub dtype: Dtype,
+    /// Re-drive and give-up timing.
+    pub retry: RetryPolicy,
 }
 
 /// Largest Open/Close/Error payload.
 const MAX_MESSAGE: u32 = 64 << 10;
+/// How often the core's clock ticks (re-drive checks).
+const TICK: Duration = Duration::from_millis(50);
 
 /// Work for the stage thread.
 enum Work {
@@ -41,64 +44,19 @@ enum Work {
     Free(u64),
 }
 
-/// One forward step and where its result goes.
-struct Job {
-    session: u64,
-    epoch: u32,
-    step: u32,
-    first_pos: u32,
-    flags: u8,
-    input: Input,
-}
-
-enum Input {
-    Tokens(Vec<TokenId>),
-    Hidden(Vec<f32>),
-}
-
-/// Everything the actor reacts to.
+/// Everything the shell feeds the core, plus client registration.
 enum Event {
-    /// A frame from the previous stage (or, for the coordinator, from the tail).
-    Frame(Frame),
-    /// The stage thread finished a job.
-    Done(Job, Result<StageOutput, StageError>),
-    /// A client asks for a generation (coordinator only).
+    Input(Input),
     Generate(GenerateRequest, mpsc::Sender<GenEvent>),
-}
-
-/// Per-session state on this node.
-struct Session {
-    /// Frames of another epoch are stale.
-    epoch: u32,
-    /// Tail: the session's sampler and running digest of the sampled steps' logits.
-    tail: Option<(Box<dyn TokenSampler>, blake3::Hasher)>,
-    /// Coordinator: the generation it drives.
-    driver: Option<Driver>,
-}
-
-/// The coordinator's view of a generation.
-struct Driver {
-    events: mpsc::Sender<GenEvent>,
-    max_new: usize,
-    stop: Vec<TokenId>,
-    tokens: Vec<TokenId>,
-    /// Position the next token goes to.
-    pos: u32,
-    /// The step whose token we wait for; tokens of other steps are duplicates.
-    awaiting: u32,
-    started: Instant,
-    first_token: Option<Instant>,
-    last_token: Option<Instant>,
 }
 
 /// Serve `cfg`'s stage on `node` until the endpoint closes.
 pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineError> {
-    let ServiceConfig { placement, index, stage, samplers, dtype } = cfg;
+    let ServiceConfig { placement, index, stage, samplers, dtype, retry } = cfg;
     let info = stage.info().clone();
     let limits = FrameLimits { n_embd: info.n_embd, max_tokens: info.chunk, max_message: MAX_MESSAGE };
     let (events_tx, mut events) = mpsc::channel::<Event>(1024);
 
-    // The stage thread.
     let (work_tx, work_rx) = std::sync::mpsc::channel::<Work>();
     let done_tx = events_tx.clone();
     std::thread::Builder::new()
@@ -106,343 +64,80 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
         .spawn(move || stage_thread(stage, work_rx, done_tx))
         .map_err(|e| PipelineError::Stream(format!("cannot start the stage thread: {e}")))?;
 
-    // The link to the next node (the coordinator, after the tail).
     let next = placement.next(index).clone();
     let next_is_self = next.node == node.id();
-    let (link_tx, link_rx) = mpsc::channel::<Frame>(1024);
+    let (link_tx, link_rx) = mpsc::channel::<Frame>(4096);
     if !next_is_self {
         tokio::spawn(link_task(node.clone(), next.addr, next.node, link_rx));
     }
-
-    // Incoming connections.
-    let prev = placement.stages[(index + placement.stages.len() - 1) % placement.stages.len()].node;
+    let n = placement.stages.len();
+    let prev = placement.stages[(index + n - 1) % n].node;
     tokio::spawn(accept_task(node.clone(), prev, index == 0, limits, events_tx.clone()));
+    let ticker = events_tx.clone();
+    tokio::spawn(async move {
+        let mut t = tokio::time::interval(TICK);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            t.tick().await;
+            if ticker.send(Event::Input(Input::Tick)).await.is_err() {
+                return;
+            }
+        }
+    });
 
-    let mut actor = Actor {
+    let core_cfg = CoreConfig {
         index,
-        is_tail: index + 1 == placement.stages.len(),
-        chunk: info.chunk as usize,
+        n_stages: n,
+        chunk: info.chunk,
         n_ctx: info.n_ctx_per_session,
         n_embd: info.n_embd,
         dtype,
         samplers,
-        sessions: HashMap::new(),
-        work: work_tx,
-        link: link_tx,
-        local: if next_is_self { Some(events_tx.clone()) } else { None },
-        next_session: u64::from(rand_u32()) << 32,
+        retry,
     };
+    let mut core = NodeCore::new(core_cfg, u64::from(rand_u32()) << 32);
+    let mut clients: HashMap<ClientId, mpsc::Sender<GenEvent>> = HashMap::new();
+    let mut next_client: ClientId = 0;
     tracing::info!(stage = %info.layers, addr = ?node.local_addr().ok(), "serving");
     while let Some(ev) = events.recv().await {
-        actor.handle(ev).await;
+        let input = match ev {
+            Event::Input(i) => i,
+            Event::Generate(req, tx) => {
+                next_client += 1;
+                clients.insert(next_client, tx);
+                Input::Generate(req, next_client)
+            }
+        };
+        let mut pending = vec![input];
+        while let Some(input) = pending.pop() {
+            for action in core.handle(input, Instant::now()) {
+                match action {
+                    Action::Send(f) if next_is_self => pending.push(Input::Frame(f)),
+                    Action::Send(f) => {
+                        if link_tx.send(f).await.is_err() {
+                            tracing::error!("the link task has stopped");
+                        }
+                    }
+                    Action::Submit(job) => {
+                        let _ = work_tx.send(Work::Forward(job));
+                    }
+                    Action::Free(s) => {
+                        let _ = work_tx.send(Work::Free(s));
+                    }
+                    Action::Reply(client, ev) => {
+                        let end = !matches!(ev, GenEvent::Token(_));
+                        if let Some(tx) = clients.get(&client) {
+                            let _ = tx.send(ev).await;
+                        }
+                        if end {
+                            clients.remove(&client);
+                        }
+                    }
+                }
+            }
+        }
     }
     Ok(())
-}
-
-/// The actor's state.
-struct Actor {
-    index: usize,
-    is_tail: bool,
-    chunk: usize,
-    n_ctx: u32,
-    n_embd: u32,
-    dtype: Dtype,
-    samplers: SamplerFactory,
-    sessions: HashMap<u64, Session>,
-    work: std::sync::mpsc::Sender<Work>,
-    link: mpsc::Sender<Frame>,
-    /// Set when this node's next is itself (a one-stage placement).
-    local: Option<mpsc::Sender<Event>>,
-    /// Session ids this coordinator hands out.
-    next_session: u64,
-}
-
-impl Actor {
-    async fn send_next(&mut self, frame: Frame) {
-        let sent = match &self.local {
-            Some(me) => me.send(Event::Frame(frame)).await.is_ok(),
-            None => self.link.send(frame).await.is_ok(),
-        };
-        if !sent {
-            tracing::error!("the link task has stopped");
-        }
-    }
-
-    fn submit(&self, job: Job) {
-        // The stage thread lives as long as the actor; a send fails only at shutdown.
-        let _ = self.work.send(Work::Forward(job));
-    }
-
-    fn free(&mut self, session: u64) {
-        self.sessions.remove(&session);
-        let _ = self.work.send(Work::Free(session));
-    }
-
-    async fn handle(&mut self, ev: Event) {
-        match ev {
-            Event::Generate(req, events) => self.start(req, events).await,
-            Event::Frame(f) => self.on_frame(f).await,
-            Event::Done(job, result) => self.on_done(job, result).await,
-        }
-    }
-
-    /// Coordinator: a new generation.
-    async fn start(&mut self, req: GenerateRequest, events: mpsc::Sender<GenEvent>) {
-        let fail = |m: String| async {
-            let _ = events.send(GenEvent::Error(m)).await;
-        };
-        if self.index != 0 {
-            return fail("this node is not the coordinator".into()).await;
-        }
-        if req.prompt.is_empty() || req.max_new == 0 {
-            return fail("empty prompt or nothing to generate".into()).await;
-        }
-        if req.prompt.len() + req.max_new as usize > self.n_ctx as usize {
-            return fail(format!(
-                "prompt of {} tokens + {} new tokens exceeds the context of {}",
-                req.prompt.len(),
-                req.max_new,
-                self.n_ctx
-            ))
-            .await;
-        }
-        self.next_session += 1;
-        let session = self.next_session;
-        let epoch = 0;
-        // Invariant: a JSON value always serialises.
-        let params = serde_json::to_vec(&req.sampling).expect("JSON value serialises");
-        let chunks: Vec<Vec<TokenId>> = req.prompt.chunks(self.chunk).map(<[TokenId]>::to_vec).collect();
-        let last = chunks.len() as u32 - 1;
-        self.sessions.insert(
-            session,
-            Session {
-                epoch,
-                tail: None,
-                driver: Some(Driver {
-                    events,
-                    max_new: req.max_new as usize,
-                    stop: req.stop,
-                    tokens: Vec::new(),
-                    pos: req.prompt.len() as u32,
-                    awaiting: last,
-                    started: Instant::now(),
-                    first_token: None,
-                    last_token: None,
-                }),
-            },
-        );
-        if self.is_tail {
-            self.open_tail(session, epoch, &params).await;
-        } else {
-            self.send_next(Frame::message(FrameKind::Open, session, 0, epoch, params)).await;
-        }
-        let mut pos = 0;
-        for (step, tokens) in chunks.into_iter().enumerate() {
-            let n = tokens.len() as u32;
-            let flags = if step as u32 == last { FLAG_SAMPLE } else { 0 };
-            self.submit(Job { session, epoch, step: step as u32, first_pos: pos, flags, input: Input::Tokens(tokens) });
-            pos += n;
-        }
-    }
-
-    /// Tail: set up sampling for a session.
-    async fn open_tail(&mut self, session: u64, epoch: u32, params: &[u8]) {
-        let sampler = serde_json::from_slice(params).map_err(|e| e.to_string()).and_then(|v| (self.samplers)(&v));
-        match sampler {
-            Ok(s) => {
-                let entry = self.sessions.entry(session).or_insert(Session { epoch, tail: None, driver: None });
-                entry.tail = Some((s, blake3::Hasher::new()));
-            }
-            Err(e) => self.send_error(session, epoch, format!("bad sampling parameters: {e}")).await,
-        }
-    }
-
-    /// Report a failure of `session` to the coordinator.
-    async fn send_error(&mut self, session: u64, epoch: u32, message: String) {
-        tracing::warn!(session, "{message}");
-        if self.index == 0 {
-            self.fail(session, epoch, message).await;
-        } else {
-            self.send_next(Frame::message(FrameKind::Error, session, 0, epoch, message.into_bytes())).await;
-        }
-    }
-
-    /// Coordinator: end a generation with an error and free it along the chain.
-    async fn fail(&mut self, session: u64, epoch: u32, message: String) {
-        if let Some(d) = self.sessions.get_mut(&session).and_then(|s| s.driver.take()) {
-            let _ = d.events.send(GenEvent::Error(message)).await;
-            self.free(session);
-            if !self.is_tail {
-                self.send_next(Frame::message(FrameKind::Close, session, 0, epoch, Vec::new())).await;
-            }
-        }
-    }
-
-    async fn on_frame(&mut self, f: Frame) {
-        let known = self.sessions.get(&f.session).map(|s| s.epoch);
-        match f.kind {
-            FrameKind::Open if self.index == 0 && !self.is_tail => {
-                tracing::warn!(session = f.session, "Open frame came back to the coordinator; dropped");
-            }
-            FrameKind::Open => {
-                if self.is_tail {
-                    self.open_tail(f.session, f.epoch, &f.payload).await;
-                } else {
-                    self.sessions.insert(f.session, Session { epoch: f.epoch, tail: None, driver: None });
-                    self.send_next(f).await;
-                }
-            }
-            FrameKind::Hidden => match known {
-                Some(epoch) if epoch == f.epoch => {
-                    let (session, epoch, step, first_pos, flags) = (f.session, f.epoch, f.step, f.first_pos, f.flags);
-                    let input = Input::Hidden(f.hidden_values());
-                    self.submit(Job { session, epoch, step, first_pos, flags, input });
-                }
-                Some(epoch) => {
-                    tracing::warn!(session = f.session, epoch = f.epoch, current = epoch, "stale frame dropped")
-                }
-                None => {
-                    self.send_error(f.session, f.epoch, format!("stage {}: unknown session {}", self.index, f.session))
-                        .await
-                }
-            },
-            FrameKind::Token => self.on_token(f).await,
-            FrameKind::Close => {
-                if self.index == 0 {
-                    self.finish(f).await;
-                } else if self.is_tail {
-                    let digest = self
-                        .sessions
-                        .get_mut(&f.session)
-                        .and_then(|s| s.tail.take())
-                        .map_or(String::new(), |(_, h)| h.finalize().to_hex().to_string());
-                    self.free(f.session);
-                    self.send_next(Frame::message(FrameKind::Close, f.session, f.step, f.epoch, digest.into_bytes()))
-                        .await;
-                } else {
-                    self.free(f.session);
-                    self.send_next(f).await;
-                }
-            }
-            FrameKind::Error => {
-                if self.index == 0 {
-                    let message = String::from_utf8_lossy(&f.payload).into_owned();
-                    self.fail(f.session, f.epoch, message).await;
-                } else {
-                    self.send_next(f).await;
-                }
-            }
-        }
-    }
-
-    /// Coordinator: the tail sampled a token.
-    async fn on_token(&mut self, f: Frame) {
-        let Some(&token) = f.token_ids().first() else { return };
-        let is_tail = self.is_tail;
-        let Some(s) = self.sessions.get_mut(&f.session) else { return };
-        let Some(d) = s.driver.as_mut() else { return };
-        if f.step != d.awaiting || f.epoch != s.epoch {
-            tracing::debug!(session = f.session, step = f.step, "duplicate or stale token dropped");
-            return;
-        }
-        let now = Instant::now();
-        d.first_token.get_or_insert(now);
-        d.last_token = Some(now);
-        d.tokens.push(token);
-        let _ = d.events.send(GenEvent::Token(token)).await;
-        let epoch = s.epoch;
-        if d.tokens.len() >= d.max_new || d.stop.contains(&token) {
-            // Done: the Close frame travels the chain, the tail answers with its digest.
-            let close = Frame::message(FrameKind::Close, f.session, f.step, epoch, Vec::new());
-            if is_tail {
-                self.on_frame_close_local(close).await;
-            } else {
-                let _ = self.work.send(Work::Free(f.session));
-                self.send_next(close).await;
-            }
-            return;
-        }
-        d.awaiting += 1;
-        let (step, pos) = (d.awaiting, d.pos);
-        d.pos += 1;
-        self.submit(Job {
-            session: f.session,
-            epoch,
-            step,
-            first_pos: pos,
-            flags: FLAG_SAMPLE,
-            input: Input::Tokens(vec![token]),
-        });
-    }
-
-    /// One-stage placement: the coordinator is the tail; finish locally.
-    async fn on_frame_close_local(&mut self, close: Frame) {
-        let digest = self
-            .sessions
-            .get_mut(&close.session)
-            .and_then(|s| s.tail.take())
-            .map_or(String::new(), |(_, h)| h.finalize().to_hex().to_string());
-        let mut f = close;
-        f.payload = digest.into_bytes();
-        self.finish(f).await;
-    }
-
-    /// Coordinator: the tail's Close (with its logits digest) ends the generation.
-    async fn finish(&mut self, f: Frame) {
-        let Some(mut s) = self.sessions.remove(&f.session) else { return };
-        let _ = self.work.send(Work::Free(f.session));
-        let Some(d) = s.driver.take() else { return };
-        let first = d.first_token.unwrap_or(d.started);
-        let last = d.last_token.unwrap_or(first);
-        let decode = last - first;
-        let report = Report {
-            tok_per_s: if d.tokens.len() > 1 && !decode.is_zero() {
-                (d.tokens.len() - 1) as f64 / decode.as_secs_f64()
-            } else {
-                0.0
-            },
-            tokens: d.tokens,
-            logits_digest: String::from_utf8_lossy(&f.payload).into_owned(),
-            prefill_s: (first - d.started).as_secs_f64(),
-            decode_s: decode.as_secs_f64(),
-        };
-        let _ = d.events.send(GenEvent::Done(report)).await;
-    }
-
-    async fn on_done(&mut self, job: Job, result: Result<StageOutput, StageError>) {
-        let out = match result {
-            Ok(out) => out,
-            Err(e) => return self.send_error(job.session, job.epoch, format!("stage {}: {e}", self.index)).await,
-        };
-        match out {
-            StageOutput::Hidden(h) => {
-                let mut f = Frame::hidden(job.session, job.step, job.epoch, job.first_pos, &h, self.n_embd, self.dtype);
-                f.flags = job.flags;
-                self.send_next(f).await;
-            }
-            StageOutput::Logits(logits) => {
-                if job.flags & FLAG_SAMPLE == 0 {
-                    return;
-                }
-                let Some((sampler, digest)) = self.sessions.get_mut(&job.session).and_then(|s| s.tail.as_mut()) else {
-                    return self.send_error(job.session, job.epoch, "tail: session was not opened".into()).await;
-                };
-                let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-                digest.update(&bytes);
-                let token = sampler.sample(&logits);
-                let n = match job.input {
-                    Input::Tokens(t) => t.len() as u32,
-                    Input::Hidden(h) => (h.len() / self.n_embd as usize) as u32,
-                };
-                let f = Frame::tokens(job.session, job.step, job.epoch, job.first_pos + n, &[token]);
-                if self.index == 0 {
-                    self.on_token(f).await;
-                } else {
-                    self.send_next(f).await;
-                }
-            }
-        }
-    }
 }
 
 fn stage_thread(mut stage: Box<dyn Stage>, work: std::sync::mpsc::Receiver<Work>, done: mpsc::Sender<Event>) {
@@ -451,11 +146,16 @@ fn stage_thread(mut stage: Box<dyn Stage>, work: std::sync::mpsc::Receiver<Work>
             Work::Free(s) => stage.free_session(SessionId(s)),
             Work::Forward(job) => {
                 let input = match &job.input {
-                    Input::Tokens(t) => StageInput::Tokens(t),
-                    Input::Hidden(h) => StageInput::Hidden(h),
+                    JobInput::Tokens(t) => StageInput::Tokens(t),
+                    JobInput::Hidden(h) => StageInput::Hidden(h),
                 };
-                let out = stage.forward(SessionId(job.session), job.first_pos, input);
-                if done.blocking_send(Event::Done(job, out)).is_err() {
+                let out = match stage.forward(SessionId(job.session), job.first_pos, input) {
+                    Ok(StageOutput::Hidden(h)) => Ok(StepOutput::Hidden(h)),
+                    Ok(StageOutput::Logits(l)) => Ok(StepOutput::Logits(l)),
+                    Err(StageError::PositionGap { .. }) => Ok(StepOutput::Gap),
+                    Err(e) => Err(e.to_string()),
+                };
+                if done.blocking_send(Event::Input(Input::Done(job, out))).is_err() {
                     return;
                 }
             }
@@ -557,7 +257,7 @@ async fn read_frames(conn: quinn::Connection, limits: FrameLimits, events: mpsc:
             }
             match Frame::decode(&buf, &limits) {
                 Ok(f) => {
-                    if events.send(Event::Frame(f)).await.is_err() {
+                    if events.send(Event::Input(Input::Frame(f))).await.is_err() {
                         return;
                     }
                 }

@@ -171,6 +171,7 @@ async fn start(ranges: &[LayerRange]) -> (Placement, Node) {
             stage: Box::new(FakeStage::new(ranges[i])),
             samplers: samplers.clone(),
             dtype: shoal_net::Dtype::F32,
+            retry: shoal_pipeline::RetryPolicy::default(),
         };
         tokio::spawn(serve(node, cfg));
     }

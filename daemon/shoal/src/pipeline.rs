@@ -8,7 +8,8 @@ use serde::Serialize;
 use shoal_engine::{open_model, LlamaStage, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
 use shoal_net::{Dtype, Identity, Node, TransportOptions, TrustedKeys};
 use shoal_pipeline::{
-    generate as run_generation, serve as serve_stage, GenerateRequest, Placement, SamplerFactory, ServiceConfig,
+    generate as run_generation, serve as serve_stage, GenerateRequest, Placement, RetryPolicy, SamplerFactory,
+    ServiceConfig,
 };
 use shoal_types::{LayerRange, TokenId, TokenSampler};
 use std::net::SocketAddr;
@@ -137,7 +138,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             identity.id()
         );
         let dtype = if a.f16 { Dtype::F16 } else { Dtype::F32 };
-        let cfg = ServiceConfig { placement, index, stage: Box::new(stage), samplers, dtype };
+        let cfg =
+            ServiceConfig { placement, index, stage: Box::new(stage), samplers, dtype, retry: RetryPolicy::default() };
         tokio::select! {
             r = serve_stage(node.clone(), cfg) => r?,
             _ = shutdown_signal() => eprintln!("[shoal] shutting down"),

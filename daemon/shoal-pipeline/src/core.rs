@@ -1,0 +1,706 @@
+//! The pipeline's protocol core: one node's sessions as a deterministic state machine
+//! with no I/O, no threads and no clock of its own (quinn-proto style). Inputs are
+//! frames from the network, finished stage steps, client requests and clock ticks;
+//! outputs are [`Action`]s the async shell (`service.rs`) carries out. This is what lets
+//! a simulation drive thousands of steps through drops, duplicates, reorders and
+//! restarts in milliseconds.
+//!
+//! Recovery, in short:
+//! - Every stage is idempotent per step: a step re-run at the same positions rolls the
+//!   KV back and recomputes (the `Stage` contract); within an epoch a step already
+//!   handled is a duplicate and dropped; frames of an older epoch are stale.
+//! - The tail samples each step once and keeps the token: a re-sent step gets the same
+//!   token back without advancing the sampler or the logits digest.
+//! - The coordinator re-drives the step whose token is late, in a new epoch. A stage
+//!   that lacks the positions before a step (it restarted, or frames were lost with a
+//!   broken connection) answers `Lost`, and the coordinator replays the session from
+//!   position 0 *in its original shapes* (prompt chunks of C, then one token per step),
+//!   so every stage's numbers, and so the output, stay bit-identical.
+//! - No progress for `max_wait` fails the generation with a clear error.
+
+use crate::protocol::{GenEvent, GenerateRequest, Report};
+use shoal_net::frame::FLAG_SAMPLE;
+use shoal_net::{Dtype, Frame, FrameKind};
+use shoal_types::{TokenId, TokenSampler};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Makes the tail's sampler for a session from the request's sampling parameters.
+pub type SamplerFactory = Arc<dyn Fn(&serde_json::Value) -> Result<Box<dyn TokenSampler>, String> + Send + Sync>;
+
+/// Identifies a waiting client at the coordinator.
+pub type ClientId = u64;
+
+/// What a node's core reacts to.
+pub enum Input {
+    /// A frame from the previous node in the ring.
+    Frame(Frame),
+    /// The stage finished (or refused) a job.
+    Done(Job, Result<StepOutput, String>),
+    /// A client asks for a generation (coordinator only).
+    Generate(GenerateRequest, ClientId),
+    /// Time passes.
+    Tick,
+}
+
+/// A stage's result, in the core's terms.
+pub enum StepOutput {
+    /// Hidden states for the next stage.
+    Hidden(Vec<f32>),
+    /// The tail's logits for the last token of the step.
+    Logits(Vec<f32>),
+    /// The stage does not hold the positions before the step (restarted, or frames lost).
+    Gap,
+}
+
+/// What the shell must do.
+#[derive(Debug)]
+pub enum Action {
+    /// Send a frame to the next node in the ring.
+    Send(Frame),
+    /// Run a step on this node's stage.
+    Submit(Job),
+    /// Free a session on this node's stage.
+    Free(u64),
+    /// Tell a client something.
+    Reply(ClientId, GenEvent),
+}
+
+/// One step for the stage.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Job {
+    pub session: u64,
+    pub epoch: u32,
+    pub step: u32,
+    pub first_pos: u32,
+    pub flags: u8,
+    pub input: JobInput,
+}
+
+/// A job's input.
+#[derive(Clone, Debug, PartialEq)]
+pub enum JobInput {
+    Tokens(Vec<TokenId>),
+    Hidden(Vec<f32>),
+}
+
+impl JobInput {
+    fn n_tokens(&self, n_embd: u32) -> u32 {
+        match self {
+            JobInput::Tokens(t) => t.len() as u32,
+            JobInput::Hidden(h) => (h.len() / n_embd.max(1) as usize) as u32,
+        }
+    }
+}
+
+/// Timing of re-drives and give-ups.
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    /// A step's token is late after max(this, 8 × the recent step time).
+    pub min_timeout: Duration,
+    /// Without any progress for this long the generation fails.
+    pub max_wait: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self { min_timeout: Duration::from_millis(1500), max_wait: Duration::from_secs(300) }
+    }
+}
+
+/// Static facts about the node.
+#[derive(Clone)]
+pub struct CoreConfig {
+    /// This node's stage index; 0 is the coordinator.
+    pub index: usize,
+    /// Stages in the ring.
+    pub n_stages: usize,
+    /// Prefill chunk size C.
+    pub chunk: u32,
+    /// Positions per session.
+    pub n_ctx: u32,
+    /// Hidden-state width.
+    pub n_embd: u32,
+    /// Wire type of hidden states.
+    pub dtype: Dtype,
+    /// Sampler factory (tail).
+    pub samplers: SamplerFactory,
+    /// Re-drive timing (coordinator).
+    pub retry: RetryPolicy,
+}
+
+/// A session as one node sees it.
+struct Session {
+    /// Current epoch; frames of older epochs are stale.
+    epoch: u32,
+    /// Highest step handled in this epoch (duplicates are dropped).
+    last_step: Option<u32>,
+    /// Sampling parameters (kept to re-open the session after a restart).
+    params: serde_json::Value,
+    /// Tail only.
+    tail: Option<TailState>,
+    /// Coordinator only.
+    driver: Option<Driver>,
+}
+
+struct TailState {
+    sampler: Box<dyn TokenSampler>,
+    digest: blake3::Hasher,
+    /// Token sampled at each step (by step number).
+    sampled: HashMap<u32, TokenId>,
+}
+
+/// The coordinator's view of a generation.
+struct Driver {
+    client: ClientId,
+    prompt: Vec<TokenId>,
+    max_new: usize,
+    stop: Vec<TokenId>,
+    tokens: Vec<TokenId>,
+    /// Steps taken by the prompt (its chunks).
+    prompt_steps: u32,
+    /// The step whose token we wait for (or, when `closing`, the Close).
+    awaiting: u32,
+    closing: bool,
+    /// When the current step was sent, and when it is late.
+    sent_at: Instant,
+    deadline: Instant,
+    /// Last time anything moved.
+    progress_at: Instant,
+    /// Smoothed step time.
+    ewma: Duration,
+    started: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    /// Re-drives and replays so far (for logs and counters).
+    redrives: u32,
+    replays: u32,
+}
+
+/// Counters a node keeps (for `shoal status`, the admin page, `/metrics` later).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counters {
+    pub frames_in: u64,
+    pub frames_out: u64,
+    pub stale_dropped: u64,
+    pub duplicates_dropped: u64,
+    pub redrives: u64,
+    pub replays: u64,
+    pub lost_reported: u64,
+    pub cached_tokens_resent: u64,
+}
+
+/// One node's protocol state.
+pub struct NodeCore {
+    cfg: CoreConfig,
+    sessions: HashMap<u64, Session>,
+    /// Final digests of recently closed sessions (tail), to answer a repeated Close.
+    closed: VecDeque<(u64, String)>,
+    next_session: u64,
+    /// Public counters.
+    pub counters: Counters,
+}
+
+impl NodeCore {
+    /// A node with no sessions. `session_base` seeds the session ids it hands out.
+    pub fn new(cfg: CoreConfig, session_base: u64) -> Self {
+        Self {
+            cfg,
+            sessions: HashMap::new(),
+            closed: VecDeque::new(),
+            next_session: session_base,
+            counters: Counters::default(),
+        }
+    }
+
+    fn is_tail(&self) -> bool {
+        self.cfg.index + 1 == self.cfg.n_stages
+    }
+
+    fn is_coordinator(&self) -> bool {
+        self.cfg.index == 0
+    }
+
+    /// Sessions currently held.
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// React to `input` at time `now`.
+    pub fn handle(&mut self, input: Input, now: Instant) -> Vec<Action> {
+        let mut out = Vec::new();
+        match input {
+            Input::Generate(req, client) => self.start(req, client, now, &mut out),
+            Input::Frame(f) => {
+                self.counters.frames_in += 1;
+                self.on_frame(f, now, &mut out)
+            }
+            Input::Done(job, result) => self.on_done(job, result, now, &mut out),
+            Input::Tick => self.on_tick(now, &mut out),
+        }
+        self.counters.frames_out += out.iter().filter(|a| matches!(a, Action::Send(_))).count() as u64;
+        out
+    }
+
+    /// Send toward the coordinator; when this node *is* the coordinator (the frame
+    /// comes from its own tail in a one-stage ring), handle it here.
+    fn to_coordinator(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
+        if self.is_coordinator() {
+            self.on_frame(f, now, out);
+        } else {
+            out.push(Action::Send(f));
+        }
+    }
+
+    // ---- coordinator -------------------------------------------------------------
+
+    fn start(&mut self, req: GenerateRequest, client: ClientId, now: Instant, out: &mut Vec<Action>) {
+        let fail = |m: String, out: &mut Vec<Action>| out.push(Action::Reply(client, GenEvent::Error(m)));
+        if !self.is_coordinator() {
+            return fail("this node is not the coordinator".into(), out);
+        }
+        if req.prompt.is_empty() || req.max_new == 0 {
+            return fail("empty prompt or nothing to generate".into(), out);
+        }
+        if req.prompt.len() + req.max_new as usize > self.cfg.n_ctx as usize {
+            let m = format!(
+                "prompt of {} tokens + {} new tokens exceeds the context of {}",
+                req.prompt.len(),
+                req.max_new,
+                self.cfg.n_ctx
+            );
+            return fail(m, out);
+        }
+        self.next_session += 1;
+        let session = self.next_session;
+        let prompt_steps = req.prompt.len().div_ceil(self.cfg.chunk as usize) as u32;
+        let driver = Driver {
+            client,
+            prompt: req.prompt,
+            max_new: req.max_new as usize,
+            stop: req.stop,
+            tokens: Vec::new(),
+            prompt_steps,
+            awaiting: prompt_steps - 1,
+            closing: false,
+            sent_at: now,
+            deadline: now,
+            progress_at: now,
+            ewma: Duration::ZERO,
+            started: now,
+            first_token: None,
+            last_token: None,
+            redrives: 0,
+            replays: 0,
+        };
+        self.sessions.insert(
+            session,
+            Session { epoch: 0, last_step: None, params: req.sampling, tail: None, driver: Some(driver) },
+        );
+        self.open_and_send(session, 0, now, out);
+    }
+
+    /// The input of step `step` of a driven session, in its original shape.
+    fn step_input(d: &Driver, chunk: u32, step: u32) -> (u32, Vec<TokenId>, u8) {
+        if step < d.prompt_steps {
+            let c = chunk as usize;
+            let start = step as usize * c;
+            let end = (start + c).min(d.prompt.len());
+            let flags = if step + 1 == d.prompt_steps { FLAG_SAMPLE } else { 0 };
+            (start as u32, d.prompt[start..end].to_vec(), flags)
+        } else {
+            let i = (step - d.prompt_steps) as usize;
+            (d.prompt.len() as u32 + i as u32, vec![d.tokens[i]], FLAG_SAMPLE)
+        }
+    }
+
+    /// (Re)open the session in `epoch` along the ring and send steps `from..=awaiting`.
+    fn open_and_send(&mut self, session: u64, from: u32, now: Instant, out: &mut Vec<Action>) {
+        let chunk = self.cfg.chunk;
+        let tail = self.is_tail();
+        let Some(s) = self.sessions.get_mut(&session) else { return };
+        s.last_step = None;
+        let epoch = s.epoch;
+        // Invariant: a JSON value always serialises.
+        let params = serde_json::to_vec(&s.params).expect("JSON value serialises");
+        let Some(d) = s.driver.as_mut() else { return };
+        d.sent_at = now;
+        let steps = d.awaiting + 1 - from;
+        d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout) * steps.min(8);
+        let jobs: Vec<Job> = (from..=d.awaiting)
+            .map(|step| {
+                let (first_pos, tokens, flags) = Self::step_input(d, chunk, step);
+                Job { session, epoch, step, first_pos, flags, input: JobInput::Tokens(tokens) }
+            })
+            .collect();
+        if tail {
+            self.open_tail(session, epoch, &params, now, out);
+        } else {
+            out.push(Action::Send(Frame::message(FrameKind::Open, session, 0, epoch, params)));
+        }
+        out.extend(jobs.into_iter().map(Action::Submit));
+    }
+
+    fn timeout(ewma: Duration, min: Duration) -> Duration {
+        (ewma * 8).max(min)
+    }
+
+    fn on_token(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
+        let Some(&token) = f.token_ids().first() else { return };
+        let chunk = self.cfg.chunk;
+        let Some(s) = self.sessions.get_mut(&f.session) else { return };
+        let Some(d) = s.driver.as_mut() else { return };
+        if d.closing || f.step != d.awaiting {
+            // A token of an earlier step (re-sent during a replay) or a late duplicate.
+            if let Some(i) = f.step.checked_sub(d.prompt_steps - 1).map(|i| i as usize) {
+                if i < d.tokens.len() && d.tokens[i] != token {
+                    let m = format!("replay diverged at step {}: token {token}, was {}", f.step, d.tokens[i]);
+                    tracing::error!(session = f.session, "{m}");
+                }
+            }
+            self.counters.duplicates_dropped += 1;
+            return;
+        }
+        let step_time = now.saturating_duration_since(d.sent_at);
+        d.ewma = if d.ewma.is_zero() { step_time } else { (d.ewma * 7 + step_time) / 8 };
+        d.first_token.get_or_insert(now);
+        d.last_token = Some(now);
+        d.progress_at = now;
+        d.tokens.push(token);
+        out.push(Action::Reply(d.client, GenEvent::Token(token)));
+        let epoch = s.epoch;
+        if d.tokens.len() >= d.max_new || d.stop.contains(&token) {
+            d.closing = true;
+            d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
+            let close = Frame::message(FrameKind::Close, f.session, d.awaiting, epoch, Vec::new());
+            self.send_close(close, now, out);
+            return;
+        }
+        d.awaiting += 1;
+        d.sent_at = now;
+        d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
+        let (first_pos, tokens, flags) = Self::step_input(d, chunk, d.awaiting);
+        let job =
+            Job { session: f.session, epoch, step: d.awaiting, first_pos, flags, input: JobInput::Tokens(tokens) };
+        out.push(Action::Submit(job));
+    }
+
+    fn send_close(&mut self, close: Frame, now: Instant, out: &mut Vec<Action>) {
+        if self.is_tail() {
+            // One-stage ring: the coordinator is the tail.
+            let ack = self.tail_close(close, out);
+            self.finish(ack, now, out);
+        } else {
+            out.push(Action::Send(close));
+        }
+    }
+
+    /// The tail's Close answer (with its digest) ends the generation.
+    fn finish(&mut self, f: Frame, _now: Instant, out: &mut Vec<Action>) {
+        let Some(s) = self.sessions.get(&f.session) else { return };
+        if !s.driver.as_ref().is_some_and(|d| d.closing) {
+            return;
+        }
+        let Some(mut s) = self.sessions.remove(&f.session) else { return };
+        out.push(Action::Free(f.session));
+        let Some(d) = s.driver.take() else { return };
+        let first = d.first_token.unwrap_or(d.started);
+        let last = d.last_token.unwrap_or(first);
+        let decode = last.saturating_duration_since(first);
+        let n = d.tokens.len();
+        tracing::debug!(session = f.session, redrives = d.redrives, replays = d.replays, "generation finished");
+        let report = Report {
+            tok_per_s: if n > 1 && !decode.is_zero() { (n - 1) as f64 / decode.as_secs_f64() } else { 0.0 },
+            tokens: d.tokens,
+            logits_digest: String::from_utf8_lossy(&f.payload).into_owned(),
+            prefill_s: first.saturating_duration_since(d.started).as_secs_f64(),
+            decode_s: decode.as_secs_f64(),
+        };
+        out.push(Action::Reply(d.client, GenEvent::Done(report)));
+    }
+
+    fn fail(&mut self, session: u64, message: String, out: &mut Vec<Action>) {
+        let Some(mut s) = self.sessions.remove(&session) else { return };
+        out.push(Action::Free(session));
+        if let Some(d) = s.driver.take() {
+            tracing::warn!(session, "{message}");
+            out.push(Action::Reply(d.client, GenEvent::Error(message)));
+            if !self.is_tail() {
+                out.push(Action::Send(Frame::message(FrameKind::Close, session, 0, s.epoch, Vec::new())));
+            }
+        }
+    }
+
+    /// Re-drive late steps; fail generations that made no progress for too long.
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<Action>) {
+        let max_wait = self.cfg.retry.max_wait;
+        let late: Vec<(u64, bool, bool)> = self
+            .sessions
+            .iter()
+            .filter_map(|(&id, s)| {
+                let d = s.driver.as_ref()?;
+                (now >= d.deadline).then(|| (id, now.saturating_duration_since(d.progress_at) >= max_wait, d.closing))
+            })
+            .collect();
+        for (session, give_up, closing) in late {
+            if give_up {
+                self.fail(session, format!("no progress for {} s: a stage is unreachable", max_wait.as_secs()), out);
+                continue;
+            }
+            let min = self.cfg.retry.min_timeout;
+            let Some(s) = self.sessions.get_mut(&session) else { continue };
+            s.epoch += 1;
+            let epoch = s.epoch;
+            let Some(d) = s.driver.as_mut() else { continue };
+            d.redrives += 1;
+            self.counters.redrives += 1;
+            if closing {
+                d.deadline = now + Self::timeout(d.ewma, min);
+                let close = Frame::message(FrameKind::Close, session, d.awaiting, epoch, Vec::new());
+                self.send_close(close, now, out);
+                continue;
+            }
+            // Back off: each re-drive of the same step waits longer.
+            d.ewma = (d.ewma * 2).max(min / 8);
+            let awaiting = d.awaiting;
+            tracing::info!(session, step = awaiting, epoch, "token late; re-driving the step");
+            self.open_and_send(session, if awaiting < self.prompt_steps(session) { 0 } else { awaiting }, now, out);
+        }
+    }
+
+    fn prompt_steps(&self, session: u64) -> u32 {
+        self.sessions.get(&session).and_then(|s| s.driver.as_ref()).map_or(0, |d| d.prompt_steps)
+    }
+
+    /// A stage lost the session's positions: replay everything from position 0.
+    fn replay(&mut self, session: u64, now: Instant, out: &mut Vec<Action>) {
+        let Some(s) = self.sessions.get_mut(&session) else { return };
+        let Some(d) = s.driver.as_mut() else { return };
+        if d.closing {
+            return;
+        }
+        s.epoch += 1;
+        d.replays += 1;
+        d.progress_at = now;
+        self.counters.replays += 1;
+        tracing::info!(
+            session,
+            epoch = s.epoch,
+            steps = d.awaiting + 1,
+            "a stage lost the session; replaying from position 0"
+        );
+        self.open_and_send(session, 0, now, out);
+    }
+
+    // ---- every stage ----------------------------------------------------------------
+
+    fn on_frame(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
+        match f.kind {
+            FrameKind::Open => self.on_open(f, now, out),
+            FrameKind::Hidden => self.on_hidden(f, now, out),
+            FrameKind::Token if self.is_coordinator() => self.on_token(f, now, out),
+            FrameKind::Close if self.is_coordinator() => self.finish(f, now, out),
+            FrameKind::Close if self.is_tail() => {
+                let ack = self.tail_close(f, out);
+                out.push(Action::Send(ack));
+            }
+            FrameKind::Close => {
+                if self.sessions.remove(&f.session).is_some() {
+                    out.push(Action::Free(f.session));
+                }
+                out.push(Action::Send(f));
+            }
+            FrameKind::Lost if self.is_coordinator() => self.replay(f.session, now, out),
+            FrameKind::Error if self.is_coordinator() => {
+                let m = String::from_utf8_lossy(&f.payload).into_owned();
+                self.fail(f.session, m, out);
+            }
+            // Token, Lost and Error frames travel on to the coordinator.
+            FrameKind::Token | FrameKind::Lost | FrameKind::Error => out.push(Action::Send(f)),
+        }
+    }
+
+    fn on_open(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
+        if self.is_coordinator() {
+            return; // Opens start here; one that comes round the ring is spent.
+        }
+        let params: serde_json::Value = match serde_json::from_slice(&f.payload) {
+            Ok(v) => v,
+            Err(e) => return self.to_coordinator(error_frame(&f, format!("bad session parameters: {e}")), now, out),
+        };
+        let current = self.sessions.get(&f.session).map(|s| s.epoch);
+        if current.is_some_and(|e| f.epoch < e) {
+            self.counters.stale_dropped += 1;
+            return;
+        }
+        if self.is_tail() {
+            self.open_tail(f.session, f.epoch, &f.payload, now, out);
+        } else {
+            let s = self.sessions.entry(f.session).or_insert(Session {
+                epoch: f.epoch,
+                last_step: None,
+                params,
+                tail: None,
+                driver: None,
+            });
+            if f.epoch > s.epoch || current.is_none() {
+                s.epoch = f.epoch;
+                s.last_step = None;
+            }
+            out.push(Action::Send(f));
+        }
+    }
+
+    fn open_tail(&mut self, session: u64, epoch: u32, params: &[u8], now: Instant, out: &mut Vec<Action>) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            if epoch >= s.epoch {
+                s.epoch = epoch;
+                s.last_step = None;
+            }
+            if s.tail.is_some() {
+                // Keep the sampler and its tokens across epochs: a re-drive is not a restart.
+                return;
+            }
+        }
+        let value: Result<serde_json::Value, String> = serde_json::from_slice(params).map_err(|e| e.to_string());
+        match value.and_then(|v| (self.cfg.samplers)(&v).map(|s| (v, s))) {
+            Ok((v, sampler)) => {
+                let s = self.sessions.entry(session).or_insert(Session {
+                    epoch,
+                    last_step: None,
+                    params: v,
+                    tail: None,
+                    driver: None,
+                });
+                s.tail = Some(TailState { sampler, digest: blake3::Hasher::new(), sampled: HashMap::new() });
+            }
+            Err(e) => {
+                let f = Frame::message(
+                    FrameKind::Error,
+                    session,
+                    0,
+                    epoch,
+                    format!("bad sampling parameters: {e}").into_bytes(),
+                );
+                self.to_coordinator(f, now, out);
+            }
+        }
+    }
+
+    fn on_hidden(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
+        let Some(s) = self.sessions.get_mut(&f.session) else {
+            // Restarted, or the Open was lost with a broken connection.
+            self.counters.lost_reported += 1;
+            return self.to_coordinator(
+                Frame::message(FrameKind::Lost, f.session, f.step, f.epoch, Vec::new()),
+                now,
+                out,
+            );
+        };
+        if f.epoch < s.epoch {
+            self.counters.stale_dropped += 1;
+            return;
+        }
+        if f.epoch > s.epoch {
+            // Its Open was lost; the frame itself says the epoch moved on.
+            s.epoch = f.epoch;
+            s.last_step = None;
+        }
+        if s.last_step.is_some_and(|l| f.step <= l) {
+            self.counters.duplicates_dropped += 1;
+            return;
+        }
+        s.last_step = Some(f.step);
+        let job = Job {
+            session: f.session,
+            epoch: f.epoch,
+            step: f.step,
+            first_pos: f.first_pos,
+            flags: f.flags,
+            input: JobInput::Hidden(f.hidden_values()),
+        };
+        out.push(Action::Submit(job));
+    }
+
+    fn on_done(&mut self, job: Job, result: Result<StepOutput, String>, now: Instant, out: &mut Vec<Action>) {
+        let current = self.sessions.get(&job.session).map(|s| s.epoch);
+        if current.is_none_or(|e| job.epoch < e) {
+            // Finished for an epoch (or session) that is gone: nothing to pass on.
+            self.counters.stale_dropped += 1;
+            return;
+        }
+        match result {
+            Err(e) => {
+                let f = Frame::message(
+                    FrameKind::Error,
+                    job.session,
+                    job.step,
+                    job.epoch,
+                    format!("stage {}: {e}", self.cfg.index).into_bytes(),
+                );
+                self.to_coordinator(f, now, out);
+            }
+            Ok(StepOutput::Gap) => {
+                self.counters.lost_reported += 1;
+                let f = Frame::message(FrameKind::Lost, job.session, job.step, job.epoch, Vec::new());
+                self.to_coordinator(f, now, out);
+            }
+            Ok(StepOutput::Hidden(h)) => {
+                let mut f =
+                    Frame::hidden(job.session, job.step, job.epoch, job.first_pos, &h, self.cfg.n_embd, self.cfg.dtype);
+                f.flags = job.flags;
+                out.push(Action::Send(f));
+            }
+            Ok(StepOutput::Logits(logits)) => {
+                if job.flags & FLAG_SAMPLE == 0 {
+                    return;
+                }
+                let Some(tail) = self.sessions.get_mut(&job.session).and_then(|s| s.tail.as_mut()) else {
+                    self.counters.lost_reported += 1;
+                    let f = Frame::message(FrameKind::Lost, job.session, job.step, job.epoch, Vec::new());
+                    return self.to_coordinator(f, now, out);
+                };
+                let token = match tail.sampled.get(&job.step) {
+                    Some(&t) => {
+                        self.counters.cached_tokens_resent += 1;
+                        t
+                    }
+                    None => {
+                        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        tail.digest.update(&bytes);
+                        let t = tail.sampler.sample(&logits);
+                        tail.sampled.insert(job.step, t);
+                        t
+                    }
+                };
+                let next_pos = job.first_pos + job.input.n_tokens(self.cfg.n_embd);
+                let f = Frame::tokens(job.session, job.step, job.epoch, next_pos, &[token]);
+                self.to_coordinator(f, now, out);
+            }
+        }
+    }
+
+    /// Tail: free the session and answer with its digest (remembered for a repeat).
+    fn tail_close(&mut self, f: Frame, out: &mut Vec<Action>) -> Frame {
+        let digest = match self.sessions.get_mut(&f.session).and_then(|s| s.tail.take()) {
+            Some(t) => {
+                let d = t.digest.finalize().to_hex().to_string();
+                self.closed.push_back((f.session, d.clone()));
+                if self.closed.len() > 256 {
+                    self.closed.pop_front();
+                }
+                d
+            }
+            None => self.closed.iter().find(|(s, _)| *s == f.session).map_or(String::new(), |(_, d)| d.clone()),
+        };
+        if !self.is_coordinator() && self.sessions.remove(&f.session).is_some() {
+            out.push(Action::Free(f.session));
+        }
+        Frame::message(FrameKind::Close, f.session, f.step, f.epoch, digest.into_bytes())
+    }
+}
+
+fn error_frame(f: &Frame, message: String) -> Frame {
+    Frame::message(FrameKind::Error, f.session, f.step, f.epoch, message.into_bytes())
+}
