@@ -176,6 +176,9 @@ struct Driver {
     /// Re-drives and replays so far (for logs and counters).
     redrives: u32,
     replays: u32,
+    /// All tokens are in, but the tail lost its digest: the session is being replayed
+    /// up to its last step, after which it closes again.
+    replaying_finished: bool,
 }
 
 /// Counters a node keeps (for `shoal status`, the admin page, `/metrics` later).
@@ -293,6 +296,7 @@ impl NodeCore {
             last_token: None,
             redrives: 0,
             replays: 0,
+            replaying_finished: false,
         };
         self.sessions.insert(
             session,
@@ -355,11 +359,21 @@ impl NodeCore {
             // A token of an earlier step (re-sent during a replay) or a late duplicate.
             if let Some(i) = f.step.checked_sub(d.prompt_steps - 1).map(|i| i as usize) {
                 if i < d.tokens.len() && d.tokens[i] != token {
-                    let m = format!("replay diverged at step {}: token {token}, was {}", f.step, d.tokens[i]);
-                    tracing::error!(session = f.session, "{m}");
+                    tracing::error!(session = f.session, step = f.step, token, was = d.tokens[i], "replay diverged");
                 }
             }
             self.counters.duplicates_dropped += 1;
+            return;
+        }
+        let epoch = s.epoch;
+        if d.replaying_finished {
+            // A finished generation replayed so the tail could rebuild its digest:
+            // its last step is back; close again.
+            d.replaying_finished = false;
+            d.closing = true;
+            d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
+            let close = Frame::message(FrameKind::Close, f.session, d.awaiting, epoch, Vec::new());
+            self.send_close(close, now, out);
             return;
         }
         let step_time = now.saturating_duration_since(d.sent_at);
@@ -369,7 +383,6 @@ impl NodeCore {
         d.progress_at = now;
         d.tokens.push(token);
         out.push(Action::Reply(d.client, GenEvent::Token(token)));
-        let epoch = s.epoch;
         if d.tokens.len() >= d.max_new || d.stop.contains(&token) {
             d.closing = true;
             d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
@@ -390,7 +403,11 @@ impl NodeCore {
         if self.is_tail() {
             // One-stage ring: the coordinator is the tail.
             let ack = self.tail_close(close, out);
-            self.finish(ack, now, out);
+            if ack.kind == FrameKind::Lost {
+                self.replay(ack.session, now, out);
+            } else {
+                self.finish(ack, now, out);
+            }
         } else {
             out.push(Action::Send(close));
         }
@@ -478,7 +495,10 @@ impl NodeCore {
         let Some(s) = self.sessions.get_mut(&session) else { return };
         let Some(d) = s.driver.as_mut() else { return };
         if d.closing {
-            return;
+            // The tail lost the session after the last token (so its digest too):
+            // replay up to the last step, then close again.
+            d.closing = false;
+            d.replaying_finished = true;
         }
         s.epoch += 1;
         d.replays += 1;
@@ -692,7 +712,14 @@ impl NodeCore {
                 }
                 d
             }
-            None => self.closed.iter().find(|(s, _)| *s == f.session).map_or(String::new(), |(_, d)| d.clone()),
+            None => match self.closed.iter().find(|(s, _)| *s == f.session) {
+                Some((_, d)) => d.clone(),
+                // Restarted since: the digest is gone, and only a replay can rebuild it.
+                None => {
+                    self.counters.lost_reported += 1;
+                    return Frame::message(FrameKind::Lost, f.session, f.step, f.epoch, Vec::new());
+                }
+            },
         };
         if !self.is_coordinator() && self.sessions.remove(&f.session).is_some() {
             out.push(Action::Free(f.session));

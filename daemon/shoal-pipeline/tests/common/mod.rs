@@ -1,0 +1,130 @@
+//! A deterministic fake engine for pipeline tests: output depends on the input and on
+//! everything the session saw before (like a KV cache), so reordering, loss or a bad
+//! rollback changes the numbers.
+#![allow(dead_code)]
+
+use shoal_types::{
+    LayerRange, SessionId, Stage, StageError, StageInfo, StageInput, StageMemory, StageOutput, TokenId, TokenSampler,
+};
+use std::collections::HashMap;
+
+pub const N_EMBD: u32 = 8;
+pub const N_VOCAB: u32 = 50;
+pub const N_LAYER: u32 = 6;
+pub const CHUNK: u32 = 4;
+
+/// Output depends on the input and on everything the session saw before (like a KV
+/// cache), so reordering, loss or a bad rollback changes the numbers.
+pub struct FakeStage {
+    info: StageInfo,
+    seen: HashMap<SessionId, Vec<f32>>,
+}
+
+impl FakeStage {
+    pub fn new(layers: LayerRange) -> Self {
+        let info = StageInfo {
+            layers,
+            n_layer_total: N_LAYER,
+            n_embd: N_EMBD,
+            n_vocab: N_VOCAB,
+            chunk: CHUNK,
+            n_ctx_per_session: 256,
+            max_sessions: 4,
+        };
+        Self { info, seen: HashMap::new() }
+    }
+}
+
+impl Stage for FakeStage {
+    fn info(&self) -> &StageInfo {
+        &self.info
+    }
+
+    fn forward(
+        &mut self,
+        session: SessionId,
+        first_pos: u32,
+        input: StageInput<'_>,
+    ) -> Result<StageOutput, StageError> {
+        let rows: Vec<Vec<f32>> = match input {
+            StageInput::Tokens(t) => {
+                t.iter().map(|&t| (0..N_EMBD).map(|j| (t as f32 + j as f32) * 0.01).collect()).collect()
+            }
+            StageInput::Hidden(h) => h.chunks(N_EMBD as usize).map(<[f32]>::to_vec).collect(),
+        };
+        let seen = self.seen.entry(session).or_default();
+        if first_pos as usize > seen.len() {
+            return Err(StageError::PositionGap { session, first_pos, have: seen.len() as u32 });
+        }
+        seen.truncate(first_pos as usize);
+        let mut out = Vec::new();
+        for row in rows {
+            let history: f32 = seen.iter().sum::<f32>() * 1e-3;
+            let next: Vec<f32> = row
+                .iter()
+                .enumerate()
+                .map(|(j, v)| (v * 1.1 + self.info.layers.start as f32 * 0.1 + history + j as f32 * 1e-4).sin())
+                .collect();
+            seen.push(next.iter().sum());
+            out.extend(next);
+        }
+        if self.info.is_tail() {
+            let last = &out[out.len() - N_EMBD as usize..];
+            let logits = (0..N_VOCAB)
+                .map(|i| last.iter().enumerate().map(|(j, v)| (v * (i + j as u32) as f32).cos()).sum())
+                .collect();
+            Ok(StageOutput::Logits(logits))
+        } else {
+            Ok(StageOutput::Hidden(out))
+        }
+    }
+
+    fn free_session(&mut self, session: SessionId) {
+        self.seen.remove(&session);
+    }
+
+    fn memory(&self) -> StageMemory {
+        StageMemory::default()
+    }
+}
+
+pub struct Greedy;
+impl TokenSampler for Greedy {
+    fn sample(&mut self, logits: &[f32]) -> TokenId {
+        logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as TokenId)
+    }
+}
+
+/// The same stages run in order in-process, on the canonical schedule.
+pub fn reference(ranges: &[LayerRange], prompt: &[TokenId], max_new: usize) -> (Vec<TokenId>, String) {
+    let mut stages: Vec<FakeStage> = ranges.iter().map(|r| FakeStage::new(*r)).collect();
+    let s = SessionId(1);
+    let mut step = |first_pos: u32, tokens: &[TokenId]| {
+        let mut out = stages[0].forward(s, first_pos, StageInput::Tokens(tokens)).unwrap();
+        for st in stages.iter_mut().skip(1) {
+            let StageOutput::Hidden(h) = out else { unreachable!() };
+            out = st.forward(s, first_pos, StageInput::Hidden(&h)).unwrap();
+        }
+        let StageOutput::Logits(l) = out else { unreachable!() };
+        l
+    };
+    let mut pos = 0;
+    let mut logits = Vec::new();
+    for c in prompt.chunks(CHUNK as usize) {
+        logits = step(pos, c);
+        pos += c.len() as u32;
+    }
+    let mut digest = blake3::Hasher::new();
+    let mut tokens = Vec::new();
+    loop {
+        digest.update(&logits.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
+        let t = Greedy.sample(&logits);
+        tokens.push(t);
+        if tokens.len() == max_new {
+            break;
+        }
+        logits = step(pos, &[t]);
+        pos += 1;
+    }
+    (tokens, digest.finalize().to_hex().to_string())
+}
