@@ -60,6 +60,9 @@ pub struct GenerateArgs {
     /// or listed under `clients` in the placement [default: ~/.local/share/shoal].
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Print `token N` on stderr as each token arrives (for scripts and tests).
+    #[arg(long)]
+    progress: bool,
     #[command(flatten)]
     text: TextArgs,
 }
@@ -207,8 +210,13 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let report = runtime()?.block_on(async {
         let any: SocketAddr = if placement.stages[0].addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse()?;
         let node = Node::bind(any, identity, TrustedKeys::new(placement.trusted()), &TransportOptions::default())?;
+        let mut count = 0;
         let r = run_generation(&node, &placement.stages[0], &request, |tok| {
             out.token(tok);
+            count += 1;
+            if a.progress {
+                eprintln!("token {count}");
+            }
         })
         .await;
         node.close();

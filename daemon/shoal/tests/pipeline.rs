@@ -44,7 +44,34 @@ impl Drop for Stages {
     }
 }
 
+fn serve_cmd(dir: &Path, placement: &Path, i: usize) -> Command {
+    let mut c = shoal();
+    c.args(["serve", "--placement"])
+        .arg(placement)
+        .arg("--data-dir")
+        .arg(dir.join(format!("node{i}")))
+        .arg("--cache")
+        .arg(dir.join("shards"))
+        .stderr(Stdio::piped());
+    c
+}
+
+/// Wait until a `shoal serve` child says it is serving, then keep draining its log.
+fn wait_serving(c: &mut Child) {
+    let mut lines = BufReader::new(c.stderr.take().unwrap()).lines();
+    let t0 = Instant::now();
+    loop {
+        let line = lines.next().expect("stage exited before serving").unwrap();
+        if line.contains("[shoal] serving") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "stage did not start");
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+}
+
 /// Start one `shoal serve` per split range and wait until each says it is serving.
+/// `stages.0[k]` runs stage `n − 1 − k` (they start tail first).
 fn start(dir: &Path, model: &Path, splits: &[[u32; 2]], chunk: u32) -> (PathBuf, Stages) {
     let client = key(&dir.join("client"));
     let mut toml =
@@ -62,31 +89,9 @@ fn start(dir: &Path, model: &Path, splits: &[[u32; 2]], chunk: u32) -> (PathBuf,
     std::fs::write(&placement, toml).unwrap();
     let mut stages = Stages(Vec::new());
     for i in (0..splits.len()).rev() {
-        let child = shoal()
-            .args(["serve", "--placement"])
-            .arg(&placement)
-            .arg("--data-dir")
-            .arg(dir.join(format!("node{i}")))
-            .arg("--cache")
-            .arg(dir.join("shards"))
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        stages.0.push(child);
+        stages.0.push(serve_cmd(dir, &placement, i).spawn().unwrap());
     }
-    for c in &mut stages.0 {
-        let mut lines = BufReader::new(c.stderr.take().unwrap()).lines();
-        let t0 = Instant::now();
-        loop {
-            let line = lines.next().expect("stage exited before serving").unwrap();
-            if line.contains("[shoal] serving") {
-                break;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(120), "stage did not start");
-        }
-        // Keep draining its log so it never blocks on a full pipe.
-        std::thread::spawn(move || lines.for_each(drop));
-    }
+    stages.0.iter_mut().for_each(wait_serving);
     (placement, stages)
 }
 
@@ -147,4 +152,60 @@ fn a_client_outside_the_placement_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("neither a stage node nor listed under `clients`"), "{err}");
+}
+
+/// SIGKILL the middle stage after 100 generated tokens and start it again: the
+/// coordinator replays the session in its original shapes and the output is unchanged.
+fn restart_middle(file: &str, splits: &[[u32; 2]]) {
+    let m = model(file);
+    let dir = tempfile::tempdir().unwrap();
+    let (placement, mut stages) = start(dir.path(), &m, splits, 32);
+    let args = ["--prompt", PROMPT, "--raw", "-n", "160", "--ignore-eos", "--json"];
+    let mut gen = shoal()
+        .args(["generate", "--progress", "--placement"])
+        .arg(&placement)
+        .arg("--data-dir")
+        .arg(dir.path().join("client"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut progress = BufReader::new(gen.stderr.take().unwrap()).lines();
+    let t0 = Instant::now();
+    loop {
+        let line = progress.next().expect("generate ended before 100 tokens").unwrap();
+        if line == "token 100" {
+            break;
+        }
+    }
+    // stages.0 = [tail, middle, head]
+    let middle = &mut stages.0[1];
+    middle.kill().unwrap();
+    middle.wait().unwrap();
+    let mut again = serve_cmd(dir.path(), &placement, 1).spawn().unwrap();
+    wait_serving(&mut again);
+    stages.0[1] = again;
+    let rest: Vec<String> = progress.map(|l| l.unwrap()).collect();
+    let out = gen.wait_with_output().unwrap();
+    assert!(out.status.success(), "generate failed after the restart: {rest:?}");
+    let g: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("{file}: generation with a middle-stage restart took {:.1} s", t0.elapsed().as_secs_f64());
+    let r = json(
+        shoal().args(["run", "--model"]).arg(&m).args(["--chunk", "32", "--ctx", "1024"]).args(args).output().unwrap(),
+    );
+    assert_eq!(g["tokens"].as_array().unwrap().len(), 160);
+    assert_eq!(g["tokens"], r["tokens"], "{file}: tokens changed across the restart");
+    assert_eq!(g["logits_digest"], r["logits_digest"], "{file}: logits changed across the restart");
+    assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 60, "tokens missing or duplicated: {rest:?}");
+}
+
+#[test]
+fn smollm2_survives_a_middle_stage_restart() {
+    restart_middle("SmolLM2-135M-Instruct.Q4_1.gguf", &[[0, 10], [10, 20], [20, 30]]);
+}
+
+#[test]
+fn gemma3_survives_a_middle_stage_restart() {
+    restart_middle("gemma-3-270m-q4_k_m.gguf", &[[0, 6], [6, 12], [12, 18]]);
 }
