@@ -9,8 +9,8 @@ use common::*;
 use shoal_types::{LayerRange, TokenId, TokenSampler};
 use std::sync::Arc;
 
-/// Start one node per range; returns the placement and a client node.
-async fn start(ranges: &[LayerRange]) -> (Placement, Node) {
+/// Start one node per range; returns the placement, a client node and the nodes' identities.
+async fn start_with_ids(ranges: &[LayerRange]) -> (Placement, Node, Vec<Arc<Identity>>) {
     let ids: Vec<Arc<Identity>> = ranges.iter().map(|_| Arc::new(Identity::generate().unwrap())).collect();
     let client = Identity::generate().unwrap();
     let mut trusted: Vec<_> = ids.iter().map(|i| i.id()).collect();
@@ -60,7 +60,12 @@ async fn start(ranges: &[LayerRange]) -> (Placement, Node) {
         &TransportOptions::default(),
     )
     .unwrap();
-    (placement, client)
+    (placement, client, ids)
+}
+
+async fn start(ranges: &[LayerRange]) -> (Placement, Node) {
+    let (p, c, _) = start_with_ids(ranges).await;
+    (p, c)
 }
 
 fn request(prompt: &[TokenId], max_new: u32) -> GenerateRequest {
@@ -123,4 +128,57 @@ async fn requests_that_cannot_run_fail_clearly() {
     assert!(matches!(r, Ok(Err(_))), "an unknown key got an answer: {r:?}");
     // The pipeline still works for trusted clients afterwards.
     assert!(generate(&client, &placement.stages[0], &request(&[1, 2, 3], 3), |_| {}).await.is_ok());
+}
+
+/// Even the previous stage's own key cannot derail a session: malformed frames (bad
+/// length, bad dtype, garbage), frames for unknown sessions and stale epochs are
+/// dropped or answered, and the generation running meanwhile is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn injected_bad_frames_do_not_disturb_a_session() {
+    use shoal_net::{alpn, Dtype, Frame, FrameKind};
+    let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];
+    let (placement, client, ids) = start_with_ids(&ranges).await;
+    // An injector holding stage 0's key, talking to stage 1 as stage 0 does.
+    let injector = Node::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        ids[0].clone(),
+        TrustedKeys::new(placement.trusted()),
+        &TransportOptions::default(),
+    )
+    .unwrap();
+    let conn = injector.connect(placement.stages[1].addr, placement.stages[1].node, alpn::PIPELINE).await.unwrap();
+    let mut tx = conn.open_uni().await.unwrap();
+    let send = |bytes: Vec<u8>| {
+        let mut b = (bytes.len() as u32).to_le_bytes().to_vec();
+        b.extend(bytes);
+        b
+    };
+    let prompt: Vec<TokenId> = (0..23).map(|i| (i * 5 % 50) as TokenId).collect();
+    let (want, digest) = reference(&ranges, &prompt, 60);
+    let req = request(&prompt, 60);
+    let gen = generate(&client, &placement.stages[0], &req, |_| {});
+    let inject = async {
+        for i in 0..200u32 {
+            let good = Frame::hidden(u64::from(i), 0, 0, 0, &[0.5; N_EMBD as usize], N_EMBD, Dtype::F32);
+            let mut wrong_len = good.encode();
+            wrong_len.truncate(wrong_len.len() - 4);
+            let mut bad_dtype = good.encode();
+            bad_dtype[28] = 9;
+            let garbage: Vec<u8> = (0..64).map(|b| (b * 37 + i) as u8).collect();
+            // An unknown session, and a stale epoch for whatever session is running.
+            let unknown =
+                Frame::hidden(u64::MAX - u64::from(i), 3, 0, 0, &[0.1; N_EMBD as usize], N_EMBD, Dtype::F32).encode();
+            let stale = Frame::message(FrameKind::Close, 1 << 32 | 1, 0, 0, vec![]).encode();
+            for bytes in [wrong_len, bad_dtype, garbage, unknown, stale] {
+                if tx.write_all(&send(bytes)).await.is_err() {
+                    return;
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    };
+    let (report, ()) = tokio::join!(gen, inject);
+    let report = report.unwrap();
+    assert_eq!(report.tokens, want);
+    assert_eq!(report.logits_digest, digest);
 }
