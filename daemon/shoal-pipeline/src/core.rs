@@ -182,7 +182,7 @@ struct Driver {
 }
 
 /// Counters a node keeps (for `shoal status`, the admin page, `/metrics` later).
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Counters {
     pub frames_in: u64,
     pub frames_out: u64,

@@ -15,7 +15,7 @@ pub mod service;
 
 pub use core::{Counters, RetryPolicy};
 pub use placement::{Placement, PlacementError, StagePlace};
-pub use protocol::{generate, GenEvent, GenerateRequest, Report};
+pub use protocol::{generate, status, ControlRequest, GenEvent, GenerateRequest, NodeStatus, Report};
 pub use service::{serve, SamplerFactory, ServiceConfig};
 
 /// Errors of the pipeline.

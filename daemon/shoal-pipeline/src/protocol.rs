@@ -39,6 +39,33 @@ pub struct Report {
     pub tok_per_s: f64,
 }
 
+/// A request on the control protocol.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ControlRequest {
+    /// Run a generation (the coordinator only).
+    Generate(GenerateRequest),
+    /// Report this node's state (any node).
+    Status,
+}
+
+/// A node's state, for `shoal status` (and the admin page and `/metrics` later).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct NodeStatus {
+    /// The node's id.
+    pub node: String,
+    /// Its stage.
+    pub layers: shoal_types::LayerRange,
+    /// Sessions it holds now.
+    pub sessions: usize,
+    /// Protocol counters.
+    pub counters: crate::core::Counters,
+    /// Times the link to the next node was (re)established.
+    pub link_connects: u64,
+    /// Frames refused by the decoder (malformed).
+    pub malformed_frames: u64,
+}
+
 /// One line of the coordinator's answer.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "snake_case")]
@@ -63,7 +90,7 @@ pub async fn generate(
     let conn = node.connect(coordinator.addr, coordinator.node, alpn::CONTROL).await?;
     let (mut send, recv) = conn.open_bi().await.map_err(|e| stream_err(&e))?;
     // Invariant: a request of plain numbers and a JSON value always serialises.
-    let body = serde_json::to_vec(request).expect("request serialises");
+    let body = serde_json::to_vec(&ControlRequest::Generate(request.clone())).expect("request serialises");
     send.write_all(&body).await.map_err(|e| stream_err(&e))?;
     send.finish().map_err(|e| stream_err(&e))?;
     let mut lines = tokio::io::BufReader::new(recv);
@@ -84,4 +111,19 @@ pub async fn generate(
             Err(e) => return Err(PipelineError::Generation(format!("bad answer from the coordinator: {e}"))),
         }
     }
+}
+
+/// Ask the node at `place` for its state.
+pub async fn status(node: &Node, place: &StagePlace) -> Result<NodeStatus, PipelineError> {
+    let stream_err = |e: &dyn std::fmt::Display| PipelineError::Stream(e.to_string());
+    let conn = node.connect(place.addr, place.node, alpn::CONTROL).await?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream_err(&e))?;
+    // Invariant: a unit variant always serialises.
+    send.write_all(&serde_json::to_vec(&ControlRequest::Status).expect("serialises"))
+        .await
+        .map_err(|e| stream_err(&e))?;
+    send.finish().map_err(|e| stream_err(&e))?;
+    let body = recv.read_to_end(1 << 20).await.map_err(|e| stream_err(&e))?;
+    conn.close(0u32.into(), b"done");
+    serde_json::from_slice(&body).map_err(|e| PipelineError::Generation(format!("bad status answer: {e}")))
 }

@@ -6,7 +6,7 @@
 pub use crate::core::SamplerFactory;
 use crate::core::{Action, ClientId, CoreConfig, Input, Job, JobInput, NodeCore, RetryPolicy, StepOutput};
 use crate::placement::Placement;
-use crate::protocol::{GenEvent, GenerateRequest, MAX_REQUEST};
+use crate::protocol::{ControlRequest, GenEvent, GenerateRequest, NodeStatus, MAX_REQUEST};
 use crate::PipelineError;
 use shoal_net::frame::HEADER_LEN;
 use shoal_net::{alpn, Dtype, Frame, FrameLimits, Node, NodeId};
@@ -48,6 +48,14 @@ enum Work {
 enum Event {
     Input(Input),
     Generate(GenerateRequest, mpsc::Sender<GenEvent>),
+    Status(tokio::sync::oneshot::Sender<NodeStatus>),
+}
+
+/// Counters kept outside the core (by the link and reader tasks).
+#[derive(Default)]
+struct ShellCounters {
+    link_connects: std::sync::atomic::AtomicU64,
+    malformed_frames: std::sync::atomic::AtomicU64,
 }
 
 /// Serve `cfg`'s stage on `node` until the endpoint closes.
@@ -67,12 +75,13 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
     let next = placement.next(index).clone();
     let next_is_self = next.node == node.id();
     let (link_tx, link_rx) = mpsc::channel::<Frame>(4096);
+    let shell = Arc::new(ShellCounters::default());
     if !next_is_self {
-        tokio::spawn(link_task(node.clone(), next.addr, next.node, link_rx));
+        tokio::spawn(link_task(node.clone(), next.addr, next.node, link_rx, shell.clone()));
     }
     let n = placement.stages.len();
     let prev = placement.stages[(index + n - 1) % n].node;
-    tokio::spawn(accept_task(node.clone(), prev, index == 0, limits, events_tx.clone()));
+    tokio::spawn(accept_task(node.clone(), prev, limits, events_tx.clone(), shell.clone()));
     let ticker = events_tx.clone();
     tokio::spawn(async move {
         let mut t = tokio::time::interval(TICK);
@@ -106,6 +115,18 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                 next_client += 1;
                 clients.insert(next_client, tx);
                 Input::Generate(req, next_client)
+            }
+            Event::Status(reply) => {
+                use std::sync::atomic::Ordering::Relaxed;
+                let _ = reply.send(NodeStatus {
+                    node: node.id().to_string(),
+                    layers: info.layers,
+                    sessions: core.session_count(),
+                    counters: core.counters.clone(),
+                    link_connects: shell.link_connects.load(Relaxed),
+                    malformed_frames: shell.malformed_frames.load(Relaxed),
+                });
+                continue;
             }
         };
         let mut pending = vec![input];
@@ -166,7 +187,13 @@ fn stage_thread(mut stage: Box<dyn Stage>, work: std::sync::mpsc::Receiver<Work>
 /// Sends frames to the next node over one ordered stream, reconnecting with jittered
 /// exponential backoff (from 5 ms up to 1 s) when the link is down — including at
 /// startup, when the next node may not be listening yet.
-async fn link_task(node: Arc<Node>, addr: std::net::SocketAddr, peer: NodeId, mut frames: mpsc::Receiver<Frame>) {
+async fn link_task(
+    node: Arc<Node>,
+    addr: std::net::SocketAddr,
+    peer: NodeId,
+    mut frames: mpsc::Receiver<Frame>,
+    counters: Arc<ShellCounters>,
+) {
     let mut stream: Option<quinn::SendStream> = None;
     let mut pending: Option<Vec<u8>> = None;
     let mut backoff = Duration::from_millis(5);
@@ -190,6 +217,8 @@ async fn link_task(node: Arc<Node>, addr: std::net::SocketAddr, peer: NodeId, mu
                     Ok(s) => {
                         backoff = Duration::from_millis(5);
                         stream = Some(s);
+                        counters.link_connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tracing::info!(%addr, "link to the next stage up");
                     }
                     Err(e) => tracing::debug!(%addr, "open stream: {e}"),
                 },
@@ -215,9 +244,9 @@ async fn link_task(node: Arc<Node>, addr: std::net::SocketAddr, peer: NodeId, mu
 async fn accept_task(
     node: Arc<Node>,
     prev: NodeId,
-    coordinator: bool,
     limits: FrameLimits,
     events: mpsc::Sender<Event>,
+    counters: Arc<ShellCounters>,
 ) {
     while let Some(acc) = node.accept().await {
         let events = events.clone();
@@ -227,8 +256,8 @@ async fn accept_task(
                 acc.conn.close(1u32.into(), b"not the previous stage");
                 continue;
             }
-            tokio::spawn(read_frames(acc.conn, limits, events));
-        } else if acc.alpn == alpn::CONTROL && coordinator {
+            tokio::spawn(read_frames(acc.conn, limits, events, counters.clone()));
+        } else if acc.alpn == alpn::CONTROL {
             tokio::spawn(serve_control(acc.conn, events));
         } else {
             acc.conn.close(1u32.into(), b"protocol not served here");
@@ -237,7 +266,12 @@ async fn accept_task(
 }
 
 /// Reads length-prefixed frames; malformed ones are logged and skipped.
-async fn read_frames(conn: quinn::Connection, limits: FrameLimits, events: mpsc::Sender<Event>) {
+async fn read_frames(
+    conn: quinn::Connection,
+    limits: FrameLimits,
+    events: mpsc::Sender<Event>,
+    counters: Arc<ShellCounters>,
+) {
     let max = HEADER_LEN + (limits.max_tokens as usize * limits.n_embd as usize * 4).max(limits.max_message as usize);
     while let Ok(mut rx) = conn.accept_uni().await {
         loop {
@@ -261,7 +295,10 @@ async fn read_frames(conn: quinn::Connection, limits: FrameLimits, events: mpsc:
                         return;
                     }
                 }
-                Err(e) => tracing::warn!("malformed frame rejected: {e}"),
+                Err(e) => {
+                    counters.malformed_frames.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!("malformed frame rejected: {e}");
+                }
             }
         }
     }
@@ -278,17 +315,31 @@ async fn serve_control(conn: quinn::Connection, events: mpsc::Sender<Event>) {
                 line.push(b'\n');
                 line
             };
-            let req =
-                match recv.read_to_end(MAX_REQUEST).await.map_err(|e| e.to_string()).and_then(|b| {
-                    serde_json::from_slice::<GenerateRequest>(&b).map_err(|e| format!("bad request: {e}"))
-                }) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        let _ = send.write_all(&reply(GenEvent::Error(e))).await;
-                        let _ = send.finish();
-                        return;
+            let req = match recv
+                .read_to_end(MAX_REQUEST)
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<ControlRequest>(&b).map_err(|e| format!("bad request: {e}")))
+            {
+                Ok(ControlRequest::Generate(r)) => r,
+                Ok(ControlRequest::Status) => {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    if events.send(Event::Status(tx)).await.is_ok() {
+                        if let Ok(st) = rx.await {
+                            // Invariant: the status is plain data and always serialises.
+                            let _ = send.write_all(&serde_json::to_vec(&st).expect("status serialises")).await;
+                        }
                     }
-                };
+                    let _ = send.finish();
+                    let _ = send.stopped().await;
+                    return;
+                }
+                Err(e) => {
+                    let _ = send.write_all(&reply(GenEvent::Error(e))).await;
+                    let _ = send.finish();
+                    return;
+                }
+            };
             let (tx, mut rx) = mpsc::channel(64);
             if events.send(Event::Generate(req, tx)).await.is_err() {
                 return;

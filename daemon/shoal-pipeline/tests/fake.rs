@@ -181,4 +181,10 @@ async fn injected_bad_frames_do_not_disturb_a_session() {
     let report = report.unwrap();
     assert_eq!(report.tokens, want);
     assert_eq!(report.logits_digest, digest);
+    // The refusals are counted where they happened.
+    let st = shoal_pipeline::status(&client, &placement.stages[1]).await.unwrap();
+    assert_eq!(st.malformed_frames, 600, "{st:?}"); // wrong length, bad dtype, garbage: 3 × 200
+    assert!(st.counters.lost_reported >= 200, "{st:?}");
+    let coordinator = shoal_pipeline::status(&client, &placement.stages[0]).await.unwrap();
+    assert_eq!(coordinator.sessions, 0, "finished sessions are freed: {coordinator:?}");
 }

@@ -25,6 +25,8 @@ enum Command {
     Serve(pipeline::ServeArgs),
     /// Run one generation through a running pipeline (ask its coordinator).
     Generate(pipeline::GenerateArgs),
+    /// Show each node of a running pipeline: sessions, re-drives, replays, link state.
+    Status(pipeline::StatusArgs),
     /// Print this node's id (its public key), creating the key on first use.
     Key(pipeline::KeyArgs),
     /// Describe a GGUF model: architecture, sizes, bytes per layer.
@@ -50,6 +52,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(a) => pipeline::serve(a),
         Command::Generate(a) => pipeline::generate(a),
         Command::Key(a) => pipeline::key(a),
+        Command::Status(a) => pipeline::status(a),
         Command::Bench(b) => bench::bench(b),
     };
     match result {

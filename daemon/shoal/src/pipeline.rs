@@ -67,6 +67,20 @@ pub struct GenerateArgs {
     text: TextArgs,
 }
 
+/// `shoal status`.
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    /// The placement file of the running pipeline.
+    #[arg(long)]
+    placement: PathBuf,
+    /// Data directory whose key identifies this client (see `generate`).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Print JSON (one array, a node per entry).
+    #[arg(long)]
+    json: bool,
+}
+
 /// `$XDG_DATA_HOME/shoal`, else `~/.local/share/shoal`.
 fn data_dir(given: &Option<PathBuf>) -> PathBuf {
     if let Some(d) = given {
@@ -244,6 +258,53 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             report.tok_per_s,
             report.prefill_s
         );
+    }
+    Ok(())
+}
+
+pub fn status(a: StatusArgs) -> Result<()> {
+    let placement = Placement::load(&a.placement)?;
+    let identity = Arc::new(Identity::load_or_create(&data_dir(&a.data_dir))?);
+    let answers = runtime()?.block_on(async {
+        let any: SocketAddr = if placement.stages[0].addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse()?;
+        let node = Node::bind(any, identity, TrustedKeys::new(placement.trusted()), &TransportOptions::default())?;
+        let mut answers = Vec::new();
+        for place in &placement.stages {
+            let r = tokio::time::timeout(std::time::Duration::from_secs(5), shoal_pipeline::status(&node, place)).await;
+            answers.push(match r {
+                Ok(Ok(st)) => Ok(st),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("no answer within 5 s".to_string()),
+            });
+        }
+        node.close();
+        anyhow::Ok(answers)
+    })?;
+    if a.json {
+        let v: Vec<serde_json::Value> = answers
+            .iter()
+            .zip(&placement.stages)
+            .map(|(r, p)| match r {
+                Ok(st) => serde_json::to_value(st).unwrap_or_default(),
+                Err(e) => serde_json::json!({"node": p.node.to_string(), "layers": p.layers, "error": e}),
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    for (r, p) in answers.iter().zip(&placement.stages) {
+        let id = p.node.to_string();
+        match r {
+            Ok(st) => {
+                let c = &st.counters;
+                println!(
+                    "stage {:<8} {} {}  sessions {}  frames in/out {}/{}  re-drives {}  replays {}  lost {}  stale {}  duplicates {}  link connects {}  malformed {}",
+                    p.layers.to_string(), &id[..12], p.addr, st.sessions, c.frames_in, c.frames_out, c.redrives, c.replays,
+                    c.lost_reported, c.stale_dropped, c.duplicates_dropped, st.link_connects, st.malformed_frames
+                );
+            }
+            Err(e) => println!("stage {:<8} {} {}  unreachable: {e}", p.layers.to_string(), &id[..12], p.addr),
+        }
     }
     Ok(())
 }

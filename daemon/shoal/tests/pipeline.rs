@@ -198,6 +198,22 @@ fn restart_middle(file: &str, splits: &[[u32; 2]]) {
     assert_eq!(g["tokens"], r["tokens"], "{file}: tokens changed across the restart");
     assert_eq!(g["logits_digest"], r["logits_digest"], "{file}: logits changed across the restart");
     assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 60, "tokens missing or duplicated: {rest:?}");
+    // The coordinator counted the recovery; every node answers status.
+    let st = json(
+        shoal()
+            .args(["status", "--json", "--placement"])
+            .arg(&placement)
+            .arg("--data-dir")
+            .arg(dir.path().join("client"))
+            .output()
+            .unwrap(),
+    );
+    let nodes = st.as_array().unwrap();
+    assert_eq!(nodes.len(), splits.len());
+    assert!(nodes.iter().all(|n| n.get("error").is_none()), "{st}");
+    let c = &nodes[0]["counters"];
+    assert!(c["replays"].as_u64().unwrap() + c["redrives"].as_u64().unwrap() >= 1, "{st}");
+    eprintln!("{file}: coordinator counters after the restart: {c}");
 }
 
 #[test]
