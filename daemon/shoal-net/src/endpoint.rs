@@ -3,6 +3,7 @@
 //! sized for home WiFi: a link silent for a few seconds survives without a reconnect.
 
 use crate::identity::{Identity, NodeId};
+use crate::impair::{ImpairedSocket, Impairment};
 use crate::tls::{client_config, node_id_of, server_config, TrustedKeys};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::CertificateDer;
@@ -51,11 +52,17 @@ pub struct TransportOptions {
     pub keep_alive: Duration,
     /// A connection silent this long is dead.
     pub idle_timeout: Duration,
+    /// Test/bench only: delay, jitter and loss applied to outgoing datagrams.
+    pub impair: Impairment,
 }
 
 impl Default for TransportOptions {
     fn default() -> Self {
-        Self { keep_alive: Duration::from_secs(1), idle_timeout: Duration::from_secs(10) }
+        Self {
+            keep_alive: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(10),
+            impair: Impairment::default(),
+        }
     }
 }
 
@@ -94,7 +101,16 @@ impl Node {
         let quic = QuicServerConfig::try_from(tls).map_err(|e| rustls::Error::General(e.to_string()))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(quic));
         server.transport_config(transport.clone());
-        let endpoint = quinn::Endpoint::server(server, addr).map_err(|source| NetError::Bind { addr, source })?;
+        let bind = |source| NetError::Bind { addr, source };
+        let endpoint = if opts.impair.is_none() {
+            quinn::Endpoint::server(server, addr).map_err(bind)?
+        } else {
+            let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
+            let socket = runtime.wrap_udp_socket(std::net::UdpSocket::bind(addr).map_err(bind)?).map_err(bind)?;
+            let socket = Arc::new(ImpairedSocket::new(socket, opts.impair));
+            quinn::Endpoint::new_with_abstract_socket(quinn::EndpointConfig::default(), Some(server), socket, runtime)
+                .map_err(bind)?
+        };
         Ok(Node { endpoint, identity, trusted, transport })
     }
 

@@ -6,9 +6,11 @@
 pub mod endpoint;
 pub mod frame;
 pub mod identity;
+pub mod impair;
 pub mod tls;
 
 pub use endpoint::{alpn, NetError, Node, TransportOptions};
 pub use frame::{Dtype, Frame, FrameError, FrameKind, FrameLimits};
 pub use identity::{Identity, IdentityError, NodeId};
+pub use impair::Impairment;
 pub use tls::TrustedKeys;

@@ -115,3 +115,31 @@ async fn unknown_alpn_is_refused() {
         _ = attempt => {}
     }
 }
+
+/// The impairment layer really delays: a request/response over impaired endpoints
+/// takes at least the two one-way delays (a lower bound, so not timing-flaky).
+#[tokio::test]
+async fn impairment_delays_packets() {
+    use shoal_net::Impairment;
+    let (a, b, _) = ids();
+    let (ia, ib) = (a.id(), b.id());
+    let opts = TransportOptions { impair: "delay=30ms".parse::<Impairment>().unwrap(), ..TransportOptions::default() };
+    let na = Node::bind("127.0.0.1:0".parse().unwrap(), Arc::new(a), TrustedKeys::new([ib]), &opts).unwrap();
+    let nb = Node::bind("127.0.0.1:0".parse().unwrap(), Arc::new(b), TrustedKeys::new([ia]), &opts).unwrap();
+    let addr = nb.local_addr().unwrap();
+    tokio::spawn(async move {
+        let acc = nb.accept().await.unwrap();
+        let (mut tx, mut rx) = acc.conn.accept_bi().await.unwrap();
+        let got = rx.read_to_end(64).await.unwrap();
+        tx.write_all(&got).await.unwrap();
+        tx.finish().unwrap();
+        let _ = tx.stopped().await;
+    });
+    let conn = na.connect(addr, ib, alpn::CONTROL).await.unwrap();
+    let t0 = std::time::Instant::now();
+    let (mut tx, mut rx) = conn.open_bi().await.unwrap();
+    tx.write_all(b"ping").await.unwrap();
+    tx.finish().unwrap();
+    assert_eq!(rx.read_to_end(64).await.unwrap(), b"ping");
+    assert!(t0.elapsed() >= Duration::from_millis(60), "round trip took only {:?}", t0.elapsed());
+}

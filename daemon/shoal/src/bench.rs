@@ -14,6 +14,34 @@ use std::process::Command;
 pub enum BenchCommand {
     /// Unsplit vs split into K in-process stages: decode tok/s, ratio, peak RSS.
     Split(SplitArgs),
+    /// Unsplit vs K stage processes over QUIC on loopback (optionally impaired):
+    /// decode tok/s, ratio, per-token overhead, time to first token.
+    Pipeline(PipelineArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PipelineArgs {
+    /// The GGUF model file.
+    #[arg(long, short)]
+    model: PathBuf,
+    /// Number of stage processes.
+    #[arg(long, default_value_t = 2)]
+    stages: u32,
+    /// Tokens generated per decode run.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    tokens: usize,
+    /// Alternating decode rounds.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Impairment of every stage's outgoing packets, e.g. "delay=3ms,jitter=2ms,loss=1%".
+    #[arg(long, default_value = "")]
+    impair: shoal_net::Impairment,
+    /// Prefill chunk size C.
+    #[arg(long, default_value_t = 128)]
+    chunk: u32,
+    /// Prompt length for the time-to-first-token measurement.
+    #[arg(long, default_value_t = 1000)]
+    prompt_tokens: usize,
 }
 
 #[derive(Args, Debug)]
@@ -54,6 +82,7 @@ struct RunOutput {
 pub fn bench(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Split(a) => split(a),
+        BenchCommand::Pipeline(a) => pipeline(a),
     }
 }
 
@@ -161,6 +190,192 @@ fn drop_page_cache(path: &std::path::Path) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = path;
+}
+
+/// The part of `shoal run --json` / `shoal generate --json` the pipeline bench reads.
+#[derive(Deserialize)]
+struct GenOutput {
+    tokens: Vec<i32>,
+    tok_per_s: f64,
+    prefill_s: f64,
+    prompt_tokens: usize,
+    logits_digest: String,
+}
+
+/// Stage processes killed when the bench ends.
+struct Children(Vec<std::process::Child>);
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn pipeline(a: PipelineArgs) -> Result<()> {
+    use std::io::BufRead;
+    let (_, meta) = open_model(&a.model)?;
+    let points = even_split(meta.n_layer, a.stages, meta.layer_period())?;
+    let exe = std::env::current_exe().context("locating the shoal binary")?;
+    let dir = tempfile::tempdir()?;
+    let cache = crate::run::default_cache();
+    let key = |name: &str| -> Result<String> {
+        let out = Command::new(&exe).args(["key", "--data-dir"]).arg(dir.path().join(name)).output()?;
+        Ok(String::from_utf8(out.stdout)?.trim().to_string())
+    };
+    let mut bounds = vec![0];
+    bounds.extend(&points);
+    bounds.push(meta.n_layer);
+    let mut toml = format!(
+        "model = {:?}\nchunk = {}\ncontext = {}\nsessions = 1\nclients = [\"{}\"]\n",
+        std::fs::canonicalize(&a.model)?,
+        a.chunk,
+        (a.prompt_tokens + a.tokens + 64).max(2048),
+        key("client")?
+    );
+    for i in 0..a.stages as usize {
+        let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
+        toml += &format!(
+            "[[stage]]\nnode = \"{}\"\naddr = \"127.0.0.1:{port}\"\nlayers = [{}, {}]\n",
+            key(&format!("node{i}"))?,
+            bounds[i],
+            bounds[i + 1]
+        );
+    }
+    let placement = dir.path().join("placement.toml");
+    std::fs::write(&placement, toml)?;
+    // Stage processes: the page cache of their shards dropped first, like the unsplit runs.
+    let shard_cache = ShardCache::new(&cache);
+    let (_, meta2) = open_model(&a.model)?;
+    for r in split_ranges(meta2.n_layer, &points, meta2.layer_period(), meta2.arch.name())? {
+        drop_page_cache(&shard_cache.shard_path(&a.model, r)?);
+    }
+    let impair = format!("{:?}", a.impair);
+    let impair_arg = if a.impair.is_none() { String::new() } else { impair_spec(&a.impair) };
+    let mut children = Children(Vec::new());
+    for i in 0..a.stages as usize {
+        let mut c = Command::new(&exe)
+            .args(["serve", "--impair", &impair_arg, "--placement"])
+            .arg(&placement)
+            .arg("--data-dir")
+            .arg(dir.path().join(format!("node{i}")))
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        let mut lines = std::io::BufReader::new(c.stderr.take().context("stage stderr")?).lines();
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l.contains("[shoal] serving") => break,
+                Some(_) => {}
+                None => bail!("stage {i} exited before serving"),
+            }
+        }
+        std::thread::spawn(move || lines.for_each(drop));
+        children.0.push(c);
+    }
+    let short = "Once upon a time, in a quiet harbour town, there lived an old lighthouse keeper who";
+    let long_prompt = {
+        let vocab = shoal_engine::Vocab::load(&a.model)?;
+        let unit = "The lighthouse keeper climbed the stairs each evening, trimmed the wick, wound the clock and watched the sea. ";
+        let mut text = String::new();
+        while vocab.tokenize(&text, false).len() < a.prompt_tokens {
+            text.push_str(unit);
+        }
+        text
+    };
+    let unsplit = |prompt: &str, n: usize, chunk: u32| -> Result<GenOutput> {
+        drop_page_cache(&a.model);
+        let out = Command::new(&exe)
+            .arg("run")
+            .arg("--model")
+            .arg(&a.model)
+            .args([
+                "--raw",
+                "--ignore-eos",
+                "--json",
+                "--prompt",
+                prompt,
+                "-n",
+                &n.to_string(),
+                "--chunk",
+                &chunk.to_string(),
+            ])
+            .args(["--ctx", &(a.prompt_tokens + a.tokens + 64).max(2048).to_string()])
+            .output()?;
+        if !out.status.success() {
+            bail!("shoal run failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    let piped = |prompt: &str, n: usize| -> Result<GenOutput> {
+        let out = Command::new(&exe)
+            .args(["generate", "--placement"])
+            .arg(&placement)
+            .arg("--data-dir")
+            .arg(dir.path().join("client"))
+            .args(["--raw", "--ignore-eos", "--json", "--prompt", prompt, "-n", &n.to_string()])
+            .output()?;
+        if !out.status.success() {
+            bail!("shoal generate failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    piped(short, 8).context("warm-up")?;
+
+    println!(
+        "bench pipeline: {} ({}, {} layers), {} stage processes split at {:?} on loopback, {} tokens, 1 thread per stage, chunk {}{}",
+        a.model.display(),
+        meta.arch.name(),
+        meta.n_layer,
+        a.stages,
+        points,
+        a.tokens,
+        a.chunk,
+        if a.impair.is_none() { String::new() } else { format!(", impairment on every hop: {impair}") }
+    );
+    println!("{:>6} {:>14} {:>15} {:>7}", "round", "unsplit tok/s", "pipeline tok/s", "ratio");
+    let (mut u, mut p) = (Vec::new(), Vec::new());
+    let mut identical = true;
+    for round in 1..=a.rounds {
+        let ru = unsplit(short, a.tokens, a.chunk)?;
+        let rp = piped(short, a.tokens)?;
+        identical &= ru.tokens == rp.tokens && ru.logits_digest == rp.logits_digest;
+        println!("{round:>6} {:>14.2} {:>15.2} {:>7.4}", ru.tok_per_s, rp.tok_per_s, rp.tok_per_s / ru.tok_per_s);
+        u.push(ru.tok_per_s);
+        p.push(rp.tok_per_s);
+    }
+    let (mu, mp) = (median(&mut u), median(&mut p));
+    println!("{:>6} {mu:>14.2} {mp:>15.2} {:>7.4}", "median", mp / mu);
+    let overhead_ms = 1000.0 / mp - 1000.0 / mu;
+    let loop_ms = a.stages as f64 * a.impair.delay.as_secs_f64() * 1000.0;
+    println!(
+        "per-token overhead: {overhead_ms:.2} ms (pipeline minus unsplit ms/token); one-way delays on a token's loop: {loop_ms:.2} ms ({} hops); target ≤ {:.2} ms",
+        a.stages,
+        1.25 * loop_ms + 0.5
+    );
+    let tu = unsplit(&long_prompt, 1, a.chunk)?;
+    let tp = piped(&long_prompt, 1)?;
+    let t512 = unsplit(&long_prompt, 1, 512)?;
+    println!(
+        "time to first token, {}-token prompt: unsplit {:.3} s (chunk {}), pipeline {:.3} s, ratio {:.3}; unsplit at chunk 512: {:.3} s",
+        tu.prompt_tokens,
+        tu.prefill_s,
+        a.chunk,
+        tp.prefill_s,
+        tp.prefill_s / tu.prefill_s,
+        t512.prefill_s
+    );
+    identical &= tu.tokens == tp.tokens && tu.logits_digest == tp.logits_digest;
+    println!("tokens and logits identical: {}", if identical { "yes" } else { "NO" });
+    if !identical {
+        bail!("the pipeline's output differs from the unsplit run's");
+    }
+    Ok(())
+}
+
+/// The command-line form of an impairment.
+fn impair_spec(i: &shoal_net::Impairment) -> String {
+    format!("delay={}us,jitter={}us,loss={}", i.delay.as_micros(), i.jitter.as_micros(), i.loss)
 }
 
 fn median(v: &mut [f64]) -> f64 {

@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use shoal_engine::{open_model, LlamaStage, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
-use shoal_net::{Dtype, Identity, Node, TransportOptions, TrustedKeys};
+use shoal_net::{Dtype, Identity, Impairment, Node, TransportOptions, TrustedKeys};
 use shoal_pipeline::{
     generate as run_generation, serve as serve_stage, GenerateRequest, Placement, RetryPolicy, SamplerFactory,
     ServiceConfig,
@@ -48,6 +48,10 @@ pub struct ServeArgs {
     /// Where shard files are cached [default: ~/.cache/shoal/shards].
     #[arg(long)]
     cache: Option<PathBuf>,
+    /// Test/bench only: impair this node's outgoing packets, e.g.
+    /// "delay=3ms,jitter=2ms,loss=1%" (the kernel here has no netem).
+    #[arg(long, default_value = "")]
+    impair: Impairment,
 }
 
 /// `shoal generate`.
@@ -141,12 +145,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let rt = runtime()?;
     rt.block_on(async move {
         let listen = a.listen.unwrap_or(place.addr);
-        let node = Arc::new(Node::bind(
-            listen,
-            identity.clone(),
-            TrustedKeys::new(placement.trusted()),
-            &TransportOptions::default(),
-        )?);
+        let opts = TransportOptions { impair: a.impair, ..TransportOptions::default() };
+        if !a.impair.is_none() {
+            eprintln!("[shoal] impairing outgoing packets (test option): {:?}", a.impair);
+        }
+        let node = Arc::new(Node::bind(listen, identity.clone(), TrustedKeys::new(placement.trusted()), &opts)?);
         eprintln!(
             "[shoal] serving layers {} of {} on {} as node {}",
             place.layers,

@@ -101,3 +101,25 @@ fn bench_split_prints_its_table() {
     assert!(text.contains("peak RSS: unsplit"), "{text}");
     assert!(text.contains("tokens and logits identical: yes"), "{text}");
 }
+
+#[test]
+fn bench_pipeline_prints_its_table() {
+    let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["bench", "pipeline", "--model", m.to_str().unwrap(), "--stages", "2", "-n", "8", "--rounds", "1"])
+        .args(["--prompt-tokens", "100", "--impair", "delay=1ms"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let median = text.lines().find(|l| l.trim_start().starts_with("median")).expect("median row");
+    let figures: Vec<f64> = median.split_whitespace().skip(1).map(|f| f.parse().unwrap()).collect();
+    assert_eq!(figures.len(), 3, "{median}");
+    assert!(figures.iter().all(|f| f.is_finite() && *f > 0.0), "{median}");
+    assert!(
+        text.contains("per-token overhead:") && text.contains("one-way delays on a token's loop: 2.00 ms"),
+        "{text}"
+    );
+    assert!(text.contains("time to first token"), "{text}");
+    assert!(text.contains("tokens and logits identical: yes"), "{text}");
+}

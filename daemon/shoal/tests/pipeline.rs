@@ -46,7 +46,8 @@ impl Drop for Stages {
 
 fn serve_cmd(dir: &Path, placement: &Path, i: usize) -> Command {
     let mut c = shoal();
-    c.args(["serve", "--placement"])
+    let impair = std::fs::read_to_string(dir.join("impair")).unwrap_or_default();
+    c.args(["serve", "--impair", &impair, "--placement"])
         .arg(placement)
         .arg("--data-dir")
         .arg(dir.join(format!("node{i}")))
@@ -57,17 +58,21 @@ fn serve_cmd(dir: &Path, placement: &Path, i: usize) -> Command {
 }
 
 /// Wait until a `shoal serve` child says it is serving, then keep draining its log.
-fn wait_serving(c: &mut Child) {
+/// Returns what it printed before.
+fn wait_serving(c: &mut Child) -> Vec<String> {
     let mut lines = BufReader::new(c.stderr.take().unwrap()).lines();
     let t0 = Instant::now();
+    let mut before = Vec::new();
     loop {
         let line = lines.next().expect("stage exited before serving").unwrap();
         if line.contains("[shoal] serving") {
             break;
         }
+        before.push(line);
         assert!(t0.elapsed() < Duration::from_secs(120), "stage did not start");
     }
     std::thread::spawn(move || lines.for_each(drop));
+    before
 }
 
 /// Start one `shoal serve` per split range and wait until each says it is serving.
@@ -91,7 +96,13 @@ fn start(dir: &Path, model: &Path, splits: &[[u32; 2]], chunk: u32) -> (PathBuf,
     for i in (0..splits.len()).rev() {
         stages.0.push(serve_cmd(dir, &placement, i).spawn().unwrap());
     }
-    stages.0.iter_mut().for_each(wait_serving);
+    let impair = std::fs::read_to_string(dir.join("impair")).unwrap_or_default();
+    for c in &mut stages.0 {
+        let log = wait_serving(c);
+        if !impair.is_empty() {
+            assert!(log.iter().any(|l| l.contains("impairing outgoing packets")), "impairment not applied: {log:?}");
+        }
+    }
     (placement, stages)
 }
 
@@ -101,8 +112,14 @@ fn json(out: std::process::Output) -> Value {
 }
 
 fn check(file: &str, splits: &[[u32; 2]]) {
+    check_impaired(file, splits, "");
+}
+
+/// `impair` applies to every stage's outgoing packets (so once per hop).
+fn check_impaired(file: &str, splits: &[[u32; 2]], impair: &str) {
     let m = model(file);
     let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("impair"), impair).unwrap();
     let chunk = 32;
     let (placement, _stages) = start(dir.path(), &m, splits, chunk);
     let args = ["--prompt", PROMPT, "--raw", "-n", "64", "--ignore-eos", "--json"];
@@ -134,6 +151,11 @@ fn smollm2_in_three_processes_matches_unsplit() {
 #[test]
 fn gemma3_in_three_processes_matches_unsplit() {
     check("gemma-3-270m-q4_k_m.gguf", &[[0, 6], [6, 12], [12, 18]]);
+}
+
+#[test]
+fn wifi_like_impairment_changes_nothing() {
+    check_impaired("SmolLM2-135M-Instruct.Q4_1.gguf", &[[0, 10], [10, 20], [20, 30]], "delay=3ms,jitter=2ms,loss=1%");
 }
 
 #[test]

@@ -1,0 +1,179 @@
+//! A userspace impairment layer for tests and benchmarks: a wrapper around the QUIC
+//! socket that delays (with jitter) and drops outgoing datagrams, because this
+//! kernel has no `tc netem`. Enabled only through an explicit option (`--impair`);
+//! never on by default.
+
+use quinn::udp::{RecvMeta, Transmit};
+use quinn::{AsyncUdpSocket, UdpPoller};
+use std::fmt;
+use std::io::{self, IoSliceMut};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+/// What to do to outgoing datagrams.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Impairment {
+    /// Added to every datagram.
+    pub delay: Duration,
+    /// Plus a uniform random extra in `[-jitter, +jitter]` (never below zero).
+    pub jitter: Duration,
+    /// Fraction of datagrams dropped (0.0 ..= 1.0).
+    pub loss: f64,
+}
+
+impl Impairment {
+    /// Does this impair anything?
+    pub fn is_none(&self) -> bool {
+        self.delay.is_zero() && self.jitter.is_zero() && self.loss == 0.0
+    }
+}
+
+impl FromStr for Impairment {
+    type Err = String;
+
+    /// `delay=3ms,jitter=2ms,loss=1%` (any subset; `us`, `ms`, `s`; loss as % or fraction).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut out = Impairment::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part.split_once('=').ok_or_else(|| format!("{part:?}: expected key=value"))?;
+            match k.trim() {
+                "delay" => out.delay = duration(v)?,
+                "jitter" => out.jitter = duration(v)?,
+                "loss" => {
+                    let v = v.trim();
+                    let f = match v.strip_suffix('%') {
+                        Some(p) => p.trim().parse::<f64>().map(|p| p / 100.0),
+                        None => v.parse::<f64>(),
+                    }
+                    .map_err(|_| format!("loss {v:?} is not a number"))?;
+                    if !(0.0..=1.0).contains(&f) {
+                        return Err(format!("loss {v:?} is outside 0..100%"));
+                    }
+                    out.loss = f;
+                }
+                other => return Err(format!("unknown impairment {other:?} (delay, jitter, loss)")),
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn duration(v: &str) -> Result<Duration, String> {
+    let v = v.trim();
+    let (num, unit) = v.split_at(v.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(v.len()));
+    let n: f64 = num.trim().parse().map_err(|_| format!("{v:?} is not a duration"))?;
+    let secs = match unit {
+        "us" => n / 1e6,
+        "ms" => n / 1e3,
+        "s" => n,
+        _ => return Err(format!("{v:?}: unit must be us, ms or s")),
+    };
+    if !(0.0..=60.0).contains(&secs) {
+        return Err(format!("{v:?} is out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// The wrapping socket.
+pub struct ImpairedSocket {
+    inner: Arc<dyn AsyncUdpSocket>,
+    spec: Impairment,
+    /// xorshift state for loss and jitter.
+    rng: Mutex<u64>,
+}
+
+impl fmt::Debug for ImpairedSocket {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ImpairedSocket").field("spec", &self.spec).finish()
+    }
+}
+
+impl ImpairedSocket {
+    /// Wrap `inner`.
+    pub fn new(inner: Arc<dyn AsyncUdpSocket>, spec: Impairment) -> Self {
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1;
+        Self { inner, spec, rng: Mutex::new(seed) }
+    }
+
+    fn random(&self) -> f64 {
+        // A poisoned lock holds a valid u64 all the same.
+        let mut s = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+        *s ^= *s << 13;
+        *s ^= *s >> 7;
+        *s ^= *s << 17;
+        (*s >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+impl AsyncUdpSocket for ImpairedSocket {
+    fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+        self.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, t: &Transmit) -> io::Result<()> {
+        if self.spec.loss > 0.0 && self.random() < self.spec.loss {
+            return Ok(()); // lost on the air
+        }
+        let jitter = self.spec.jitter.as_secs_f64() * (2.0 * self.random() - 1.0);
+        let delay = Duration::from_secs_f64((self.spec.delay.as_secs_f64() + jitter).max(0.0));
+        if delay.is_zero() {
+            return self.inner.try_send(t);
+        }
+        let (inner, destination, ecn, contents, segment_size, src_ip) =
+            (self.inner.clone(), t.destination, t.ecn, t.contents.to_vec(), t.segment_size, t.src_ip);
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let t = Transmit { destination, ecn, contents: &contents, segment_size, src_ip };
+            // A full socket buffer drops the datagram, as a congested link would.
+            let _ = inner.try_send(&t);
+        });
+        Ok(())
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<io::Result<usize>> {
+        self.inner.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        1 // one datagram per transmit, so each is delayed and dropped on its own
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.inner.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.inner.may_fragment()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_specs() {
+        let i: Impairment = "delay=3ms, jitter=2ms, loss=1%".parse().unwrap();
+        assert_eq!(i, Impairment { delay: Duration::from_millis(3), jitter: Duration::from_millis(2), loss: 0.01 });
+        assert_eq!("loss=0.5".parse::<Impairment>().unwrap().loss, 0.5);
+        assert_eq!("delay=500us".parse::<Impairment>().unwrap().delay, Duration::from_micros(500));
+        assert!("".parse::<Impairment>().unwrap().is_none());
+        for bad in ["delay=3", "loss=150%", "speed=1", "delay", "delay=-1ms", "jitter=100s"] {
+            assert!(bad.parse::<Impairment>().is_err(), "{bad} accepted");
+        }
+    }
+}
