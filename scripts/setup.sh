@@ -12,6 +12,8 @@ say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 # --- system packages: llama.cpp builds with cmake; bindgen needs libclang ----------
 need_pkgs=()
 command -v cmake >/dev/null 2>&1 || need_pkgs+=(cmake)
+# Multi-host tests put stages in network namespaces.
+command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
 command -v clang >/dev/null 2>&1 || need_pkgs+=(clang)
 ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
 command -v pip3 >/dev/null 2>&1 || command -v pip >/dev/null 2>&1 || need_pkgs+=(python3-pip)

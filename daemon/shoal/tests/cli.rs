@@ -1,15 +1,10 @@
 //! The `shoal` binary end to end: `run --json` split and unsplit agree, errors are
 //! clear and exit non-zero without a panic, and the benchmark prints its table.
 
+mod common;
+use common::model;
 use serde_json::Value;
-use std::path::PathBuf;
 use std::process::{Command, Output};
-
-fn model(file: &str) -> PathBuf {
-    let p = shoal_gguf::models_dir().join(file);
-    assert!(p.exists(), "test model {} is missing: run scripts/setup.sh (or set SHOAL_MODELS)", p.display());
-    p
-}
 
 fn shoal(args: &[&str], cache: &std::path::Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_shoal")).args(args).arg("--cache").arg(cache).output().unwrap()

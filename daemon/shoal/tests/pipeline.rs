@@ -1,32 +1,13 @@
 //! Stages in separate processes over real QUIC on loopback: `shoal serve` ×3 and
 //! `shoal generate` give the same tokens and logits digest as `shoal run` unsplit.
 
+mod common;
+use common::*;
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-const PROMPT: &str = "The history of the lighthouse begins in antiquity, when fires were lit on hilltops \
-    to guide ships into harbour. The Pharos of Alexandria, built in the third century BC, stood over a \
-    hundred metres tall and was counted among the wonders of the ancient world. Later, Roman engineers \
-    raised towers along the coasts of their empire, from Dover to the Black Sea.";
-
-fn model(file: &str) -> PathBuf {
-    let p = shoal_gguf::models_dir().join(file);
-    assert!(p.exists(), "test model {} is missing: run scripts/setup.sh (or set SHOAL_MODELS)", p.display());
-    p
-}
-
-fn shoal() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_shoal"))
-}
-
-fn key(dir: &Path) -> String {
-    let out = shoal().args(["key", "--data-dir"]).arg(dir).output().unwrap();
-    assert!(out.status.success());
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
-}
 
 fn free_port() -> u16 {
     std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -104,11 +85,6 @@ fn start(dir: &Path, model: &Path, splits: &[[u32; 2]], chunk: u32) -> (PathBuf,
         }
     }
     (placement, stages)
-}
-
-fn json(out: std::process::Output) -> Value {
-    assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 fn check(file: &str, splits: &[[u32; 2]]) {
