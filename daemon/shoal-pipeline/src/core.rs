@@ -101,11 +101,18 @@ pub struct RetryPolicy {
     pub min_timeout: Duration,
     /// Without any progress for this long the generation fails.
     pub max_wait: Duration,
+    /// A stage forgets a session it has not heard of for this long (its coordinator
+    /// died or gave up); longer than `max_wait`, so no live generation is cut.
+    pub session_idle: Duration,
 }
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self { min_timeout: Duration::from_millis(1500), max_wait: Duration::from_secs(300) }
+        Self {
+            min_timeout: Duration::from_millis(1500),
+            max_wait: Duration::from_secs(300),
+            session_idle: Duration::from_secs(900),
+        }
     }
 }
 
@@ -201,6 +208,8 @@ pub struct NodeCore {
     /// Final digests of recently closed sessions (tail), to answer a repeated Close.
     closed: VecDeque<(u64, String)>,
     next_session: u64,
+    /// When each session was last heard of (frames, finished steps).
+    last_seen: HashMap<u64, Instant>,
     /// Public counters.
     pub counters: Counters,
 }
@@ -213,6 +222,7 @@ impl NodeCore {
             sessions: HashMap::new(),
             closed: VecDeque::new(),
             next_session: session_base,
+            last_seen: HashMap::new(),
             counters: Counters::default(),
         }
     }
@@ -237,9 +247,13 @@ impl NodeCore {
             Input::Generate(req, client) => self.start(req, client, now, &mut out),
             Input::Frame(f) => {
                 self.counters.frames_in += 1;
+                self.last_seen.insert(f.session, now);
                 self.on_frame(f, now, &mut out)
             }
-            Input::Done(job, result) => self.on_done(job, result, now, &mut out),
+            Input::Done(job, result) => {
+                self.last_seen.insert(job.session, now);
+                self.on_done(job, result, now, &mut out)
+            }
             Input::Tick => self.on_tick(now, &mut out),
         }
         self.counters.frames_out += out.iter().filter(|a| matches!(a, Action::Send(_))).count() as u64;
@@ -451,6 +465,24 @@ impl NodeCore {
 
     /// Re-drive late steps; fail generations that made no progress for too long.
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Action>) {
+        // Stages: forget sessions whose coordinator is gone.
+        let idle = self.cfg.retry.session_idle;
+        let sessions = &self.sessions;
+        self.last_seen.retain(|id, _| sessions.contains_key(id));
+        let expired: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(id, s)| {
+                s.driver.is_none() && self.last_seen.get(id).is_none_or(|t| now.saturating_duration_since(*t) >= idle)
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in expired {
+            tracing::info!(session = id, "session idle too long; freed");
+            self.sessions.remove(&id);
+            self.last_seen.remove(&id);
+            out.push(Action::Free(id));
+        }
         let max_wait = self.cfg.retry.max_wait;
         let late: Vec<(u64, bool, bool)> = self
             .sessions
@@ -730,4 +762,46 @@ impl NodeCore {
 
 fn error_frame(f: &Frame, message: String) -> Frame {
     Frame::message(FrameKind::Error, f.session, f.step, f.epoch, message.into_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct First;
+    impl TokenSampler for First {
+        fn sample(&mut self, _: &[f32]) -> TokenId {
+            0
+        }
+    }
+
+    fn core(index: usize) -> NodeCore {
+        let samplers: SamplerFactory = Arc::new(|_: &serde_json::Value| Ok(Box::new(First) as Box<dyn TokenSampler>));
+        let cfg = CoreConfig {
+            index,
+            n_stages: 3,
+            chunk: 4,
+            n_ctx: 64,
+            n_embd: 2,
+            dtype: Dtype::F32,
+            samplers,
+            retry: RetryPolicy::default(),
+        };
+        NodeCore::new(cfg, 0)
+    }
+
+    #[test]
+    fn abandoned_sessions_are_freed_on_stages() {
+        let t0 = Instant::now();
+        let mut c = core(1);
+        let open = Frame::message(FrameKind::Open, 7, 0, 0, b"{}".to_vec());
+        let out = c.handle(Input::Frame(open), t0);
+        assert!(matches!(out.as_slice(), [Action::Send(_)]));
+        assert_eq!(c.session_count(), 1);
+        assert!(c.handle(Input::Tick, t0 + Duration::from_secs(60)).is_empty());
+        assert_eq!(c.session_count(), 1);
+        let out = c.handle(Input::Tick, t0 + Duration::from_secs(901));
+        assert!(matches!(out.as_slice(), [Action::Free(7)]), "{out:?}");
+        assert_eq!(c.session_count(), 0);
+    }
 }

@@ -58,7 +58,11 @@ fn config(index: usize, n: usize) -> CoreConfig {
         n_embd: N_EMBD,
         dtype: Dtype::F32,
         samplers,
-        retry: RetryPolicy { min_timeout: Duration::from_millis(200), max_wait: Duration::from_secs(600) },
+        retry: RetryPolicy {
+            min_timeout: Duration::from_millis(200),
+            max_wait: Duration::from_secs(600),
+            session_idle: Duration::from_secs(1800),
+        },
     }
 }
 
