@@ -64,6 +64,8 @@ pub struct NodeStatus {
     pub link_connects: u64,
     /// Frames refused by the decoder (malformed).
     pub malformed_frames: u64,
+    /// Refusals the next stage sent back about this node's frames.
+    pub refused_by_next: u64,
 }
 
 /// One line of the coordinator's answer.

@@ -9,7 +9,7 @@ use crate::placement::Placement;
 use crate::protocol::{ControlRequest, GenEvent, GenerateRequest, NodeStatus, MAX_REQUEST};
 use crate::PipelineError;
 use shoal_net::frame::HEADER_LEN;
-use shoal_net::{alpn, Dtype, Frame, FrameLimits, Node, NodeId};
+use shoal_net::{alpn, Dtype, Frame, FrameKind, FrameLimits, Node, NodeId};
 use shoal_types::{SessionId, Stage, StageError, StageInput, StageOutput};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -56,6 +56,7 @@ enum Event {
 struct ShellCounters {
     link_connects: std::sync::atomic::AtomicU64,
     malformed_frames: std::sync::atomic::AtomicU64,
+    refused_by_next: std::sync::atomic::AtomicU64,
 }
 
 /// Serve `cfg`'s stage on `node` until the endpoint closes.
@@ -125,6 +126,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                     counters: core.counters.clone(),
                     link_connects: shell.link_connects.load(Relaxed),
                     malformed_frames: shell.malformed_frames.load(Relaxed),
+                    refused_by_next: shell.refused_by_next.load(Relaxed),
                 });
                 continue;
             }
@@ -215,6 +217,7 @@ async fn link_task(
             match node.connect(addr, peer, alpn::PIPELINE).await {
                 Ok(conn) => match conn.open_uni().await {
                     Ok(s) => {
+                        tokio::spawn(read_refusals(conn.clone(), counters.clone()));
                         backoff = Duration::from_millis(5);
                         stream = Some(s);
                         counters.link_connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -273,6 +276,7 @@ async fn read_frames(
     counters: Arc<ShellCounters>,
 ) {
     let max = HEADER_LEN + (limits.max_tokens as usize * limits.n_embd as usize * 4).max(limits.max_message as usize);
+    let mut refusals = 0u32;
     while let Ok(mut rx) = conn.accept_uni().await {
         loop {
             let mut len = [0u8; 4];
@@ -298,8 +302,41 @@ async fn read_frames(
                 Err(e) => {
                     counters.malformed_frames.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::warn!("malformed frame rejected: {e}");
+                    // Tell the sender (the first few times per connection: a flood of
+                    // garbage must not become a flood of answers).
+                    refusals += 1;
+                    if refusals <= MAX_REFUSALS_PER_CONNECTION {
+                        let msg = format!("malformed frame rejected: {e}").into_bytes();
+                        tokio::spawn(send_refusal(conn.clone(), Frame::message(FrameKind::Error, 0, 0, 0, msg)));
+                    }
                 }
             }
+        }
+    }
+}
+
+/// Malformed frames answered per connection; later ones are only counted and logged.
+const MAX_REFUSALS_PER_CONNECTION: u32 = 16;
+
+/// Send one refusal back to the sender of a bad frame, on a stream of its own.
+async fn send_refusal(conn: quinn::Connection, f: Frame) {
+    if let Ok(mut s) = conn.open_uni().await {
+        let body = f.encode();
+        let mut b = (body.len() as u32).to_le_bytes().to_vec();
+        b.extend(body);
+        let _ = s.write_all(&b).await;
+        let _ = s.finish();
+    }
+}
+
+/// Sender side: log refusals the next stage sends back about our frames.
+async fn read_refusals(conn: quinn::Connection, counters: Arc<ShellCounters>) {
+    let limits = FrameLimits { n_embd: 1, max_tokens: 1, max_message: MAX_MESSAGE };
+    while let Ok(mut rx) = conn.accept_uni().await {
+        let Ok(bytes) = rx.read_to_end(MAX_MESSAGE as usize + HEADER_LEN + 4).await else { continue };
+        if let Some(Ok(f)) = bytes.get(4..).map(|b| Frame::decode(b, &limits)) {
+            counters.refused_by_next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!("the next stage refused a frame: {}", String::from_utf8_lossy(&f.payload));
         }
     }
 }

@@ -181,6 +181,13 @@ async fn injected_bad_frames_do_not_disturb_a_session() {
     let report = report.unwrap();
     assert_eq!(report.tokens, want);
     assert_eq!(report.logits_digest, digest);
+    // The sender is told: refusals come back on the same connection (the first 16).
+    let mut refusal = conn.accept_uni().await.expect("a refusal stream");
+    let bytes = refusal.read_to_end(1 << 16).await.unwrap();
+    let f =
+        Frame::decode(&bytes[4..], &shoal_net::FrameLimits { n_embd: 1, max_tokens: 1, max_message: 1 << 16 }).unwrap();
+    assert_eq!(f.kind, FrameKind::Error);
+    assert!(String::from_utf8_lossy(&f.payload).contains("malformed frame rejected"), "{f:?}");
     // The refusals are counted where they happened.
     let st = shoal_pipeline::status(&client, &placement.stages[1]).await.unwrap();
     assert_eq!(st.malformed_frames, 600, "{st:?}"); // wrong length, bad dtype, garbage: 3 × 200

@@ -301,9 +301,9 @@ pub fn status(a: StatusArgs) -> Result<()> {
             Ok(st) => {
                 let c = &st.counters;
                 println!(
-                    "stage {:<8} {} {}  sessions {}  frames in/out {}/{}  re-drives {}  replays {}  lost {}  stale {}  duplicates {}  link connects {}  malformed {}",
+                    "stage {:<8} {} {}  sessions {}  frames in/out {}/{}  re-drives {}  replays {}  lost {}  stale {}  duplicates {}  link connects {}  malformed in {}  refused by next {}",
                     p.layers.to_string(), &id[..12], p.addr, st.sessions, c.frames_in, c.frames_out, c.redrives, c.replays,
-                    c.lost_reported, c.stale_dropped, c.duplicates_dropped, st.link_connects, st.malformed_frames
+                    c.lost_reported, c.stale_dropped, c.duplicates_dropped, st.link_connects, st.malformed_frames, st.refused_by_next
                 );
             }
             Err(e) => println!("stage {:<8} {} {}  unreachable: {e}", p.layers.to_string(), &id[..12], p.addr),
