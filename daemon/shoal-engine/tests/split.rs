@@ -228,7 +228,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert!(matches!(e, StageError::WrongInput { .. }), "{e}");
     let e = tail.forward(s, 32, StageInput::Hidden(&h1[..1000])).unwrap_err();
     assert!(matches!(e, StageError::BadHiddenLength { .. }), "{e}");
-    let e = head.forward(s, 32, StageInput::Tokens(&p[..33].repeat(1))).unwrap_err();
+    let e = head.forward(s, 32, StageInput::Tokens(&p[..33])).unwrap_err();
     assert!(matches!(e, StageError::ChunkTooLarge { .. }), "{e}");
     let e = head.forward(s, 40, StageInput::Tokens(&p[..4])).unwrap_err();
     assert!(matches!(e, StageError::PositionGap { first_pos: 40, have: 32, .. }), "{e}");

@@ -73,7 +73,7 @@ pub fn write_shard(src: &Gguf, meta: &ModelMeta, range: LayerRange, dest: &Path)
         return Err(bad_range(format!("the model has layers 0..{}", meta.n_layer)));
     }
     let period = meta.layer_period();
-    if range.start % period != 0 || (range.end % period != 0 && range.end != meta.n_layer) {
+    if !range.start.is_multiple_of(period) || (!range.end.is_multiple_of(period) && range.end != meta.n_layer) {
         return Err(bad_range(format!(
             "{} derives per-layer behaviour with a period of {period}: boundaries must be multiples of {period}",
             meta.arch.name()

@@ -262,7 +262,7 @@ impl NodeCore {
 
     /// Send toward the coordinator; when this node *is* the coordinator (the frame
     /// comes from its own tail in a one-stage ring), handle it here.
-    fn to_coordinator(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
+    fn send_to_coordinator(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
         if self.is_coordinator() {
             self.on_frame(f, now, out);
         } else {
@@ -579,7 +579,9 @@ impl NodeCore {
         }
         let params: serde_json::Value = match serde_json::from_slice(&f.payload) {
             Ok(v) => v,
-            Err(e) => return self.to_coordinator(error_frame(&f, format!("bad session parameters: {e}")), now, out),
+            Err(e) => {
+                return self.send_to_coordinator(error_frame(&f, format!("bad session parameters: {e}")), now, out)
+            }
         };
         let current = self.sessions.get(&f.session).map(|s| s.epoch);
         if current.is_some_and(|e| f.epoch < e) {
@@ -635,7 +637,7 @@ impl NodeCore {
                     epoch,
                     format!("bad sampling parameters: {e}").into_bytes(),
                 );
-                self.to_coordinator(f, now, out);
+                self.send_to_coordinator(f, now, out);
             }
         }
     }
@@ -644,7 +646,7 @@ impl NodeCore {
         let Some(s) = self.sessions.get_mut(&f.session) else {
             // Restarted, or the Open was lost with a broken connection.
             self.counters.lost_reported += 1;
-            return self.to_coordinator(
+            return self.send_to_coordinator(
                 Frame::message(FrameKind::Lost, f.session, f.step, f.epoch, Vec::new()),
                 now,
                 out,
@@ -691,12 +693,12 @@ impl NodeCore {
                     job.epoch,
                     format!("stage {}: {e}", self.cfg.index).into_bytes(),
                 );
-                self.to_coordinator(f, now, out);
+                self.send_to_coordinator(f, now, out);
             }
             Ok(StepOutput::Gap) => {
                 self.counters.lost_reported += 1;
                 let f = Frame::message(FrameKind::Lost, job.session, job.step, job.epoch, Vec::new());
-                self.to_coordinator(f, now, out);
+                self.send_to_coordinator(f, now, out);
             }
             Ok(StepOutput::Hidden(h)) => {
                 let mut f =
@@ -711,7 +713,7 @@ impl NodeCore {
                 let Some(tail) = self.sessions.get_mut(&job.session).and_then(|s| s.tail.as_mut()) else {
                     self.counters.lost_reported += 1;
                     let f = Frame::message(FrameKind::Lost, job.session, job.step, job.epoch, Vec::new());
-                    return self.to_coordinator(f, now, out);
+                    return self.send_to_coordinator(f, now, out);
                 };
                 let token = match tail.sampled.get(&job.step) {
                     Some(&t) => {
@@ -728,7 +730,7 @@ impl NodeCore {
                 };
                 let next_pos = job.first_pos + job.input.n_tokens(self.cfg.n_embd);
                 let f = Frame::tokens(job.session, job.step, job.epoch, next_pos, &[token]);
-                self.to_coordinator(f, now, out);
+                self.send_to_coordinator(f, now, out);
             }
         }
     }

@@ -203,13 +203,7 @@ async fn link_task(
         let bytes = match pending.take() {
             Some(b) => b,
             None => match frames.recv().await {
-                Some(f) => {
-                    let body = f.encode();
-                    let mut b = Vec::with_capacity(4 + body.len());
-                    b.extend_from_slice(&(body.len() as u32).to_le_bytes());
-                    b.extend_from_slice(&body);
-                    b
-                }
+                Some(f) => length_prefixed(&f),
                 None => return,
             },
         };
@@ -321,12 +315,18 @@ const MAX_REFUSALS_PER_CONNECTION: u32 = 16;
 /// Send one refusal back to the sender of a bad frame, on a stream of its own.
 async fn send_refusal(conn: quinn::Connection, f: Frame) {
     if let Ok(mut s) = conn.open_uni().await {
-        let body = f.encode();
-        let mut b = (body.len() as u32).to_le_bytes().to_vec();
-        b.extend(body);
-        let _ = s.write_all(&b).await;
+        let _ = s.write_all(&length_prefixed(&f)).await;
         let _ = s.finish();
     }
+}
+
+/// A frame as it goes on a stream: its length (u32, little-endian), then its bytes.
+fn length_prefixed(f: &Frame) -> Vec<u8> {
+    let body = f.encode();
+    let mut b = Vec::with_capacity(4 + body.len());
+    b.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    b.extend_from_slice(&body);
+    b
 }
 
 /// Sender side: log refusals the next stage sends back about our frames.

@@ -247,8 +247,7 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
     std::fs::write(&placement, toml)?;
     // Stage processes: the page cache of their shards dropped first, like the unsplit runs.
     let shard_cache = ShardCache::new(&cache);
-    let (_, meta2) = open_model(&a.model)?;
-    for r in split_ranges(meta2.n_layer, &points, meta2.layer_period(), meta2.arch.name())? {
+    for r in split_ranges(meta.n_layer, &points, meta.layer_period(), meta.arch.name())? {
         drop_page_cache(&shard_cache.shard_path(&a.model, r)?);
     }
     let impair = format!("{:?}", a.impair);
