@@ -84,6 +84,35 @@ pub struct ImpairedSocket {
     spec: Impairment,
     /// xorshift state for loss and jitter.
     rng: Mutex<u64>,
+    /// Datagrams waiting for their send time, handed to the delay-line thread.
+    line: Mutex<std::sync::mpsc::Sender<Delayed>>,
+}
+
+/// A datagram and when to send it.
+struct Delayed {
+    at: std::time::Instant,
+    seq: u64,
+    destination: SocketAddr,
+    ecn: Option<quinn::udp::EcnCodepoint>,
+    contents: Vec<u8>,
+    src_ip: Option<std::net::IpAddr>,
+}
+
+impl PartialEq for Delayed {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Delayed {}
+impl PartialOrd for Delayed {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Delayed {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(o.at, o.seq))
+    }
 }
 
 impl fmt::Debug for ImpairedSocket {
@@ -93,11 +122,21 @@ impl fmt::Debug for ImpairedSocket {
 }
 
 impl ImpairedSocket {
-    /// Wrap `inner`.
+    /// Wrap `inner`. Delayed datagrams are sent by a thread of their own that sleeps
+    /// precisely until each is due (tokio's timer would round every delay up to the
+    /// next millisecond, distorting what benchmarks measure).
     pub fn new(inner: Arc<dyn AsyncUdpSocket>, spec: Impairment) -> Self {
         let seed =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1;
-        Self { inner, spec, rng: Mutex::new(seed) }
+        let (tx, rx) = std::sync::mpsc::channel::<Delayed>();
+        let out = inner.clone();
+        // Invariant: spawning fails only when the process is out of threads or memory, and
+        // this is a test/bench option: failing loudly there is right.
+        std::thread::Builder::new()
+            .name("impair".into())
+            .spawn(move || delay_line(out, rx))
+            .expect("spawning the impairment thread");
+        Self { inner, spec, rng: Mutex::new(seed), line: Mutex::new(tx) }
     }
 
     fn random(&self) -> f64 {
@@ -107,6 +146,37 @@ impl ImpairedSocket {
         *s ^= *s >> 7;
         *s ^= *s << 17;
         (*s >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Sends each datagram when it is due; ends when the socket is dropped.
+fn delay_line(out: Arc<dyn AsyncUdpSocket>, rx: std::sync::mpsc::Receiver<Delayed>) {
+    use std::collections::BinaryHeap;
+    let mut heap: BinaryHeap<std::cmp::Reverse<Delayed>> = BinaryHeap::new();
+    loop {
+        let now = std::time::Instant::now();
+        while heap.peek().is_some_and(|d| d.0.at <= now) {
+            if let Some(std::cmp::Reverse(d)) = heap.pop() {
+                let t = Transmit {
+                    destination: d.destination,
+                    ecn: d.ecn,
+                    contents: &d.contents,
+                    segment_size: None,
+                    src_ip: d.src_ip,
+                };
+                // A full socket buffer drops the datagram, as a congested link would.
+                let _ = out.try_send(&t);
+            }
+        }
+        let next = match heap.peek() {
+            Some(d) => rx.recv_timeout(d.0.at.saturating_duration_since(now)),
+            None => rx.recv().map_err(|_| std::sync::mpsc::RecvTimeoutError::Disconnected),
+        };
+        match next {
+            Ok(d) => heap.push(std::cmp::Reverse(d)),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+        }
     }
 }
 
@@ -124,14 +194,17 @@ impl AsyncUdpSocket for ImpairedSocket {
         if delay.is_zero() {
             return self.inner.try_send(t);
         }
-        let (inner, destination, ecn, contents, segment_size, src_ip) =
-            (self.inner.clone(), t.destination, t.ecn, t.contents.to_vec(), t.segment_size, t.src_ip);
-        tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            let t = Transmit { destination, ecn, contents: &contents, segment_size, src_ip };
-            // A full socket buffer drops the datagram, as a congested link would.
-            let _ = inner.try_send(&t);
-        });
+        let seq = (self.random() * u64::MAX as f64) as u64;
+        let d = Delayed {
+            at: std::time::Instant::now() + delay,
+            seq,
+            destination: t.destination,
+            ecn: t.ecn,
+            contents: t.contents.to_vec(),
+            src_ip: t.src_ip,
+        };
+        // The thread lives as long as this socket; if it is gone the datagram is lost.
+        let _ = self.line.lock().unwrap_or_else(|e| e.into_inner()).send(d);
         Ok(())
     }
 
