@@ -1,17 +1,16 @@
 //! `shoal key`, `shoal serve` and `shoal generate`: stages in separate processes (on
 //! one machine or several) connected over QUIC, as a placement file describes.
 
-use crate::run::{default_cache, Printer, TextArgs};
+use crate::run::{default_cache, Printer, RunReport, TextArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use serde::Serialize;
 use shoal_engine::{open_model, LlamaStage, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
 use shoal_net::{Dtype, Identity, Impairment, Node, TransportOptions, TrustedKeys};
 use shoal_pipeline::{
     generate as run_generation, serve as serve_stage, GenerateRequest, Placement, RetryPolicy, SamplerFactory,
     ServiceConfig,
 };
-use shoal_types::{LayerRange, TokenId, TokenSampler};
+use shoal_types::TokenSampler;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -185,20 +184,6 @@ async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-/// What `generate --json` prints: the shape of `run --json`.
-#[derive(Serialize)]
-struct GenerateReport {
-    tokens: Vec<TokenId>,
-    text: String,
-    stages: Vec<LayerRange>,
-    prompt_tokens: usize,
-    tok_per_s: f64,
-    prefill_s: f64,
-    decode_s: f64,
-    logits_digest: String,
-    chunk: u32,
-}
-
 pub fn generate(a: GenerateArgs) -> Result<()> {
     let placement = Placement::load(&a.placement)?;
     let t = &a.text;
@@ -241,7 +226,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     })?;
     let tail = out.finish();
     if t.json {
-        let r = GenerateReport {
+        let r = RunReport {
             tokens: report.tokens,
             text: out.text.clone(),
             stages: placement.stages.iter().map(|s| s.layers).collect(),
@@ -251,6 +236,9 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             decode_s: report.decode_s,
             logits_digest: report.logits_digest,
             chunk: placement.chunk,
+            memory: None,
+            stage_ms: None,
+            peak_rss_bytes: None,
         };
         println!("{}", serde_json::to_string(&r)?);
     } else {

@@ -130,22 +130,27 @@ pub struct InspectArgs {
     pub json: bool,
 }
 
-/// What `run --json` prints.
+/// What `run --json` and `generate --json` print (one shape, so they can be compared).
 #[derive(Serialize)]
-struct RunReport {
-    tokens: Vec<TokenId>,
-    text: String,
-    stages: Vec<LayerRange>,
-    prompt_tokens: usize,
-    tok_per_s: f64,
-    prefill_s: f64,
-    decode_s: f64,
-    logits_digest: String,
-    chunk: u32,
-    memory: Vec<StageMemory>,
-    /// Milliseconds each stage spent, over the whole generation (prefill included).
-    stage_ms: Vec<f64>,
-    peak_rss_bytes: Option<u64>,
+pub struct RunReport {
+    pub tokens: Vec<TokenId>,
+    pub text: String,
+    pub stages: Vec<LayerRange>,
+    pub prompt_tokens: usize,
+    pub tok_per_s: f64,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    pub logits_digest: String,
+    pub chunk: u32,
+    /// Per stage (in-process runs only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Vec<StageMemory>>,
+    /// Milliseconds each stage spent, over the whole generation (in-process runs only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stage_ms: Option<Vec<f64>>,
+    /// Peak resident memory of the process (in-process runs only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes: Option<u64>,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -197,8 +202,8 @@ pub fn run(a: RunArgs) -> Result<()> {
             decode_s: gen.decode.as_secs_f64(),
             logits_digest: gen.logits_digest,
             chunk: g.chunk,
-            memory,
-            stage_ms: gen.timing.per_stage.iter().map(|d| d.as_secs_f64() * 1e3).collect(),
+            memory: Some(memory),
+            stage_ms: Some(gen.timing.per_stage.iter().map(|d| d.as_secs_f64() * 1e3).collect()),
             peak_rss_bytes: peak_rss(),
         };
         println!("{}", serde_json::to_string(&report)?);
