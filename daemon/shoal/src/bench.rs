@@ -117,17 +117,13 @@ fn split(a: SplitArgs) -> Result<()> {
         files.iter().for_each(|f| drop_page_cache(f));
         let mut cmd = Command::new(&exe);
         cmd.arg("run").arg("--model").arg(&a.model).args(["--raw", "--ignore-eos", "--json"]);
-        cmd.args(["--prompt", "Once upon a time, in a quiet harbour town, there lived an old lighthouse keeper who"]);
+        cmd.args(["--prompt", SHORT_PROMPT]);
         cmd.args(["-n", &a.tokens.to_string(), "--threads", &a.threads.to_string(), "--chunk", &a.chunk.to_string()]);
         cmd.arg("--cache").arg(cache.dir());
         if !split.is_empty() {
             cmd.arg("--split").arg(split.iter().map(u32::to_string).collect::<Vec<_>>().join(","));
         }
-        let out = cmd.output().context("running shoal run")?;
-        if !out.status.success() {
-            bail!("shoal run failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        serde_json::from_slice(&out.stdout).context("parsing shoal run --json")
+        json_of(cmd, "run")
     };
     // Build the shards once, outside the measurements.
     run_once(&points).context("warm-up run")?;
@@ -272,7 +268,6 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
         std::thread::spawn(move || lines.for_each(drop));
         children.0.push(c);
     }
-    let short = "Once upon a time, in a quiet harbour town, there lived an old lighthouse keeper who";
     let long_prompt = {
         let vocab = shoal_engine::Vocab::load(&a.model)?;
         let unit = "The lighthouse keeper climbed the stairs each evening, trimmed the wick, wound the clock and watched the sea. ";
@@ -284,42 +279,19 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
     };
     let unsplit = |prompt: &str, n: usize, chunk: u32| -> Result<GenOutput> {
         drop_page_cache(&a.model);
-        let out = Command::new(&exe)
-            .arg("run")
-            .arg("--model")
-            .arg(&a.model)
-            .args([
-                "--raw",
-                "--ignore-eos",
-                "--json",
-                "--prompt",
-                prompt,
-                "-n",
-                &n.to_string(),
-                "--chunk",
-                &chunk.to_string(),
-            ])
-            .args(["--ctx", &(a.prompt_tokens + a.tokens + 64).max(2048).to_string()])
-            .output()?;
-        if !out.status.success() {
-            bail!("shoal run failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        Ok(serde_json::from_slice(&out.stdout)?)
+        let mut cmd = Command::new(&exe);
+        cmd.arg("run").arg("--model").arg(&a.model).args(["--raw", "--ignore-eos", "--json", "--prompt", prompt]);
+        cmd.args(["-n", &n.to_string(), "--chunk", &chunk.to_string()]);
+        cmd.args(["--ctx", &(a.prompt_tokens + a.tokens + 64).max(2048).to_string()]);
+        json_of(cmd, "run")
     };
     let piped = |prompt: &str, n: usize| -> Result<GenOutput> {
-        let out = Command::new(&exe)
-            .args(["generate", "--placement"])
-            .arg(&placement)
-            .arg("--data-dir")
-            .arg(dir.path().join("client"))
-            .args(["--raw", "--ignore-eos", "--json", "--prompt", prompt, "-n", &n.to_string()])
-            .output()?;
-        if !out.status.success() {
-            bail!("shoal generate failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        Ok(serde_json::from_slice(&out.stdout)?)
+        let mut cmd = Command::new(&exe);
+        cmd.args(["generate", "--placement"]).arg(&placement).arg("--data-dir").arg(dir.path().join("client"));
+        cmd.args(["--raw", "--ignore-eos", "--json", "--prompt", prompt, "-n", &n.to_string()]);
+        json_of(cmd, "generate")
     };
-    piped(short, 8).context("warm-up")?;
+    piped(SHORT_PROMPT, 8).context("warm-up")?;
 
     println!(
         "bench pipeline: {} ({}, {} layers), {} stage processes split at {:?} on loopback, {} tokens, 1 thread per stage, chunk {}{}",
@@ -336,8 +308,8 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
     let (mut u, mut p) = (Vec::new(), Vec::new());
     let mut identical = true;
     for round in 1..=a.rounds {
-        let ru = unsplit(short, a.tokens, a.chunk)?;
-        let rp = piped(short, a.tokens)?;
+        let ru = unsplit(SHORT_PROMPT, a.tokens, a.chunk)?;
+        let rp = piped(SHORT_PROMPT, a.tokens)?;
         identical &= ru.tokens == rp.tokens && ru.logits_digest == rp.logits_digest;
         println!("{round:>6} {:>14.2} {:>15.2} {:>7.4}", ru.tok_per_s, rp.tok_per_s, rp.tok_per_s / ru.tok_per_s);
         u.push(ru.tok_per_s);
@@ -375,6 +347,18 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
 /// The command-line form of an impairment.
 fn impair_spec(i: &shoal_net::Impairment) -> String {
     format!("delay={}us,jitter={}us,loss={}", i.delay.as_micros(), i.jitter.as_micros(), i.loss)
+}
+
+/// The decode prompt of both benches.
+const SHORT_PROMPT: &str = "Once upon a time, in a quiet harbour town, there lived an old lighthouse keeper who";
+
+/// Run a `shoal … --json` child and parse what it prints.
+fn json_of<T: serde::de::DeserializeOwned>(mut cmd: Command, what: &str) -> Result<T> {
+    let out = cmd.output().with_context(|| format!("running shoal {what}"))?;
+    if !out.status.success() {
+        bail!("shoal {what} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    serde_json::from_slice(&out.stdout).with_context(|| format!("parsing shoal {what} --json"))
 }
 
 fn median(v: &mut [f64]) -> f64 {
