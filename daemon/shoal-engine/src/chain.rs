@@ -3,7 +3,7 @@
 //! (model, prompt, sampling, seed, C), never on how the layers are split.
 
 use crate::sampler::Sampler;
-use shoal_types::{LayerRange, SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
+use shoal_types::{LayerRange, LogitsDigest, SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
 use std::time::{Duration, Instant};
 
 /// Why a chain could not be built or a generation failed.
@@ -170,7 +170,7 @@ impl Chain {
             return Err(ChainError::ContextExceeded { prompt: prompt.len(), new: max_new, n_ctx });
         }
         let mut timing = StepTiming::default();
-        let mut digest = blake3::Hasher::new();
+        let mut digest = LogitsDigest::default();
         let mut tokens = Vec::with_capacity(max_new);
         let t0 = Instant::now();
         let mut logits = Vec::new();
@@ -181,11 +181,8 @@ impl Chain {
         }
         let prefill = t0.elapsed();
         let t1 = Instant::now();
-        let mut bytes = Vec::new();
         while tokens.len() < max_new {
-            bytes.clear();
-            bytes.extend(logits.iter().flat_map(|f| f.to_le_bytes()));
-            digest.update(&bytes);
+            digest.update(&logits);
             observer.logits(&logits);
             let token = sampler.sample(&logits);
             tokens.push(token);
@@ -195,12 +192,6 @@ impl Chain {
             logits = self.step(session, pos, &[token], &mut timing)?;
             pos += 1;
         }
-        Ok(Generation {
-            tokens,
-            logits_digest: digest.finalize().to_hex().to_string(),
-            prefill,
-            decode: t1.elapsed(),
-            timing,
-        })
+        Ok(Generation { tokens, logits_digest: digest.hex(), prefill, decode: t1.elapsed(), timing })
     }
 }

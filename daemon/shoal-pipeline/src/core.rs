@@ -21,7 +21,7 @@
 use crate::protocol::{GenEvent, GenerateRequest, Report};
 use shoal_net::frame::FLAG_SAMPLE;
 use shoal_net::{Dtype, Frame, FrameKind};
-use shoal_types::{TokenId, TokenSampler};
+use shoal_types::{LogitsDigest, TokenId, TokenSampler};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -153,7 +153,7 @@ struct Session {
 
 struct TailState {
     sampler: Box<dyn TokenSampler>,
-    digest: blake3::Hasher,
+    digest: LogitsDigest,
     /// Token sampled at each step (by step number).
     sampled: HashMap<u32, TokenId>,
 }
@@ -627,7 +627,7 @@ impl NodeCore {
                     tail: None,
                     driver: None,
                 });
-                s.tail = Some(TailState { sampler, digest: blake3::Hasher::new(), sampled: HashMap::new() });
+                s.tail = Some(TailState { sampler, digest: LogitsDigest::default(), sampled: HashMap::new() });
             }
             Err(e) => {
                 let f = Frame::message(
@@ -721,8 +721,7 @@ impl NodeCore {
                         t
                     }
                     None => {
-                        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-                        tail.digest.update(&bytes);
+                        tail.digest.update(&logits);
                         let t = tail.sampler.sample(&logits);
                         tail.sampled.insert(job.step, t);
                         t
@@ -739,7 +738,7 @@ impl NodeCore {
     fn tail_close(&mut self, f: Frame, out: &mut Vec<Action>) -> Frame {
         let digest = match self.sessions.get_mut(&f.session).and_then(|s| s.tail.take()) {
             Some(t) => {
-                let d = t.digest.finalize().to_hex().to_string();
+                let d = t.digest.hex();
                 self.closed.push_back((f.session, d.clone()));
                 if self.closed.len() > 256 {
                     self.closed.pop_front();

@@ -175,6 +175,12 @@ impl Placement {
     pub fn next(&self, index: usize) -> &StagePlace {
         &self.stages[(index + 1) % self.stages.len()]
     }
+
+    /// The stage before `index` in the same ring (the tail, before the coordinator):
+    /// the only node whose pipeline frames `index` accepts.
+    pub fn prev(&self, index: usize) -> &StagePlace {
+        &self.stages[(index + self.stages.len() - 1) % self.stages.len()]
+    }
 }
 
 #[cfg(test)]

@@ -81,7 +81,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
         tokio::spawn(link_task(node.clone(), next.addr, next.node, link_rx, shell.clone()));
     }
     let n = placement.stages.len();
-    let prev = placement.stages[(index + n - 1) % n].node;
+    let prev = placement.prev(index).node;
     tokio::spawn(accept_task(node.clone(), prev, limits, events_tx.clone(), shell.clone()));
     let ticker = events_tx.clone();
     tokio::spawn(async move {

@@ -215,6 +215,30 @@ pub trait Stage: Send {
     fn memory(&self) -> StageMemory;
 }
 
+/// A generation's `logits_digest`: BLAKE3 over the little-endian bytes of the tail's
+/// logits at every sampled step, in order. Equal digests mean bit-identical logits. One
+/// definition, so that `shoal run` and the pipeline's tail can be compared exactly.
+#[derive(Clone, Debug, Default)]
+pub struct LogitsDigest {
+    hasher: blake3::Hasher,
+    /// Reused byte buffer (a step's logits are up to a MB).
+    bytes: Vec<u8>,
+}
+
+impl LogitsDigest {
+    /// Add one sampled step's logits.
+    pub fn update(&mut self, logits: &[f32]) {
+        self.bytes.clear();
+        self.bytes.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+        self.hasher.update(&self.bytes);
+    }
+
+    /// The digest so far, as hex.
+    pub fn hex(&self) -> String {
+        self.hasher.finalize().to_hex().to_string()
+    }
+}
+
 /// Chooses the next token from the tail's logits; holds per-session state (random
 /// generator, recent tokens). The engine provides llama.cpp's samplers.
 pub trait TokenSampler: Send {

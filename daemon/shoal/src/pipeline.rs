@@ -102,6 +102,12 @@ pub fn key(a: KeyArgs) -> Result<()> {
     Ok(())
 }
 
+/// An endpoint on any local port, of the pipeline's address family, for a client of it.
+fn client_node(placement: &Placement, identity: Arc<Identity>) -> Result<Node> {
+    let any: SocketAddr = if placement.stages[0].addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse()?;
+    Ok(Node::bind(any, identity, TrustedKeys::new(placement.trusted()), &TransportOptions::default())?)
+}
+
 fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -210,8 +216,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     }
     let mut out = Printer::new(&vocab, !t.json, false);
     let report = runtime()?.block_on(async {
-        let any: SocketAddr = if placement.stages[0].addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse()?;
-        let node = Node::bind(any, identity, TrustedKeys::new(placement.trusted()), &TransportOptions::default())?;
+        let node = client_node(&placement, identity)?;
         let mut count = 0;
         let r = run_generation(&node, &placement.stages[0], &request, |tok| {
             out.token(tok);
@@ -257,8 +262,7 @@ pub fn status(a: StatusArgs) -> Result<()> {
     let placement = Placement::load(&a.placement)?;
     let identity = Arc::new(Identity::load_or_create(&data_dir(&a.data_dir))?);
     let answers = runtime()?.block_on(async {
-        let any: SocketAddr = if placement.stages[0].addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse()?;
-        let node = Node::bind(any, identity, TrustedKeys::new(placement.trusted()), &TransportOptions::default())?;
+        let node = client_node(&placement, identity)?;
         let mut answers = Vec::new();
         for place in &placement.stages {
             let r = tokio::time::timeout(std::time::Duration::from_secs(5), shoal_pipeline::status(&node, place)).await;
