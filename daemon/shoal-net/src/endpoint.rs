@@ -167,6 +167,12 @@ impl Node {
     pub fn close(&self) {
         self.endpoint.close(0u32.into(), b"shutting down");
     }
+
+    /// Wait until closed connections have told their peers (after [`Node::close`]), so
+    /// the peers learn of it now rather than at their idle timeout.
+    pub async fn wait_idle(&self) {
+        self.endpoint.wait_idle().await;
+    }
 }
 
 /// The verified node id of the peer of `conn`.

@@ -6,13 +6,18 @@
 //! 0  magic "SF"      2  version u8      3  kind u8
 //! 4  session u64     12 step u32        16 epoch u32
 //! 20 first_pos u32   24 n_tokens u32    28 dtype u8     29 flags u8   30 reserved u16 (0)
-//! 32 payload_len u32 36 reserved u32 (0)                40 payload
+//! 32 payload_len u32 36 sent_us u32                      40 payload
 //! ```
+//!
+//! `sent_us` is the sender's wall clock in microseconds (mod 2³²) when the frame left
+//! its protocol core: the receiver subtracts it from its own clock to measure the
+//! hop's latency (wire and queues). Exact between processes of one host; across
+//! hosts it is off by their clock offset, so it is a statistic, never a decision input.
 
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 40;
 const MAGIC: [u8; 2] = *b"SF";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +62,12 @@ impl Dtype {
     }
 }
 
+/// This host's wall clock in microseconds, mod 2³² (never 0, which means unstamped).
+pub fn wall_us() -> u32 {
+    let us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros());
+    (us as u32).max(1)
+}
+
 /// Flag: the tail should sample and return a token for this step.
 pub const FLAG_SAMPLE: u8 = 1;
 
@@ -81,6 +92,9 @@ pub struct Frame {
     pub flags: u8,
     /// The payload bytes.
     pub payload: Vec<u8>,
+    /// Sender's wall clock (µs, mod 2³²) when the frame was sent; 0 when not stamped.
+    /// Only for latency statistics ([`wall_us`], [`Frame::age_us`]).
+    pub sent_us: u32,
 }
 
 /// What a receiver accepts.
@@ -134,12 +148,34 @@ impl Frame {
             _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         };
         let dtype = if dtype == Dtype::F16 { Dtype::F16 } else { Dtype::F32 };
-        Frame { kind: FrameKind::Hidden, session, step, epoch, first_pos, n_tokens, dtype, flags: 0, payload }
+        Frame {
+            kind: FrameKind::Hidden,
+            session,
+            step,
+            epoch,
+            first_pos,
+            n_tokens,
+            dtype,
+            flags: 0,
+            payload,
+            sent_us: 0,
+        }
     }
 
     /// A frame carrying opaque bytes (Open, Close, Error).
     pub fn message(kind: FrameKind, session: u64, step: u32, epoch: u32, bytes: Vec<u8>) -> Frame {
-        Frame { kind, session, step, epoch, first_pos: 0, n_tokens: 0, dtype: Dtype::Bytes, flags: 0, payload: bytes }
+        Frame {
+            kind,
+            session,
+            step,
+            epoch,
+            first_pos: 0,
+            n_tokens: 0,
+            dtype: Dtype::Bytes,
+            flags: 0,
+            payload: bytes,
+            sent_us: 0,
+        }
     }
 
     /// Token ids.
@@ -154,6 +190,7 @@ impl Frame {
             dtype: Dtype::I32,
             flags: 0,
             payload: tokens.iter().flat_map(|t| t.to_le_bytes()).collect(),
+            sent_us: 0,
         }
     }
 
@@ -172,7 +209,7 @@ impl Frame {
         out.push(self.flags);
         out.extend_from_slice(&[0, 0]);
         out.extend_from_slice(&(self.payload.len() as u32).to_le_bytes());
-        out.extend_from_slice(&[0, 0, 0, 0]);
+        out.extend_from_slice(&self.sent_us.to_le_bytes());
         out.extend_from_slice(&self.payload);
         out
     }
@@ -206,7 +243,7 @@ impl Frame {
             3 => Dtype::F16,
             d => return Err(FrameError::Dtype(d)),
         };
-        if bytes[30] != 0 || bytes[31] != 0 || u32_at(36) != 0 {
+        if bytes[30] != 0 || bytes[31] != 0 {
             return Err(FrameError::Reserved);
         }
         let n_tokens = u32_at(24);
@@ -241,7 +278,19 @@ impl Frame {
             dtype,
             flags: bytes[29],
             payload: payload.to_vec(),
+            sent_us: u32_at(36),
         })
+    }
+
+    /// Microseconds since the sender stamped this frame, by this host's clock (`None`
+    /// when unstamped or when the sender's clock is ahead of ours).
+    pub fn age_us(&self) -> Option<u32> {
+        if self.sent_us == 0 {
+            return None;
+        }
+        let age = wall_us().wrapping_sub(self.sent_us);
+        // Ages over ~35 minutes are a clock ahead of ours (wrapped negative).
+        (age < 1 << 31).then_some(age)
     }
 
     /// The hidden states, as f32 (converted from f16 if sent so).
@@ -283,6 +332,20 @@ mod tests {
     }
 
     #[test]
+    fn the_send_stamp_travels_and_gives_an_age() {
+        let mut t = Frame::tokens(7, 4, 1, 12, &[42]);
+        assert_eq!(t.age_us(), None, "unstamped");
+        t.sent_us = wall_us().wrapping_sub(1500);
+        let d = Frame::decode(&t.encode(), &L).unwrap();
+        assert_eq!(d.sent_us, t.sent_us);
+        let age = d.age_us().unwrap();
+        assert!((1500..1_000_000).contains(&age), "{age}");
+        // A sender clock ahead of ours gives no age rather than a huge one.
+        t.sent_us = wall_us().wrapping_add(5_000_000);
+        assert_eq!(t.age_us(), None);
+    }
+
+    #[test]
     fn malformed_frames_are_refused() {
         let good = Frame::hidden(1, 0, 0, 0, &[0.5; 8], 4, Dtype::F32).encode();
         let mut b = good.clone();
@@ -305,7 +368,7 @@ mod tests {
         b[3] = 77;
         assert_eq!(Frame::decode(&b, &L), Err(FrameError::Kind(77)));
         let mut b = good.clone();
-        b[37] = 1;
+        b[30] = 1;
         assert_eq!(Frame::decode(&b, &L), Err(FrameError::Reserved));
         // Header claims a longer payload than the limits allow for messages.
         let mut m = Frame::message(FrameKind::Error, 1, 0, 0, vec![b'x'; 65]).encode();

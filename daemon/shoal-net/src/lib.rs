@@ -10,7 +10,7 @@ pub mod impair;
 pub mod tls;
 
 pub use endpoint::{alpn, NetError, Node, TransportOptions};
-pub use frame::{Dtype, Frame, FrameError, FrameKind, FrameLimits};
+pub use frame::{wall_us, Dtype, Frame, FrameError, FrameKind, FrameLimits};
 pub use identity::{Identity, IdentityError, NodeId};
 pub use impair::Impairment;
 pub use tls::TrustedKeys;

@@ -9,11 +9,13 @@
 //! async shell around it.
 
 pub mod core;
+pub mod latency;
 pub mod placement;
 pub mod protocol;
 pub mod service;
 
 pub use core::{Counters, RetryPolicy};
+pub use latency::{HopLatencies, HopLatency};
 pub use placement::{Placement, PlacementError, StagePlace};
 pub use protocol::{generate, status, ControlRequest, GenEvent, GenerateRequest, NodeStatus, Report};
 pub use service::{serve, SamplerFactory, ServiceConfig};

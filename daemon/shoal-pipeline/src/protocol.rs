@@ -66,6 +66,9 @@ pub struct NodeStatus {
     pub malformed_frames: u64,
     /// Refusals the next stage sent back about this node's frames.
     pub refused_by_next: u64,
+    /// Latency of the frames received from the previous stage, by size class.
+    #[serde(default)]
+    pub hop_in: Vec<crate::latency::HopLatency>,
 }
 
 /// One line of the coordinator's answer.

@@ -108,9 +108,14 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
     let mut core = NodeCore::new(core_cfg, u64::from(rand_u32()) << 32);
     let mut clients: HashMap<ClientId, mpsc::Sender<GenEvent>> = HashMap::new();
     let mut next_client: ClientId = 0;
+    let mut hops = crate::latency::HopLatencies::default();
     tracing::info!(stage = %info.layers, addr = ?node.local_addr().ok(), "serving");
     while let Some(ev) = events.recv().await {
         let input = match ev {
+            Event::Input(Input::Frame(f)) => {
+                hops.record(&f);
+                Input::Frame(f)
+            }
             Event::Input(i) => i,
             Event::Generate(req, tx) => {
                 next_client += 1;
@@ -127,6 +132,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                     link_connects: shell.link_connects.load(Relaxed),
                     malformed_frames: shell.malformed_frames.load(Relaxed),
                     refused_by_next: shell.refused_by_next.load(Relaxed),
+                    hop_in: hops.summary(),
                 });
                 continue;
             }
@@ -136,7 +142,8 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
             for action in core.handle(input, Instant::now()) {
                 match action {
                     Action::Send(f) if next_is_self => pending.push(Input::Frame(f)),
-                    Action::Send(f) => {
+                    Action::Send(mut f) => {
+                        f.sent_us = shoal_net::wall_us();
                         if link_tx.send(f).await.is_err() {
                             tracing::error!("the link task has stopped");
                         }

@@ -2,6 +2,7 @@
 //! own module; this file only dispatches.
 
 mod bench;
+mod lab;
 mod pipeline;
 mod run;
 

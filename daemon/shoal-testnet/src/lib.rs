@@ -1,0 +1,151 @@
+//! Several hosts on one Linux machine, for multi-node tests and benchmarks: a bridge
+//! namespace with one veth per host namespace, addresses 10.x.y.k/24, links that can
+//! be taken down and up. Everything is created under unique names and removed when
+//! the [`Net`] is dropped (also on panic), together with the processes it was given.
+//! Needs root and iproute2; [`Net::new`] says why when it cannot.
+
+use std::ffi::OsStr;
+use std::net::Ipv4Addr;
+use std::process::{Child, Command};
+
+/// Why the namespaces could not be made or changed.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NetnsError(String);
+
+/// A set of hosts on one bridge.
+pub struct Net {
+    /// Namespace holding the bridge `br0` and the hosts' peer ends `b<k>`.
+    bridge: String,
+    /// One namespace per host; host `k` has `v<k>` with address `subnet.(k+1)`.
+    hosts: Vec<String>,
+    /// First three octets of the hosts' /24.
+    subnet: [u8; 3],
+    /// Processes killed (and reaped) before the namespaces go.
+    children: Vec<Child>,
+}
+
+/// Run `ip ARGS`.
+fn ip(args: &[&str]) -> Result<(), NetnsError> {
+    let out = Command::new("ip").args(args).output().map_err(|e| NetnsError(format!("cannot run ip: {e}")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(NetnsError(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim())))
+    }
+}
+
+impl Net {
+    /// Create `n` hosts on a bridge. `tag` (a few letters) says who made them; the
+    /// process id and a per-process count make names unique.
+    pub fn new(tag: &str, n: usize) -> Result<Net, NetnsError> {
+        static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let id = std::process::id() % 60000;
+        let name = format!("shoal-{tag}-{id}-{}", MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let mut net = Net {
+            bridge: format!("{name}-br"),
+            hosts: Vec::new(),
+            subnet: [10, 200 + (id % 50) as u8, ((id / 50) % 250) as u8],
+            children: Vec::new(),
+        };
+        // From here on, `net` removes whatever was made if a later step fails.
+        ip(&["netns", "add", &net.bridge])?;
+        let br = net.bridge.clone();
+        let in_bridge = |args: &[&str]| ip(&[&["netns", "exec", &br, "ip"], args].concat());
+        in_bridge(&["link", "add", "br0", "type", "bridge"])?;
+        in_bridge(&["link", "set", "br0", "up"])?;
+        for k in 0..n {
+            let host = format!("{name}-h{k}");
+            ip(&["netns", "add", &host])?;
+            net.hosts.push(host.clone());
+            let (b, v) = (format!("b{k}"), format!("v{k}"));
+            in_bridge(&["link", "add", &b, "type", "veth", "peer", "name", &v, "netns", &host])?;
+            in_bridge(&["link", "set", &b, "master", "br0", "up"])?;
+            let in_host = |args: &[&str]| ip(&[&["netns", "exec", &host, "ip"], args].concat());
+            in_host(&["addr", "add", &format!("{}/24", net.addr(k)), "dev", &v])?;
+            in_host(&["link", "set", &v, "up"])?;
+            in_host(&["link", "set", "lo", "up"])?;
+        }
+        Ok(net)
+    }
+
+    /// Number of hosts.
+    pub fn len(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// Whether there are no hosts.
+    pub fn is_empty(&self) -> bool {
+        self.hosts.is_empty()
+    }
+
+    /// Host `k`'s address.
+    pub fn addr(&self, k: usize) -> Ipv4Addr {
+        let [a, b, c] = self.subnet;
+        Ipv4Addr::new(a, b, c, k as u8 + 1)
+    }
+
+    /// Host `k`'s namespace name (for `ip netns exec`).
+    pub fn namespace(&self, k: usize) -> &str {
+        &self.hosts[k]
+    }
+
+    /// A command that runs `program` inside host `k`.
+    pub fn command(&self, k: usize, program: impl AsRef<OsStr>) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.hosts[k]]).arg(program);
+        c
+    }
+
+    /// Take host `k`'s link to the bridge down or up.
+    pub fn link(&self, k: usize, up: bool) -> Result<(), NetnsError> {
+        ip(&["netns", "exec", &self.hosts[k], "ip", "link", "set", &format!("v{k}"), if up { "up" } else { "down" }])
+    }
+
+    /// Kill `child` when this net is dropped (before its namespaces are removed).
+    pub fn adopt(&mut self, child: Child) {
+        self.children.push(child);
+    }
+
+    /// The adopted processes, in order of adoption.
+    pub fn children(&mut self) -> &mut [Child] {
+        &mut self.children
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for ns in self.hosts.iter().chain(std::iter::once(&self.bridge)) {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespaces_are_made_flapped_and_removed() {
+        let net = match Net::new("selftest", 2) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("SKIPPED: network namespaces unavailable here (needs root and iproute2): {e}");
+                return;
+            }
+        };
+        let names: Vec<String> = (0..2).map(|k| net.namespace(k).to_string()).collect();
+        assert_eq!(net.addr(1).octets()[3], 2);
+        let listed = String::from_utf8(Command::new("ip").args(["netns", "list"]).output().unwrap().stdout).unwrap();
+        assert!(names.iter().all(|n| listed.contains(n.as_str())), "{listed}");
+        net.link(1, false).unwrap();
+        net.link(1, true).unwrap();
+        drop(net);
+        let listed = String::from_utf8(Command::new("ip").args(["netns", "list"]).output().unwrap().stdout).unwrap();
+        assert!(names.iter().all(|n| !listed.contains(n.as_str())), "left behind: {listed}");
+    }
+}
