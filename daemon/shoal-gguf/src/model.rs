@@ -67,6 +67,8 @@ pub struct ModelMeta {
     pub n_head: u32,
     /// Key/value heads (grouped-query attention).
     pub n_head_kv: u32,
+    /// Feed-forward width (`<arch>.feed_forward_length`; 4 × n_embd when absent).
+    pub n_ff: u32,
     /// Key width per head.
     pub head_dim_k: u32,
     /// Value width per head.
@@ -113,6 +115,7 @@ impl ModelMeta {
         let n_ctx_train = key_u32("context_length")?;
         let n_head = key_u32("attention.head_count")?;
         let n_head_kv = key_u32("attention.head_count_kv").unwrap_or(n_head);
+        let n_ff = key_u32("feed_forward_length").unwrap_or(4 * n_embd);
         if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || n_layer > 4096 {
             return Err(bad(format!("absurd sizes: {n_layer} layers, n_embd {n_embd}, {n_head}/{n_head_kv} heads")));
         }
@@ -155,6 +158,7 @@ impl ModelMeta {
             n_ctx_train,
             n_head,
             n_head_kv,
+            n_ff,
             head_dim_k,
             head_dim_v,
             layer_bytes,
