@@ -518,6 +518,15 @@ pub fn plan(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<P
                 continue;
             }
             let without = best_of(cands.iter().filter(|c| !c.chain.contains(&d)));
+            let units = (best.bounds[i + 1] - best.bounds[i]).div_ceil(p.model.period);
+            let full = units >= p.capacity(d, i == 0, i + 1 == best.chain.len());
+            if full && !is_slowest(&p, &best.chain, d) && pins.is_empty() {
+                why.push(format!(
+                    "{} is full with {} layer(s); the rest go to the fastest devices with room.",
+                    p.devices[d].id,
+                    best.bounds[i + 1] - best.bounds[i]
+                ));
+            }
             if without.is_none() && pins.is_empty() {
                 let n = best.bounds[i + 1] - best.bounds[i];
                 why.push(format!(
@@ -537,9 +546,9 @@ pub fn plan(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<P
             Some(w) => {
                 let cap = p.capacity(d, false, false);
                 why.push(format!(
-                    "{id} not used: the best placement with it predicts {:.1} tok/s instead of {:.1} (+{:.2} ms/token); {} layer(s) would fit there but cost more than they save.",
-                    1000.0 / w.decode_ms,
-                    plan.predicted_tok_s,
+                    "{id} not used: the best placement with it predicts {} tok/s instead of {} (+{:.2} ms/token); {} layer(s) would fit there but cost more than they save.",
+                    rate(1000.0 / w.decode_ms),
+                    rate(plan.predicted_tok_s),
                     w.decode_ms - best.decode_ms,
                     (cap * p.model.period).min(p.model.layers)
                 ));
@@ -584,8 +593,9 @@ pub fn plan(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<P
             let names: Vec<&str> = replicas.iter().map(|r| r.host.as_str()).collect();
             let sum: f64 = replicas.iter().map(|r| r.predicted_tok_s).sum();
             why.push(format!(
-                "{} can each hold the whole model: for concurrent users run one replica on each ({sum:.1} tok/s together) rather than a pipeline.",
-                names.join(", ")
+                "{} can each hold the whole model: for concurrent users run one replica on each ({} tok/s together) rather than a pipeline.",
+                names.join(", "),
+                rate(sum)
             ));
             plan.replicas = replicas;
         }
@@ -593,6 +603,18 @@ pub fn plan(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<P
     notes.extend(why);
     plan.explanation = notes;
     Ok(plan)
+}
+
+/// A rate with three significant digits.
+fn rate(x: f64) -> String {
+    let decimals = if x >= 100.0 {
+        0
+    } else if x >= 10.0 {
+        1
+    } else {
+        2
+    };
+    format!("{x:.decimals$}")
 }
 
 /// Whether `d` is strictly the slowest device of `chain`.

@@ -131,7 +131,10 @@ impl Cluster {
                     return bad(format!("link {:?} names host {h:?}, which has no device", l.hosts));
                 }
             }
-            if !l.ms_per_frame.is_finite() || l.ms_per_frame < 0.0 || l.mbit_per_s.is_some_and(|b| b.is_nan() || b <= 0.0) {
+            if !l.ms_per_frame.is_finite()
+                || l.ms_per_frame < 0.0
+                || l.mbit_per_s.is_some_and(|b| b.is_nan() || b <= 0.0)
+            {
                 return bad(format!("link {:?}: ms_per_frame must be ≥ 0 and mbit_per_s > 0", l.hosts));
             }
         }

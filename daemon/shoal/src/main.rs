@@ -4,6 +4,7 @@
 mod bench;
 mod lab;
 mod pipeline;
+mod plan;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -32,6 +33,8 @@ enum Command {
     Key(pipeline::KeyArgs),
     /// Describe a GGUF model: architecture, sizes, bytes per layer.
     Inspect(run::InspectArgs),
+    /// Choose the fastest placement of a model that fits (or predict a given one), and say why.
+    Plan(plan::PlanArgs),
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -54,6 +57,7 @@ fn main() -> std::process::ExitCode {
         Command::Generate(a) => pipeline::generate(a),
         Command::Key(a) => pipeline::key(a),
         Command::Status(a) => pipeline::status(a),
+        Command::Plan(a) => plan::plan(a),
         Command::Bench(b) => bench::bench(b),
     };
     match result {

@@ -1,0 +1,146 @@
+//! `shoal plan` end to end: a what-if profile, a given placement, this machine, and
+//! the errors (nothing fits, bad profile, bad placement) with exit status 1.
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::PathBuf;
+
+fn example() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/cluster.toml")
+}
+
+fn stages(v: &Value) -> Vec<(String, u64, u64)> {
+    v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["device"].as_str().unwrap().to_string(), s["first"].as_u64().unwrap(), s["last"].as_u64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn the_example_cluster_gets_a_placement_that_covers_the_model() {
+    let v = json(shoal().args(["plan", "--json", "--profile"]).arg(example()).output().unwrap());
+    let s = stages(&v);
+    assert_eq!(s.first().unwrap().1, 0);
+    assert_eq!(s.last().unwrap().2, 80);
+    assert!(s.windows(2).all(|w| w[0].2 == w[1].1), "{s:?}");
+    // The 24 GB GPU cannot hold a 42 GB model: the GPU is used and filled, and the
+    // model is split.
+    assert!(s.len() >= 2 && s.iter().any(|x| x.0 == "desktop/gpu0"), "{s:?}");
+    assert!(v["predicted_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(v["predicted_ttft_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["memory_bytes"].as_object().unwrap().len(), s.len());
+    assert_eq!(v["fits"], true);
+    assert!(!v["explanation"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn a_given_placement_is_predicted_as_it_is() {
+    let v = json(
+        shoal()
+            .args(["plan", "--json", "--placement", "0-30:hub/cpu,30-80:desktop/cpu", "--profile"])
+            .arg(example())
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(stages(&v), vec![("hub/cpu".into(), 0, 30), ("desktop/cpu".into(), 30, 80)]);
+    let planned = json(shoal().args(["plan", "--json", "--profile"]).arg(example()).output().unwrap());
+    // The planner's pick is at least as fast as this one, by the same model.
+    assert!(planned["predicted_tok_s"].as_f64().unwrap() >= v["predicted_tok_s"].as_f64().unwrap());
+}
+
+#[test]
+fn this_machine_alone_holds_the_small_model_unsplit() {
+    let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let v = json(shoal().args(["plan", "--json", "--model"]).arg(&m).output().unwrap());
+    let s = stages(&v);
+    assert_eq!(s.len(), 1, "{v}");
+    assert_eq!((s[0].1, s[0].2), (0, 30));
+    assert!(v["explanation"].to_string().contains("estimated"), "{v}");
+}
+
+#[test]
+fn errors_are_clear_and_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let small = dir.path().join("small.toml");
+    let text = std::fs::read_to_string(example()).unwrap().replace("_000_000_000\n", "_000_000\n");
+    std::fs::write(&small, text).unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[model]\nlayers = 'many'\n").unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--profile".into(), small.display().to_string()], "does not fit: about"),
+        (vec!["--profile".into(), bad.display().to_string()], "bad.toml"),
+        (
+            vec!["--profile".into(), example().display().to_string(), "--placement".into(), "0-10:hub/cpu".into()],
+            "last layer",
+        ),
+        (
+            vec!["--profile".into(), example().display().to_string(), "--placement".into(), "0-80:nowhere".into()],
+            "not in the cluster",
+        ),
+        (
+            vec!["--profile".into(), example().display().to_string(), "--pin".into(), "0-81:hub/cpu".into()],
+            "pin refused",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = shoal().arg("plan").args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err:?} should mention {want:?}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+/// The planner's memory per stage (from the GGUF's sizes and its formulas) against
+/// what llama.cpp reports for the same stages loaded by `shoal run` (tensor bytes, KV
+/// and compute buffers, output buffer): within 5% for both models and several
+/// chunk sizes and contexts. (Seen: within 0.3%.)
+#[test]
+fn planned_memory_matches_what_llama_cpp_allocates() {
+    let dir = tempfile::tempdir().unwrap();
+    for (file, placement, split) in [
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "0-10:a/cpu,10-20:b/cpu,20-30:c/cpu", "10,20"),
+        ("gemma-3-270m-q4_k_m.gguf", "0-6:a/cpu,6-12:b/cpu,12-18:c/cpu", "6,12"),
+    ] {
+        let m = model(file);
+        let mut profile = format!("[model]\npath = {m:?}\n");
+        for d in ["a", "b", "c"] {
+            profile += &format!(
+                "[[device]]\nid = \"{d}/cpu\"\nhost = \"{d}\"\nmemory_bytes = 64_000_000_000\nms_per_layer = 1.0\n"
+            );
+        }
+        let path = dir.path().join("p.toml");
+        std::fs::write(&path, profile).unwrap();
+        for (chunk, ctx) in [("128", "2048"), ("32", "1024"), ("512", "4096")] {
+            let planned = json(
+                shoal()
+                    .args(["plan", "--json", "--placement", placement, "--chunk", chunk, "--context", ctx, "--profile"])
+                    .arg(&path)
+                    .output()
+                    .unwrap(),
+            );
+            let run = json(
+                shoal()
+                    .args([
+                        "run", "--json", "--prompt", "hi", "-n", "1", "--split", split, "--chunk", chunk, "--ctx", ctx,
+                    ])
+                    .arg("--model")
+                    .arg(&m)
+                    .output()
+                    .unwrap(),
+            );
+            for (i, (p, r)) in
+                planned["stages"].as_array().unwrap().iter().zip(run["memory"].as_array().unwrap()).enumerate()
+            {
+                let p = p["memory_bytes"].as_f64().unwrap();
+                let r = ["weights", "kv", "compute"].iter().map(|k| r[k].as_f64().unwrap()).sum::<f64>();
+                let err = (p - r).abs() / r;
+                eprintln!("{file} C={chunk} ctx={ctx} stage {i}: planned {p} reported {r} ({:.2}%)", err * 100.0);
+                assert!(err <= 0.05, "{file} C={chunk} ctx={ctx} stage {i}: planned {p}, llama.cpp {r}");
+            }
+        }
+    }
+}
