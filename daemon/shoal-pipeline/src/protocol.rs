@@ -69,6 +69,15 @@ pub struct NodeStatus {
     /// Latency of the frames received from the previous stage, by size class.
     #[serde(default)]
     pub hop_in: Vec<crate::latency::HopLatency>,
+    /// Decode steps (one token) this node's stage computed.
+    #[serde(default)]
+    pub decode_steps: u64,
+    /// Their mean compute time, ms (the tail's includes the LM head).
+    #[serde(default)]
+    pub decode_compute_ms: f64,
+    /// Mean time a decode step spends handing over to the stage thread and back, ms.
+    #[serde(default)]
+    pub decode_handoff_ms: f64,
 }
 
 /// One line of the coordinator's answer.

@@ -54,6 +54,13 @@ enum Event {
 /// Counters kept outside the core (by the link and reader tasks).
 #[derive(Default)]
 struct ShellCounters {
+    /// Single-token forwards (decode steps) the stage computed, and their total time:
+    /// the node's measured decode cost, for the planner's profiles.
+    decode_steps: std::sync::atomic::AtomicU64,
+    decode_ns: std::sync::atomic::AtomicU64,
+    /// From handing decode steps to the stage thread to handling their result: compute
+    /// plus the two thread hand-offs.
+    decode_roundtrip_ns: std::sync::atomic::AtomicU64,
     link_connects: std::sync::atomic::AtomicU64,
     malformed_frames: std::sync::atomic::AtomicU64,
     refused_by_next: std::sync::atomic::AtomicU64,
@@ -68,15 +75,16 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
 
     let (work_tx, work_rx) = std::sync::mpsc::channel::<Work>();
     let done_tx = events_tx.clone();
+    let shell = Arc::new(ShellCounters::default());
+    let stats = shell.clone();
     std::thread::Builder::new()
         .name(format!("stage-{}", info.layers))
-        .spawn(move || stage_thread(stage, work_rx, done_tx))
+        .spawn(move || stage_thread(stage, work_rx, done_tx, &stats))
         .map_err(|e| PipelineError::Stream(format!("cannot start the stage thread: {e}")))?;
 
     let next = placement.next(index).clone();
     let next_is_self = next.node == node.id();
     let (link_tx, link_rx) = mpsc::channel::<Frame>(4096);
-    let shell = Arc::new(ShellCounters::default());
     if !next_is_self {
         tokio::spawn(link_task(node.clone(), next.addr, next.node, link_rx, shell.clone()));
     }
@@ -109,12 +117,22 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
     let mut clients: HashMap<ClientId, mpsc::Sender<GenEvent>> = HashMap::new();
     let mut next_client: ClientId = 0;
     let mut hops = crate::latency::HopLatencies::default();
+    // When each job still with the stage thread was handed over (it works in order).
+    let mut submitted: std::collections::VecDeque<(Instant, bool)> = std::collections::VecDeque::new();
     tracing::info!(stage = %info.layers, addr = ?node.local_addr().ok(), "serving");
     while let Some(ev) = events.recv().await {
         let input = match ev {
             Event::Input(Input::Frame(f)) => {
                 hops.record(&f);
                 Input::Frame(f)
+            }
+            Event::Input(Input::Done(job, out)) => {
+                if let Some((at, true)) = submitted.pop_front() {
+                    shell
+                        .decode_roundtrip_ns
+                        .fetch_add(at.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                Input::Done(job, out)
             }
             Event::Input(i) => i,
             Event::Generate(req, tx) => {
@@ -133,6 +151,16 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                     malformed_frames: shell.malformed_frames.load(Relaxed),
                     refused_by_next: shell.refused_by_next.load(Relaxed),
                     hop_in: hops.summary(),
+                    decode_steps: shell.decode_steps.load(Relaxed),
+                    decode_compute_ms: shell.decode_ns.load(Relaxed) as f64
+                        / 1e6
+                        / shell.decode_steps.load(Relaxed).max(1) as f64,
+                    decode_handoff_ms: shell
+                        .decode_roundtrip_ns
+                        .load(Relaxed)
+                        .saturating_sub(shell.decode_ns.load(Relaxed)) as f64
+                        / 1e6
+                        / shell.decode_steps.load(Relaxed).max(1) as f64,
                 });
                 continue;
             }
@@ -149,6 +177,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                         }
                     }
                     Action::Submit(job) => {
+                        submitted.push_back((Instant::now(), is_decode(&job, info.n_embd)));
                         let _ = work_tx.send(Work::Forward(job));
                     }
                     Action::Free(s) => {
@@ -170,7 +199,13 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
     Ok(())
 }
 
-fn stage_thread(mut stage: Box<dyn Stage>, work: std::sync::mpsc::Receiver<Work>, done: mpsc::Sender<Event>) {
+fn stage_thread(
+    mut stage: Box<dyn Stage>,
+    work: std::sync::mpsc::Receiver<Work>,
+    done: mpsc::Sender<Event>,
+    stats: &ShellCounters,
+) {
+    use std::sync::atomic::Ordering::Relaxed;
     while let Ok(w) = work.recv() {
         match w {
             Work::Free(s) => stage.free_session(SessionId(s)),
@@ -179,7 +214,13 @@ fn stage_thread(mut stage: Box<dyn Stage>, work: std::sync::mpsc::Receiver<Work>
                     JobInput::Tokens(t) => StageInput::Tokens(t),
                     JobInput::Hidden(h) => StageInput::Hidden(h),
                 };
-                let out = match stage.forward(SessionId(job.session), job.first_pos, input) {
+                let t0 = Instant::now();
+                let result = stage.forward(SessionId(job.session), job.first_pos, input);
+                if is_decode(&job, stage.info().n_embd) {
+                    stats.decode_steps.fetch_add(1, Relaxed);
+                    stats.decode_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+                }
+                let out = match result {
                     Ok(StageOutput::Hidden(h)) => Ok(StepOutput::Hidden(h)),
                     Ok(StageOutput::Logits(l)) => Ok(StepOutput::Logits(l)),
                     Err(StageError::PositionGap { .. }) => Ok(StepOutput::Gap),
@@ -190,6 +231,14 @@ fn stage_thread(mut stage: Box<dyn Stage>, work: std::sync::mpsc::Receiver<Work>
                 }
             }
         }
+    }
+}
+
+/// Whether `job` is a decode step (one token), whose timings make the node's profile.
+fn is_decode(job: &Job, n_embd: u32) -> bool {
+    match &job.input {
+        JobInput::Tokens(t) => t.len() == 1,
+        JobInput::Hidden(h) => h.len() == n_embd as usize,
     }
 }
 

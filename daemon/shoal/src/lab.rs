@@ -97,6 +97,14 @@ impl Lab {
         Ok(lab)
     }
 
+    /// Every node's status (`shoal status --json` from the coordinator's host).
+    pub fn status(&self) -> Result<Vec<shoal_pipeline::NodeStatus>> {
+        let mut c = self.net.command(0, &self.exe);
+        c.args(["status", "--json", "--placement"]).arg(&self.placement);
+        c.arg("--data-dir").arg(self.dir.path().join("client"));
+        crate::bench::json_of(c, "status")
+    }
+
     /// `shoal generate` on the coordinator's host, as this lab's client.
     pub fn generate(&self) -> Command {
         let mut c = self.net.command(0, &self.exe);

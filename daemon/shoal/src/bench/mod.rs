@@ -10,6 +10,7 @@ use shoal_types::split_ranges;
 use std::path::PathBuf;
 use std::process::Command;
 
+mod plan;
 mod reconnect;
 
 #[derive(Subcommand, Debug)]
@@ -22,6 +23,9 @@ pub enum BenchCommand {
     /// Stages on namespace hosts; the middle host's link goes down for seconds, several
     /// times, during a generation: link-up to next-token times, output identical.
     Reconnect(reconnect::ReconnectArgs),
+    /// The planner's predictions against real runs: SmolLM2 on 2-3 namespace hosts with
+    /// different splits and link delays; predicted vs measured decode tok/s.
+    Plan(plan::PlanBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -89,6 +93,7 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Split(a) => split(a),
         BenchCommand::Pipeline(a) => pipeline(a),
         BenchCommand::Reconnect(a) => reconnect::reconnect(a),
+        BenchCommand::Plan(a) => plan::plan(a),
     }
 }
 
@@ -421,7 +426,7 @@ fn print_hop_latencies(placement: &std::path::Path, client: &std::path::Path) ->
 /// sender waits `gap`, during which the receiver idles as a stage does while the
 /// previous one computes: waking an idle thread is most of a hop's cost. Returns the
 /// one-way p50 and p99 in ms.
-fn quinn_alone(bytes: usize, gap: std::time::Duration) -> Result<(f64, f64)> {
+pub(crate) fn quinn_alone(bytes: usize, gap: std::time::Duration) -> Result<(f64, f64)> {
     use shoal_net::{alpn, wall_us, Identity, Node, TransportOptions, TrustedKeys};
     use std::sync::Arc;
     const ROUNDS: usize = 400;
@@ -486,7 +491,8 @@ fn impair_spec(i: &shoal_net::Impairment) -> String {
 }
 
 /// The decode prompt of both benches.
-const SHORT_PROMPT: &str = "Once upon a time, in a quiet harbour town, there lived an old lighthouse keeper who";
+pub(crate) const SHORT_PROMPT: &str =
+    "Once upon a time, in a quiet harbour town, there lived an old lighthouse keeper who";
 
 /// Run a `shoal … --json` child and parse what it prints.
 pub(crate) fn json_of<T: serde::de::DeserializeOwned>(mut cmd: Command, what: &str) -> Result<T> {
