@@ -4,47 +4,13 @@
 
 use rcgen::KeyPair;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 
 /// File name of the node key inside the data directory (PKCS#8, DER).
 pub const KEY_FILE: &str = "node.key";
 
-/// A node's id: its Ed25519 public key. Shown as 64 hex digits.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct NodeId(pub [u8; 32]);
-
-impl fmt::Display for NodeId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
-    }
-}
-
-impl fmt::Debug for NodeId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The first 8 hex digits are enough to tell nodes apart in logs.
-        write!(f, "NodeId({})", &self.to_string()[..8])
-    }
-}
-
-impl FromStr for NodeId {
-    type Err = IdentityError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let s = s.trim();
-        let bad = || IdentityError::BadNodeId(s.chars().take(80).collect());
-        if s.len() != 64 || !s.is_ascii() {
-            return Err(bad());
-        }
-        let mut out = [0u8; 32];
-        for (i, byte) in out.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-        }
-        Ok(NodeId(out))
-    }
-}
+pub use shoal_types::NodeId;
 
 /// Why an identity could not be created, loaded or parsed.
 #[derive(Debug, thiserror::Error)]
@@ -59,8 +25,8 @@ pub enum IdentityError {
     #[error("{path}: node key is readable by others (mode {mode:o}); run `chmod 600` on it")]
     Permissions { path: PathBuf, mode: u32 },
     /// A node id string is not 64 hex digits.
-    #[error("{0:?} is not a node id (64 hex digits)")]
-    BadNodeId(String),
+    #[error(transparent)]
+    BadNodeId(#[from] shoal_types::BadNodeId),
     /// Certificate generation failed.
     #[error("cannot create the node certificate: {0}")]
     Cert(String),

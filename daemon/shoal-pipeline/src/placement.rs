@@ -132,7 +132,7 @@ impl Placement {
         let mut stages: Vec<StagePlace> = Vec::new();
         for (index, s) in raw.stage.iter().enumerate() {
             let bad = |why: String| invalid(InvalidPlacement::Stage { index, why });
-            let node: NodeId = s.node.parse().map_err(|e: shoal_net::IdentityError| bad(e.to_string()))?;
+            let node: NodeId = s.node.parse().map_err(|e: shoal_types::BadNodeId| bad(e.to_string()))?;
             let addr: SocketAddr = s.addr.parse().map_err(|_| bad(format!("address {:?} is not IP:port", s.addr)))?;
             let layers = LayerRange::new(s.layers[0], s.layers[1]);
             let expect = stages.last().map_or(0, |p| p.layers.end);

@@ -6,10 +6,81 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
+/// A node's id: its Ed25519 public key (the key its TLS certificate carries). Shown
+/// as 64 hex digits; serialized as that string.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub [u8; 32]);
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl fmt::Debug for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The first 8 hex digits are enough to tell nodes apart in logs.
+        write!(f, "NodeId({})", &self.to_string()[..8])
+    }
+}
+
+/// A string that is not 64 hex digits.
+#[derive(Debug, thiserror::Error)]
+#[error("{0:?} is not a node id (64 hex digits)")]
+pub struct BadNodeId(pub String);
+
+impl FromStr for NodeId {
+    type Err = BadNodeId;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        let bad = || BadNodeId(s.chars().take(80).collect());
+        Ok(NodeId(hex_bytes(s).ok_or_else(bad)?))
+    }
+}
+
+impl Serialize for NodeId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for NodeId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// `N` bytes from exactly `2N` hex digits.
+fn hex_bytes<const N: usize>(s: &str) -> Option<[u8; N]> {
+    if s.len() != 2 * N || !s.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
 /// A cluster's id: 16 random bytes made when the first node creates the cluster,
 /// shown as 32 hex digits.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ClusterId(pub [u8; 16]);
+
+impl Serialize for ClusterId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ClusterId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
 
 impl fmt::Display for ClusterId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -32,15 +103,7 @@ impl FromStr for ClusterId {
     type Err = BadClusterId;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || BadClusterId(s.chars().take(80).collect());
-        if s.len() != 32 || !s.is_ascii() {
-            return Err(bad());
-        }
-        let mut out = [0u8; 16];
-        for (i, byte) in out.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-        }
-        Ok(ClusterId(out))
+        hex_bytes(s).map(ClusterId).ok_or_else(|| BadClusterId(s.chars().take(80).collect()))
     }
 }
 
@@ -147,6 +210,17 @@ mod tests {
         assert_eq!(id.to_string().parse::<ClusterId>().unwrap(), id);
         assert!("abc".parse::<ClusterId>().is_err());
         assert!("zz".repeat(16).parse::<ClusterId>().is_err());
+    }
+
+    #[test]
+    fn ids_serialize_as_hex_strings() {
+        let id = NodeId([7; 32]);
+        let json = serde_json::to_string(&id).unwrap();
+        assert_eq!(json, format!("\"{id}\""));
+        assert_eq!(serde_json::from_str::<NodeId>(&json).unwrap(), id);
+        assert!(serde_json::from_str::<NodeId>("\"07\"").is_err());
+        let c = ClusterId([9; 16]);
+        assert_eq!(serde_json::from_str::<ClusterId>(&serde_json::to_string(&c).unwrap()).unwrap(), c);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 mod inventory;
-pub use inventory::{BadClusterId, ClusterId, DeviceInventory, NodeInventory, Role};
+pub use inventory::{BadClusterId, BadNodeId, ClusterId, DeviceInventory, NodeId, NodeInventory, Role};
 
 /// A token id in the model's vocabulary (llama.cpp's `llama_token`).
 pub type TokenId = i32;
