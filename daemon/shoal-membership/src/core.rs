@@ -1,0 +1,828 @@
+//! The membership protocol as a pure state machine: liveness from heartbeats, leader
+//! election with terms (pre-vote, persisted votes, majority of members, leader
+//! stickiness, check-quorum) and replication of the cluster state as whole snapshots.
+//! Inputs are messages, proposals and clock values (ms); outputs are [`Action`]s the
+//! shell carries out *in order* (a persist action completes before the sends after it).
+//! No sockets, no threads, no sleeping: `tests/sim.rs` runs thousands of schedules.
+//!
+//! It is Raft with the log compacted to its last entry: a snapshot's [`Version`] plays
+//! the role of (last log term, last log index). Safety rests on the usual rules:
+//! one vote per term, persisted before it is sent; a vote only for a candidate whose
+//! state is at least as new; a change is acknowledged only once a majority stored it;
+//! a new leader first stores a snapshot of its own term (Raft's no-op entry), and
+//! membership changes go one at a time.
+
+use crate::state::{Change, ChangeError, ClusterState, Version};
+use serde::{Deserialize, Serialize};
+use shoal_types::NodeId;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Timing, in milliseconds of the clock the caller passes in.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Every node sends every member a beat this often.
+    pub beat_ms: u64,
+    /// A member not heard from for this long is suspected.
+    pub suspect_ms: u64,
+    /// A member not heard from for this long is down.
+    pub down_ms: u64,
+    /// A follower that has not heard from a leader for at least this long campaigns;
+    /// voters that heard from a leader more recently refuse to help unseat it.
+    pub election_min_ms: u64,
+    /// Random extra on top of `election_min_ms`, so that candidates rarely collide.
+    pub election_spread_ms: u64,
+    /// Extra wait per member of higher priority (hub role, memory): the preferred
+    /// node usually campaigns first. A tie-break only; it never decides a vote.
+    pub rank_step_ms: u64,
+    /// A proposal forwarded to the leader fails if no answer comes within this time.
+    pub forward_timeout_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        // Seconds, not minutes: suspect after 4 missed beats, down after 12, a new
+        // leader typically 1–2.5 s after the old one went quiet.
+        Config {
+            beat_ms: 250,
+            suspect_ms: 1000,
+            down_ms: 3000,
+            election_min_ms: 1000,
+            election_spread_ms: 1000,
+            rank_step_ms: 150,
+            forward_timeout_ms: 5000,
+        }
+    }
+}
+
+/// What must survive a restart before any vote or campaign message leaves the node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HardState {
+    /// The highest term seen.
+    pub term: u64,
+    /// Whom this node voted for in `term`.
+    pub voted_for: Option<NodeId>,
+}
+
+/// Messages between members.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Msg {
+    /// Sent by every node to every member each beat. From the leader it also asserts
+    /// leadership for `term` and says which snapshot is current.
+    Beat {
+        /// The sender's term.
+        term: u64,
+        /// Whether the sender is the leader of `term`.
+        leader: bool,
+        /// The sender's snapshot version.
+        version: Version,
+    },
+    /// The leader's snapshot, sent to a member whose version is older.
+    State {
+        /// The leader's term.
+        term: u64,
+        /// The snapshot.
+        state: Box<ClusterState>,
+    },
+    /// A member's answer to the leader: its term, and the version it has stored.
+    Ack {
+        /// The member's term.
+        term: u64,
+        /// The version it has stored (persisted).
+        version: Version,
+    },
+    /// "Would you vote for me in `term`?" Changes nothing at the receiver.
+    PreVote {
+        /// The term the sender would campaign in.
+        term: u64,
+        /// The sender's snapshot version.
+        last: Version,
+    },
+    /// Answer to a pre-vote.
+    PreVoteReply {
+        /// The term asked about.
+        term: u64,
+        /// Whether the receiver would vote.
+        granted: bool,
+        /// The receiver's own term: a node that fell behind learns the current term
+        /// here (else a node with a higher term but older state would refuse it forever).
+        current: u64,
+    },
+    /// A vote request of a candidate.
+    Vote {
+        /// The candidate's term.
+        term: u64,
+        /// The candidate's snapshot version.
+        last: Version,
+    },
+    /// Answer to a vote request.
+    VoteReply {
+        /// The voter's term.
+        term: u64,
+        /// Whether it voted for the candidate.
+        granted: bool,
+    },
+    /// A proposal forwarded to the leader.
+    Forward {
+        /// The sender's request number.
+        req: u64,
+        /// The change.
+        change: Change,
+    },
+    /// The leader's answer to a forwarded proposal.
+    Forwarded {
+        /// The request number.
+        req: u64,
+        /// The committed version, or why not.
+        result: Result<Version, ProposeError>,
+    },
+}
+
+/// Why a proposal failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum ProposeError {
+    /// No leader is known (election under way, or no majority reachable).
+    #[error("no leader: an election is under way or a majority of members is unreachable")]
+    NoLeader,
+    /// The change itself is invalid.
+    #[error(transparent)]
+    Invalid(#[from] ChangeError),
+    /// Another membership change has not committed yet.
+    #[error("another membership change is still being committed; try again")]
+    Busy,
+    /// Leadership changed before a majority stored the change: it may or may not
+    /// take effect.
+    #[error("the leader changed before the change was confirmed; check and retry")]
+    Interrupted,
+    /// No answer from the leader in time.
+    #[error("the leader did not answer in time")]
+    Timeout,
+}
+
+/// How a member looks from here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Liveness {
+    /// Heard from recently.
+    Alive,
+    /// A few beats missed.
+    Suspected,
+    /// Silent past the timeout.
+    Down,
+}
+
+/// Something the shell should know about (log, status, admin page).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// The leader this node knows of changed.
+    Leader {
+        /// The leader, if any.
+        leader: Option<NodeId>,
+        /// Current term.
+        term: u64,
+    },
+    /// A member's liveness changed.
+    Liveness {
+        /// The member.
+        node: NodeId,
+        /// Its new state.
+        liveness: Liveness,
+    },
+    /// A new snapshot was adopted (members may have changed: update the trusted keys).
+    State {
+        /// Its version.
+        version: Version,
+    },
+    /// This node was removed from the cluster; the core is inert from now on.
+    Removed,
+}
+
+/// What the shell must do, in this order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Store the hard state durably before carrying out later actions.
+    PersistHard(HardState),
+    /// Store the snapshot durably before carrying out later actions.
+    PersistState(Box<ClusterState>),
+    /// Send `msg` to member `to` (best effort: loss is tolerated).
+    Send {
+        /// The member.
+        to: NodeId,
+        /// The message.
+        msg: Msg,
+    },
+    /// The outcome of a local proposal.
+    Reply {
+        /// The request number given to [`Core::propose`].
+        req: u64,
+        /// The committed version, or why not.
+        result: Result<Version, ProposeError>,
+    },
+    /// Report an event.
+    Event(Event),
+}
+
+/// This node's part in the election.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Follows `leader` (if one is known).
+    Follower,
+    /// Asking whether a campaign could win, without changing terms.
+    PreCandidate,
+    /// Campaigning in the current term.
+    Candidate,
+    /// Leads the current term.
+    Leader,
+    /// Removed from the cluster.
+    Removed,
+}
+
+/// Who asked for a proposal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    Local(u64),
+    Remote(NodeId, u64),
+}
+
+/// A tiny deterministic generator (xorshift64*) for election jitter: the sim replays
+/// schedules exactly from a seed.
+#[derive(Clone, Debug)]
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        if n == 0 {
+            0
+        } else {
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+        }
+    }
+}
+
+/// The membership state machine of one node.
+#[derive(Debug)]
+pub struct Core {
+    /// Timing.
+    config: Config,
+    /// This node.
+    me: NodeId,
+    /// Term and vote (persisted before use).
+    hard: HardState,
+    /// The cluster state this node holds (persisted before it is acknowledged).
+    state: ClusterState,
+    /// Election role.
+    role: Role,
+    /// The leader of `hard.term`, once known.
+    leader: Option<NodeId>,
+    /// When we last heard from `leader` (leader stickiness and follower timeouts).
+    leader_heard: Option<u64>,
+    /// When a follower starts a campaign, or a candidate gives up and retries.
+    election_deadline: u64,
+    /// Votes (pre-votes while a pre-candidate) received in this campaign.
+    votes: BTreeSet<NodeId>,
+    /// The next beat is due at this time.
+    next_beat: u64,
+    /// Last time each member was heard from (any message).
+    heard: BTreeMap<NodeId, u64>,
+    /// Last liveness reported per member.
+    liveness: BTreeMap<NodeId, Liveness>,
+    /// Leader only: when this node became leader (check-quorum gives everyone a full
+    /// window from then).
+    leader_since: u64,
+    /// Leader only: the version each member has stored.
+    acked: BTreeMap<NodeId, Version>,
+    /// Leader only: proposals waiting for a majority, by the version that holds them.
+    pending: Vec<(Version, Origin, bool)>,
+    /// Proposals forwarded to the leader: request number → deadline.
+    forwarded: BTreeMap<u64, u64>,
+    /// Election jitter.
+    rng: Rng,
+    /// Actions produced by the current call.
+    out: Vec<Action>,
+}
+
+impl Core {
+    /// A node starting (or restarting) at `now` with what it had persisted. `seed`
+    /// varies election jitter between nodes (the shell passes randomness; tests a seed).
+    pub fn new(config: Config, me: NodeId, hard: HardState, state: ClusterState, now: u64, seed: u64) -> Core {
+        let mut core = Core {
+            me,
+            hard,
+            role: if state.is_member(&me) { Role::Follower } else { Role::Removed },
+            state,
+            leader: None,
+            leader_heard: None,
+            leader_since: 0,
+            election_deadline: 0,
+            votes: BTreeSet::new(),
+            next_beat: now,
+            heard: BTreeMap::new(),
+            liveness: BTreeMap::new(),
+            acked: BTreeMap::new(),
+            pending: Vec::new(),
+            forwarded: BTreeMap::new(),
+            rng: Rng(seed | 1),
+            out: Vec::new(),
+            config,
+        };
+        for id in core.state.members.keys() {
+            // Everyone gets a grace period from our start before being suspected.
+            core.heard.insert(*id, now);
+        }
+        core.reset_election(now);
+        core
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.me
+    }
+
+    /// Current term.
+    pub fn term(&self) -> u64 {
+        self.hard.term
+    }
+
+    /// Election role.
+    pub fn role(&self) -> &Role {
+        &self.role
+    }
+
+    /// The known leader of the current term.
+    pub fn leader(&self) -> Option<NodeId> {
+        if self.role == Role::Leader {
+            Some(self.me)
+        } else {
+            self.leader
+        }
+    }
+
+    /// The cluster state held here.
+    pub fn state(&self) -> &ClusterState {
+        &self.state
+    }
+
+    /// How `node` looks from here (`None` for non-members).
+    pub fn liveness(&self, node: &NodeId) -> Option<Liveness> {
+        if *node == self.me && self.state.is_member(node) {
+            return Some(Liveness::Alive);
+        }
+        self.liveness.get(node).copied().or_else(|| self.state.is_member(node).then_some(Liveness::Alive))
+    }
+
+    /// Advance the clock: beats, liveness, timeouts, campaigns.
+    pub fn tick(&mut self, now: u64) -> Vec<Action> {
+        if self.role != Role::Removed {
+            self.update_liveness(now);
+            self.expire_forwards(now);
+            if now >= self.next_beat {
+                self.next_beat = now + self.config.beat_ms;
+                self.beat();
+            }
+            match self.role {
+                Role::Leader => self.check_quorum(now),
+                _ if now >= self.election_deadline => self.start_pre_vote(now),
+                _ => {}
+            }
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    /// A message from `from` arrived at `now`. Messages from non-members are ignored.
+    pub fn receive(&mut self, now: u64, from: NodeId, msg: Msg) -> Vec<Action> {
+        if self.role == Role::Removed || from == self.me || !self.state.is_member(&from) {
+            return Vec::new();
+        }
+        self.heard.insert(from, now);
+        self.update_liveness(now);
+        match msg {
+            Msg::Beat { term, leader, version } => self.on_beat(now, from, term, leader, version),
+            Msg::State { term, state } => self.on_state(now, from, term, *state),
+            Msg::Ack { term, version } => self.on_ack(now, from, term, version),
+            Msg::PreVote { term, last } => {
+                let granted = term > self.hard.term && last >= self.state.version && !self.leader_is_fresh(now);
+                self.send(from, Msg::PreVoteReply { term, granted, current: self.hard.term });
+            }
+            Msg::PreVoteReply { term, granted, current } => {
+                if current > self.hard.term {
+                    self.adopt_term(now, current, None);
+                } else if self.role == Role::PreCandidate && term == self.hard.term + 1 && granted {
+                    self.votes.insert(from);
+                    if self.votes.len() >= self.state.majority() {
+                        self.start_campaign(now);
+                    }
+                }
+            }
+            Msg::Vote { term, last } => self.on_vote(now, from, term, last),
+            Msg::VoteReply { term, granted } => {
+                if term > self.hard.term {
+                    self.adopt_term(now, term, None);
+                } else if self.role == Role::Candidate && term == self.hard.term && granted {
+                    self.votes.insert(from);
+                    if self.votes.len() >= self.state.majority() {
+                        self.become_leader(now);
+                    }
+                }
+            }
+            Msg::Forward { req, change } => {
+                if self.role == Role::Leader {
+                    self.propose_as_leader(now, Origin::Remote(from, req), change);
+                } else {
+                    self.send(from, Msg::Forwarded { req, result: Err(ProposeError::NoLeader) });
+                }
+            }
+            Msg::Forwarded { req, result } => {
+                if self.forwarded.remove(&req).is_some() {
+                    self.out.push(Action::Reply { req, result });
+                }
+            }
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    /// Ask for `change`; the answer comes as [`Action::Reply`] with `req` once a
+    /// majority stored it (or it failed). A follower forwards it to the leader.
+    pub fn propose(&mut self, now: u64, req: u64, change: Change) -> Vec<Action> {
+        match (&self.role, self.leader) {
+            (Role::Leader, _) => self.propose_as_leader(now, Origin::Local(req), change),
+            (Role::Follower, Some(leader)) => {
+                self.forwarded.insert(req, now + self.config.forward_timeout_ms);
+                self.send(leader, Msg::Forward { req, change });
+            }
+            _ => self.out.push(Action::Reply { req, result: Err(ProposeError::NoLeader) }),
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    fn on_beat(&mut self, now: u64, from: NodeId, term: u64, leader: bool, version: Version) {
+        if !leader {
+            // Plain liveness; a follower's term never unsettles anyone (pre-vote does that job).
+            return;
+        }
+        if term < self.hard.term {
+            // A deposed leader: tell it the current term so it steps down.
+            self.send(from, Msg::Ack { term: self.hard.term, version: self.state.version });
+            return;
+        }
+        self.follow(now, from, term);
+        // Say what we hold; if it is not the leader's `version` (older, or an
+        // uncommitted snapshot of an older term), the leader sends its snapshot.
+        let _ = version;
+        self.send(from, Msg::Ack { term, version: self.state.version });
+    }
+
+    fn on_state(&mut self, now: u64, from: NodeId, term: u64, state: ClusterState) {
+        if term < self.hard.term {
+            self.send(from, Msg::Ack { term: self.hard.term, version: self.state.version });
+            return;
+        }
+        self.follow(now, from, term);
+        if state.cluster != self.state.cluster || state.version.term > term {
+            // Not our cluster, or a snapshot its sender could not have made: ignore.
+            return;
+        }
+        // The leader of `term` is authoritative: take its snapshot unless we already
+        // have exactly it (or a newer one of the same leader, arriving reordered).
+        if state.version != self.state.version && !(state.version < self.state.version && self.state.version.term == term)
+        {
+            self.state = state;
+            self.out.push(Action::PersistState(Box::new(self.state.clone())));
+            self.out.push(Action::Event(Event::State { version: self.state.version }));
+            for id in self.state.members.keys() {
+                self.heard.entry(*id).or_insert(now);
+            }
+            if !self.state.is_member(&self.me) {
+                self.removed();
+                return;
+            }
+        }
+        self.send(from, Msg::Ack { term, version: self.state.version });
+    }
+
+    fn on_ack(&mut self, now: u64, from: NodeId, term: u64, version: Version) {
+        if term > self.hard.term {
+            self.adopt_term(now, term, None);
+            return;
+        }
+        if self.role != Role::Leader || term != self.hard.term {
+            return;
+        }
+        let acked = self.acked.entry(from).or_default();
+        // A member's stored version from the current term only grows; an older one
+        // (reordered ack) must not lower it.
+        if version > *acked {
+            *acked = version;
+        }
+        if version != self.state.version {
+            self.send(from, Msg::State { term, state: Box::new(self.state.clone()) });
+        }
+        self.commit();
+    }
+
+    fn on_vote(&mut self, now: u64, from: NodeId, term: u64, last: Version) {
+        if term < self.hard.term || (term > self.hard.term && self.leader_is_fresh(now) && self.leader != Some(from)) {
+            // Stale, or a live leader exists: refuse without adopting the term, so a
+            // node that was cut off cannot unseat a working leader.
+            self.send(from, Msg::VoteReply { term: self.hard.term, granted: false });
+            return;
+        }
+        if term > self.hard.term {
+            self.adopt_term(now, term, None);
+        }
+        let granted = self.hard.voted_for.is_none_or(|v| v == from) && last >= self.state.version;
+        if granted {
+            if self.hard.voted_for.is_none() {
+                self.hard.voted_for = Some(from);
+                self.out.push(Action::PersistHard(self.hard));
+            }
+            self.reset_election(now);
+        }
+        self.send(from, Msg::VoteReply { term, granted });
+    }
+
+    /// `from` leads `term` (≥ ours): follow it.
+    fn follow(&mut self, now: u64, from: NodeId, term: u64) {
+        if term > self.hard.term {
+            self.adopt_term(now, term, Some(from));
+        } else if self.leader != Some(from) || self.role != Role::Follower {
+            // Same term: a candidate (or pre-candidate) learns the winner.
+            self.step_down();
+            self.leader = Some(from);
+            self.out.push(Action::Event(Event::Leader { leader: Some(from), term }));
+        }
+        self.leader_heard = Some(now);
+        self.reset_election(now);
+    }
+
+    /// Move to a higher term as a follower (of `leader`, if known).
+    fn adopt_term(&mut self, now: u64, term: u64, leader: Option<NodeId>) {
+        self.step_down();
+        self.hard = HardState { term, voted_for: None };
+        self.out.push(Action::PersistHard(self.hard));
+        self.leader = leader;
+        self.leader_heard = leader.map(|_| now);
+        self.out.push(Action::Event(Event::Leader { leader, term }));
+        self.reset_election(now);
+    }
+
+    /// Leave any leader/candidate role (pending proposals fail as interrupted).
+    fn step_down(&mut self) {
+        if self.role == Role::Leader {
+            for (_, origin, _) in std::mem::take(&mut self.pending) {
+                self.answer(origin, Err(ProposeError::Interrupted));
+            }
+            self.acked.clear();
+        }
+        if self.role != Role::Removed {
+            self.role = Role::Follower;
+        }
+        self.votes.clear();
+    }
+
+    fn start_pre_vote(&mut self, now: u64) {
+        self.reset_election(now);
+        if self.role == Role::Leader {
+            return;
+        }
+        if self.leader.is_some() {
+            self.leader = None;
+            self.out.push(Action::Event(Event::Leader { leader: None, term: self.hard.term }));
+        }
+        self.role = Role::PreCandidate;
+        self.votes = BTreeSet::from([self.me]);
+        if self.votes.len() >= self.state.majority() {
+            self.start_campaign(now);
+            return;
+        }
+        let (term, last) = (self.hard.term + 1, self.state.version);
+        for to in self.others() {
+            self.send(to, Msg::PreVote { term, last });
+        }
+    }
+
+    fn start_campaign(&mut self, now: u64) {
+        self.hard = HardState { term: self.hard.term + 1, voted_for: Some(self.me) };
+        // The vote for ourselves is stored before anyone hears of the campaign.
+        self.out.push(Action::PersistHard(self.hard));
+        self.role = Role::Candidate;
+        self.leader = None;
+        self.leader_heard = None;
+        self.votes = BTreeSet::from([self.me]);
+        self.reset_election(now);
+        if self.votes.len() >= self.state.majority() {
+            self.become_leader(now);
+            return;
+        }
+        let (term, last) = (self.hard.term, self.state.version);
+        for to in self.others() {
+            self.send(to, Msg::Vote { term, last });
+        }
+    }
+
+    fn become_leader(&mut self, now: u64) {
+        self.role = Role::Leader;
+        self.leader = Some(self.me);
+        self.votes.clear();
+        self.acked.clear();
+        self.pending.clear();
+        self.leader_since = now;
+        self.out.push(Action::Event(Event::Leader { leader: Some(self.me), term: self.hard.term }));
+        // Raft's no-op: a snapshot of our own term, so that what earlier terms left
+        // committed-but-unconfirmed commits with it.
+        self.stamp_and_send(None);
+        self.next_beat = now + self.config.beat_ms;
+    }
+
+    fn propose_as_leader(&mut self, _now: u64, origin: Origin, change: Change) {
+        if change.is_membership() && self.pending.iter().any(|(_, _, membership)| *membership) {
+            self.answer(origin, Err(ProposeError::Busy));
+            return;
+        }
+        let mut next = self.state.clone();
+        if let Err(e) = next.apply(&change) {
+            self.answer(origin, Err(e.into()));
+            return;
+        }
+        let removed: Vec<NodeId> =
+            self.state.members.keys().filter(|id| !next.members.contains_key(id)).copied().collect();
+        self.state = next;
+        self.stamp_and_send(Some((origin, change.is_membership())));
+        // A removed member hears of its removal (best effort) and goes inert.
+        for id in removed {
+            self.send(id, Msg::State { term: self.hard.term, state: Box::new(self.state.clone()) });
+            self.acked.remove(&id);
+        }
+    }
+
+    /// Give the held state the next version, store it, send it to every member, and
+    /// remember `pending` to answer once a majority stored it.
+    fn stamp_and_send(&mut self, pending: Option<(Origin, bool)>) {
+        self.state.version = Version { term: self.hard.term, index: self.state.version.index + 1 };
+        self.out.push(Action::PersistState(Box::new(self.state.clone())));
+        self.out.push(Action::Event(Event::State { version: self.state.version }));
+        if let Some((origin, membership)) = pending {
+            self.pending.push((self.state.version, origin, membership));
+        }
+        let term = self.hard.term;
+        for to in self.others() {
+            self.send(to, Msg::State { term, state: Box::new(self.state.clone()) });
+        }
+        self.commit();
+    }
+
+    /// Answer every pending proposal a majority has stored.
+    fn commit(&mut self) {
+        let mut versions: Vec<Version> = self
+            .state
+            .members
+            .keys()
+            .map(|id| if *id == self.me { self.state.version } else { self.acked.get(id).copied().unwrap_or_default() })
+            .collect();
+        versions.sort_unstable_by(|a, b| b.cmp(a));
+        // Invariant: members is never empty (the last member cannot be removed), and
+        // majority() ≤ len.
+        let Some(committed) = versions.get(self.state.majority() - 1).copied() else { return };
+        if committed.term != self.hard.term {
+            return;
+        }
+        let (done, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending).into_iter().partition(|p| p.0 <= committed);
+        self.pending = rest;
+        for (version, origin, _) in done {
+            self.answer(origin, Ok(version));
+        }
+        if !self.state.is_member(&self.me) && self.pending.is_empty() {
+            // We removed ourselves and a majority knows: hand over by going quiet.
+            self.removed();
+        }
+    }
+
+    fn answer(&mut self, origin: Origin, result: Result<Version, ProposeError>) {
+        match origin {
+            Origin::Local(req) => self.out.push(Action::Reply { req, result }),
+            Origin::Remote(to, req) => self.send(to, Msg::Forwarded { req, result }),
+        }
+    }
+
+    /// A leader that has not heard from a majority within an election timeout steps
+    /// down, so that a minority side of a partition has no leader.
+    fn check_quorum(&mut self, now: u64) {
+        let window = self.config.election_min_ms + self.config.election_spread_ms;
+        if now.saturating_sub(self.leader_since) < window {
+            return;
+        }
+        let reachable = self
+            .state
+            .members
+            .keys()
+            .filter(|id| **id == self.me || self.heard.get(*id).is_some_and(|t| now.saturating_sub(*t) < window))
+            .count();
+        if reachable < self.state.majority() {
+            self.step_down();
+            self.leader = None;
+            self.out.push(Action::Event(Event::Leader { leader: None, term: self.hard.term }));
+            self.reset_election(now);
+        }
+    }
+
+    fn beat(&mut self) {
+        let (term, leader, version) = (self.hard.term, self.role == Role::Leader, self.state.version);
+        for to in self.others() {
+            self.send(to, Msg::Beat { term, leader, version });
+        }
+    }
+
+    fn update_liveness(&mut self, now: u64) {
+        let members: Vec<NodeId> = self.state.members.keys().filter(|id| **id != self.me).copied().collect();
+        for id in members {
+            let silent = now.saturating_sub(self.heard.get(&id).copied().unwrap_or(now));
+            let liveness = if silent >= self.config.down_ms {
+                Liveness::Down
+            } else if silent >= self.config.suspect_ms {
+                Liveness::Suspected
+            } else {
+                Liveness::Alive
+            };
+            if self.liveness.insert(id, liveness).unwrap_or(Liveness::Alive) != liveness {
+                self.out.push(Action::Event(Event::Liveness { node: id, liveness }));
+            }
+        }
+        self.liveness.retain(|id, _| self.state.members.contains_key(id));
+    }
+
+    fn expire_forwards(&mut self, now: u64) {
+        let expired: Vec<u64> = self.forwarded.iter().filter(|(_, d)| **d <= now).map(|(r, _)| *r).collect();
+        for req in expired {
+            self.forwarded.remove(&req);
+            self.out.push(Action::Reply { req, result: Err(ProposeError::Timeout) });
+        }
+    }
+
+    /// Has the current leader been heard from within the minimum election timeout?
+    fn leader_is_fresh(&self, now: u64) -> bool {
+        self.role == Role::Leader
+            || (self.leader.is_some()
+                && self.leader_heard.is_some_and(|t| now.saturating_sub(t) < self.config.election_min_ms))
+    }
+
+    fn reset_election(&mut self, now: u64) {
+        let me = self.state.members.get(&self.me).map(|m| m.priority());
+        let rank = me.map_or(0, |p| self.state.members.values().filter(|m| m.priority() > p).count() as u64);
+        self.election_deadline = now
+            + self.config.election_min_ms
+            + self.rng.below(self.config.election_spread_ms)
+            + rank * self.config.rank_step_ms;
+    }
+
+    fn removed(&mut self) {
+        self.step_down();
+        self.role = Role::Removed;
+        self.leader = None;
+        self.out.push(Action::Event(Event::Removed));
+    }
+
+    fn others(&self) -> Vec<NodeId> {
+        self.state.members.keys().filter(|id| **id != self.me).copied().collect()
+    }
+
+    fn send(&mut self, to: NodeId, msg: Msg) {
+        self.out.push(Action::Send { to, msg });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Member;
+    use shoal_types::{ClusterId, Role as NodeRole};
+
+    fn member(k: u8) -> Member {
+        Member { id: NodeId([k; 32]), name: format!("n{k}"), role: NodeRole::Pc, memory_bytes: 1 << 30 }
+    }
+
+    #[test]
+    fn a_single_node_elects_itself_and_commits_alone() {
+        let state = ClusterState::create(ClusterId([1; 16]), member(1));
+        let mut core = Core::new(Config::default(), NodeId([1; 32]), HardState::default(), state, 0, 7);
+        let actions = core.tick(5000);
+        assert_eq!(core.role(), &Role::Leader);
+        assert_eq!(core.term(), 1);
+        // The vote is persisted before leadership is announced.
+        let persist = actions.iter().position(|a| matches!(a, Action::PersistHard(h) if h.term == 1)).unwrap();
+        let leader = actions.iter().position(|a| matches!(a, Action::Event(Event::Leader { .. }))).unwrap();
+        assert!(persist < leader);
+        let actions = core.propose(5001, 9, Change::Put { key: "k".into(), value: 1.into() });
+        assert!(actions.iter().any(|a| matches!(a, Action::Reply { req: 9, result: Ok(_) })));
+        assert_eq!(core.state().entries["k"], 1);
+    }
+
+    #[test]
+    fn messages_from_strangers_are_ignored() {
+        let state = ClusterState::create(ClusterId([1; 16]), member(1));
+        let mut core = Core::new(Config::default(), NodeId([1; 32]), HardState::default(), state, 0, 7);
+        let actions = core.receive(10, NodeId([9; 32]), Msg::Vote { term: 99, last: Version::default() });
+        assert!(actions.is_empty());
+        assert_eq!(core.term(), 0);
+    }
+}

@@ -1,0 +1,10 @@
+//! Shoal's cluster membership: which nodes are approved members, which of them is
+//! alive, and which one leads. `state` is the replicated cluster state; `core` the
+//! election and replication protocol as a pure state machine (messages and clock values
+//! in, actions out), tested by simulation in `tests/sim.rs`.
+
+pub mod core;
+pub mod state;
+
+pub use crate::core::{Action, Config, Core, Event, HardState, Liveness, Msg, ProposeError, Role};
+pub use crate::state::{Change, ChangeError, ClusterState, Member, Version};
