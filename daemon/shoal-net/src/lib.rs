@@ -1,14 +1,19 @@
 //! Shoal's network layer: who a node is (an Ed25519 key), whom it talks to (only keys
 //! it was told to trust, checked inside the TLS handshake — no CA), one QUIC endpoint
-//! per node serving several protocols told apart by ALPN, and the pipeline frame codec.
+//! per node serving several protocols told apart by ALPN, the pipeline frame codec, and
+//! mDNS discovery of the other nodes on the LAN.
 //! Nothing here knows about models; the pipeline and cluster crates build on it.
 
+pub mod discovery;
 pub mod endpoint;
 pub mod frame;
 pub mod identity;
 pub mod impair;
 pub mod tls;
 
+pub use discovery::{
+    Advert, Discovery, DiscoveryError, DiscoveryEvent, InterfaceFilter, TxtError, PROTOCOL_VERSION, SERVICE_TYPE,
+};
 pub use endpoint::{alpn, NetError, Node, TransportOptions};
 pub use frame::{wall_us, Dtype, Frame, FrameError, FrameKind, FrameLimits};
 pub use identity::{Identity, IdentityError, NodeId};

@@ -65,6 +65,8 @@ impl Net {
             in_host(&["addr", "add", &format!("{}/24", net.addr(k)), "dev", &v])?;
             in_host(&["link", "set", &v, "up"])?;
             in_host(&["link", "set", "lo", "up"])?;
+            // Multicast (mDNS) leaves through the bridge link.
+            in_host(&["route", "add", "224.0.0.0/4", "dev", &v])?;
         }
         Ok(net)
     }
