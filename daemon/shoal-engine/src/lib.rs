@@ -6,15 +6,18 @@
 //! - [`Vocab`]: tokenizer, chat template and streaming detokenizer.
 //! - [`Sampler`]: sampling from the tail's logits.
 //! - [`Chain`]: stages of one process driven on the canonical schedule.
+//! - [`devices()`]: the CPU, GPUs and accelerators llama.cpp can use, with their memory.
 
 mod backend;
 mod chain;
+mod devices;
 mod sampler;
 mod stage;
 mod vocab;
 
 pub use backend::{ggml_type_geometry, system_info};
 pub use chain::{Chain, ChainError, Generation, Observer, StepTiming};
+pub use devices::devices;
 pub use sampler::{Sampler, SamplingParams};
 pub use shoal_gguf::{open_model, Arch, Gguf, ModelMeta, ShardCache};
 pub use stage::{load_split, LlamaStage, LoadError, StageConfig};

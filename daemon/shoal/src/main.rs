@@ -2,6 +2,7 @@
 //! own module; this file only dispatches.
 
 mod bench;
+mod inventory;
 mod lab;
 mod pipeline;
 mod plan;
@@ -35,6 +36,8 @@ enum Command {
     Inspect(run::InspectArgs),
     /// Choose the fastest placement of a model that fits (or predict a given one), and say why.
     Plan(plan::PlanArgs),
+    /// What this machine offers: host, OS, CPU, RAM and the GPUs llama.cpp sees.
+    Inventory(inventory::InventoryArgs),
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -58,6 +61,7 @@ fn main() -> std::process::ExitCode {
         Command::Key(a) => pipeline::key(a),
         Command::Status(a) => pipeline::status(a),
         Command::Plan(a) => plan::plan(a),
+        Command::Inventory(a) => inventory::inventory(a),
         Command::Bench(b) => bench::bench(b),
     };
     match result {
