@@ -15,10 +15,16 @@ use std::time::Duration;
 pub mod alpn {
     /// Pipeline frames between stages.
     pub const PIPELINE: &[u8] = b"shoal/pipeline/1";
-    /// Control: status, placement, (later) membership and shard transfer.
+    /// Control: status, placement, (later) shard transfer.
     pub const CONTROL: &[u8] = b"shoal/control/1";
-    /// Everything a node accepts.
-    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL];
+    /// Membership between approved members: beats, election, cluster state.
+    pub const MEMBERSHIP: &[u8] = b"shoal/membership/1";
+    /// Administration of this node by its owner (the CLI, holding the node's own key).
+    pub const ADMIN: &[u8] = b"shoal/admin/1";
+    /// Everything a node's main endpoint accepts (approved keys only).
+    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL, MEMBERSHIP, ADMIN];
+    /// Joining: the only protocol of the open join endpoint, which accepts any key.
+    pub const JOIN: &[u8] = b"shoal/join/1";
 }
 
 /// Errors of the endpoint.
@@ -80,7 +86,8 @@ pub struct Accepted {
 pub struct Node {
     endpoint: quinn::Endpoint,
     identity: Arc<Identity>,
-    trusted: TrustedKeys,
+    /// Keys accepted, both ways; `None` for an open join endpoint.
+    trusted: Option<TrustedKeys>,
     transport: Arc<quinn::TransportConfig>,
 }
 
@@ -92,12 +99,30 @@ impl Node {
         trusted: TrustedKeys,
         opts: &TransportOptions,
     ) -> Result<Node, NetError> {
+        Node::bind_with(addr, identity, Some(trusted), alpn::ALL, opts)
+    }
+
+    /// The open join endpoint: accepts a handshake from any key (the peer still proves
+    /// it holds the key it presents) but speaks only [`alpn::JOIN`], where nothing is
+    /// served to a stranger beyond public facts and a pairing exchange. Dialling from
+    /// it reaches any node whose key the caller names.
+    pub fn bind_open(addr: SocketAddr, identity: Arc<Identity>, opts: &TransportOptions) -> Result<Node, NetError> {
+        Node::bind_with(addr, identity, None, &[alpn::JOIN], opts)
+    }
+
+    fn bind_with(
+        addr: SocketAddr,
+        identity: Arc<Identity>,
+        trusted: Option<TrustedKeys>,
+        alpns: &[&[u8]],
+        opts: &TransportOptions,
+    ) -> Result<Node, NetError> {
         let mut transport = quinn::TransportConfig::default();
         transport.keep_alive_interval(Some(opts.keep_alive));
         // Invariant: the idle timeouts we use are far below QUIC's 2^62 ms bound.
         transport.max_idle_timeout(Some(opts.idle_timeout.try_into().expect("idle timeout fits in a VarInt")));
         let transport = Arc::new(transport);
-        let tls = server_config(&identity, &trusted, alpn::ALL)?;
+        let tls = server_config(&identity, trusted.as_ref(), alpns)?;
         let quic = QuicServerConfig::try_from(tls).map_err(|e| rustls::Error::General(e.to_string()))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(quic));
         server.transport_config(transport.clone());
@@ -124,15 +149,15 @@ impl Node {
         self.endpoint.local_addr()
     }
 
-    /// The keys it accepts.
-    pub fn trusted(&self) -> &TrustedKeys {
-        &self.trusted
+    /// The keys it accepts (`None`: an open join endpoint).
+    pub fn trusted(&self) -> Option<&TrustedKeys> {
+        self.trusted.as_ref()
     }
 
     /// Connect to node `peer` at `addr` for protocol `alpn`. Fails in the handshake if
     /// the node there does not hold `peer`'s key, or `peer` is not trusted.
     pub async fn connect(&self, addr: SocketAddr, peer: NodeId, alpn: &[u8]) -> Result<quinn::Connection, NetError> {
-        let tls = client_config(&self.identity, &self.trusted, peer, alpn)?;
+        let tls = client_config(&self.identity, self.trusted.as_ref(), peer, alpn)?;
         let quic = QuicClientConfig::try_from(tls).map_err(|e| rustls::Error::General(e.to_string()))?;
         let mut config = quinn::ClientConfig::new(Arc::new(quic));
         config.transport_config(self.transport.clone());

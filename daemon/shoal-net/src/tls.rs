@@ -59,7 +59,9 @@ pub fn node_id_of(cert: &CertificateDer<'_>) -> Result<NodeId, Error> {
 /// Checks a peer certificate against the trusted set (and an expected id).
 #[derive(Debug)]
 struct PinnedKeys {
-    trusted: TrustedKeys,
+    /// The keys accepted; `None` on a node's open join endpoint, which accepts any
+    /// key (still proven by the handshake signature) and speaks only the join protocol.
+    trusted: Option<TrustedKeys>,
     /// When dialling: the node we mean to reach.
     expected: Option<NodeId>,
     algs: WebPkiSupportedAlgorithms,
@@ -71,7 +73,7 @@ impl PinnedKeys {
             return Err(Error::InvalidCertificate(CertificateError::BadEncoding));
         }
         let id = node_id_of(cert)?;
-        if self.expected.is_some_and(|e| e != id) || !self.trusted.contains(&id) {
+        if self.expected.is_some_and(|e| e != id) || self.trusted.as_ref().is_some_and(|t| !t.contains(&id)) {
             tracing::warn!(peer = %id, "refused a peer whose key is not trusted");
             return Err(Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure));
         }
@@ -165,14 +167,15 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn verifier(trusted: &TrustedKeys, expected: Option<NodeId>) -> Arc<PinnedKeys> {
-    Arc::new(PinnedKeys { trusted: trusted.clone(), expected, algs: provider().signature_verification_algorithms })
+fn verifier(trusted: Option<&TrustedKeys>, expected: Option<NodeId>) -> Arc<PinnedKeys> {
+    Arc::new(PinnedKeys { trusted: trusted.cloned(), expected, algs: provider().signature_verification_algorithms })
 }
 
-/// rustls server side: requires a client certificate with a trusted key.
+/// rustls server side: requires a client certificate with a trusted key (any key
+/// when `trusted` is `None`: the join endpoint).
 pub(crate) fn server_config(
     identity: &Identity,
-    trusted: &TrustedKeys,
+    trusted: Option<&TrustedKeys>,
     alpns: &[&[u8]],
 ) -> Result<rustls::ServerConfig, Error> {
     let mut c = rustls::ServerConfig::builder_with_provider(provider())
@@ -183,10 +186,11 @@ pub(crate) fn server_config(
     Ok(c)
 }
 
-/// rustls client side, to reach node `peer` speaking `alpn`.
+/// rustls client side, to reach node `peer` speaking `alpn` (`peer` need not be
+/// trusted when `trusted` is `None`: the join endpoint).
 pub(crate) fn client_config(
     identity: &Identity,
-    trusted: &TrustedKeys,
+    trusted: Option<&TrustedKeys>,
     peer: NodeId,
     alpn: &[u8],
 ) -> Result<rustls::ClientConfig, Error> {

@@ -96,7 +96,7 @@ async fn revoked_keys_cannot_reconnect() {
     let (conn, acc) = tokio::join!(nb.connect(addr, ia, alpn::CONTROL), na.accept());
     conn.unwrap();
     assert_eq!(acc.unwrap().peer, ib);
-    na.trusted().remove(&ib);
+    na.trusted().expect("a main endpoint").remove(&ib);
     assert_refused_by_server(&na, &nb, ia).await;
 }
 
@@ -142,4 +142,32 @@ async fn impairment_delays_packets() {
     tx.finish().unwrap();
     assert_eq!(rx.read_to_end(64).await.unwrap(), b"ping");
     assert!(t0.elapsed() >= Duration::from_millis(60), "round trip took only {:?}", t0.elapsed());
+}
+
+#[tokio::test]
+async fn the_open_join_endpoint_takes_any_key_but_only_the_join_protocol() {
+    let (a, b, c) = ids();
+    let (ia, ib, ic) = (a.id(), b.id(), c.id());
+    let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let opts = TransportOptions::default();
+    let open_a = Node::bind_open(any, Arc::new(a), &opts).unwrap();
+    let stranger = Node::bind_open(any, Arc::new(b), &opts).unwrap();
+    let addr = open_a.local_addr().unwrap();
+    // A stranger's key gets through, speaking JOIN, and both sides know who is who.
+    let server = tokio::spawn(async move {
+        let acc = open_a.accept().await.expect("a join connection");
+        (acc.peer, acc.alpn, open_a)
+    });
+    let conn = stranger.connect(addr, ia, alpn::JOIN).await.unwrap();
+    assert_eq!(shoal_net::endpoint::peer_id(&conn), Some(ia));
+    let (peer, proto, open_a) = server.await.unwrap();
+    assert_eq!((peer, proto.as_slice()), (ib, alpn::JOIN));
+    // No other protocol is spoken there.
+    assert!(stranger.connect(addr, ia, alpn::MEMBERSHIP).await.is_err());
+    // Dialling from an open endpoint still checks that the node there holds the key named.
+    assert!(stranger.connect(addr, ic, alpn::JOIN).await.is_err());
+    assert!(open_a.trusted().is_none());
+    // And the main endpoint of a node still refuses the stranger.
+    let main = node(&[ia], c);
+    assert_refused_by_server(&main, &stranger, ic).await;
 }
