@@ -485,7 +485,8 @@ impl Core {
         }
         // The leader of `term` is authoritative: take its snapshot unless we already
         // have exactly it (or a newer one of the same leader, arriving reordered).
-        if state.version != self.state.version && !(state.version < self.state.version && self.state.version.term == term)
+        if state.version != self.state.version
+            && !(state.version < self.state.version && self.state.version.term == term)
         {
             self.state = state;
             self.out.push(Action::PersistState(Box::new(self.state.clone())));
@@ -687,7 +688,8 @@ impl Core {
         if committed.term != self.hard.term {
             return;
         }
-        let (done, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending).into_iter().partition(|p| p.0 <= committed);
+        let (done, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.pending).into_iter().partition(|p| p.0 <= committed);
         self.pending = rest;
         for (version, origin, _) in done {
             self.answer(origin, Ok(version));

@@ -269,7 +269,12 @@ impl Sim {
         for (k, n) in self.nodes.iter().enumerate() {
             if let Some(c) = &n.core {
                 let leader = c.leader().and_then(|l| self.index.get(&l));
-                out += &format!("\n  {k}: {:?} term {} version {} leader {leader:?}", c.role(), c.term(), c.state().version);
+                out += &format!(
+                    "\n  {k}: {:?} term {} version {} leader {leader:?}",
+                    c.role(),
+                    c.term(),
+                    c.state().version
+                );
             }
         }
         out
@@ -334,8 +339,11 @@ fn schedule(n: usize, seed: u64) -> (u64, u64) {
         let req = sim.next_req;
         sim.asked.insert(req, (format!("k{req}"), 1));
         let now = sim.now;
-        let actions =
-            sim.nodes[k].core.as_mut().unwrap().propose(now, req, Change::Put { key: format!("k{req}"), value: 1.into() });
+        let actions = sim.nodes[k].core.as_mut().unwrap().propose(
+            now,
+            req,
+            Change::Put { key: format!("k{req}"), value: 1.into() },
+        );
         sim.handle(k, actions);
         sim.run(500);
     }

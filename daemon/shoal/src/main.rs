@@ -2,6 +2,7 @@
 //! own module; this file only dispatches.
 
 mod bench;
+mod cluster;
 mod inventory;
 mod lab;
 mod pipeline;
@@ -24,12 +25,19 @@ enum Command {
     Run(run::RunArgs),
     /// The demo: the small test model split into three stages, answering a question.
     Demo(run::DemoArgs),
-    /// Serve this node's stage of a placement (stages in separate processes or hosts).
+    /// Run this node: a cluster node (discovery, joining, leader election), or with
+    /// `--placement`, this node's stage of a placement.
     Serve(pipeline::ServeArgs),
     /// Run one generation through a running pipeline (ask its coordinator).
     Generate(pipeline::GenerateArgs),
-    /// Show each node of a running pipeline: sessions, re-drives, replays, link state.
+    /// The cluster as this node sees it: members, leader, term, pending nodes; with
+    /// `--placement`, each node of a running pipeline.
     Status(pipeline::StatusArgs),
+    /// Approve, remove or pair nodes of this node's cluster.
+    #[command(subcommand)]
+    Nodes(cluster::NodesCommand),
+    /// Join a cluster with a pairing code shown by one of its members.
+    Join(cluster::JoinArgs),
     /// Print this node's id (its public key), creating the key on first use.
     Key(pipeline::KeyArgs),
     /// Describe a GGUF model: architecture, sizes, bytes per layer.
@@ -60,6 +68,8 @@ fn main() -> std::process::ExitCode {
         Command::Generate(a) => pipeline::generate(a),
         Command::Key(a) => pipeline::key(a),
         Command::Status(a) => pipeline::status(a),
+        Command::Nodes(c) => cluster::nodes(c),
+        Command::Join(a) => cluster::join(a),
         Command::Plan(a) => plan::plan(a),
         Command::Inventory(a) => inventory::inventory(a),
         Command::Bench(b) => bench::bench(b),

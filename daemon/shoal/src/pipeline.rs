@@ -26,13 +26,15 @@ pub struct KeyArgs {
 /// `shoal serve`.
 #[derive(Args, Debug)]
 pub struct ServeArgs {
-    /// The placement file every node of the pipeline shares.
+    /// Serve a stage of this placement file (every node of the pipeline shares it)
+    /// instead of running as a cluster node.
     #[arg(long)]
-    placement: PathBuf,
+    placement: Option<PathBuf>,
     /// The node's data directory (its key) [default: ~/.local/share/shoal].
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Address to listen on [default: this node's address in the placement].
+    /// Address to listen on [default: this node's address in the placement; a cluster
+    /// node 0.0.0.0:47070].
     #[arg(long)]
     listen: Option<SocketAddr>,
     /// CPU threads for the stage.
@@ -51,6 +53,8 @@ pub struct ServeArgs {
     /// "delay=3ms,jitter=2ms,loss=1%" (the kernel here has no netem).
     #[arg(long, default_value = "")]
     impair: Impairment,
+    #[command(flatten)]
+    cluster: crate::cluster::ClusterArgs,
 }
 
 /// `shoal generate`.
@@ -73,9 +77,9 @@ pub struct GenerateArgs {
 /// `shoal status`.
 #[derive(Args, Debug)]
 pub struct StatusArgs {
-    /// The placement file of the running pipeline.
+    /// The placement file of a running pipeline (without it: the cluster).
     #[arg(long)]
-    placement: PathBuf,
+    placement: Option<PathBuf>,
     /// Data directory whose key identifies this client (see `generate`).
     #[arg(long)]
     data_dir: Option<PathBuf>,
@@ -117,11 +121,14 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
-    let placement = Placement::load(&a.placement)?;
+    let Some(placement_file) = a.placement.clone() else {
+        return crate::cluster::serve(a.data_dir, a.listen, a.impair, a.cluster);
+    };
+    let placement = Placement::load(&placement_file)?;
     let dir = data_dir(&a.data_dir);
     let identity = Arc::new(Identity::load_or_create(&dir)?);
     let Some(index) = placement.stage_of(identity.id()) else {
-        bail!("this node ({}, key in {}) has no stage in {}", identity.id(), dir.display(), a.placement.display());
+        bail!("this node ({}, key in {}) has no stage in {}", identity.id(), dir.display(), placement_file.display());
     };
     let place = placement.stages[index].clone();
     let (g, meta) = open_model(&placement.model)?;
@@ -178,7 +185,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     })
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     #[cfg(unix)]
     {
         let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -263,7 +270,10 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 pub fn status(a: StatusArgs) -> Result<()> {
-    let placement = Placement::load(&a.placement)?;
+    let Some(placement_file) = &a.placement else {
+        return crate::cluster::status(&a.data_dir, a.json);
+    };
+    let placement = Placement::load(placement_file)?;
     let identity = Arc::new(Identity::load_or_create(&data_dir(&a.data_dir))?);
     let answers = runtime()?.block_on(async {
         let node = client_node(&placement, identity)?;

@@ -1,0 +1,1254 @@
+//! The cluster node: the async shell around [`Core`]. One actor owns all state and runs
+//! a `select!` loop over a clock tick, messages from members, discovery events, the
+//! join endpoint and the owner's admin requests; tasks around it only move bytes.
+//!
+//! A node starts *unpaired* (or resumes the cluster it stored). Unpaired, it advertises
+//! `cl=unpaired`; members that see it verify its key on its open join endpoint and list
+//! it as pending. It becomes a member when an owner approves it (a member then sends it
+//! the cluster state on the join endpoint) or when it pairs with a code. With no cluster
+//! on the LAN, the node with the lowest id among the unpaired ones creates one.
+
+use crate::core::{Action, Config, Core, Event, HardState, Liveness, Role as ElectionRole};
+use crate::pairing::{Joiner, Offers, PairError, PairingCode, Responder};
+use crate::state::{Change, ClusterState, Member};
+use crate::wire::{
+    read_msg, write_msg, AdminRequest, AdminResponse, ClusterStatus, JoinRequest, JoinResponse, MemberStatus,
+    PendingStatus, PublicInfo, WireError,
+};
+use shoal_net::discovery::{Advert, Discovery, DiscoveryEvent, InterfaceFilter};
+use shoal_net::{alpn, Identity, Node, TransportOptions, TrustedKeys};
+use shoal_store::{SledStore, Space, Store, StoreError, StoreExt, Write};
+use shoal_types::{ClusterId, NodeId, NodeInventory, Role};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// File in the data directory holding the main endpoint's address, for the CLI.
+pub const ENDPOINT_FILE: &str = "endpoint";
+
+/// When a node with no cluster creates one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CreatePolicy {
+    /// After `after_ms` of listening, if no cluster is advertised on the LAN and no
+    /// unpaired node with a lower id is either (so two fresh nodes agree who creates).
+    Auto {
+        /// How long to listen first.
+        after_ms: u64,
+    },
+    /// At once.
+    Now,
+    /// Never: wait to be approved or to pair.
+    Never,
+}
+
+/// How a cluster node runs.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// Where the key and the store live.
+    pub data_dir: PathBuf,
+    /// The main endpoint (members only).
+    pub listen: SocketAddr,
+    /// The open join endpoint (port 0: any free port; it is advertised).
+    pub join_listen: SocketAddr,
+    /// A name for people.
+    pub name: String,
+    /// Hub or PC.
+    pub role: Role,
+    /// Interfaces mDNS may use.
+    pub interfaces: InterfaceFilter,
+    /// Creating a cluster when there is none.
+    pub create: CreatePolicy,
+    /// Whether an approval by a member of a cluster on the LAN is taken as it comes
+    /// (trust on first approval). Off: only a pairing code joins this node.
+    pub accept_approval: bool,
+    /// Protocol timing.
+    pub timing: Config,
+    /// QUIC timing (and test impairment).
+    pub transport: TransportOptions,
+}
+
+/// Why the node stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The store failed: the node stops rather than act on state it could not keep.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// The network could not be set up.
+    #[error(transparent)]
+    Net(#[from] shoal_net::NetError),
+    /// Discovery could not start.
+    #[error("discovery: {0}")]
+    Discovery(#[from] shoal_net::discovery::DiscoveryError),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The admin protocol failed.
+    #[error("{0}")]
+    Admin(String),
+}
+
+/// Everything that reaches the actor.
+enum Input {
+    Member(NodeId, crate::core::Msg, SocketAddr),
+    Admin(AdminRequest, oneshot::Sender<AdminResponse>),
+    Verified(PublicInfo, SocketAddr),
+    PairBegin(oneshot::Sender<Result<PairingCode, PairError>>),
+    PairDone {
+        ok: bool,
+        info: PublicInfo,
+        reply: oneshot::Sender<JoinResponse>,
+    },
+    Welcome {
+        from: NodeId,
+        state: Box<ClusterState>,
+        reply: oneshot::Sender<JoinResponse>,
+    },
+    Revoked {
+        from: NodeId,
+        state: Box<ClusterState>,
+        reply: oneshot::Sender<JoinResponse>,
+    },
+    /// The outcome of a pairing attempt; `NoOffer` everywhere is retried a few times with
+    /// fresh discovery results (the member showing the code may have just joined itself).
+    JoinResult {
+        result: Result<Box<ClusterState>, String>,
+        code: PairingCode,
+        tries: u32,
+        reply: oneshot::Sender<AdminResponse>,
+    },
+    /// Try pairing again.
+    JoinRetry {
+        code: PairingCode,
+        tries: u32,
+        reply: oneshot::Sender<AdminResponse>,
+    },
+}
+
+/// Who waits for a proposal's outcome.
+enum Waiter {
+    Approve {
+        node: NodeId,
+        reply: oneshot::Sender<AdminResponse>,
+    },
+    Remove {
+        node: NodeId,
+        reply: oneshot::Sender<AdminResponse>,
+    },
+    /// A node that paired with a code (it already holds the state it will be part of).
+    Paired {
+        node: NodeId,
+    },
+}
+
+/// A proposal in flight: retried while the cluster has no leader or is busy, because
+/// an approved node is already told it is in (it must not be left in limbo).
+struct Proposal {
+    change: Change,
+    waiter: Waiter,
+    /// Attempts so far.
+    attempts: u32,
+}
+
+/// How many times a proposal is tried (every half second: ~30 s).
+const PROPOSAL_ATTEMPTS: u32 = 60;
+
+/// Run a cluster node until `shutdown` completes.
+pub async fn run(
+    cfg: NodeConfig,
+    identity: Arc<Identity>,
+    inventory: watch::Receiver<NodeInventory>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), NodeError> {
+    let store: Arc<dyn Store> = Arc::new(SledStore::open(&cfg.data_dir)?);
+    let me = identity.id();
+    let trusted = TrustedKeys::new([me]);
+    let main = Arc::new(Node::bind(cfg.listen, identity.clone(), trusted.clone(), &cfg.transport)?);
+    let open = Arc::new(Node::bind_open(cfg.join_listen, identity.clone(), &cfg.transport)?);
+    let main_addr = main.local_addr().map_err(|source| NodeError::Io { path: "main endpoint".into(), source })?;
+    let join_addr = open.local_addr().map_err(|source| NodeError::Io { path: "join endpoint".into(), source })?;
+    write_endpoint(&cfg.data_dir, main_addr)?;
+    let inv = inventory.borrow().clone();
+    let state: Option<ClusterState> = store.get_json(Space::Cluster, "state")?;
+    let hard: HardState = store.get_json(Space::Election, "hard")?.unwrap_or_default();
+    let advert = Advert::new(me, state.as_ref().map(|s| s.cluster), cfg.role, main_addr.port(), join_addr.port(), &inv);
+    let (discovery, found) = Discovery::start(advert, &cfg.interfaces)?;
+    let (tx, rx) = mpsc::channel(1024);
+    let public = Arc::new(Mutex::new(PublicInfo {
+        node: me,
+        cluster: None,
+        name: cfg.name.clone(),
+        role: cfg.role,
+        memory_bytes: memory_of(&inv),
+    }));
+    tracing::info!(node = %me, %main_addr, %join_addr, "cluster node starting");
+    let mut actor = Actor {
+        seed: random_u64(),
+        start: Instant::now(),
+        me,
+        store,
+        main: main.clone(),
+        open: open.clone(),
+        trusted,
+        trusted_set: BTreeSet::from([me]),
+        core: None,
+        discovery,
+        inventory: inv,
+        public: public.clone(),
+        peers: HashMap::new(),
+        pending: BTreeMap::new(),
+        verifying: BTreeSet::new(),
+        addrs: Arc::new(Mutex::new(HashMap::new())),
+        links: HashMap::new(),
+        waiting: HashMap::new(),
+        retry: Vec::new(),
+        next_req: 0,
+        offers: Offers::default(),
+        welcomed: HashMap::new(),
+        traffic: Arc::new(Traffic::default()),
+        tx: tx.clone(),
+        main_addr,
+        cfg,
+    };
+    if let Some(state) = state {
+        actor.resume(hard, state);
+    } else if actor.cfg.create == CreatePolicy::Now {
+        actor.create()?;
+    }
+    tokio::spawn(accept_main(main.clone(), tx.clone()));
+    tokio::spawn(accept_join(open.clone(), tx, public, me));
+    let r = actor.run(rx, found, inventory, shutdown).await;
+    main.close();
+    open.close();
+    actor.discovery.shutdown();
+    r
+}
+
+/// Counters of membership traffic sent.
+#[derive(Default)]
+struct Traffic {
+    msgs: AtomicU64,
+    bytes: AtomicU64,
+}
+
+struct Actor {
+    /// Election jitter for the core (fresh randomness per start).
+    seed: u64,
+    /// The clock's zero: the core works in ms since then.
+    start: Instant,
+    me: NodeId,
+    store: Arc<dyn Store>,
+    /// Members-only endpoint (membership, admin).
+    main: Arc<Node>,
+    /// Join endpoint (any key, join protocol only).
+    open: Arc<Node>,
+    /// Keys the main endpoint accepts: the members and ourselves (the CLI).
+    trusted: TrustedKeys,
+    /// Mirror of `trusted`, to compute changes.
+    trusted_set: BTreeSet<NodeId>,
+    /// The protocol, once this node belongs to a cluster.
+    core: Option<Core>,
+    discovery: Discovery,
+    /// Latest inventory (advert, member record).
+    inventory: NodeInventory,
+    /// What the join endpoint tells anyone.
+    public: Arc<Mutex<PublicInfo>>,
+    /// Everyone discovery reports: advert and addresses.
+    peers: HashMap<NodeId, (Advert, Vec<IpAddr>)>,
+    /// Unpaired nodes whose key was verified on their join endpoint.
+    pending: BTreeMap<NodeId, (PublicInfo, SocketAddr)>,
+    /// Verifications under way.
+    verifying: BTreeSet<NodeId>,
+    /// Members' main endpoints, shared with the link tasks.
+    addrs: Arc<Mutex<HashMap<NodeId, SocketAddr>>>,
+    /// One sender task per member.
+    links: HashMap<NodeId, mpsc::Sender<crate::core::Msg>>,
+    /// Proposals waiting for their outcome, by request number.
+    waiting: HashMap<u64, Proposal>,
+    /// Proposals to try again at a time.
+    retry: Vec<(u64, Proposal)>,
+    next_req: u64,
+    /// Pairing codes offered here.
+    offers: Offers,
+    /// Leader only: when each approved-but-still-unpaired node was last sent a welcome.
+    welcomed: HashMap<NodeId, u64>,
+    traffic: Arc<Traffic>,
+    /// Clone for tasks that report back.
+    tx: mpsc::Sender<Input>,
+    main_addr: SocketAddr,
+    cfg: NodeConfig,
+}
+
+impl Actor {
+    async fn run(
+        &mut self,
+        mut rx: mpsc::Receiver<Input>,
+        mut found: mpsc::Receiver<DiscoveryEvent>,
+        mut inventory: watch::Receiver<NodeInventory>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), NodeError> {
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                _ = tick.tick() => self.on_tick()?,
+                Some(input) = rx.recv() => self.on_input(input)?,
+                Some(event) = found.recv() => self.on_discovery(event),
+                Ok(()) = inventory.changed() => {
+                    self.inventory = inventory.borrow().clone();
+                    lock(&self.public).memory_bytes = memory_of(&self.inventory);
+                    self.advertise();
+                }
+            }
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    fn me_member(&self) -> Member {
+        Member {
+            id: self.me,
+            name: self.cfg.name.clone(),
+            role: self.cfg.role,
+            memory_bytes: memory_of(&self.inventory),
+        }
+    }
+
+    /// Create a new cluster with this node as its only member.
+    fn create(&mut self) -> Result<(), NodeError> {
+        let mut id = [0u8; 16];
+        fill_random(&mut id);
+        let state = ClusterState::create(ClusterId(id), self.me_member());
+        tracing::info!(cluster = %state.cluster, "created a new cluster");
+        self.adopt(state)
+    }
+
+    /// Store `state` as this node's cluster (fresh election state) and start in it.
+    fn adopt(&mut self, state: ClusterState) -> Result<(), NodeError> {
+        let hard = HardState::default();
+        self.store.apply(vec![
+            Write::put_json(Space::Cluster, "state", &state)?,
+            Write::put_json(Space::Election, "hard", &hard)?,
+        ])?;
+        self.resume(hard, state);
+        Ok(())
+    }
+
+    fn resume(&mut self, hard: HardState, state: ClusterState) {
+        let cluster = state.cluster;
+        self.core = Some(Core::new(self.cfg.timing.clone(), self.me, hard, state, self.now(), self.seed));
+        lock(&self.public).cluster = Some(cluster);
+        self.sync_trust();
+        self.advertise();
+        tracing::info!(%cluster, "member of the cluster");
+    }
+
+    fn advertise(&mut self) {
+        let cluster = self.core.as_ref().map(|c| c.state().cluster);
+        let join_port = self.open.local_addr().map(|a| a.port()).unwrap_or(0);
+        let advert = Advert::new(self.me, cluster, self.cfg.role, self.main_addr.port(), join_port, &self.inventory);
+        if let Err(e) = self.discovery.update(advert) {
+            tracing::warn!("cannot update the mDNS advert: {e}");
+        }
+    }
+
+    /// Trust exactly the members (and ourselves); drop links to anyone else.
+    fn sync_trust(&mut self) {
+        let mut want = BTreeSet::from([self.me]);
+        if let Some(core) = &self.core {
+            want.extend(core.state().members.keys().copied());
+        }
+        for id in want.difference(&self.trusted_set) {
+            self.trusted.insert(*id);
+        }
+        for id in self.trusted_set.difference(&want) {
+            self.trusted.remove(id);
+            self.links.remove(id);
+            lock(&self.addrs).remove(id);
+        }
+        self.trusted_set = want;
+        self.pending.retain(|id, _| !self.trusted_set.contains(id));
+        // Members discovered before this node knew them (it just joined, or they were
+        // just approved): their advertised main endpoint.
+        let mut addrs = lock(&self.addrs);
+        for id in &self.trusted_set {
+            if let (false, Some((advert, ips))) = (addrs.contains_key(id), self.peers.get(id)) {
+                if let Some(ip) = ips.first() {
+                    addrs.insert(*id, SocketAddr::new(*ip, advert.port));
+                }
+            }
+        }
+    }
+
+    fn on_tick(&mut self) -> Result<(), NodeError> {
+        let now = self.now();
+        if let Some(core) = self.core.as_mut() {
+            let actions = core.tick(now);
+            self.execute(actions)?;
+            self.welcome_approved(now);
+            let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retry).into_iter().partition(|r| r.0 <= now);
+            self.retry = later;
+            for (_, p) in due {
+                self.submit(p)?;
+            }
+        } else if let CreatePolicy::Auto { after_ms } = self.cfg.create {
+            let cluster_seen = self.peers.values().any(|(a, _)| a.cluster.is_some());
+            let lower_unpaired = self.peers.values().any(|(a, _)| a.cluster.is_none() && a.node < self.me);
+            if now >= after_ms && !cluster_seen && !lower_unpaired {
+                self.create()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn on_input(&mut self, input: Input) -> Result<(), NodeError> {
+        let now = self.now();
+        match input {
+            Input::Member(from, msg, addr) => {
+                if let Some(core) = self.core.as_mut() {
+                    lock(&self.addrs).entry(from).or_insert(addr);
+                    let actions = core.receive(now, from, msg);
+                    self.execute(actions)?;
+                }
+            }
+            Input::Admin(req, reply) => self.on_admin(req, reply)?,
+            Input::Verified(info, addr) => {
+                self.verifying.remove(&info.node);
+                let known = self
+                    .core
+                    .as_ref()
+                    .is_some_and(|c| c.state().is_member(&info.node) || c.state().revoked.contains(&info.node));
+                if info.cluster.is_none() && !known {
+                    tracing::info!(node = %info.node, name = %info.name, "pending: an unpaired node asks to join");
+                    self.pending.insert(info.node, (info, addr));
+                }
+            }
+            Input::PairBegin(reply) => {
+                let r = if self.core.is_some() { self.offers.begin(now) } else { Err(PairError::NoOffer) };
+                let _ = reply.send(r);
+            }
+            Input::PairDone { ok, info, reply } => {
+                if !ok {
+                    self.offers.failed();
+                    let _ = reply.send(JoinResponse::Error(PairError::WrongCode.to_string()));
+                    return Ok(());
+                }
+                self.offers.succeeded();
+                let member =
+                    Member { id: info.node, name: info.name, role: info.role, memory_bytes: info.memory_bytes };
+                tracing::info!(node = %member.id, "paired with a code; proposing it as a member");
+                // The new node gets the state it will be part of now: the change commits
+                // only once a majority of the *new* membership stored it, and the new node
+                // counts in it, so it must already take part.
+                let Some(state) = self.expected(&member) else {
+                    let _ = reply.send(JoinResponse::Error("this node left the cluster meanwhile".into()));
+                    return Ok(());
+                };
+                let _ = reply.send(JoinResponse::Joined { state: Box::new(state) });
+                let node = member.id;
+                self.propose(Change::AddMember(member), Waiter::Paired { node })?;
+            }
+            Input::Welcome { from, state, reply } => {
+                let answer = self.on_welcome(from, *state)?;
+                let _ = reply.send(answer);
+            }
+            Input::Revoked { from, state, reply } => {
+                let genuine = self.core.as_ref().is_some_and(|c| {
+                    let mine = c.state();
+                    state.cluster == mine.cluster
+                        && mine.is_member(&from)
+                        && state.is_member(&from)
+                        && !state.is_member(&self.me)
+                        && state.version > mine.version
+                });
+                if genuine {
+                    let _ = reply.send(JoinResponse::Accepted);
+                    self.leave()?;
+                } else {
+                    tracing::warn!(%from, "ignored a removal notice that does not come from this node's cluster");
+                    let _ = reply.send(JoinResponse::Error("not a removal this node can verify".into()));
+                }
+            }
+            Input::JoinResult { result: Err(e), code, tries, reply } if e == NO_OFFER && tries < 6 => {
+                let tx = self.tx.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let _ = tx.send(Input::JoinRetry { code, tries: tries + 1, reply }).await;
+                });
+            }
+            Input::JoinRetry { code, tries, reply } => {
+                if self.core.is_some() {
+                    let _ = reply.send(AdminResponse::Error("this node already belongs to a cluster".into()));
+                } else {
+                    self.try_join(code, tries, reply);
+                }
+            }
+            Input::JoinResult { result, reply, .. } => match result {
+                Ok(state) if self.core.is_none() && state.is_member(&self.me) => {
+                    let cluster = state.cluster;
+                    self.adopt(*state)?;
+                    let _ = reply.send(AdminResponse::Ok(format!("joined cluster {cluster}")));
+                }
+                Ok(_) => {
+                    let _ = reply.send(AdminResponse::Error("the pairing ended without a usable cluster state".into()));
+                }
+                Err(e) => {
+                    let _ = reply.send(AdminResponse::Error(e));
+                }
+            },
+        }
+        Ok(())
+    }
+
+    fn on_welcome(&mut self, from: NodeId, state: ClusterState) -> Result<JoinResponse, NodeError> {
+        if self.core.is_some() {
+            return Ok(JoinResponse::Error("this node already belongs to a cluster".into()));
+        }
+        if !self.cfg.accept_approval {
+            return Ok(JoinResponse::Error("this node joins only with a pairing code".into()));
+        }
+        if !state.is_member(&self.me) || !state.is_member(&from) {
+            tracing::warn!(%from, "refused a welcome that does not list both sides as members");
+            return Ok(JoinResponse::Error("the state does not list this node and the sender as members".into()));
+        }
+        tracing::info!(%from, cluster = %state.cluster, "approved by a member; joining");
+        self.adopt(state)?;
+        Ok(JoinResponse::Accepted)
+    }
+
+    fn on_admin(&mut self, req: AdminRequest, reply: oneshot::Sender<AdminResponse>) -> Result<(), NodeError> {
+        match req {
+            AdminRequest::Status => {
+                let _ = reply.send(AdminResponse::Status(Box::new(self.status())));
+            }
+            AdminRequest::Approve { node } => {
+                if self.core.is_none() {
+                    let _ = reply.send(AdminResponse::Error("this node is not in a cluster yet".into()));
+                    return Ok(());
+                }
+                match find(&node, self.pending.keys()) {
+                    Ok(id) => {
+                        let (info, _) = &self.pending[&id];
+                        let member =
+                            Member { id, name: info.name.clone(), role: info.role, memory_bytes: info.memory_bytes };
+                        // As with pairing: the node takes part before the change commits.
+                        if let Some(state) = self.expected(&member) {
+                            self.welcome(id, state);
+                        }
+                        self.propose(Change::AddMember(member), Waiter::Approve { node: id, reply })?;
+                    }
+                    Err(e) => {
+                        let _ = reply.send(AdminResponse::Error(format!("{e} among the pending nodes")));
+                    }
+                }
+            }
+            AdminRequest::Remove { node } => {
+                let Some(core) = &self.core else {
+                    let _ = reply.send(AdminResponse::Error("this node is not in a cluster".into()));
+                    return Ok(());
+                };
+                match find(&node, core.state().members.keys()) {
+                    Ok(id) => {
+                        // The new membership must still have a live majority, or nothing
+                        // could be decided afterwards (not even undoing this).
+                        let rest: Vec<&NodeId> = core.state().members.keys().filter(|m| **m != id).collect();
+                        let alive = rest.iter().filter(|m| core.liveness(m) == Some(Liveness::Alive)).count();
+                        if alive < rest.len() / 2 + 1 {
+                            let _ = reply.send(AdminResponse::Error(format!(
+                                "removing {id} would leave {alive} of {} members reachable, not a majority; bring the others back (or remove a down member) first",
+                                rest.len()
+                            )));
+                            return Ok(());
+                        }
+                        self.propose(Change::RemoveMember(id), Waiter::Remove { node: id, reply })?
+                    }
+                    Err(e) => {
+                        let _ = reply.send(AdminResponse::Error(format!("{e} among the members")));
+                    }
+                }
+            }
+            AdminRequest::Pair => {
+                if self.core.is_none() {
+                    let _ = reply.send(AdminResponse::Error("this node is not in a cluster yet".into()));
+                    return Ok(());
+                }
+                let now = self.now();
+                let code = self.offers.offer(now);
+                let valid_s = self.offers.active(now).map_or(0, |until| until.saturating_sub(now) / 1000);
+                let _ = reply.send(AdminResponse::Code { code: code.to_string(), valid_s });
+            }
+            AdminRequest::Join { code } => {
+                if self.core.is_some() {
+                    let _ = reply.send(AdminResponse::Error("this node already belongs to a cluster".into()));
+                    return Ok(());
+                }
+                let code: PairingCode = match code.parse() {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let _ = reply.send(AdminResponse::Error(format!("{e}")));
+                        return Ok(());
+                    }
+                };
+                self.try_join(code, 1, reply);
+            }
+        }
+        Ok(())
+    }
+
+    /// The cluster state as it will be once `member` is added (what it is welcomed with).
+    fn expected(&self, member: &Member) -> Option<ClusterState> {
+        let mut state = self.core.as_ref()?.state().clone();
+        // Already a member (a retried approval) is fine: the state holds it.
+        let _ = state.apply(&Change::AddMember(member.clone()));
+        Some(state)
+    }
+
+    /// Pair with `code` with the members discovery knows of.
+    fn try_join(&mut self, code: PairingCode, tries: u32, reply: oneshot::Sender<AdminResponse>) {
+        let mut targets: Vec<(NodeId, SocketAddr)> = self
+            .peers
+            .values()
+            .filter(|(a, _)| a.cluster.is_some())
+            .filter_map(|(a, ips)| ips.first().map(|ip| (a.node, SocketAddr::new(*ip, a.join_port))))
+            .collect();
+        targets.sort();
+        let info = lock(&self.public).clone();
+        let (open, tx) = (self.open.clone(), self.tx.clone());
+        tokio::spawn(async move {
+            let result = join_with_code(&open, &code, info, &targets).await;
+            let _ = tx.send(Input::JoinResult { result, code, tries, reply }).await;
+        });
+    }
+
+    fn propose(&mut self, change: Change, waiter: Waiter) -> Result<(), NodeError> {
+        self.submit(Proposal { change, waiter, attempts: 0 })
+    }
+
+    fn submit(&mut self, mut p: Proposal) -> Result<(), NodeError> {
+        self.next_req += 1;
+        let req = self.next_req;
+        let change = p.change.clone();
+        p.attempts += 1;
+        self.waiting.insert(req, p);
+        let now = self.now();
+        let Some(core) = self.core.as_mut() else {
+            // Left the cluster meanwhile.
+            self.answer(req, Err(crate::core::ProposeError::NoLeader));
+            return Ok(());
+        };
+        let actions = core.propose(now, req, change);
+        self.execute(actions)
+    }
+
+    /// Carry out the core's actions in order: a persist completes before anything after it.
+    fn execute(&mut self, actions: Vec<Action>) -> Result<(), NodeError> {
+        for action in actions {
+            match action {
+                Action::PersistHard(h) => self.store.put_json(Space::Election, "hard", &h)?,
+                Action::PersistState(s) => self.store.put_json(Space::Cluster, "state", &*s)?,
+                Action::Send { to, msg } => self.send(to, msg),
+                Action::Reply { req, result } => self.answer(req, result),
+                Action::Event(Event::State { version }) => {
+                    tracing::debug!(%version, "cluster state");
+                    let before = self.trusted_set.clone();
+                    self.sync_trust();
+                    self.notify_removed(&before);
+                }
+                Action::Event(Event::Leader { leader, term }) => match leader {
+                    Some(l) => tracing::info!(leader = %l, term, "leader"),
+                    None => tracing::info!(term, "no leader"),
+                },
+                Action::Event(Event::Liveness { node, liveness }) => {
+                    tracing::info!(%node, ?liveness, "member liveness")
+                }
+                Action::Event(Event::Removed) => self.leave()?,
+            }
+        }
+        Ok(())
+    }
+
+    /// This node was removed: forget the cluster and wait, unpaired.
+    fn leave(&mut self) -> Result<(), NodeError> {
+        tracing::warn!("this node was removed from the cluster; it is unpaired now");
+        self.store.apply(vec![
+            Write::Remove { space: Space::Cluster, key: "state".into() },
+            Write::Remove { space: Space::Election, key: "hard".into() },
+        ])?;
+        self.core = None;
+        lock(&self.public).cluster = None;
+        self.sync_trust();
+        self.advertise();
+        // Not straight back into a cluster of our own: wait to be approved or paired.
+        self.cfg.create = CreatePolicy::Never;
+        Ok(())
+    }
+
+    /// The leader tells members it just removed, on their join endpoint (their key no
+    /// longer opens the main one).
+    fn notify_removed(&mut self, before: &BTreeSet<NodeId>) {
+        let Some(core) = &self.core else { return };
+        if core.role() != &ElectionRole::Leader {
+            return;
+        }
+        let state = core.state().clone();
+        for node in before.difference(&self.trusted_set) {
+            let Some((advert, ips)) = self.peers.get(node) else { continue };
+            let Some(ip) = ips.first() else { continue };
+            let (open, addr, node, state) =
+                (self.open.clone(), SocketAddr::new(*ip, advert.join_port), *node, Box::new(state.clone()));
+            tokio::spawn(async move {
+                match join_request(&open, addr, node, &JoinRequest::Revoked { state }).await {
+                    Ok(JoinResponse::Accepted) => tracing::info!(%node, "removed node told"),
+                    Ok(other) => tracing::info!(%node, "removed node answered {other:?}"),
+                    Err(e) => tracing::info!(%node, "could not tell the removed node: {e}"),
+                }
+            });
+        }
+    }
+
+    fn answer(&mut self, req: u64, result: Result<crate::state::Version, crate::core::ProposeError>) {
+        use crate::core::ProposeError as E;
+        use crate::state::ChangeError;
+        let Some(p) = self.waiting.remove(&req) else { return };
+        // A retried approval that finds the node already in had committed before.
+        let result = match (&p.change, result) {
+            (Change::AddMember(_), Err(E::Invalid(ChangeError::AlreadyMember(_)))) if p.attempts > 1 => {
+                Ok(self.core.as_ref().map(|c| c.state().version).unwrap_or_default())
+            }
+            (Change::RemoveMember(_), Err(E::Invalid(ChangeError::NotMember(_)))) if p.attempts > 1 => {
+                Ok(self.core.as_ref().map(|c| c.state().version).unwrap_or_default())
+            }
+            (_, r) => r,
+        };
+        if let Err(E::NoLeader | E::Busy | E::Interrupted | E::Timeout) = &result {
+            if p.attempts < PROPOSAL_ATTEMPTS && self.core.is_some() {
+                self.retry.push((self.now() + 500, p));
+                return;
+            }
+        }
+        match (p.waiter, result) {
+            (Waiter::Approve { node, reply }, Ok(_)) => {
+                tracing::info!(%node, "approved");
+                self.pending.remove(&node);
+                let _ = reply.send(AdminResponse::Ok(format!("approved {node}")));
+            }
+            (Waiter::Remove { node, reply }, Ok(_)) => {
+                let _ = reply.send(AdminResponse::Ok(format!("removed {node}; its key is revoked")));
+            }
+            (Waiter::Paired { node }, Ok(_)) => tracing::info!(%node, "paired node approved"),
+            (Waiter::Approve { reply, .. } | Waiter::Remove { reply, .. }, Err(e)) => {
+                let _ = reply.send(AdminResponse::Error(e.to_string()));
+            }
+            (Waiter::Paired { node }, Err(e)) => tracing::warn!(%node, "a paired node could not be approved: {e}"),
+        }
+    }
+
+    /// Send `state` (which lists it as a member) to a node on its join endpoint.
+    fn welcome(&mut self, node: NodeId, state: ClusterState) {
+        let Some((advert, ips)) = self.peers.get(&node) else { return };
+        let Some(ip) = ips.first() else { return };
+        let addr = SocketAddr::new(*ip, advert.join_port);
+        // Its main endpoint, for the membership link, until its new advert arrives.
+        lock(&self.addrs).entry(node).or_insert(SocketAddr::new(*ip, advert.port));
+        let state = Box::new(state);
+        self.welcomed.insert(node, self.now());
+        let open = self.open.clone();
+        tokio::spawn(async move {
+            match join_request(&open, addr, node, &JoinRequest::Welcome { state }).await {
+                Ok(JoinResponse::Accepted) => tracing::info!(%node, "welcome taken"),
+                Ok(other) => tracing::warn!(%node, "welcome refused: {other:?}"),
+                Err(e) => tracing::info!(%node, "welcome not delivered yet: {e}"),
+            }
+        });
+    }
+
+    /// The leader re-sends the welcome to members that still advertise no cluster
+    /// (the first one was lost, or they restarted before taking it).
+    fn welcome_approved(&mut self, now: u64) {
+        let Some(core) = &self.core else { return };
+        if core.role() != &ElectionRole::Leader {
+            return;
+        }
+        let due: Vec<NodeId> = self
+            .peers
+            .values()
+            .filter(|(a, _)| a.cluster.is_none() && core.state().is_member(&a.node))
+            .filter(|(a, _)| self.welcomed.get(&a.node).is_none_or(|t| now.saturating_sub(*t) > 3000))
+            .map(|(a, _)| a.node)
+            .collect();
+        let state = core.state().clone();
+        for node in due {
+            self.welcome(node, state.clone());
+        }
+    }
+
+    fn send(&mut self, to: NodeId, msg: crate::core::Msg) {
+        let link = self.links.entry(to).or_insert_with(|| {
+            let (tx, rx) = mpsc::channel(64);
+            tokio::spawn(link_task(self.main.clone(), to, self.addrs.clone(), rx, self.traffic.clone()));
+            tx
+        });
+        // Best effort: a full queue means the member is unreachable; the protocol
+        // tolerates loss and beats will carry on once it is back.
+        let _ = link.try_send(msg);
+    }
+
+    fn on_discovery(&mut self, event: DiscoveryEvent) {
+        match event {
+            DiscoveryEvent::Found { advert, addrs } => {
+                let Some(ip) = addrs.first().copied() else { return };
+                let cluster = self.core.as_ref().map(|c| c.state().cluster);
+                if advert.cluster.is_some() && advert.cluster == cluster {
+                    // A member: mDNS is a hint; the QUIC handshake checks the key.
+                    lock(&self.addrs).insert(advert.node, SocketAddr::new(ip, advert.port));
+                } else if advert.cluster.is_none() && cluster.is_some() && !self.verifying.contains(&advert.node) {
+                    let revoked = self.core.as_ref().is_some_and(|c| c.state().revoked.contains(&advert.node));
+                    if !revoked && !self.pending.contains_key(&advert.node) {
+                        self.verifying.insert(advert.node);
+                        let (open, tx, node) = (self.open.clone(), self.tx.clone(), advert.node);
+                        let addr = SocketAddr::new(ip, advert.join_port);
+                        tokio::spawn(async move {
+                            match join_request(&open, addr, node, &JoinRequest::Hello).await {
+                                Ok(JoinResponse::Info(info)) if info.node == node => {
+                                    let _ = tx.send(Input::Verified(info, addr)).await;
+                                }
+                                Ok(other) => tracing::warn!(%node, "unexpected answer to hello: {other:?}"),
+                                Err(e) => tracing::info!(%node, "could not verify a discovered node: {e}"),
+                            }
+                        });
+                    }
+                }
+                self.peers.insert(advert.node, (advert, addrs));
+            }
+            DiscoveryEvent::Lost { node } => {
+                self.peers.remove(&node);
+                self.pending.remove(&node);
+            }
+        }
+    }
+
+    fn status(&self) -> ClusterStatus {
+        let now = self.now();
+        let (term, leader, role, version, members) = match &self.core {
+            Some(core) => {
+                let leader = core.leader();
+                let members = core
+                    .state()
+                    .members
+                    .values()
+                    .map(|m| {
+                        let advert = self.peers.get(&m.id).map(|(a, _)| a);
+                        let mine = m.id == self.me;
+                        MemberStatus {
+                            node: m.id,
+                            name: m.name.clone(),
+                            role: m.role,
+                            state: core.liveness(&m.id).unwrap_or(crate::core::Liveness::Down),
+                            leader: leader == Some(m.id),
+                            ram_available: if mine {
+                                Some(self.inventory.ram_available_bytes)
+                            } else {
+                                advert.map(|a| a.ram_available)
+                            },
+                            vram_free: if mine {
+                                Some(self.inventory.vram_free_bytes())
+                            } else {
+                                advert.map(|a| a.vram_free)
+                            },
+                            addr: if mine {
+                                Some(self.main_addr.to_string())
+                            } else {
+                                lock(&self.addrs).get(&m.id).map(|a| a.to_string())
+                            },
+                        }
+                    })
+                    .collect();
+                let role = match core.role() {
+                    ElectionRole::Leader => "leader",
+                    ElectionRole::Follower => "follower",
+                    ElectionRole::PreCandidate | ElectionRole::Candidate => "candidate",
+                    ElectionRole::Removed => "removed",
+                };
+                (core.term(), leader, role, core.state().version.to_string(), members)
+            }
+            None => (0, None, "unpaired", String::new(), Vec::new()),
+        };
+        ClusterStatus {
+            node: self.me,
+            name: self.cfg.name.clone(),
+            addr: self.main_addr.to_string(),
+            join_addr: self.open.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            cluster: self.core.as_ref().map(|c| c.state().cluster),
+            term,
+            leader,
+            role: role.into(),
+            version,
+            members,
+            pending: self
+                .pending
+                .values()
+                .map(|(info, addr)| PendingStatus {
+                    node: info.node,
+                    name: info.name.clone(),
+                    role: info.role,
+                    memory_bytes: info.memory_bytes,
+                    addr: addr.to_string(),
+                })
+                .collect(),
+            pairing_s: self.offers.active(now).map(|until| until.saturating_sub(now) / 1000),
+            sent_msgs: self.traffic.msgs.load(Ordering::Relaxed),
+            sent_bytes: self.traffic.bytes.load(Ordering::Relaxed),
+            uptime_s: self.start.elapsed().as_secs_f64(),
+        }
+    }
+}
+
+/// Keeps a connection to one member and sends it membership messages, one uni stream
+/// each; reconnects on demand with a growing pause while the member is unreachable.
+async fn link_task(
+    main: Arc<Node>,
+    to: NodeId,
+    addrs: Arc<Mutex<HashMap<NodeId, SocketAddr>>>,
+    mut rx: mpsc::Receiver<crate::core::Msg>,
+    traffic: Arc<Traffic>,
+) {
+    let mut conn: Option<quinn::Connection> = None;
+    let mut retry_at = Instant::now();
+    let mut backoff = Duration::from_millis(50);
+    while let Some(msg) = rx.recv().await {
+        if conn.as_ref().is_some_and(|c| c.close_reason().is_some()) {
+            conn = None;
+        }
+        if conn.is_none() {
+            if Instant::now() < retry_at {
+                continue; // dropped: beats repeat, the protocol tolerates loss
+            }
+            let Some(addr) = lock(&addrs).get(&to).copied() else { continue };
+            match tokio::time::timeout(Duration::from_secs(3), main.connect(addr, to, alpn::MEMBERSHIP)).await {
+                Ok(Ok(c)) => {
+                    conn = Some(c);
+                    backoff = Duration::from_millis(50);
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(node = %to, "membership link: {e}");
+                    retry_at = Instant::now() + jitter(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+                Err(_) => {
+                    retry_at = Instant::now() + jitter(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+            }
+        }
+        let Some(c) = conn.as_ref() else { continue };
+        let sent = async {
+            let mut s = c.open_uni().await.map_err(|e| WireError::Stream(e.to_string()))?;
+            write_msg(&mut s, &msg).await?;
+            s.finish().map_err(|e| WireError::Stream(e.to_string()))
+        };
+        match tokio::time::timeout(Duration::from_secs(2), sent).await {
+            Ok(Ok(())) => {
+                traffic.msgs.fetch_add(1, Ordering::Relaxed);
+                let size = serde_json::to_vec(&msg).map_or(0, |b| b.len() + 4);
+                traffic.bytes.fetch_add(size as u64, Ordering::Relaxed);
+            }
+            _ => conn = None,
+        }
+    }
+}
+
+/// Accept connections on the main endpoint: membership from members, admin from the
+/// owner's CLI (which holds this node's own key); anything else is closed.
+async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
+    let me = main.id();
+    while let Some(acc) = main.accept().await {
+        let tx = tx.clone();
+        let addr = acc.conn.remote_address();
+        if acc.alpn == alpn::MEMBERSHIP && acc.peer != me {
+            tokio::spawn(async move {
+                while let Ok(mut recv) = acc.conn.accept_uni().await {
+                    match read_msg(&mut recv).await {
+                        Ok(Some(msg)) => {
+                            if tx.send(Input::Member(acc.peer, msg, addr)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(peer = %acc.peer, "ignored a bad membership message: {e}"),
+                    }
+                }
+            });
+        } else if acc.alpn == alpn::ADMIN && acc.peer == me {
+            tokio::spawn(async move {
+                while let Ok((mut send, mut recv)) = acc.conn.accept_bi().await {
+                    let answer = match read_msg::<AdminRequest>(&mut recv).await {
+                        Ok(Some(req)) => {
+                            let (reply, rx) = oneshot::channel();
+                            if tx.send(Input::Admin(req, reply)).await.is_err() {
+                                return;
+                            }
+                            rx.await.unwrap_or(AdminResponse::Error("the node is stopping".into()))
+                        }
+                        Ok(None) => continue,
+                        Err(e) => AdminResponse::Error(format!("bad request: {e}")),
+                    };
+                    let _ = write_msg(&mut send, &answer).await;
+                    let _ = send.finish();
+                }
+            });
+        } else {
+            acc.conn.close(1u32.into(), b"protocol not served here");
+        }
+    }
+}
+
+/// Accept connections on the join endpoint: public facts, pairing, welcomes.
+async fn accept_join(open: Arc<Node>, tx: mpsc::Sender<Input>, public: Arc<Mutex<PublicInfo>>, me: NodeId) {
+    while let Some(acc) = open.accept().await {
+        let (tx, public) = (tx.clone(), public.clone());
+        tokio::spawn(async move {
+            while let Ok((mut send, mut recv)) = acc.conn.accept_bi().await {
+                let r = serve_join(&mut send, &mut recv, acc.peer, me, &tx, &public).await;
+                if let Err(e) = r {
+                    tracing::info!(peer = %acc.peer, "join protocol: {e}");
+                }
+                let _ = send.finish();
+            }
+        });
+    }
+}
+
+async fn serve_join(
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+    peer: NodeId,
+    me: NodeId,
+    tx: &mpsc::Sender<Input>,
+    public: &Mutex<PublicInfo>,
+) -> Result<(), WireError> {
+    let Some(req) = read_msg::<JoinRequest>(recv).await? else { return Ok(()) };
+    let stopping = || WireError::Stream("the node is stopping".into());
+    match req {
+        JoinRequest::Hello => {
+            let info = lock(public).clone();
+            write_msg(send, &JoinResponse::Info(info)).await
+        }
+        JoinRequest::Welcome { state } => {
+            let (reply, rx) = oneshot::channel();
+            tx.send(Input::Welcome { from: peer, state, reply }).await.map_err(|_| stopping())?;
+            write_msg(send, &rx.await.map_err(|_| stopping())?).await
+        }
+        JoinRequest::PairStart { msg, mut info } => {
+            // The key is the one the joiner proved in the handshake, whatever it claims.
+            info.node = peer;
+            let (reply, rx) = oneshot::channel();
+            tx.send(Input::PairBegin(reply)).await.map_err(|_| stopping())?;
+            let code = match rx.await.map_err(|_| stopping())? {
+                Ok(code) => code,
+                Err(PairError::NoOffer) => return write_msg(send, &JoinResponse::NoOffer).await,
+                Err(e) => return write_msg(send, &JoinResponse::Error(e.to_string())).await,
+            };
+            let done = |ok: bool, info: PublicInfo| async move {
+                let (reply, rx) = oneshot::channel();
+                tx.send(Input::PairDone { ok, info, reply }).await.map_err(|_| stopping())?;
+                rx.await.map_err(|_| stopping())
+            };
+            let (responder, first) = match Responder::respond(&code, peer, me, &msg) {
+                Ok(r) => r,
+                Err(e) => {
+                    let answer = done(false, info).await?;
+                    let _ = answer;
+                    return write_msg(send, &JoinResponse::Error(e.to_string())).await;
+                }
+            };
+            write_msg(send, &JoinResponse::PairReply { msg: first }).await?;
+            let confirm = tokio::time::timeout(Duration::from_secs(30), read_msg::<JoinRequest>(recv)).await;
+            let ok = match confirm {
+                Ok(Ok(Some(JoinRequest::PairConfirm { msg }))) => responder.confirm(&msg).is_ok(),
+                _ => false,
+            };
+            let answer = done(ok, info).await?;
+            write_msg(send, &answer).await
+        }
+        JoinRequest::Revoked { state } => {
+            let (reply, rx) = oneshot::channel();
+            tx.send(Input::Revoked { from: peer, state, reply }).await.map_err(|_| stopping())?;
+            write_msg(send, &rx.await.map_err(|_| stopping())?).await
+        }
+        JoinRequest::PairConfirm { .. } => {
+            write_msg(send, &JoinResponse::Error("no pairing exchange under way".into())).await
+        }
+    }
+}
+
+/// One request/response on a node's join endpoint.
+async fn join_request(open: &Node, addr: SocketAddr, node: NodeId, req: &JoinRequest) -> Result<JoinResponse, String> {
+    let conn = tokio::time::timeout(Duration::from_secs(5), open.connect(addr, node, alpn::JOIN))
+        .await
+        .map_err(|_| "no answer within 5 s".to_string())?
+        .map_err(|e| e.to_string())?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    write_msg(&mut send, req).await.map_err(|e| e.to_string())?;
+    let answer = tokio::time::timeout(Duration::from_secs(30), read_msg::<JoinResponse>(&mut recv))
+        .await
+        .map_err(|_| "no answer within 30 s".to_string())?
+        .map_err(|e| e.to_string())?
+        .ok_or("the node closed the stream without answering")?;
+    conn.close(0u32.into(), b"done");
+    Ok(answer)
+}
+
+/// Pair with `code`, trying the members in `targets` until one holds an offer.
+async fn join_with_code(
+    open: &Node,
+    code: &PairingCode,
+    info: PublicInfo,
+    targets: &[(NodeId, SocketAddr)],
+) -> Result<Box<ClusterState>, String> {
+    for (member, addr) in targets {
+        let conn = match tokio::time::timeout(Duration::from_secs(5), open.connect(*addr, *member, alpn::JOIN)).await {
+            Ok(Ok(c)) => c,
+            _ => continue,
+        };
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        let (joiner, first) = Joiner::start(code, open.id(), *member);
+        let io = |e: WireError| e.to_string();
+        write_msg(&mut send, &JoinRequest::PairStart { msg: first, info: info.clone() }).await.map_err(io)?;
+        match read_msg::<JoinResponse>(&mut recv).await.map_err(io)? {
+            Some(JoinResponse::PairReply { msg }) => {
+                let confirmation = joiner.finish(&msg).map_err(|e| e.to_string())?;
+                write_msg(&mut send, &JoinRequest::PairConfirm { msg: confirmation }).await.map_err(io)?;
+                let answer = tokio::time::timeout(Duration::from_secs(30), read_msg::<JoinResponse>(&mut recv))
+                    .await
+                    .map_err(|_| "no answer from the member within 30 s".to_string())?
+                    .map_err(io)?;
+                conn.close(0u32.into(), b"done");
+                return match answer {
+                    Some(JoinResponse::Joined { state }) => Ok(state),
+                    Some(JoinResponse::Error(e)) => Err(e),
+                    other => Err(format!("unexpected answer: {other:?}")),
+                };
+            }
+            Some(JoinResponse::NoOffer) => continue,
+            Some(JoinResponse::Error(e)) => return Err(e),
+            other => return Err(format!("unexpected answer: {other:?}")),
+        }
+    }
+    Err(NO_OFFER.to_string())
+}
+
+/// What pairing reports when no member discovered so far holds a code (retried).
+const NO_OFFER: &str =
+    "no member of a cluster on the LAN holds a pairing code: run `shoal nodes pair` on one (or wait for discovery)";
+
+/// Ask the node whose data directory is `data_dir` (this machine) to do `req`, as its
+/// owner: the CLI holds the node's own key, which the node always trusts.
+pub async fn admin(data_dir: &Path, identity: Arc<Identity>, req: &AdminRequest) -> Result<AdminResponse, NodeError> {
+    let path = data_dir.join(ENDPOINT_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|source| NodeError::Io { path: path.clone(), source })?;
+    let mut addr: SocketAddr =
+        text.trim().parse().map_err(|_| NodeError::Admin(format!("{}: not an address: {text:?}", path.display())))?;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(if addr.is_ipv4() {
+            IpAddr::from([127, 0, 0, 1])
+        } else {
+            IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1])
+        });
+    }
+    let me = identity.id();
+    let any: SocketAddr = if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
+    let client = Node::bind(any, identity, TrustedKeys::new([me]), &TransportOptions::default())?;
+    let down = |e: &dyn std::fmt::Display| {
+        NodeError::Admin(format!(
+            "the node at {addr} (from {}) does not answer: {e}; is `shoal serve` running?",
+            path.display()
+        ))
+    };
+    let conn = tokio::time::timeout(Duration::from_secs(5), client.connect(addr, me, alpn::ADMIN))
+        .await
+        .map_err(|_| down(&"timeout"))?
+        .map_err(|e| down(&e))?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| down(&e))?;
+    write_msg(&mut send, req).await.map_err(|e| down(&e))?;
+    let _ = send.finish();
+    let answer = tokio::time::timeout(Duration::from_secs(60), read_msg::<AdminResponse>(&mut recv))
+        .await
+        .map_err(|_| NodeError::Admin("no answer within 60 s".into()))?
+        .map_err(|e| down(&e))?
+        .ok_or_else(|| NodeError::Admin("the node closed the stream without answering".into()))?;
+    conn.close(0u32.into(), b"done");
+    client.close();
+    Ok(answer)
+}
+
+fn write_endpoint(dir: &Path, addr: SocketAddr) -> Result<(), NodeError> {
+    let path = dir.join(ENDPOINT_FILE);
+    std::fs::write(&path, format!("{addr}\n")).map_err(|source| NodeError::Io { path, source })
+}
+
+/// The node whose id is `prefix` or starts with it, if exactly one.
+fn find<'a>(prefix: &str, ids: impl Iterator<Item = &'a NodeId>) -> Result<NodeId, String> {
+    let prefix = prefix.trim().to_ascii_lowercase();
+    if prefix.is_empty() {
+        return Err("no node id given".into());
+    }
+    let hits: Vec<NodeId> = ids.filter(|id| id.to_string().starts_with(&prefix)).copied().collect();
+    match hits.as_slice() {
+        [one] => Ok(*one),
+        [] => Err(format!("no node {prefix}")),
+        _ => Err(format!("{prefix} matches {} nodes; give more digits", hits.len())),
+    }
+}
+
+fn memory_of(inv: &NodeInventory) -> u64 {
+    inv.ram_total_bytes + inv.gpus.iter().map(|g| g.total_bytes).sum::<u64>()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A poisoned lock means a panic elsewhere mid-update of plain data; still usable.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn fill_random(buf: &mut [u8]) {
+    // Invariant: the OS random source is available on every platform Shoal runs on.
+    getrandom::getrandom(buf).expect("the OS random source works");
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    fill_random(&mut b);
+    u64::from_le_bytes(b)
+}
+
+fn jitter(d: Duration) -> Duration {
+    d.mul_f64(0.5 + (random_u64() % 1000) as f64 / 1000.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_ids_are_found_by_unique_prefix() {
+        let ids = [NodeId([0xab; 32]), NodeId([0xac; 32])];
+        assert_eq!(find("abab", ids.iter()), Ok(ids[0]));
+        assert!(find("a", ids.iter()).unwrap_err().contains("2 nodes"));
+        assert!(find("ff", ids.iter()).is_err());
+        assert!(find("", ids.iter()).is_err());
+    }
+}

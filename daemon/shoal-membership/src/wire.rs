@@ -1,0 +1,246 @@
+//! What crosses the network for membership, joining and administration: JSON
+//! messages, each prefixed with its length (u32, big endian) and bounded, on QUIC
+//! streams. Anything malformed is an error value for the caller to log, never a panic.
+
+use crate::core::{Liveness, Msg};
+use crate::state::ClusterState;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use shoal_types::{ClusterId, NodeId, Role};
+
+/// The largest message accepted (a cluster state with many entries fits easily).
+pub const MAX_MESSAGE: usize = 4 << 20;
+
+/// Why a message could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// The stream failed or ended early.
+    #[error("stream: {0}")]
+    Stream(String),
+    /// A length over [`MAX_MESSAGE`].
+    #[error("message of {0} bytes is over the limit")]
+    TooLarge(usize),
+    /// Not the JSON expected.
+    #[error("malformed message: {0}")]
+    Malformed(String),
+}
+
+/// Write one message.
+pub async fn write_msg<T: Serialize>(send: &mut quinn::SendStream, msg: &T) -> Result<(), WireError> {
+    let body = serde_json::to_vec(msg).map_err(|e| WireError::Malformed(e.to_string()))?;
+    if body.len() > MAX_MESSAGE {
+        return Err(WireError::TooLarge(body.len()));
+    }
+    let len = (body.len() as u32).to_be_bytes();
+    send.write_all(&len).await.map_err(|e| WireError::Stream(e.to_string()))?;
+    send.write_all(&body).await.map_err(|e| WireError::Stream(e.to_string()))
+}
+
+/// Read one message; `Ok(None)` at a clean end of stream.
+pub async fn read_msg<T: DeserializeOwned>(recv: &mut quinn::RecvStream) -> Result<Option<T>, WireError> {
+    let mut len = [0u8; 4];
+    match recv.read_exact(&mut len).await {
+        Ok(()) => {}
+        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
+        Err(e) => return Err(WireError::Stream(e.to_string())),
+    }
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_MESSAGE {
+        return Err(WireError::TooLarge(len));
+    }
+    let mut body = vec![0u8; len];
+    recv.read_exact(&mut body).await.map_err(|e| WireError::Stream(e.to_string()))?;
+    decode(&body).map(Some)
+}
+
+/// Decode a message body.
+pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, WireError> {
+    serde_json::from_slice(body).map_err(|e| WireError::Malformed(e.to_string()))
+}
+
+/// One membership message between members (a uni stream each).
+pub type MemberMsg = Msg;
+
+/// What a node tells anyone who asks on its join endpoint: public facts only.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublicInfo {
+    /// Its key.
+    pub node: NodeId,
+    /// Its cluster, if it has one.
+    pub cluster: Option<ClusterId>,
+    /// Host name.
+    pub name: String,
+    /// Hub or PC.
+    pub role: Role,
+    /// RAM + VRAM it offers, bytes.
+    pub memory_bytes: u64,
+}
+
+/// Requests on the join endpoint (a bidirectional stream; a pairing takes two rounds).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JoinRequest {
+    /// Who are you?
+    Hello,
+    /// A pairing exchange begins (the joiner's first SPAKE2 message and its facts).
+    PairStart {
+        /// The joiner's first message.
+        msg: Vec<u8>,
+        /// The joiner's facts, for its member record.
+        info: PublicInfo,
+    },
+    /// The joiner's key confirmation.
+    PairConfirm {
+        /// Its MAC.
+        msg: Vec<u8>,
+    },
+    /// A member tells a removed node that it was removed (its key is no longer
+    /// accepted on the main endpoint, so the news comes here).
+    Revoked {
+        /// The cluster state without the receiver.
+        state: Box<ClusterState>,
+    },
+    /// A member tells an unpaired node that it was approved.
+    Welcome {
+        /// The cluster state, holding the receiver as a member.
+        state: Box<ClusterState>,
+    },
+}
+
+/// Answers on the join endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JoinResponse {
+    /// Public facts.
+    Info(PublicInfo),
+    /// The member's SPAKE2 message and confirmation.
+    PairReply {
+        /// The message.
+        msg: Vec<u8>,
+    },
+    /// Paired and approved: the cluster state to start from.
+    Joined {
+        /// The state, holding the joiner as a member.
+        state: Box<ClusterState>,
+    },
+    /// The welcome was taken.
+    Accepted,
+    /// This node has no pairing code active (the joiner tries another member).
+    NoOffer,
+    /// Refused, and why.
+    Error(String),
+}
+
+/// Requests from the owner's CLI (the node's own key) on the admin protocol.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdminRequest {
+    /// This node's view of the cluster.
+    Status,
+    /// Approve a pending node (a unique prefix of its id will do).
+    Approve {
+        /// Id or id prefix.
+        node: String,
+    },
+    /// Remove a member and revoke its key (a unique prefix of its id will do).
+    Remove {
+        /// Id or id prefix.
+        node: String,
+    },
+    /// Make a pairing code for a new node to join with.
+    Pair,
+    /// Join a cluster with a code shown by one of its members.
+    Join {
+        /// The code.
+        code: String,
+    },
+}
+
+/// Answers to the admin protocol.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdminResponse {
+    /// The status.
+    Status(Box<ClusterStatus>),
+    /// Done.
+    Ok(String),
+    /// A pairing code and until when (ms from now) it is valid.
+    Code {
+        /// The code, "dddd-dddd".
+        code: String,
+        /// Validity, seconds.
+        valid_s: u64,
+    },
+    /// Refused, and why.
+    Error(String),
+}
+
+/// A node's view of its cluster, for `shoal status`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// This node.
+    pub node: NodeId,
+    /// Its name.
+    pub name: String,
+    /// Its main endpoint.
+    pub addr: String,
+    /// Its join endpoint (advertised over mDNS).
+    pub join_addr: String,
+    /// Its cluster, or none while unpaired.
+    pub cluster: Option<ClusterId>,
+    /// The current term.
+    pub term: u64,
+    /// The leader known here.
+    pub leader: Option<NodeId>,
+    /// This node's election role ("leader", "follower", "candidate", "unpaired", …).
+    pub role: String,
+    /// The cluster state version held here.
+    pub version: String,
+    /// Approved members.
+    pub members: Vec<MemberStatus>,
+    /// Nodes seen on the LAN, verified, waiting for approval.
+    pub pending: Vec<PendingStatus>,
+    /// Seconds left on an active pairing code.
+    pub pairing_s: Option<u64>,
+    /// Membership messages this node sent, and their bytes (beats, votes, states).
+    pub sent_msgs: u64,
+    /// See `sent_msgs`.
+    pub sent_bytes: u64,
+    /// Seconds since this node started (to turn the counters into rates).
+    pub uptime_s: f64,
+}
+
+/// One member in [`ClusterStatus`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemberStatus {
+    /// Its key.
+    pub node: NodeId,
+    /// Its name.
+    pub name: String,
+    /// Hub or PC.
+    pub role: Role,
+    /// Alive, suspected or down, as seen here.
+    pub state: Liveness,
+    /// Whether it leads.
+    pub leader: bool,
+    /// Available RAM it advertises (mDNS), bytes.
+    pub ram_available: Option<u64>,
+    /// Free VRAM it advertises, bytes.
+    pub vram_free: Option<u64>,
+    /// Where it was last reached.
+    pub addr: Option<String>,
+}
+
+/// One pending node in [`ClusterStatus`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PendingStatus {
+    /// Its key.
+    pub node: NodeId,
+    /// Its name.
+    pub name: String,
+    /// Hub or PC.
+    pub role: Role,
+    /// Memory it offers, bytes.
+    pub memory_bytes: u64,
+    /// Where it answered.
+    pub addr: String,
+}
