@@ -10,6 +10,7 @@ use shoal_types::split_ranges;
 use std::path::PathBuf;
 use std::process::Command;
 
+mod cluster;
 mod plan;
 mod reconnect;
 
@@ -26,6 +27,9 @@ pub enum BenchCommand {
     /// The planner's predictions against real runs: SmolLM2 on 2-3 namespace hosts with
     /// different splits and link delays; predicted vs measured decode tok/s.
     Plan(plan::PlanBenchArgs),
+    /// Cluster nodes on namespace hosts: time to discover, form, elect; failover after
+    /// killing the leader; heartbeat traffic; a partition with the leader cut off.
+    Cluster(cluster::ClusterBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -94,6 +98,7 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Pipeline(a) => pipeline(a),
         BenchCommand::Reconnect(a) => reconnect::reconnect(a),
         BenchCommand::Plan(a) => plan::plan(a),
+        BenchCommand::Cluster(a) => cluster::cluster(a),
     }
 }
 
