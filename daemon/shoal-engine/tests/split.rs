@@ -186,7 +186,9 @@ fn interleaved_sessions_match_each_alone() {
     let (_, stages) = load_split(&model(SMOL), &[10, 20], &cache, &config()).unwrap();
     let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect()).unwrap();
     let mut timing = Default::default();
-    let mut state: Vec<(Vec<TokenId>, u32, Vec<f32>, Sampler, blake3::Hasher)> =
+    // Per session: tokens so far, next position, last logits, its sampler, its digest.
+    type Session = (Vec<TokenId>, u32, Vec<f32>, Sampler, blake3::Hasher);
+    let mut state: Vec<Session> =
         prompts.iter().map(|_| (Vec::new(), 0, Vec::new(), greedy(), blake3::Hasher::new())).collect();
     // Prompts chunk by chunk, alternating sessions.
     for k in 0..2 {

@@ -79,7 +79,7 @@ async fn unknown_keys_are_refused_in_the_handshake() {
     let (addr_b, addr_c) = (serve(nb), serve(nc));
     // A dials B's address but expects C there: refused on A's side, at once.
     let t = std::time::Instant::now();
-    let e = na.connect(addr_b, ic, alpn::PIPELINE).await.err().expect("wrong node accepted");
+    let e = na.connect(addr_b, ic, alpn::PIPELINE).await.expect_err("wrong node accepted");
     assert!(e.to_string().contains("connection with"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(5), "refusal took {:?}", t.elapsed());
     // A dials C, whom it does not trust.

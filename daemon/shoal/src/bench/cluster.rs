@@ -128,9 +128,7 @@ impl Cluster {
     }
 
     fn status(&self, k: usize) -> Option<ClusterStatus> {
-        if self.children[k].is_none() {
-            return None;
-        }
+        self.children[k].as_ref()?;
         serde_json::from_str(&self.cli(k, &["status", "--json"]).ok()?).ok()
     }
 
@@ -227,9 +225,9 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
 
     // Forming: odd nodes approved from node0's CLI, even ones join with a code.
     let t1 = Instant::now();
-    for k in 1..n {
+    for (k, id) in ids.iter().enumerate().skip(1) {
         if k % 2 == 1 {
-            c.cli(0, &["nodes", "approve", &ids[k].to_string()[..16]])?;
+            c.cli(0, &["nodes", "approve", &id.to_string()[..16]])?;
         } else {
             let code = c.cli(0, &["nodes", "pair"])?;
             c.cli(k, &["join", &code])?;
