@@ -703,20 +703,26 @@ impl Actor {
         if core.role() != &ElectionRole::Leader {
             return;
         }
-        let state = core.state().clone();
-        for node in before.difference(&self.trusted_set) {
-            let Some((advert, ips)) = self.peers.get(node) else { continue };
-            let Some(ip) = ips.first() else { continue };
-            let (open, addr, node, state) =
-                (self.open.clone(), SocketAddr::new(*ip, advert.join_port), *node, Box::new(state.clone()));
-            tokio::spawn(async move {
-                match join_request(&open, addr, node, &JoinRequest::Revoked { state }).await {
-                    Ok(JoinResponse::Accepted) => tracing::info!(%node, "removed node told"),
-                    Ok(other) => tracing::info!(%node, "removed node answered {other:?}"),
-                    Err(e) => tracing::info!(%node, "could not tell the removed node: {e}"),
-                }
-            });
+        let gone: Vec<NodeId> = before.difference(&self.trusted_set).copied().collect();
+        for node in gone {
+            self.tell_revoked(node);
         }
+    }
+
+    /// Tell `node` on its join endpoint that it is no longer a member.
+    fn tell_revoked(&self, node: NodeId) {
+        let Some(core) = &self.core else { return };
+        let Some((advert, ips)) = self.peers.get(&node) else { return };
+        let Some(ip) = ips.first() else { return };
+        let (open, addr, state) =
+            (self.open.clone(), SocketAddr::new(*ip, advert.join_port), Box::new(core.state().clone()));
+        tokio::spawn(async move {
+            match join_request(&open, addr, node, &JoinRequest::Revoked { state }).await {
+                Ok(JoinResponse::Accepted) => tracing::info!(%node, "removed node told"),
+                Ok(other) => tracing::info!(%node, "removed node answered {other:?}"),
+                Err(e) => tracing::info!(%node, "could not tell the removed node: {e}"),
+            }
+        });
     }
 
     fn answer(&mut self, req: u64, result: Result<crate::state::Version, crate::core::ProposeError>) {
@@ -811,7 +817,15 @@ impl Actor {
             DiscoveryEvent::Found { advert, addrs } => {
                 let Some(ip) = addrs.first().copied() else { return };
                 let cluster = self.core.as_ref().map(|c| c.state().cluster);
-                if advert.cluster.is_some() && advert.cluster == cluster {
+                let revoked = self.core.as_ref().is_some_and(|c| c.state().revoked.contains(&advert.node));
+                let leader = self.core.as_ref().is_some_and(|c| c.role() == &ElectionRole::Leader);
+                if advert.cluster.is_some() && advert.cluster == cluster && revoked {
+                    // Removed while it was away: the leader tells it once it shows up.
+                    if leader && self.peers.get(&advert.node).is_none_or(|(old, _)| old.cluster != advert.cluster) {
+                        self.peers.insert(advert.node, (advert.clone(), addrs.clone()));
+                        self.tell_revoked(advert.node);
+                    }
+                } else if advert.cluster.is_some() && advert.cluster == cluster {
                     // A member: mDNS is a hint; the QUIC handshake checks the key.
                     lock(&self.addrs).insert(advert.node, SocketAddr::new(ip, advert.port));
                 } else if advert.cluster.is_none() && cluster.is_some() && !self.verifying.contains(&advert.node) {

@@ -1,13 +1,18 @@
 //! `shoal plan`: the planner's answer for a model on a described cluster (a profile
-//! file: what-if) or on this machine, or its prediction for a given placement. The
-//! planner itself is pure (`shoal-planner`); this file reads files and the machine.
+//! file: what-if), on the live cluster the local node belongs to, or on this machine
+//! alone; or its prediction for a given placement. On the live cluster it can write
+//! the plan as a placement file for `shoal serve --placement`. The planner itself is
+//! pure (`shoal-planner`); this file reads files, the machine and the local node.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use shoal_engine::open_model;
+use shoal_membership::node;
+use shoal_membership::wire::{AdminRequest, AdminResponse, ClusterStatus, MemberStatus};
 use shoal_planner::plan::{gib, parse_stages};
 use shoal_planner::{predict, Cluster, Device, ModelProfile, ModelSpec, Options, Plan, Profile};
 use std::path::PathBuf;
+use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -15,9 +20,20 @@ pub struct PlanArgs {
     #[arg(long, short)]
     model: Option<PathBuf>,
     /// A cluster profile (TOML: [model], [[device]], [[link]]; see the README). Without
-    /// it, Shoal plans for this machine alone (the live cluster comes with membership).
+    /// it, Shoal plans on the live cluster of the local node (`shoal serve` running
+    /// with --data-dir), or on this machine alone when there is none.
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// The local node's data directory, to find the live cluster [default: ~/.local/share/shoal].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Write the chosen placement to this file, for `shoal serve --placement` on each
+    /// node and `shoal generate --placement` here (live cluster only: it needs node ids).
+    #[arg(long)]
+    write_placement: Option<PathBuf>,
+    /// Port the stage processes of a written placement listen on.
+    #[arg(long, default_value_t = 7101)]
+    stage_port: u16,
     /// Predict this placement instead of choosing one: "0-16:host/dev,16-30:host2/dev".
     #[arg(long)]
     placement: Option<String>,
@@ -50,8 +66,16 @@ pub struct PlanArgs {
 /// Memory bandwidth assumed for this machine's CPU when nothing was measured (dual-channel DDR4).
 const ASSUMED_GB_PER_S: f64 = 20.0;
 
+/// Where the plan's devices came from.
+enum Source {
+    Profile,
+    ThisMachine,
+    /// The live cluster, as the local node sees it.
+    Live(Box<ClusterStatus>),
+}
+
 pub fn plan(a: PlanArgs) -> Result<()> {
-    let (model, cluster, profile_context, local) = inputs(&a)?;
+    let (model, cluster, profile_context, source) = inputs(&a)?;
     let mut opts = Options {
         prompt_tokens: a.prompt_tokens,
         reserve_bytes: a.reserve_mib << 20,
@@ -68,11 +92,32 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         Some(s) => predict(&model, &cluster, &parse_stages(s)?, &opts)?,
         None => shoal_planner::plan(&model, &cluster, &opts)?,
     };
-    if local {
-        result.explanation.insert(
+    match &source {
+        Source::ThisMachine => result.explanation.insert(
             0,
-            "Planned for this machine alone, its speed estimated from an assumed memory bandwidth (pass --profile to plan a cluster).".into(),
-        );
+            "Planned for this machine alone, its speed estimated from an assumed memory bandwidth (no cluster node runs here; pass --profile to plan a described cluster).".into(),
+        ),
+        Source::Live(st) => result.explanation.insert(
+            0,
+            format!(
+                "Planned on the live cluster ({} members, CPU memory as advertised); speeds estimated from an assumed memory bandwidth until profiles are measured.",
+                st.members.len()
+            ),
+        ),
+        Source::Profile => {}
+    }
+    if let Some(path) = &a.write_placement {
+        let Source::Live(st) = &source else {
+            bail!("--write-placement needs the live cluster (node ids and addresses); a profile or this machine alone has none");
+        };
+        let Some(model_path) = &a.model else {
+            bail!("--write-placement needs --model (the path every node has a copy at)")
+        };
+        if !result.fits {
+            bail!("the placement does not fit; not writing it");
+        }
+        write_placement(path, model_path, &result, st, &opts, a.stage_port)?;
+        result.explanation.push(format!("Placement written to {}.", path.display()));
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&result)?);
@@ -82,8 +127,9 @@ pub fn plan(a: PlanArgs) -> Result<()> {
     Ok(())
 }
 
-/// The model's sizes and the cluster: from the profile, else this machine.
-fn inputs(a: &PlanArgs) -> Result<(ModelProfile, Cluster, Option<u32>, bool)> {
+/// The model's sizes and the cluster: from the profile, else the live cluster, else
+/// this machine.
+fn inputs(a: &PlanArgs) -> Result<(ModelProfile, Cluster, Option<u32>, Source)> {
     let from_gguf = |p: &std::path::Path| -> Result<ModelProfile> {
         let (_, meta) = open_model(p)?;
         Ok(ModelProfile::from_meta(&meta))
@@ -104,37 +150,138 @@ fn inputs(a: &PlanArgs) -> Result<(ModelProfile, Cluster, Option<u32>, bool)> {
             if profile.cluster.devices.is_empty() {
                 bail!("{} lists no [[device]]", path.display());
             }
-            Ok((model, profile.cluster, profile.context, false))
+            Ok((model, profile.cluster, profile.context, Source::Profile))
         }
         None => {
             let Some(m) = &a.model else { bail!("give --model (or a --profile with a [model])") };
             let model = from_gguf(m)?;
-            Ok((model.clone(), this_machine(&model), None, true))
+            match live_cluster(&a.data_dir) {
+                Some(st) => {
+                    let cluster = cluster_of(&st, &model);
+                    if cluster.devices.is_empty() {
+                        bail!("the local node's cluster reports no member memory yet; try again in a few seconds");
+                    }
+                    Ok((model, cluster, None, Source::Live(Box::new(st))))
+                }
+                None => Ok((model.clone(), this_machine(&model), None, Source::ThisMachine)),
+            }
         }
     }
+}
+
+/// The status of the local node's cluster, if a node runs here and belongs to one.
+fn live_cluster(dir: &Option<PathBuf>) -> Option<ClusterStatus> {
+    let dir = crate::pipeline::data_dir(dir);
+    // No endpoint file: no node was ever started here (and no key is created for asking).
+    if !dir.join(node::ENDPOINT_FILE).exists() {
+        return None;
+    }
+    let identity = std::sync::Arc::new(shoal_net::Identity::load_or_create(&dir).ok()?);
+    let rt = crate::pipeline::runtime().ok()?;
+    let answer = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(3), node::admin(&dir, identity, &AdminRequest::Status)).await
+    });
+    match answer {
+        Ok(Ok(AdminResponse::Status(st))) if st.cluster.is_some() => Some(*st),
+        _ => None,
+    }
+}
+
+/// The live cluster's members as planner devices: each member's CPU with the RAM it
+/// advertises, speed estimated from memory bandwidth. Host names are member names
+/// (made unique with an id prefix when two members share one).
+fn cluster_of(st: &ClusterStatus, model: &ModelProfile) -> Cluster {
+    let mut devices = Vec::new();
+    for m in &st.members {
+        let Some(ram) = m.ram_available else { continue };
+        if m.state != shoal_membership::Liveness::Alive {
+            continue;
+        }
+        let mut cpu = estimated_cpu(host_name(st, m), ram, model);
+        cpu.id = format!("{}/cpu", cpu.host);
+        devices.push(cpu);
+    }
+    Cluster { devices, links: Vec::new() }
+}
+
+/// A member's host name in plans: its name, unless another member has the same one.
+fn host_name(st: &ClusterStatus, m: &MemberStatus) -> String {
+    if st.members.iter().filter(|o| o.name == m.name).count() > 1 {
+        format!("{}-{}", m.name, &m.node.to_string()[..6])
+    } else {
+        m.name.clone()
+    }
+}
+
+/// Write `plan` as a placement file: each stage on the member whose host it names,
+/// listening on `port` at the address the member is reached at; this node may ask.
+fn write_placement(
+    path: &std::path::Path,
+    model: &std::path::Path,
+    plan: &Plan,
+    st: &ClusterStatus,
+    opts: &Options,
+    port: u16,
+) -> Result<()> {
+    let model = std::fs::canonicalize(model).unwrap_or_else(|_| model.to_path_buf());
+    let mut toml = format!(
+        "# Written by `shoal plan`: {:.1} tok/s predicted. Every node needs the model at this path.\n\
+         model = {:?}\nchunk = {}\ncontext = {}\nsessions = {}\nclients = [\"{}\"]\n",
+        plan.predicted_tok_s, model, opts.sizing.chunk, opts.sizing.context, opts.sizing.sessions, st.node
+    );
+    let mut used = Vec::new();
+    for stage in &plan.stages {
+        let m = st
+            .members
+            .iter()
+            .find(|m| host_name(st, m) == stage.host)
+            .with_context(|| format!("no member named {}", stage.host))?;
+        let addr: std::net::SocketAddr = m
+            .addr
+            .as_deref()
+            .with_context(|| format!("no known address for {}", stage.host))?
+            .parse()
+            .context("member address")?;
+        let ip = if addr.ip().is_unspecified() { std::net::IpAddr::from([127, 0, 0, 1]) } else { addr.ip() };
+        // Several nodes on one address (a test on one machine) need a port each.
+        let mut stage_addr = std::net::SocketAddr::new(ip, port);
+        while used.contains(&stage_addr) {
+            stage_addr.set_port(stage_addr.port() + 1);
+        }
+        used.push(stage_addr);
+        toml += &format!(
+            "\n[[stage]]  # {}\nnode = \"{}\"\naddr = \"{}\"\nlayers = [{}, {}]\n",
+            stage.device, m.node, stage_addr, stage.first, stage.last
+        );
+    }
+    std::fs::write(path, &toml).with_context(|| format!("writing {}", path.display()))?;
+    // What serve will read: check it now rather than on every node later.
+    shoal_pipeline::Placement::load(path).with_context(|| format!("the written placement {}", path.display()))?;
+    Ok(())
 }
 
 /// This machine as one CPU device: its available memory, and decode speed estimated
 /// from memory bandwidth (each token reads every weight once).
 fn this_machine(model: &ModelProfile) -> Cluster {
-    let mut sys = sysinfo::System::new();
-    sys.refresh_memory();
-    let host = sysinfo::System::host_name().unwrap_or_else(|| "this-host".into());
+    let inv = crate::inventory::collect();
+    let host = if inv.hostname.is_empty() { "this-host".to_string() } else { inv.hostname.clone() };
+    Cluster { devices: vec![estimated_cpu(host, inv.ram_available_bytes, model)], links: Vec::new() }
+}
+
+/// A CPU device with `memory` bytes, its speed estimated from an assumed memory
+/// bandwidth (each token reads every weight once).
+fn estimated_cpu(host: String, memory: u64, model: &ModelProfile) -> Device {
     let avg_layer = model.layer_bytes.iter().sum::<u64>() as f64 / f64::from(model.layers.max(1));
-    let ms_per_layer = avg_layer / (ASSUMED_GB_PER_S * 1e9) * 1000.0;
-    Cluster {
-        devices: vec![Device {
-            id: format!("{host}/cpu"),
-            host,
-            memory_bytes: sys.available_memory(),
-            ms_per_layer,
-            prefill_ms_per_layer_token: None,
-            head_ms: model.head_bytes as f64 / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
-            wake_ms: 0.0,
-            keepalive: false,
-            estimated: true,
-        }],
-        links: Vec::new(),
+    Device {
+        id: format!("{host}/cpu"),
+        host,
+        memory_bytes: memory,
+        ms_per_layer: avg_layer / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
+        prefill_ms_per_layer_token: None,
+        head_ms: model.head_bytes as f64 / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
+        wake_ms: 0.0,
+        keepalive: false,
+        estimated: true,
     }
 }
 

@@ -144,3 +144,123 @@ fn planned_memory_matches_what_llama_cpp_allocates() {
         }
     }
 }
+
+/// Kills the processes it holds when dropped (also when the test fails).
+struct Procs(Vec<std::process::Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Ask a node's CLI until it answers (the node writes its endpoint file once up).
+fn cli(dir: &std::path::Path, args: &[&str]) -> String {
+    for _ in 0..100 {
+        let out = shoal().args(args).arg("--data-dir").arg(dir).output().unwrap();
+        if out.status.success() {
+            return String::from_utf8(out.stdout).unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("shoal {args:?} never succeeded");
+}
+
+/// The planner on a live cluster: two cluster nodes on loopback (real mDNS, real QUIC),
+/// `shoal plan` asks the local node for the members and writes the placement; the
+/// stages serve it and the answer equals the unsplit model's, logits included.
+#[test]
+fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
+    let smol = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let mut procs = Procs(Vec::new());
+    for (dir, name, flag) in [(&a, "a", "--create-cluster"), (&b, "b", "--no-create")] {
+        let child = shoal()
+            .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
+            .args(["--name", name, flag, "--data-dir"])
+            .arg(dir)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        procs.0.push(child);
+    }
+    let id_b = key(&b);
+    // B shows up as pending at A, is approved, and both see two live members.
+    let mut approved = false;
+    let mut ready = false;
+    for _ in 0..150 {
+        if !approved {
+            let st: Value = serde_json::from_str(&cli(&a, &["status", "--json"])).unwrap();
+            if st["pending"].as_array().unwrap().iter().any(|p| p["node"] == id_b.as_str()) {
+                cli(&a, &["nodes", "approve", &id_b]);
+                approved = true;
+            }
+        } else {
+            let ok = |dir: &std::path::Path| {
+                let st: Value = serde_json::from_str(&cli(dir, &["status", "--json"])).unwrap();
+                let members = st["members"].as_array().unwrap().clone();
+                members.len() == 2 && members.iter().all(|m| m["state"] == "alive" && m["ram_available"].is_u64())
+            };
+            if ok(&a) && ok(&b) {
+                ready = true;
+                break;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(ready, "B did not join: {}", cli(&a, &["status"]));
+    let placement = tmp.path().join("p.toml");
+    let out = shoal()
+        .args(["plan", "--json", "--context", "1024", "--pin", "0-15:a/cpu,15-30:b/cpu", "--model"])
+        .arg(&smol)
+        .arg("--data-dir")
+        .arg(&a)
+        .arg("--write-placement")
+        .arg(&placement)
+        .output()
+        .unwrap();
+    let v = json(out);
+    assert_eq!(stages(&v), vec![("a/cpu".to_string(), 0, 15), ("b/cpu".to_string(), 15, 30)], "{v}");
+    assert!(v["explanation"][0].as_str().unwrap().contains("live cluster (2 members"), "{v}");
+    for dir in [&b, &a] {
+        let child = shoal()
+            .args(["serve", "--placement"])
+            .arg(&placement)
+            .arg("--data-dir")
+            .arg(dir)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        procs.0.push(child);
+    }
+    let prompt = "Why is the sky blue?";
+    let mut split = None;
+    for _ in 0..50 {
+        let out = shoal()
+            .args(["generate", "--json", "-n", "24", "--prompt", prompt, "--placement"])
+            .arg(&placement)
+            .arg("--data-dir")
+            .arg(&a)
+            .output()
+            .unwrap();
+        if out.status.success() {
+            split = Some(serde_json::from_slice::<Value>(&out.stdout).unwrap());
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let split = split.expect("the planned pipeline never answered");
+    let whole = json(
+        shoal()
+            .args(["run", "--json", "--ctx", "1024", "-n", "24", "--prompt", prompt, "--model"])
+            .arg(&smol)
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(split["tokens"], whole["tokens"]);
+    assert_eq!(split["logits_digest"], whole["logits_digest"]);
+}
