@@ -144,6 +144,10 @@ enum Waiter {
         node: NodeId,
         reply: oneshot::Sender<AdminResponse>,
     },
+    Put {
+        key: String,
+        reply: oneshot::Sender<AdminResponse>,
+    },
     /// A node that paired with a code (it already holds the state it will be part of).
     Paired {
         node: NodeId,
@@ -580,6 +584,28 @@ impl Actor {
                     }
                 }
             }
+            AdminRequest::Put { key, value } => {
+                if self.core.is_none() {
+                    let _ = reply.send(AdminResponse::Error("this node is not in a cluster".into()));
+                    return Ok(());
+                }
+                self.propose(Change::Put { key: key.clone(), value }, Waiter::Put { key, reply })?;
+            }
+            AdminRequest::Entries { prefix } => {
+                let entries = self
+                    .core
+                    .as_ref()
+                    .map(|c| {
+                        c.state()
+                            .entries
+                            .range(prefix.clone()..)
+                            .take_while(|(k, _)| k.starts_with(&prefix))
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let _ = reply.send(AdminResponse::Entries(entries));
+            }
             AdminRequest::Pair => {
                 if self.core.is_none() {
                     let _ = reply.send(AdminResponse::Error("this node is not in a cluster yet".into()));
@@ -755,7 +781,10 @@ impl Actor {
                 let _ = reply.send(AdminResponse::Ok(format!("removed {node}; its key is revoked")));
             }
             (Waiter::Paired { node }, Ok(_)) => tracing::info!(%node, "paired node approved"),
-            (Waiter::Approve { reply, .. } | Waiter::Remove { reply, .. }, Err(e)) => {
+            (Waiter::Put { key, reply }, Ok(version)) => {
+                let _ = reply.send(AdminResponse::Ok(format!("{key} stored in the cluster state {version}")));
+            }
+            (Waiter::Approve { reply, .. } | Waiter::Remove { reply, .. } | Waiter::Put { reply, .. }, Err(e)) => {
                 let _ = reply.send(AdminResponse::Error(e.to_string()));
             }
             (Waiter::Paired { node }, Err(e)) => tracing::warn!(%node, "a paired node could not be approved: {e}"),

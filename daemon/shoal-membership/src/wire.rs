@@ -153,6 +153,19 @@ pub enum AdminRequest {
         /// The code.
         code: String,
     },
+    /// Set a named entry of the cluster state (e.g. a device profile), replicated to
+    /// every member once a majority stored it.
+    Put {
+        /// Entry name.
+        key: String,
+        /// Its value.
+        value: serde_json::Value,
+    },
+    /// The entries of the cluster state whose names start with `prefix`.
+    Entries {
+        /// Name prefix ("" for all).
+        prefix: String,
+    },
 }
 
 /// Answers to the admin protocol.
@@ -170,6 +183,8 @@ pub enum AdminResponse {
         /// Validity, seconds.
         valid_s: u64,
     },
+    /// Entries of the cluster state.
+    Entries(std::collections::BTreeMap<String, serde_json::Value>),
     /// Refused, and why.
     Error(String),
 }

@@ -2,6 +2,7 @@
 //! own module; this file only dispatches.
 
 mod bench;
+mod calibrate;
 mod cluster;
 mod inventory;
 mod lab;
@@ -44,6 +45,8 @@ enum Command {
     Inspect(run::InspectArgs),
     /// Choose the fastest placement of a model that fits (or predict a given one), and say why.
     Plan(plan::PlanArgs),
+    /// Measure this machine's speed on a model for the planner and keep it in the cluster state.
+    Calibrate(calibrate::CalibrateArgs),
     /// What this machine offers: host, OS, CPU, RAM and the GPUs llama.cpp sees.
     Inventory(inventory::InventoryArgs),
     /// Benchmarks that print figures.
@@ -72,6 +75,7 @@ fn main() -> std::process::ExitCode {
         Command::Join(a) => cluster::join(a),
         Command::Plan(a) => plan::plan(a),
         Command::Inventory(a) => inventory::inventory(a),
+        Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Bench(b) => bench::bench(b),
     };
     match result {

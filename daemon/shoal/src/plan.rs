@@ -11,6 +11,7 @@ use shoal_membership::node;
 use shoal_membership::wire::{AdminRequest, AdminResponse, ClusterStatus, MemberStatus};
 use shoal_planner::plan::{gib, parse_stages};
 use shoal_planner::{predict, Cluster, Device, ModelProfile, ModelSpec, Options, Plan, Profile};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -70,8 +71,9 @@ const ASSUMED_GB_PER_S: f64 = 20.0;
 enum Source {
     Profile,
     ThisMachine,
-    /// The live cluster, as the local node sees it.
-    Live(Box<ClusterStatus>),
+    /// The live cluster, as the local node sees it, and the members it has measured
+    /// profiles of.
+    Live(Box<ClusterStatus>, Vec<String>),
 }
 
 pub fn plan(a: PlanArgs) -> Result<()> {
@@ -97,17 +99,26 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             0,
             "Planned for this machine alone, its speed estimated from an assumed memory bandwidth (no cluster node runs here; pass --profile to plan a described cluster).".into(),
         ),
-        Source::Live(st) => result.explanation.insert(
+        Source::Live(st, measured) => result.explanation.insert(
             0,
-            format!(
-                "Planned on the live cluster ({} members, CPU memory as advertised); speeds estimated from an assumed memory bandwidth until profiles are measured.",
-                st.members.len()
-            ),
+            if measured.is_empty() {
+                format!(
+                    "Planned on the live cluster ({} members, CPU memory as advertised); speeds estimated from an assumed memory bandwidth (run `shoal calibrate --model …` on each node to measure them).",
+                    st.members.len()
+                )
+            } else {
+                format!(
+                    "Planned on the live cluster ({} members, CPU memory as advertised); speeds measured on {} by `shoal calibrate`{}.",
+                    st.members.len(),
+                    measured.join(", "),
+                    if measured.len() < st.members.len() { ", estimated on the others" } else { "" }
+                )
+            },
         ),
         Source::Profile => {}
     }
     if let Some(path) = &a.write_placement {
-        let Source::Live(st) = &source else {
+        let Source::Live(st, _) = &source else {
             bail!("--write-placement needs the live cluster (node ids and addresses); a profile or this machine alone has none");
         };
         let Some(model_path) = &a.model else {
@@ -156,12 +167,12 @@ fn inputs(a: &PlanArgs) -> Result<(ModelProfile, Cluster, Option<u32>, Source)> 
             let Some(m) = &a.model else { bail!("give --model (or a --profile with a [model])") };
             let model = from_gguf(m)?;
             match live_cluster(&a.data_dir) {
-                Some(st) => {
-                    let cluster = cluster_of(&st, &model);
+                Some((st, profiles)) => {
+                    let (cluster, measured) = cluster_of(&st, &profiles, &model, m);
                     if cluster.devices.is_empty() {
                         bail!("the local node's cluster reports no member memory yet; try again in a few seconds");
                     }
-                    Ok((model, cluster, None, Source::Live(Box::new(st))))
+                    Ok((model, cluster, None, Source::Live(Box::new(st), measured)))
                 }
                 None => Ok((model.clone(), this_machine(&model), None, Source::ThisMachine)),
             }
@@ -169,8 +180,9 @@ fn inputs(a: &PlanArgs) -> Result<(ModelProfile, Cluster, Option<u32>, Source)> 
     }
 }
 
-/// The status of the local node's cluster, if a node runs here and belongs to one.
-fn live_cluster(dir: &Option<PathBuf>) -> Option<ClusterStatus> {
+/// The status of the local node's cluster, if a node runs here and belongs to one,
+/// with the measured profiles kept in the cluster state.
+fn live_cluster(dir: &Option<PathBuf>) -> Option<(ClusterStatus, BTreeMap<String, serde_json::Value>)> {
     let dir = crate::pipeline::data_dir(dir);
     // No endpoint file: no node was ever started here (and no key is created for asking).
     if !dir.join(node::ENDPOINT_FILE).exists() {
@@ -178,30 +190,53 @@ fn live_cluster(dir: &Option<PathBuf>) -> Option<ClusterStatus> {
     }
     let identity = std::sync::Arc::new(shoal_net::Identity::load_or_create(&dir).ok()?);
     let rt = crate::pipeline::runtime().ok()?;
-    let answer = rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(3), node::admin(&dir, identity, &AdminRequest::Status)).await
-    });
-    match answer {
-        Ok(Ok(AdminResponse::Status(st))) if st.cluster.is_some() => Some(*st),
-        _ => None,
-    }
+    let ask = |req: AdminRequest| {
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(3), node::admin(&dir, identity.clone(), &req)).await
+        })
+    };
+    let st = match ask(AdminRequest::Status) {
+        Ok(Ok(AdminResponse::Status(st))) if st.cluster.is_some() => *st,
+        _ => return None,
+    };
+    let profiles = match ask(AdminRequest::Entries { prefix: "profile/".into() }) {
+        Ok(Ok(AdminResponse::Entries(e))) => e,
+        _ => BTreeMap::new(),
+    };
+    Some((st, profiles))
 }
 
-/// The live cluster's members as planner devices: each member's CPU with the RAM it
-/// advertises, speed estimated from memory bandwidth. Host names are member names
-/// (made unique with an id prefix when two members share one).
-fn cluster_of(st: &ClusterStatus, model: &ModelProfile) -> Cluster {
+/// The live cluster's members as planner devices: each live member's CPU with the
+/// RAM it advertises; its speed measured (`shoal calibrate` for this model file) or
+/// else estimated from memory bandwidth. Host names are member names (made unique
+/// with an id prefix when two members share one). Returns the measured hosts too.
+fn cluster_of(
+    st: &ClusterStatus,
+    profiles: &BTreeMap<String, serde_json::Value>,
+    model: &ModelProfile,
+    model_path: &std::path::Path,
+) -> (Cluster, Vec<String>) {
     let mut devices = Vec::new();
+    let mut measured = Vec::new();
     for m in &st.members {
         let Some(ram) = m.ram_available else { continue };
         if m.state != shoal_membership::Liveness::Alive {
             continue;
         }
         let mut cpu = estimated_cpu(host_name(st, m), ram, model);
-        cpu.id = format!("{}/cpu", cpu.host);
+        let key = crate::calibrate::profile_key(&m.node, model_path);
+        if let Some(p) =
+            profiles.get(&key).and_then(|v| serde_json::from_value::<crate::calibrate::MeasuredProfile>(v.clone()).ok())
+        {
+            cpu.ms_per_layer = p.ms_per_layer;
+            cpu.prefill_ms_per_layer_token = Some(p.prefill_ms_per_layer_token);
+            cpu.head_ms = p.head_ms;
+            cpu.estimated = false;
+            measured.push(cpu.host.clone());
+        }
         devices.push(cpu);
     }
-    Cluster { devices, links: Vec::new() }
+    (Cluster { devices, links: Vec::new() }, measured)
 }
 
 /// A member's host name in plans: its name, unless another member has the same one.

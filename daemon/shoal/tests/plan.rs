@@ -213,6 +213,11 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     assert!(ready, "B did not join: {}", cli(&a, &["status"]));
+    // A's speed measured and kept in the cluster state; the plan uses it.
+    let cal: Value =
+        serde_json::from_str(&cli(&a, &["calibrate", "--json", "-n", "8", "--model", smol.to_str().unwrap()])).unwrap();
+    assert_eq!(cal["stored"], true, "{cal}");
+    assert!(cal["ms_per_layer"].as_f64().unwrap() > 0.0 && cal["head_ms"].as_f64().unwrap() >= 0.0, "{cal}");
     let placement = tmp.path().join("p.toml");
     let out = shoal()
         .args(["plan", "--json", "--context", "1024", "--pin", "0-15:a/cpu,15-30:b/cpu", "--model"])
@@ -225,7 +230,8 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
         .unwrap();
     let v = json(out);
     assert_eq!(stages(&v), vec![("a/cpu".to_string(), 0, 15), ("b/cpu".to_string(), 15, 30)], "{v}");
-    assert!(v["explanation"][0].as_str().unwrap().contains("live cluster (2 members"), "{v}");
+    let why = v["explanation"][0].as_str().unwrap();
+    assert!(why.contains("live cluster (2 members") && why.contains("measured on a by"), "{v}");
     for dir in [&b, &a] {
         let child = shoal()
             .args(["serve", "--placement"])
