@@ -13,6 +13,10 @@
 //! membership changes go one at a time.
 
 use crate::state::{Change, ChangeError, ClusterState, Version};
+
+/// The largest cluster state a leader lets the state grow to (encoded), so that a
+/// snapshot always fits in one membership message.
+pub const MAX_STATE: usize = crate::wire::MAX_MESSAGE / 2;
 use serde::{Deserialize, Serialize};
 use shoal_types::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
@@ -121,6 +125,13 @@ pub enum Msg {
         /// Whether it voted for the candidate.
         granted: bool,
     },
+    /// A newer snapshot for a member that asked for votes with an older one: a node
+    /// that missed a change (say, a member added back) may not even accept the
+    /// current leader's messages until it has it.
+    CatchUp {
+        /// The sender's snapshot.
+        state: Box<ClusterState>,
+    },
     /// A proposal forwarded to the leader.
     Forward {
         /// The sender's request number.
@@ -190,6 +201,11 @@ pub enum Event {
     /// A new snapshot was adopted (members may have changed: update the trusted keys).
     State {
         /// Its version.
+        version: Version,
+    },
+    /// The leader learned that a majority stored `version` (leader only).
+    Committed {
+        /// The newest committed version.
         version: Version,
     },
     /// This node was removed from the cluster; the core is inert from now on.
@@ -291,8 +307,14 @@ pub struct Core {
     /// Leader only: when this node became leader (check-quorum gives everyone a full
     /// window from then).
     leader_since: u64,
+    /// Leader only: the newest version a majority has stored.
+    committed: Version,
     /// Leader only: the version each member has stored.
     acked: BTreeMap<NodeId, Version>,
+    /// Leader only: whether a snapshot of this leader's own term has committed. Until
+    /// then membership changes wait (Raft's single-server change needs the new leader's
+    /// no-op committed first, or an old configuration's majority can undo a change).
+    term_committed: bool,
     /// Leader only: proposals waiting for a majority, by the version that holds them.
     pending: Vec<(Version, Origin, bool)>,
     /// Proposals forwarded to the leader: request number → deadline.
@@ -310,11 +332,15 @@ impl Core {
         let mut core = Core {
             me,
             hard,
-            role: if state.is_member(&me) { Role::Follower } else { Role::Removed },
+            // Even outside its own configuration: the change that removed it may not
+            // have committed, and it may be needed to finish it (see `own_vote`).
+            role: Role::Follower,
             state,
             leader: None,
             leader_heard: None,
             leader_since: 0,
+            term_committed: false,
+            committed: Version::default(),
             election_deadline: 0,
             votes: BTreeSet::new(),
             next_beat: now,
@@ -404,6 +430,23 @@ impl Core {
             Msg::PreVote { term, last } => {
                 let granted = term > self.hard.term && last >= self.state.version && !self.leader_is_fresh(now);
                 self.send(from, Msg::PreVoteReply { term, granted, current: self.hard.term });
+                self.catch_up(from, last);
+            }
+            Msg::CatchUp { state } => {
+                // Strictly newer only: a newer version holds every committed change of an
+                // older one (leader completeness), so this never loses one; and it only
+                // makes this node's votes stricter.
+                if self.role != Role::Leader
+                    && state.cluster == self.state.cluster
+                    && state.version > self.state.version
+                {
+                    self.state = *state;
+                    self.out.push(Action::PersistState(Box::new(self.state.clone())));
+                    self.out.push(Action::Event(Event::State { version: self.state.version }));
+                    for id in self.state.members.keys() {
+                        self.heard.entry(*id).or_insert(now);
+                    }
+                }
             }
             Msg::PreVoteReply { term, granted, current } => {
                 if current > self.hard.term {
@@ -494,10 +537,6 @@ impl Core {
             for id in self.state.members.keys() {
                 self.heard.entry(*id).or_insert(now);
             }
-            if !self.state.is_member(&self.me) {
-                self.removed();
-                return;
-            }
         }
         self.send(from, Msg::Ack { term, version: self.state.version });
     }
@@ -522,7 +561,15 @@ impl Core {
         self.commit();
     }
 
+    /// Send our snapshot to `to` if it campaigns with an older one.
+    fn catch_up(&mut self, to: NodeId, last: Version) {
+        if last < self.state.version {
+            self.send(to, Msg::CatchUp { state: Box::new(self.state.clone()) });
+        }
+    }
+
     fn on_vote(&mut self, now: u64, from: NodeId, term: u64, last: Version) {
+        self.catch_up(from, last);
         if term < self.hard.term || (term > self.hard.term && self.leader_is_fresh(now) && self.leader != Some(from)) {
             // Stale, or a live leader exists: refuse without adopting the term, so a
             // node that was cut off cannot unseat a working leader.
@@ -587,12 +634,13 @@ impl Core {
         if self.role == Role::Leader {
             return;
         }
+
         if self.leader.is_some() {
             self.leader = None;
             self.out.push(Action::Event(Event::Leader { leader: None, term: self.hard.term }));
         }
         self.role = Role::PreCandidate;
-        self.votes = BTreeSet::from([self.me]);
+        self.votes = self.own_vote();
         if self.votes.len() >= self.state.majority() {
             self.start_campaign(now);
             return;
@@ -610,7 +658,7 @@ impl Core {
         self.role = Role::Candidate;
         self.leader = None;
         self.leader_heard = None;
-        self.votes = BTreeSet::from([self.me]);
+        self.votes = self.own_vote();
         self.reset_election(now);
         if self.votes.len() >= self.state.majority() {
             self.become_leader(now);
@@ -629,6 +677,7 @@ impl Core {
         self.acked.clear();
         self.pending.clear();
         self.leader_since = now;
+        self.term_committed = false;
         self.out.push(Action::Event(Event::Leader { leader: Some(self.me), term: self.hard.term }));
         // Raft's no-op: a snapshot of our own term, so that what earlier terms left
         // committed-but-unconfirmed commits with it.
@@ -636,8 +685,9 @@ impl Core {
         self.next_beat = now + self.config.beat_ms;
     }
 
-    fn propose_as_leader(&mut self, _now: u64, origin: Origin, change: Change) {
-        if change.is_membership() && self.pending.iter().any(|(_, _, membership)| *membership) {
+    fn propose_as_leader(&mut self, now: u64, origin: Origin, change: Change) {
+        if change.is_membership() && (!self.term_committed || self.pending.iter().any(|(_, _, membership)| *membership))
+        {
             self.answer(origin, Err(ProposeError::Busy));
             return;
         }
@@ -646,8 +696,16 @@ impl Core {
             self.answer(origin, Err(e.into()));
             return;
         }
+        if serde_json::to_vec(&next).map_or(usize::MAX, |b| b.len()) > MAX_STATE {
+            self.answer(origin, Err(ChangeError::TooLarge("the cluster state".into()).into()));
+            return;
+        }
         let removed: Vec<NodeId> =
             self.state.members.keys().filter(|id| !next.members.contains_key(id)).copied().collect();
+        for id in next.members.keys() {
+            // A new member gets a full check-quorum window to start answering.
+            self.heard.entry(*id).or_insert(now);
+        }
         self.state = next;
         self.stamp_and_send(Some((origin, change.is_membership())));
         // A removed member hears of its removal (best effort) and goes inert.
@@ -688,6 +746,11 @@ impl Core {
         if committed.term != self.hard.term {
             return;
         }
+        if committed > self.committed {
+            self.committed = committed;
+            self.out.push(Action::Event(Event::Committed { version: committed }));
+        }
+        self.term_committed = true;
         let (done, rest): (Vec<_>, Vec<_>) =
             std::mem::take(&mut self.pending).into_iter().partition(|p| p.0 <= committed);
         self.pending = rest;
@@ -782,6 +845,17 @@ impl Core {
         self.role = Role::Removed;
         self.leader = None;
         self.out.push(Action::Event(Event::Removed));
+    }
+
+    /// Our own vote counts only if we are in our own configuration: a node removed by
+    /// a change it has not seen commit may still campaign (it may be the one holding
+    /// that change, Raft §4.2.2), but only the members' votes make its majority.
+    fn own_vote(&self) -> BTreeSet<NodeId> {
+        if self.state.is_member(&self.me) {
+            BTreeSet::from([self.me])
+        } else {
+            BTreeSet::new()
+        }
     }
 
     fn others(&self) -> Vec<NodeId> {

@@ -17,7 +17,7 @@ use crate::wire::{
 };
 use shoal_net::discovery::{Advert, Discovery, DiscoveryEvent, InterfaceFilter};
 use shoal_net::{alpn, Identity, Node, TransportOptions, TrustedKeys};
-use shoal_store::{SledStore, Space, Store, StoreError, StoreExt, Write};
+use shoal_store::{SledStore, Space, Store, StoreError, StoreExt};
 use shoal_types::{ClusterId, NodeId, NodeInventory, Role};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
@@ -27,6 +27,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
+
+/// The largest message accepted on the join endpoint (a welcome carries a cluster state).
+const JOIN_MAX: usize = 1 << 20;
 
 /// File in the data directory holding the main endpoint's address, for the CLI.
 pub const ENDPOINT_FILE: &str = "endpoint";
@@ -102,6 +105,15 @@ enum Input {
     Member(NodeId, crate::core::Msg, SocketAddr),
     Admin(AdminRequest, oneshot::Sender<AdminResponse>),
     Verified(PublicInfo, SocketAddr),
+    /// A discovered unpaired node did not answer its hello (it is tried again when
+    /// discovery reports it again).
+    VerifyFailed(NodeId),
+    /// A pending node answered the welcome sent on approval.
+    Welcomed {
+        member: Member,
+        taken: Result<(), String>,
+        reply: oneshot::Sender<AdminResponse>,
+    },
     PairBegin(oneshot::Sender<Result<PairingCode, PairError>>),
     PairDone {
         ok: bool,
@@ -161,10 +173,12 @@ struct Proposal {
     waiter: Waiter,
     /// Attempts so far.
     attempts: u32,
+    /// Given up after this time (ms), well within the CLI's wait for an answer.
+    deadline: u64,
 }
 
-/// How many times a proposal is tried (every half second: ~30 s).
-const PROPOSAL_ATTEMPTS: u32 = 60;
+/// How long a proposal is retried while there is no leader (ms).
+const PROPOSAL_MS: u64 = 30_000;
 
 /// Run a cluster node until `shutdown` completes.
 pub async fn run(
@@ -193,6 +207,7 @@ pub async fn run(
         name: cfg.name.clone(),
         role: cfg.role,
         memory_bytes: memory_of(&inv),
+        accepts_approval: cfg.accept_approval,
     }));
     tracing::info!(node = %me, %main_addr, %join_addr, "cluster node starting");
     let mut actor = Actor {
@@ -217,6 +232,8 @@ pub async fn run(
         retry: Vec::new(),
         next_req: 0,
         offers: Offers::default(),
+        pairing_until: 0,
+        committed_members: BTreeSet::new(),
         welcomed: HashMap::new(),
         traffic: Arc::new(Traffic::default()),
         tx: tx.clone(),
@@ -224,6 +241,8 @@ pub async fn run(
         cfg,
     };
     if let Some(state) = state {
+        // Also when the state no longer lists this node: its removal may not have
+        // committed; the leader tells it once it has (`Revoked`).
         actor.resume(hard, state);
     } else if actor.cfg.create == CreatePolicy::Now {
         actor.create()?;
@@ -283,6 +302,11 @@ struct Actor {
     next_req: u64,
     /// Pairing codes offered here.
     offers: Offers,
+    /// A pairing exchange is under way until then (ms), or ended early.
+    pairing_until: u64,
+    /// Leader only: the members as of the last committed version (removed nodes are
+    /// told once their removal commits, not before).
+    committed_members: BTreeSet<NodeId>,
     /// Leader only: when each approved-but-still-unpaired node was last sent a welcome.
     welcomed: HashMap<NodeId, u64>,
     traffic: Arc<Traffic>,
@@ -342,17 +366,17 @@ impl Actor {
 
     /// Store `state` as this node's cluster (fresh election state) and start in it.
     fn adopt(&mut self, state: ClusterState) -> Result<(), NodeError> {
-        let hard = HardState::default();
-        self.store.apply(vec![
-            Write::put_json(Space::Cluster, "state", &state)?,
-            Write::put_json(Space::Election, "hard", &hard)?,
-        ])?;
+        // The term and vote stored before are kept (they are never deleted): a node
+        // removed and approved again must not vote twice in a term it voted in before.
+        let hard: HardState = self.store.get_json(Space::Election, "hard")?.unwrap_or_default();
+        self.store.put_json(Space::Cluster, "state", &state)?;
         self.resume(hard, state);
         Ok(())
     }
 
     fn resume(&mut self, hard: HardState, state: ClusterState) {
         let cluster = state.cluster;
+        self.committed_members = state.members.keys().copied().collect();
         self.core = Some(Core::new(self.cfg.timing.clone(), self.me, hard, state, self.now(), self.seed));
         lock(&self.public).cluster = Some(cluster);
         self.sync_trust();
@@ -429,22 +453,57 @@ impl Actor {
                 }
             }
             Input::Admin(req, reply) => self.on_admin(req, reply)?,
-            Input::Verified(info, addr) => {
+            Input::VerifyFailed(node) => {
+                self.verifying.remove(&node);
+            }
+            Input::Verified(mut info, addr) => {
                 self.verifying.remove(&info.node);
+                info.name = crate::wire::clean_name(&info.name);
                 let known = self
                     .core
                     .as_ref()
                     .is_some_and(|c| c.state().is_member(&info.node) || c.state().revoked.contains(&info.node));
-                if info.cluster.is_none() && !known {
+                if info.cluster.is_none() && !known && !info.accepts_approval {
+                    tracing::info!(node = %info.node, name = %info.name, "an unpaired node that joins by pairing code only");
+                } else if info.cluster.is_none() && !known {
                     tracing::info!(node = %info.node, name = %info.name, "pending: an unpaired node asks to join");
                     self.pending.insert(info.node, (info, addr));
                 }
             }
+            Input::Welcomed { member, taken, reply } => match taken {
+                Ok(()) if self.core.is_some() => {
+                    let node = member.id;
+                    self.propose(Change::AddMember(member), Waiter::Approve { node, reply })?;
+                }
+                Ok(()) => {
+                    let _ = reply.send(AdminResponse::Error("this node left the cluster meanwhile".into()));
+                }
+                Err(e) => {
+                    let _ = reply.send(AdminResponse::Error(format!("{} did not take the approval: {e}", member.id)));
+                }
+            },
             Input::PairBegin(reply) => {
-                let r = if self.core.is_some() { self.offers.begin(now) } else { Err(PairError::NoOffer) };
+                let r = if self.core.is_none() {
+                    Err(PairError::NoOffer)
+                } else if self.pairing_until > now {
+                    // One exchange at a time, so one code admits one node.
+                    Err(PairError::TooSoon { wait_ms: self.pairing_until - now })
+                } else {
+                    match self.offers.begin(now) {
+                        // An expired or used-up code here is as good as none: the joiner
+                        // tries the other members.
+                        Err(PairError::Expired | PairError::TooManyAttempts) => Err(PairError::NoOffer),
+                        r => r,
+                    }
+                };
+                if r.is_ok() {
+                    self.pairing_until = now + 35_000;
+                }
                 let _ = reply.send(r);
             }
-            Input::PairDone { ok, info, reply } => {
+            Input::PairDone { ok, mut info, reply } => {
+                self.pairing_until = 0;
+                info.name = crate::wire::clean_name(&info.name);
                 if !ok {
                     self.offers.failed();
                     let _ = reply.send(JoinResponse::Error(PairError::WrongCode.to_string()));
@@ -476,7 +535,7 @@ impl Actor {
                         && mine.is_member(&from)
                         && state.is_member(&from)
                         && !state.is_member(&self.me)
-                        && state.version > mine.version
+                        && state.version >= mine.version
                 });
                 if genuine {
                     let _ = reply.send(JoinResponse::Accepted);
@@ -506,6 +565,11 @@ impl Actor {
                     self.adopt(*state)?;
                     let _ = reply.send(AdminResponse::Ok(format!("joined cluster {cluster}")));
                 }
+                Ok(_) if self.core.is_some() => {
+                    let _ = reply.send(AdminResponse::Error(
+                        "this node joined a cluster meanwhile (approved by a member)".into(),
+                    ));
+                }
                 Ok(_) => {
                     let _ = reply.send(AdminResponse::Error("the pairing ended without a usable cluster state".into()));
                 }
@@ -523,6 +587,13 @@ impl Actor {
         }
         if !self.cfg.accept_approval {
             return Ok(JoinResponse::Error("this node joins only with a pairing code".into()));
+        }
+        let last: Option<ClusterState> = self.store.get_json(Space::Cluster, "last")?;
+        if let Some(last) = last.filter(|l| l.cluster == state.cluster && l.version > state.version) {
+            // Approved again, but by a member that has not yet seen what this node saw
+            // last (it may hold committed changes): wait for a newer welcome.
+            tracing::info!(%from, "a welcome older than this node's last state ({}); waiting for a newer one", last.version);
+            return Ok(JoinResponse::Error("this node has seen a newer cluster state; retry later".into()));
         }
         if !state.is_member(&self.me) || !state.is_member(&from) {
             tracing::warn!(%from, "refused a welcome that does not list both sides as members");
@@ -548,11 +619,24 @@ impl Actor {
                         let (info, _) = &self.pending[&id];
                         let member =
                             Member { id, name: info.name.clone(), role: info.role, memory_bytes: info.memory_bytes };
-                        // As with pairing: the node takes part before the change commits.
-                        if let Some(state) = self.expected(&member) {
-                            self.welcome(id, state);
-                        }
-                        self.propose(Change::AddMember(member), Waiter::Approve { node: id, reply })?;
+                        // As with pairing, the node must take part before the change can
+                        // commit (it counts in the new majority): it is proposed only once
+                        // it took the state it will be part of.
+                        let Some(state) = self.expected(&member) else { return Ok(()) };
+                        let (_, addr) = self.pending[&id];
+                        let (open, tx) = (self.open.clone(), self.tx.clone());
+                        tokio::spawn(async move {
+                            let taken =
+                                match join_request(&open, addr, id, &JoinRequest::Welcome { state: Box::new(state) })
+                                    .await
+                                {
+                                    Ok(JoinResponse::Accepted) => Ok(()),
+                                    Ok(JoinResponse::Error(e)) => Err(e),
+                                    Ok(other) => Err(format!("unexpected answer {other:?}")),
+                                    Err(e) => Err(e),
+                                };
+                            let _ = tx.send(Input::Welcomed { member, taken, reply }).await;
+                        });
                     }
                     Err(e) => {
                         let _ = reply.send(AdminResponse::Error(format!("{e} among the pending nodes")));
@@ -660,7 +744,8 @@ impl Actor {
     }
 
     fn propose(&mut self, change: Change, waiter: Waiter) -> Result<(), NodeError> {
-        self.submit(Proposal { change, waiter, attempts: 0 })
+        let deadline = self.now() + PROPOSAL_MS;
+        self.submit(Proposal { change, waiter, attempts: 0, deadline })
     }
 
     fn submit(&mut self, mut p: Proposal) -> Result<(), NodeError> {
@@ -689,8 +774,13 @@ impl Actor {
                 Action::Reply { req, result } => self.answer(req, result),
                 Action::Event(Event::State { version }) => {
                     tracing::debug!(%version, "cluster state");
-                    let before = self.trusted_set.clone();
                     self.sync_trust();
+                }
+                Action::Event(Event::Committed { version }) => {
+                    tracing::debug!(%version, "committed");
+                    let now: BTreeSet<NodeId> =
+                        self.core.as_ref().map(|c| c.state().members.keys().copied().collect()).unwrap_or_default();
+                    let before = std::mem::replace(&mut self.committed_members, now);
                     self.notify_removed(&before);
                 }
                 Action::Event(Event::Leader { leader, term }) => match leader {
@@ -709,27 +799,44 @@ impl Actor {
     /// This node was removed: forget the cluster and wait, unpaired.
     fn leave(&mut self) -> Result<(), NodeError> {
         tracing::warn!("this node was removed from the cluster; it is unpaired now");
-        self.store.apply(vec![
-            Write::Remove { space: Space::Cluster, key: "state".into() },
-            Write::Remove { space: Space::Election, key: "hard".into() },
-        ])?;
+        if let Some(core) = &self.core {
+            // Kept so that a welcome back can be checked against it (see `on_welcome`).
+            self.store.put_json(Space::Cluster, "last", core.state())?;
+        }
+        self.store.remove(Space::Cluster, "state")?;
         self.core = None;
         lock(&self.public).cluster = None;
         self.sync_trust();
         self.advertise();
+        let mut waiting: Vec<Proposal> = self.waiting.drain().map(|(_, p)| p).collect();
+        waiting.extend(self.retry.drain(..).map(|(_, p)| p));
+        for p in waiting {
+            let me = self.me;
+            let text = "this node was removed from the cluster";
+            match p.waiter {
+                Waiter::Remove { node, reply } if node == me => {
+                    let _ = reply.send(AdminResponse::Ok(format!("removed {node}; this node is unpaired now")));
+                }
+                Waiter::Approve { reply, .. } | Waiter::Remove { reply, .. } | Waiter::Put { reply, .. } => {
+                    let _ = reply.send(AdminResponse::Error(text.into()));
+                }
+                Waiter::Paired { .. } => {}
+            }
+        }
         // Not straight back into a cluster of our own: wait to be approved or paired.
         self.cfg.create = CreatePolicy::Never;
         Ok(())
     }
 
-    /// The leader tells members it just removed, on their join endpoint (their key no
-    /// longer opens the main one).
+    /// The leader tells members whose removal just committed, on their join endpoint
+    /// (their key no longer opens the main one).
     fn notify_removed(&mut self, before: &BTreeSet<NodeId>) {
         let Some(core) = &self.core else { return };
-        if core.role() != &ElectionRole::Leader {
+        if core.role() != &ElectionRole::Leader || before.is_empty() {
             return;
         }
-        let gone: Vec<NodeId> = before.difference(&self.trusted_set).copied().collect();
+        let gone: Vec<NodeId> =
+            before.iter().filter(|id| !core.state().is_member(id) && **id != self.me).copied().collect();
         for node in gone {
             self.tell_revoked(node);
         }
@@ -766,7 +873,7 @@ impl Actor {
             (_, r) => r,
         };
         if let Err(E::NoLeader | E::Busy | E::Interrupted | E::Timeout) = &result {
-            if p.attempts < PROPOSAL_ATTEMPTS && self.core.is_some() {
+            if self.now() + 500 < p.deadline && self.core.is_some() {
                 self.retry.push((self.now() + 500, p));
                 return;
             }
@@ -810,13 +917,11 @@ impl Actor {
         });
     }
 
-    /// The leader re-sends the welcome to members that still advertise no cluster
-    /// (the first one was lost, or they restarted before taking it).
+    /// Every member re-sends the welcome to members that still advertise no cluster
+    /// (the first one was lost, they restarted before taking it, or they were removed
+    /// and approved again): without them a majority, and so a leader, may be impossible.
     fn welcome_approved(&mut self, now: u64) {
         let Some(core) = &self.core else { return };
-        if core.role() != &ElectionRole::Leader {
-            return;
-        }
         let due: Vec<NodeId> = self
             .peers
             .values()
@@ -868,8 +973,14 @@ impl Actor {
                                 Ok(JoinResponse::Info(info)) if info.node == node => {
                                     let _ = tx.send(Input::Verified(info, addr)).await;
                                 }
-                                Ok(other) => tracing::warn!(%node, "unexpected answer to hello: {other:?}"),
-                                Err(e) => tracing::info!(%node, "could not verify a discovered node: {e}"),
+                                Ok(other) => {
+                                    tracing::warn!(%node, "unexpected answer to hello: {other:?}");
+                                    let _ = tx.send(Input::VerifyFailed(node)).await;
+                                }
+                                Err(e) => {
+                                    tracing::info!(%node, "could not verify a discovered node: {e}");
+                                    let _ = tx.send(Input::VerifyFailed(node)).await;
+                                }
                             }
                         });
                     }
@@ -879,6 +990,7 @@ impl Actor {
             DiscoveryEvent::Lost { node } => {
                 self.peers.remove(&node);
                 self.pending.remove(&node);
+                self.verifying.remove(&node);
             }
         }
     }
@@ -1084,7 +1196,11 @@ async fn serve_join(
     tx: &mpsc::Sender<Input>,
     public: &Mutex<PublicInfo>,
 ) -> Result<(), WireError> {
-    let Some(req) = read_msg::<JoinRequest>(recv).await? else { return Ok(()) };
+    // Strangers speak here: a bounded message, and a bounded wait for it.
+    let first = tokio::time::timeout(Duration::from_secs(10), crate::wire::read_msg_max::<JoinRequest>(recv, JOIN_MAX));
+    let Some(req) = first.await.map_err(|_| WireError::Stream("no request within 10 s".into()))?? else {
+        return Ok(());
+    };
     let stopping = || WireError::Stream("the node is stopping".into());
     match req {
         JoinRequest::Hello => {
@@ -1163,6 +1279,7 @@ async fn join_with_code(
     info: PublicInfo,
     targets: &[(NodeId, SocketAddr)],
 ) -> Result<Box<ClusterState>, String> {
+    let mut last: Option<String> = None;
     for (member, addr) in targets {
         let conn = match tokio::time::timeout(Duration::from_secs(5), open.connect(*addr, *member, alpn::JOIN)).await {
             Ok(Ok(c)) => c,
@@ -1174,7 +1291,15 @@ async fn join_with_code(
         write_msg(&mut send, &JoinRequest::PairStart { msg: first, info: info.clone() }).await.map_err(io)?;
         match read_msg::<JoinResponse>(&mut recv).await.map_err(io)? {
             Some(JoinResponse::PairReply { msg }) => {
-                let confirmation = joiner.finish(&msg).map_err(|e| e.to_string())?;
+                // A wrong code here may be right at another member (another cluster, or
+                // an older code): go on, and report the failure only if none takes it.
+                let confirmation = match joiner.finish(&msg) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        last = Some(e.to_string());
+                        continue;
+                    }
+                };
                 write_msg(&mut send, &JoinRequest::PairConfirm { msg: confirmation }).await.map_err(io)?;
                 let answer = tokio::time::timeout(Duration::from_secs(30), read_msg::<JoinResponse>(&mut recv))
                     .await
@@ -1188,11 +1313,11 @@ async fn join_with_code(
                 };
             }
             Some(JoinResponse::NoOffer) => continue,
-            Some(JoinResponse::Error(e)) => return Err(e),
-            other => return Err(format!("unexpected answer: {other:?}")),
+            Some(JoinResponse::Error(e)) => last = Some(e),
+            other => last = Some(format!("unexpected answer: {other:?}")),
         }
     }
-    Err(NO_OFFER.to_string())
+    Err(last.unwrap_or_else(|| NO_OFFER.to_string()))
 }
 
 /// What pairing reports when no member discovered so far holds a code (retried).

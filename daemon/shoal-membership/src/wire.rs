@@ -37,6 +37,14 @@ pub async fn write_msg<T: Serialize>(send: &mut quinn::SendStream, msg: &T) -> R
 
 /// Read one message; `Ok(None)` at a clean end of stream.
 pub async fn read_msg<T: DeserializeOwned>(recv: &mut quinn::RecvStream) -> Result<Option<T>, WireError> {
+    read_msg_max(recv, MAX_MESSAGE).await
+}
+
+/// Read one message of at most `max` bytes; `Ok(None)` at a clean end of stream.
+pub async fn read_msg_max<T: DeserializeOwned>(
+    recv: &mut quinn::RecvStream,
+    max: usize,
+) -> Result<Option<T>, WireError> {
     let mut len = [0u8; 4];
     match recv.read_exact(&mut len).await {
         Ok(()) => {}
@@ -44,7 +52,7 @@ pub async fn read_msg<T: DeserializeOwned>(recv: &mut quinn::RecvStream) -> Resu
         Err(e) => return Err(WireError::Stream(e.to_string())),
     }
     let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_MESSAGE {
+    if len > max {
         return Err(WireError::TooLarge(len));
     }
     let mut body = vec![0u8; len];
@@ -73,6 +81,32 @@ pub struct PublicInfo {
     pub role: Role,
     /// RAM + VRAM it offers, bytes.
     pub memory_bytes: u64,
+    /// Whether it takes an approval from a member (else it joins by pairing code only).
+    #[serde(default = "yes")]
+    pub accepts_approval: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A name from the network made safe to store and print: control characters become
+/// spaces, at most 64 bytes (cut on a character boundary), never empty.
+pub fn clean_name(name: &str) -> String {
+    let mut out: String = name.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
+    if out.len() > 64 {
+        let mut cut = 64;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+    }
+    let out = out.trim().to_string();
+    if out.is_empty() {
+        "unnamed".into()
+    } else {
+        out
+    }
 }
 
 /// Requests on the join endpoint (a bidirectional stream; a pairing takes two rounds).

@@ -89,7 +89,14 @@ pub struct Node {
     /// Keys accepted, both ways; `None` for an open join endpoint.
     trusted: Option<TrustedKeys>,
     transport: Arc<quinn::TransportConfig>,
+    /// Connections whose handshake succeeded. Handshakes run concurrently (a peer that
+    /// starts one and goes silent must not hold up the others), at most
+    /// [`MAX_HANDSHAKES`] at once.
+    accepted: tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Accepted>>,
 }
+
+/// Handshakes in progress at once; more incoming connections are refused meanwhile.
+pub const MAX_HANDSHAKES: usize = 64;
 
 impl Node {
     /// Listen on `addr` (port 0: any free port). Must run inside a Tokio runtime.
@@ -136,7 +143,9 @@ impl Node {
             quinn::Endpoint::new_with_abstract_socket(quinn::EndpointConfig::default(), Some(server), socket, runtime)
                 .map_err(bind)?
         };
-        Ok(Node { endpoint, identity, trusted, transport })
+        let (tx, rx) = tokio::sync::mpsc::channel(MAX_HANDSHAKES);
+        tokio::spawn(handshakes(endpoint.clone(), tx));
+        Ok(Node { endpoint, identity, trusted, transport, accepted: tokio::sync::Mutex::new(rx) })
     }
 
     /// This node's id.
@@ -169,23 +178,7 @@ impl Node {
     /// The next incoming connection whose handshake succeeded; `None` once closed.
     /// Failed handshakes (unknown keys, scanners) are logged and skipped.
     pub async fn accept(&self) -> Option<Accepted> {
-        loop {
-            let incoming = self.endpoint.accept().await?;
-            let addr = incoming.remote_address();
-            match incoming.await {
-                Ok(conn) => {
-                    let alpn = conn
-                        .handshake_data()
-                        .and_then(|h| h.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
-                        .and_then(|h| h.protocol);
-                    match (peer_id(&conn), alpn) {
-                        (Some(peer), Some(alpn)) => return Some(Accepted { conn, peer, alpn }),
-                        _ => tracing::warn!(%addr, "connection without a node key or protocol; closed"),
-                    }
-                }
-                Err(e) => tracing::info!(%addr, "incoming handshake failed: {e}"),
-            }
-        }
+        self.accepted.lock().await.recv().await
     }
 
     /// Close every connection and stop accepting.
@@ -197,6 +190,39 @@ impl Node {
     /// the peers learn of it now rather than at their idle timeout.
     pub async fn wait_idle(&self) {
         self.endpoint.wait_idle().await;
+    }
+}
+
+/// Accept incoming connections, each handshake in a task of its own, and pass on the
+/// ones that succeed.
+async fn handshakes(endpoint: quinn::Endpoint, tx: tokio::sync::mpsc::Sender<Accepted>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    while let Some(incoming) = endpoint.accept().await {
+        let addr = incoming.remote_address();
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(%addr, "too many handshakes in progress; connection refused");
+            incoming.refuse();
+            continue;
+        };
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            match incoming.await {
+                Ok(conn) => {
+                    let alpn = conn
+                        .handshake_data()
+                        .and_then(|h| h.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+                        .and_then(|h| h.protocol);
+                    match (peer_id(&conn), alpn) {
+                        (Some(peer), Some(alpn)) => {
+                            let _ = tx.send(Accepted { conn, peer, alpn }).await;
+                        }
+                        _ => tracing::warn!(%addr, "connection without a node key or protocol; closed"),
+                    }
+                }
+                Err(e) => tracing::info!(%addr, "incoming handshake failed: {e}"),
+            }
+        });
     }
 }
 

@@ -239,14 +239,17 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
     eprintln!("[bench] formed a cluster of {n} in {:.2} s", form.as_secs_f64());
 
     // Heartbeat traffic over 5 s of a steady cluster.
-    let before: Vec<ClusterStatus> = all.iter().filter_map(|k| c.status(*k)).collect();
+    let sample = |c: &Cluster| -> Result<Vec<ClusterStatus>> {
+        all.iter().map(|k| c.status(*k).with_context(|| format!("node{k} did not answer"))).collect()
+    };
+    let before = sample(&c)?;
     std::thread::sleep(Duration::from_secs(5));
-    let after: Vec<ClusterStatus> = all.iter().filter_map(|k| c.status(*k)).collect();
+    let after = sample(&c)?;
     let (mut bytes, mut msgs) = (0.0, 0.0);
     for (b, a) in before.iter().zip(&after) {
         let dt = a.uptime_s - b.uptime_s;
-        bytes += (a.sent_bytes - b.sent_bytes) as f64 / dt;
-        msgs += (a.sent_msgs - b.sent_msgs) as f64 / dt;
+        bytes += a.sent_bytes.saturating_sub(b.sent_bytes) as f64 / dt;
+        msgs += a.sent_msgs.saturating_sub(b.sent_msgs) as f64 / dt;
     }
     let (bytes, msgs) = (bytes / after.len() as f64, msgs / after.len() as f64);
 
