@@ -66,8 +66,13 @@ impl Identity {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 std::fs::create_dir_all(dir).map_err(io)?;
                 let id = Identity::generate()?;
-                write_private(&path, &id.pkcs8).map_err(io)?;
-                Ok(id)
+                // Two processes starting at once (a node and a CLI command) must end up
+                // with one key: the first to publish it wins, the other loads it.
+                match write_private(&path, &id.pkcs8) {
+                    Ok(()) => Ok(id),
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Identity::load_or_create(dir),
+                    Err(e) => Err(io(e)),
+                }
             }
             Err(e) => Err(io(e)),
         }
@@ -100,9 +105,11 @@ impl Identity {
     }
 }
 
-/// Write `bytes` to a new file only the owner can read, atomically.
+/// Write `bytes` to a new file only the owner can read, atomically; fails with
+/// `AlreadyExists` if the file appeared meanwhile (it is never replaced).
 fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("key.tmp");
+    // A temporary name of this process's own, so concurrent writers do not mix bytes.
+    let tmp = path.with_extension(format!("key.tmp{}", std::process::id()));
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create(true).truncate(true);
     #[cfg(unix)]
@@ -110,7 +117,10 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut f = opts.open(&tmp)?;
     f.write_all(bytes)?;
     f.sync_all()?;
-    std::fs::rename(&tmp, path)
+    // A hard link publishes the complete file under its name only if none exists.
+    let linked = std::fs::hard_link(&tmp, path);
+    let _ = std::fs::remove_file(&tmp);
+    linked
 }
 
 fn check_permissions(path: &Path) -> Result<(), IdentityError> {

@@ -137,6 +137,11 @@ pub fn serve(dir: Option<PathBuf>, listen: Option<SocketAddr>, impair: Impairmen
 
 fn ask(dir: &Option<PathBuf>, req: AdminRequest) -> Result<AdminResponse> {
     let data_dir = data_dir(dir);
+    // The CLI speaks with the node's own key; it never makes one (that would be a
+    // different node's).
+    if !data_dir.join(shoal_net::identity::KEY_FILE).exists() {
+        bail!("no node has run with the data directory {} yet: start it with `shoal serve`", data_dir.display());
+    }
     let identity = Arc::new(Identity::load_or_create(&data_dir)?);
     let answer = runtime()?.block_on(node::admin(&data_dir, identity, &req))?;
     if let AdminResponse::Error(e) = answer {

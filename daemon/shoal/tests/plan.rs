@@ -177,6 +177,8 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
     let smol = model("SmolLM2-135M-Instruct.Q4_1.gguf");
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    // The key first: a node and `shoal key` creating it at once would make two.
+    let id_b = key(&b);
     let mut procs = Procs(Vec::new());
     for (dir, name, flag) in [(&a, "a", "--create-cluster"), (&b, "b", "--no-create")] {
         let child = shoal()
@@ -188,7 +190,6 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
             .unwrap();
         procs.0.push(child);
     }
-    let id_b = key(&b);
     // B shows up as pending at A, is approved, and both see two live members.
     let mut approved = false;
     let mut ready = false;
