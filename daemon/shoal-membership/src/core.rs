@@ -424,7 +424,7 @@ impl Core {
         self.heard.insert(from, now);
         self.update_liveness(now);
         match msg {
-            Msg::Beat { term, leader, version } => self.on_beat(now, from, term, leader, version),
+            Msg::Beat { term, leader, .. } => self.on_beat(now, from, term, leader),
             Msg::State { term, state } => self.on_state(now, from, term, *state),
             Msg::Ack { term, version } => self.on_ack(now, from, term, version),
             Msg::PreVote { term, last } => {
@@ -499,7 +499,7 @@ impl Core {
         std::mem::take(&mut self.out)
     }
 
-    fn on_beat(&mut self, now: u64, from: NodeId, term: u64, leader: bool, version: Version) {
+    fn on_beat(&mut self, now: u64, from: NodeId, term: u64, leader: bool) {
         if !leader {
             // Plain liveness; a follower's term never unsettles anyone (pre-vote does that job).
             return;
@@ -510,9 +510,8 @@ impl Core {
             return;
         }
         self.follow(now, from, term);
-        // Say what we hold; if it is not the leader's `version` (older, or an
+        // Say what we hold; if it is not the leader's version (older, or an
         // uncommitted snapshot of an older term), the leader sends its snapshot.
-        let _ = version;
         self.send(from, Msg::Ack { term, version: self.state.version });
     }
 

@@ -1230,8 +1230,7 @@ async fn serve_join(
             let (responder, first) = match Responder::respond(&code, peer, me, &msg) {
                 Ok(r) => r,
                 Err(e) => {
-                    let answer = done(false, info).await?;
-                    let _ = answer;
+                    done(false, info).await?;
                     return write_msg(send, &JoinResponse::Error(e.to_string())).await;
                 }
             };

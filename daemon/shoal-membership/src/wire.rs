@@ -2,7 +2,7 @@
 //! messages, each prefixed with its length (u32, big endian) and bounded, on QUIC
 //! streams. Anything malformed is an error value for the caller to log, never a panic.
 
-use crate::core::{Liveness, Msg};
+use crate::core::Liveness;
 use crate::state::ClusterState;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use shoal_types::{ClusterId, NodeId, Role};
@@ -64,9 +64,6 @@ pub async fn read_msg_max<T: DeserializeOwned>(
 pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, WireError> {
     serde_json::from_slice(body).map_err(|e| WireError::Malformed(e.to_string()))
 }
-
-/// One membership message between members (a uni stream each).
-pub type MemberMsg = Msg;
 
 /// What a node tells anyone who asks on its join endpoint: public facts only.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

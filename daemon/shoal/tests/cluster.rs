@@ -10,16 +10,6 @@ mod common;
 use common::*;
 use serde_json::Value;
 
-fn namespaces_available() -> bool {
-    match shoal_testnet::Net::new("probe", 1) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIPPED: network namespaces unavailable here (needs root and iproute2): {e}");
-            false
-        }
-    }
-}
-
 fn bench_cluster(nodes: usize, repeats: usize) -> Value {
     let child = shoal()
         .args(["bench", "cluster", "--json", "--nodes", &nodes.to_string(), "--repeats", &repeats.to_string()])

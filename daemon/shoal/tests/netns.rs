@@ -10,17 +10,6 @@ mod common;
 use common::*;
 use serde_json::Value;
 
-/// Whether namespaces can be made here; says why not.
-fn namespaces_available() -> bool {
-    match shoal_testnet::Net::new("probe", 1) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIPPED: network namespaces unavailable here (needs root and iproute2): {e}");
-            false
-        }
-    }
-}
-
 /// Run the bench; checks that it removed its namespaces.
 fn bench(args: &[&str]) -> Value {
     model("SmolLM2-135M-Instruct.Q4_1.gguf");

@@ -234,7 +234,7 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
         }
     }
     let all: Vec<usize> = (0..n).collect();
-    let (_, _) = c.wait_agreed(&all, n, "forming")?;
+    c.wait_agreed(&all, n, "forming")?;
     let form = t1.elapsed();
     eprintln!("[bench] formed a cluster of {n} in {:.2} s", form.as_secs_f64());
 
@@ -328,10 +328,8 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
             stayed &= leaderless(&c) && majority_leader(&c, &majority).is_some();
         }
         eprintln!("[bench] partition {majority:?} | {minority:?}: settled in {:.2} s", settle.as_secs_f64());
-        let t = Instant::now();
         c.net.heal()?;
         let (_, heal) = c.wait_agreed(&all, n, "healing")?;
-        let _ = t;
         eprintln!("[bench] healed: one leader, one state after {:.2} s", heal.as_secs_f64());
         Some(PartitionFigures {
             majority,

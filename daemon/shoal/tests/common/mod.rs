@@ -35,3 +35,15 @@ pub const PROMPT: &str = "The history of the lighthouse begins in antiquity, whe
     to guide ships into harbour. The Pharos of Alexandria, built in the third century BC, stood over a \
     hundred metres tall and was counted among the wonders of the ancient world. Later, Roman engineers \
     raised towers along the coasts of their empire, from Dover to the Black Sea.";
+
+/// Whether network namespaces can be made here (root, iproute2); says why not, so a
+/// namespace test that returns early is seen to skip.
+pub fn namespaces_available() -> bool {
+    match shoal_testnet::Net::new("probe", 1) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIPPED: network namespaces unavailable here (needs root and iproute2): {e}");
+            false
+        }
+    }
+}
