@@ -73,6 +73,36 @@ pub struct NodeConfig {
     pub timing: Config,
     /// QUIC timing (and test impairment).
     pub transport: TransportOptions,
+    /// Measures this node's speed on a model when asked ([`AdminRequest::Calibrate`]);
+    /// `None`: such requests are refused. The engine lives above this crate, so the
+    /// binary hands it in.
+    pub calibrator: Option<Calibrator>,
+}
+
+/// A calibration asked of a node.
+#[derive(Clone, Debug)]
+pub struct CalibrationJob {
+    /// The GGUF file on this node.
+    pub model: PathBuf,
+    /// Decode steps timed.
+    pub tokens: u32,
+    /// CPU threads.
+    pub threads: u32,
+}
+
+/// What a calibration returns: the cluster-state entry to keep (name, value), or why
+/// it failed.
+pub type CalibrationResult = Result<(String, serde_json::Value), String>;
+
+/// Runs a calibration (blocking; on a thread of its own) and returns the cluster-state
+/// entry to keep.
+#[derive(Clone)]
+pub struct Calibrator(pub Arc<dyn Fn(&CalibrationJob) -> CalibrationResult + Send + Sync>);
+
+impl std::fmt::Debug for Calibrator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Calibrator")
+    }
 }
 
 /// Why the node stopped.
@@ -136,6 +166,14 @@ enum Input {
         result: Result<Box<ClusterState>, String>,
         code: PairingCode,
         tries: u32,
+        reply: oneshot::Sender<AdminResponse>,
+    },
+    /// A measurement (links or a calibration) finished: the entry to keep.
+    Measured {
+        key: String,
+        value: Result<serde_json::Value, String>,
+        /// It was a calibration (one runs at a time).
+        calibration: bool,
         reply: oneshot::Sender<AdminResponse>,
     },
     /// Try pairing again.
@@ -236,6 +274,7 @@ pub async fn run(
         committed_members: BTreeSet::new(),
         welcomed: HashMap::new(),
         traffic: Arc::new(Traffic::default()),
+        calibrating: false,
         tx: tx.clone(),
         main_addr,
         cfg,
@@ -310,6 +349,8 @@ struct Actor {
     /// Leader only: when each approved-but-still-unpaired node was last sent a welcome.
     welcomed: HashMap<NodeId, u64>,
     traffic: Arc<Traffic>,
+    /// A calibration runs (it loads a model: one at a time).
+    calibrating: bool,
     /// Clone for tasks that report back.
     tx: mpsc::Sender<Input>,
     main_addr: SocketAddr,
@@ -559,6 +600,22 @@ impl Actor {
                     self.try_join(code, tries, reply);
                 }
             }
+            Input::Measured { key, value, calibration, reply } => {
+                if calibration {
+                    self.calibrating = false;
+                }
+                match value {
+                    Ok(value) if self.core.is_some() => {
+                        self.propose(Change::Put { key: key.clone(), value }, Waiter::Put { key, reply })?
+                    }
+                    Ok(_) => {
+                        let _ = reply.send(AdminResponse::Error("this node left the cluster meanwhile".into()));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(AdminResponse::Error(e));
+                    }
+                }
+            }
             Input::JoinResult { result, reply, .. } => match result {
                 Ok(state) if self.core.is_none() && state.is_member(&self.me) => {
                     let cluster = state.cluster;
@@ -689,6 +746,57 @@ impl Actor {
                     })
                     .unwrap_or_default();
                 let _ = reply.send(AdminResponse::Entries(entries));
+            }
+            AdminRequest::ProbeLinks { frame_bytes } => {
+                let Some(core) = &self.core else {
+                    let _ = reply.send(AdminResponse::Error("this node is not in a cluster".into()));
+                    return Ok(());
+                };
+                let addrs = lock(&self.addrs);
+                let peers: Vec<(NodeId, SocketAddr)> = core
+                    .state()
+                    .members
+                    .keys()
+                    .filter(|m| **m != self.me && core.liveness(m) == Some(Liveness::Alive))
+                    .filter_map(|m| addrs.get(m).map(|a| (*m, *a)))
+                    .collect();
+                drop(addrs);
+                if peers.is_empty() {
+                    let _ = reply.send(AdminResponse::Error("no other live member to probe".into()));
+                    return Ok(());
+                }
+                let (main, tx, me) = (self.main.clone(), self.tx.clone(), self.me);
+                tokio::spawn(async move {
+                    let value = probe_links(&main, &peers, frame_bytes).await;
+                    let key = format!("links/{me}");
+                    let _ = tx.send(Input::Measured { key, value, calibration: false, reply }).await;
+                });
+            }
+            AdminRequest::Calibrate { model, tokens, threads } => {
+                if self.core.is_none() {
+                    let _ = reply.send(AdminResponse::Error("this node is not in a cluster".into()));
+                    return Ok(());
+                }
+                let Some(calibrator) = self.cfg.calibrator.clone() else {
+                    let _ = reply.send(AdminResponse::Error("this node cannot calibrate (no engine)".into()));
+                    return Ok(());
+                };
+                if self.calibrating {
+                    let _ = reply.send(AdminResponse::Error("a calibration already runs on this node".into()));
+                    return Ok(());
+                }
+                self.calibrating = true;
+                let job = CalibrationJob { model: PathBuf::from(model), tokens, threads };
+                let tx = self.tx.clone();
+                tokio::spawn(async move {
+                    let done = tokio::task::spawn_blocking(move || (calibrator.0)(&job)).await;
+                    let (key, value) = match done {
+                        Ok(Ok((key, value))) => (key, Ok(value)),
+                        Ok(Err(e)) => (String::new(), Err(e)),
+                        Err(e) => (String::new(), Err(format!("the calibration failed: {e}"))),
+                    };
+                    let _ = tx.send(Input::Measured { key, value, calibration: true, reply }).await;
+                });
             }
             AdminRequest::Pair => {
                 if self.core.is_none() {
@@ -1127,8 +1235,9 @@ async fn link_task(
     }
 }
 
-/// Accept connections on the main endpoint: membership from members, admin from the
-/// owner's CLI (which holds this node's own key); anything else is closed.
+/// Accept connections on the main endpoint: membership and link probes from members,
+/// admin from the owner's CLI (which holds this node's own key) and, limited, from
+/// members; anything else is closed.
 async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
     let me = main.id();
     while let Some(acc) = main.accept().await {
@@ -1148,10 +1257,18 @@ async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
                     }
                 }
             });
-        } else if acc.alpn == alpn::ADMIN && acc.peer == me {
+        } else if acc.alpn == alpn::PROBE && acc.peer != me {
+            tokio::spawn(shoal_net::probe::serve(acc.conn));
+        } else if acc.alpn == alpn::ADMIN {
+            // The owner (this node's own key) may ask anything; other members (the only
+            // other keys this endpoint accepts) may read and measure.
+            let owner = acc.peer == me;
             tokio::spawn(async move {
                 while let Ok((mut send, mut recv)) = acc.conn.accept_bi().await {
                     let answer = match read_msg::<AdminRequest>(&mut recv).await {
+                        Ok(Some(req)) if !owner && !req.member_may() => {
+                            AdminResponse::Error("only this node's owner may ask that".into())
+                        }
                         Ok(Some(req)) => {
                             let (reply, rx) = oneshot::channel();
                             if tx.send(Input::Admin(req, reply)).await.is_err() {
@@ -1323,6 +1440,59 @@ async fn join_with_code(
 const NO_OFFER: &str =
     "no member of a cluster on the LAN holds a pairing code: run `shoal nodes pair` on one (or wait for discovery)";
 
+/// Probe the links to `peers` at once; the value kept as `links/<this node>`.
+async fn probe_links(
+    main: &Arc<Node>,
+    peers: &[(NodeId, SocketAddr)],
+    frame_bytes: u32,
+) -> Result<serde_json::Value, String> {
+    let opts = shoal_net::ProbeOptions { frame_bytes, ..shoal_net::ProbeOptions::default() };
+    let mut tasks = tokio::task::JoinSet::new();
+    for (id, addr) in peers.iter().copied() {
+        let main = main.clone();
+        tasks.spawn(async move {
+            let measured = async {
+                let conn = tokio::time::timeout(Duration::from_secs(5), main.connect(addr, id, alpn::PROBE))
+                    .await
+                    .map_err(|_| "no connection within 5 s".to_string())?
+                    .map_err(|e| e.to_string())?;
+                let m = shoal_net::probe::measure(&conn, &opts).await.map_err(|e| e.to_string());
+                conn.close(0u32.into(), b"done");
+                m
+            };
+            let m = tokio::time::timeout(Duration::from_secs(30), measured).await.unwrap_or(Err("timeout".into()));
+            (id, m)
+        });
+    }
+    let mut out = BTreeMap::new();
+    let mut failed = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok((id, Ok(m))) => {
+                out.insert(id.to_string(), m);
+            }
+            Ok((id, Err(e))) => {
+                tracing::warn!(node = %id, "link probe failed: {e}");
+                failed.push(format!("{id}: {e}"));
+            }
+            Err(e) => failed.push(e.to_string()),
+        }
+    }
+    if out.is_empty() {
+        return Err(format!("no link could be probed: {}", failed.join("; ")));
+    }
+    serde_json::to_value(LinksEntry { frame_bytes, peers: out }).map_err(|e| e.to_string())
+}
+
+/// What `links/<node>` holds: the links from that node to the others it probed.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LinksEntry {
+    /// Frame size probed, bytes.
+    pub frame_bytes: u32,
+    /// By peer id (hex).
+    pub peers: BTreeMap<String, shoal_net::LinkMeasure>,
+}
+
 /// Ask the node whose data directory is `data_dir` (this machine) to do `req`, as its
 /// owner: the CLI holds the node's own key, which the node always trusts.
 pub async fn admin(data_dir: &Path, identity: Arc<Identity>, req: &AdminRequest) -> Result<AdminResponse, NodeError> {
@@ -1338,24 +1508,36 @@ pub async fn admin(data_dir: &Path, identity: Arc<Identity>, req: &AdminRequest)
         });
     }
     let me = identity.id();
+    admin_at(addr, me, identity, req).await.map_err(|e| match e {
+        NodeError::Admin(e) => {
+            NodeError::Admin(format!("{e} (address from {}; is `shoal serve` running?)", path.display()))
+        }
+        e => e,
+    })
+}
+
+/// Ask node `node` at `addr` to do `req`, holding `identity`: this node's own key (the
+/// owner: anything) or a fellow member's (what [`AdminRequest::member_may`] allows).
+pub async fn admin_at(
+    addr: SocketAddr,
+    node: NodeId,
+    identity: Arc<Identity>,
+    req: &AdminRequest,
+) -> Result<AdminResponse, NodeError> {
     let any: SocketAddr = if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
-    let client = Node::bind(any, identity, TrustedKeys::new([me]), &TransportOptions::default())?;
-    let down = |e: &dyn std::fmt::Display| {
-        NodeError::Admin(format!(
-            "the node at {addr} (from {}) does not answer: {e}; is `shoal serve` running?",
-            path.display()
-        ))
-    };
-    let conn = tokio::time::timeout(Duration::from_secs(5), client.connect(addr, me, alpn::ADMIN))
+    let client = Node::bind(any, identity, TrustedKeys::new([node]), &TransportOptions::default())?;
+    let down = |e: &dyn std::fmt::Display| NodeError::Admin(format!("the node at {addr} does not answer: {e}"));
+    let conn = tokio::time::timeout(Duration::from_secs(5), client.connect(addr, node, alpn::ADMIN))
         .await
         .map_err(|_| down(&"timeout"))?
         .map_err(|e| down(&e))?;
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| down(&e))?;
     write_msg(&mut send, req).await.map_err(|e| down(&e))?;
     let _ = send.finish();
-    let answer = tokio::time::timeout(Duration::from_secs(60), read_msg::<AdminResponse>(&mut recv))
+    let patience = req.patience();
+    let answer = tokio::time::timeout(patience, read_msg::<AdminResponse>(&mut recv))
         .await
-        .map_err(|_| NodeError::Admin("no answer within 60 s".into()))?
+        .map_err(|_| NodeError::Admin(format!("no answer from {addr} within {} s", patience.as_secs())))?
         .map_err(|e| down(&e))?
         .ok_or_else(|| NodeError::Admin("the node closed the stream without answering".into()))?;
     conn.close(0u32.into(), b"done");

@@ -161,7 +161,8 @@ pub enum JoinResponse {
     Error(String),
 }
 
-/// Requests from the owner's CLI (the node's own key) on the admin protocol.
+/// Requests on the admin protocol: from the owner's CLI (the node's own key), every
+/// one; from another member, only those [`AdminRequest::member_may`] allows.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AdminRequest {
@@ -197,6 +198,45 @@ pub enum AdminRequest {
         /// Name prefix ("" for all).
         prefix: String,
     },
+    /// Measure the links from this node to every live member (frame time to an idle
+    /// receiver, bandwidth) and keep them in the cluster state as `links/<node id>`.
+    ProbeLinks {
+        /// Frame size to time (a decode step's hidden state of the model planned).
+        frame_bytes: u32,
+    },
+    /// Measure this node's speed on a model (a quick calibration) and keep it in the
+    /// cluster state. Needs a node started with a calibrator (the `shoal` binary).
+    Calibrate {
+        /// The GGUF file, as a path on this node.
+        model: String,
+        /// Decode steps timed.
+        tokens: u32,
+        /// CPU threads.
+        threads: u32,
+    },
+}
+
+impl AdminRequest {
+    /// Whether another member (not the owner) may ask this: reading, and measuring for
+    /// a plan. Changing membership or pairing stays with each node's owner.
+    pub fn member_may(&self) -> bool {
+        matches!(
+            self,
+            AdminRequest::Status
+                | AdminRequest::Entries { .. }
+                | AdminRequest::ProbeLinks { .. }
+                | AdminRequest::Calibrate { .. }
+        )
+    }
+
+    /// How long an asker should wait for the answer.
+    pub fn patience(&self) -> std::time::Duration {
+        match self {
+            // Loading a big model to time it takes a while.
+            AdminRequest::Calibrate { .. } => std::time::Duration::from_secs(900),
+            _ => std::time::Duration::from_secs(60),
+        }
+    }
 }
 
 /// Answers to the admin protocol.

@@ -22,6 +22,10 @@ struct TestNode {
 }
 
 fn start(dir: &Path, name: &str, create: CreatePolicy) -> TestNode {
+    start_with(dir, name, create, None)
+}
+
+fn start_with(dir: &Path, name: &str, create: CreatePolicy, calibrator: Option<node::Calibrator>) -> TestNode {
     let identity = Arc::new(Identity::load_or_create(dir).unwrap());
     let cfg = NodeConfig {
         data_dir: dir.to_path_buf(),
@@ -34,6 +38,7 @@ fn start(dir: &Path, name: &str, create: CreatePolicy) -> TestNode {
         accept_approval: true,
         timing: Config::default(),
         transport: TransportOptions::default(),
+        calibrator,
     };
     let inventory = NodeInventory { ram_total_bytes: 8 << 30, ram_available_bytes: 4 << 30, ..Default::default() };
     let (_keep, rx) = tokio::sync::watch::channel(inventory);
@@ -121,7 +126,13 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
     let tmp = tempfile::tempdir().unwrap();
     let dirs: Vec<PathBuf> = ["a", "b", "c"].iter().map(|n| tmp.path().join(n)).collect();
     let a = start(&dirs[0], "a", CreatePolicy::Now);
-    let b = start(&dirs[1], "b", CreatePolicy::Never);
+    // B can "calibrate": slowly (to see that a second request is refused meanwhile),
+    // giving a made-up profile; the real one is the binary's (tested there).
+    let calibrator = node::Calibrator(Arc::new(|job: &node::CalibrationJob| {
+        std::thread::sleep(Duration::from_millis(500));
+        Ok((format!("profile/test/{}", job.model.display()), serde_json::json!({ "threads": job.threads })))
+    }));
+    let b = start_with(&dirs[1], "b", CreatePolicy::Never, Some(calibrator));
     let c = start(&dirs[2], "c", CreatePolicy::Never);
 
     // A created a cluster; B and C are discovered, verified and listed as pending.
@@ -239,6 +250,51 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
     let after = a.status().await;
     assert_eq!(after.members.len(), 3);
     assert!(after.members.iter().all(|m| m.state == shoal_membership::Liveness::Alive));
+
+    // Another member may read and measure through A's admin protocol, not administer.
+    let as_b = |req: AdminRequest| {
+        let addr: SocketAddr = sa.addr.parse().unwrap();
+        let key = Arc::new(key_of(&dirs[1]));
+        async move { node::admin_at(addr, a.id, key, &req).await.unwrap() }
+    };
+    assert!(matches!(as_b(AdminRequest::Status).await, AdminResponse::Status(_)));
+    for req in [AdminRequest::Pair, AdminRequest::Remove { node: c.id.to_string() }] {
+        match as_b(req).await {
+            AdminResponse::Error(e) => assert!(e.contains("owner"), "{e}"),
+            other => panic!("a member administered another: {other:?}"),
+        }
+    }
+    let calibrate = || AdminRequest::Calibrate { model: "m.gguf".into(), tokens: 8, threads: 3 };
+    match as_b(calibrate()).await {
+        AdminResponse::Error(e) => assert!(e.contains("cannot calibrate"), "{e}"),
+        other => panic!("A has no calibrator: {other:?}"),
+    }
+    // B calibrates (one at a time) and the profile is replicated.
+    let (first, second) = tokio::join!(b.ask(calibrate()), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        b.ask(calibrate()).await
+    });
+    assert!(matches!(first, AdminResponse::Ok(_)), "{first:?}");
+    assert!(matches!(&second, AdminResponse::Error(e) if e.contains("already")), "{second:?}");
+    // A probes its links to B and C; every member then holds the measurements.
+    match a.ask(AdminRequest::ProbeLinks { frame_bytes: 2304 }).await {
+        AdminResponse::Ok(_) => {}
+        other => panic!("probe links: {other:?}"),
+    }
+    let entries = wait_for("links and profile replicated to C", 10, || async {
+        match c.ask(AdminRequest::Entries { prefix: String::new() }).await {
+            AdminResponse::Entries(e) if e.len() >= 2 => Some(e),
+            _ => None,
+        }
+    })
+    .await;
+    assert_eq!(entries["profile/test/m.gguf"]["threads"], 3);
+    let links: node::LinksEntry = serde_json::from_value(entries[&format!("links/{}", a.id)].clone()).unwrap();
+    assert_eq!(links.frame_bytes, 2304);
+    for peer in [b.id, c.id] {
+        let m = &links.peers[&peer.to_string()];
+        assert!(m.frame_ms > 0.0 && m.mbit_per_s > 0.0 && m.samples > 0, "{m:?}");
+    }
 
     // Removing C revokes its key everywhere: C is told and falls back to unpaired, and
     // its key no longer opens a connection to A.

@@ -21,8 +21,10 @@ pub mod alpn {
     pub const MEMBERSHIP: &[u8] = b"shoal/membership/1";
     /// Administration of this node by its owner (the CLI, holding the node's own key).
     pub const ADMIN: &[u8] = b"shoal/admin/1";
+    /// Link probes between members (frame latency and bandwidth for the planner).
+    pub const PROBE: &[u8] = b"shoal/probe/1";
     /// Everything a node's main endpoint accepts (approved keys only).
-    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL, MEMBERSHIP, ADMIN];
+    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL, MEMBERSHIP, ADMIN, PROBE];
     /// Joining: the only protocol of the open join endpoint, which accepts any key.
     pub const JOIN: &[u8] = b"shoal/join/1";
 }

@@ -9,6 +9,7 @@ pub mod endpoint;
 pub mod frame;
 pub mod identity;
 pub mod impair;
+pub mod probe;
 pub mod tls;
 
 pub use discovery::{
@@ -18,4 +19,5 @@ pub use endpoint::{alpn, NetError, Node, TransportOptions};
 pub use frame::{wall_us, Dtype, Frame, FrameError, FrameKind, FrameLimits};
 pub use identity::{Identity, IdentityError, NodeId};
 pub use impair::Impairment;
+pub use probe::{LinkMeasure, ProbeError, ProbeOptions};
 pub use tls::TrustedKeys;

@@ -1,8 +1,10 @@
 //! `shoal calibrate`: measure what the planner needs about this machine for a model
-//! (decode ms per layer, prefill ms per layer and token, LM-head ms) and keep it in the
-//! cluster state, where `shoal plan` on the live cluster finds it. The model runs split
-//! in two in this process: the first stage times layers alone (no head), the tail
-//! times layers plus head.
+//! (decode ms per layer, prefill ms per layer and token, LM-head ms, the wake-up cost
+//! after an idle pause) and keep it in the cluster state, where `shoal plan` on the live
+//! cluster finds it; then the node measures its links to the other members. The model
+//! runs split in two in this process: the first stage times layers alone (no head),
+//! the tail times layers plus head. The same measurement runs inside a cluster node
+//! when a plan asks for it ([`calibrator`]).
 
 use crate::pipeline::{data_dir, runtime};
 use anyhow::{bail, Context, Result};
@@ -14,6 +16,7 @@ use shoal_membership::wire::{AdminRequest, AdminResponse};
 use shoal_types::{SessionId, Stage};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct CalibrateArgs {
@@ -21,13 +24,13 @@ pub struct CalibrateArgs {
     #[arg(long, short)]
     model: PathBuf,
     /// Decode steps timed.
-    #[arg(short = 'n', long, default_value_t = 48)]
+    #[arg(short = 'n', long, default_value_t = DEFAULT_TOKENS as usize)]
     tokens: usize,
     /// CPU threads (as the stage will use).
     #[arg(long, default_value_t = 1)]
     threads: u32,
     /// Prefill chunk size C.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = DEFAULT_CHUNK)]
     chunk: u32,
     /// The local node's data directory [default: ~/.local/share/shoal].
     #[arg(long)]
@@ -52,6 +55,9 @@ pub struct MeasuredProfile {
     pub prefill_ms_per_layer_token: f64,
     /// Output norm + LM head for one token, ms.
     pub head_ms: f64,
+    /// How much longer a decode step takes after the device idled between tokens, ms.
+    #[serde(default)]
+    pub wake_ms: f64,
     /// Threads it was measured with.
     pub threads: u32,
     /// Decode steps timed.
@@ -66,9 +72,26 @@ pub fn profile_key(node: &shoal_types::NodeId, model: &Path) -> String {
     format!("profile/{node}/{name}")
 }
 
+/// What a cluster node runs when a plan asks it to calibrate: the same measurement,
+/// returned as the cluster-state entry of `node`'s profile.
+pub fn calibrator(node: shoal_types::NodeId) -> node::Calibrator {
+    node::Calibrator(Arc::new(move |job: &node::CalibrationJob| {
+        let profile = measure(&job.model, job.tokens as usize, job.threads, DEFAULT_CHUNK)
+            .map_err(|e| format!("calibrating {}: {e:#}", job.model.display()))?;
+        let value = serde_json::to_value(&profile).map_err(|e| e.to_string())?;
+        Ok((profile_key(&node, &job.model), value))
+    }))
+}
+
+/// Prefill chunk calibrations use (the default of serving).
+pub const DEFAULT_CHUNK: u32 = 128;
+/// Decode steps a calibration times by default.
+pub const DEFAULT_TOKENS: u32 = 48;
+
 pub fn calibrate(a: CalibrateArgs) -> Result<()> {
-    let profile = measure(&a)?;
+    let profile = measure(&a.model, a.tokens, a.threads, a.chunk)?;
     let dir = data_dir(&a.data_dir);
+    let mut links = None;
     let stored = if a.no_store {
         None
     } else if !dir.join(node::ENDPOINT_FILE).exists() {
@@ -77,12 +100,23 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
         let identity = Arc::new(shoal_net::Identity::load_or_create(&dir)?);
         let key = profile_key(&identity.id(), &a.model);
         let req = AdminRequest::Put { key, value: serde_json::to_value(&profile)? };
-        Some(match runtime()?.block_on(node::admin(&dir, identity, &req)) {
+        let rt = runtime()?;
+        let stored = match rt.block_on(node::admin(&dir, identity.clone(), &req)) {
             Ok(AdminResponse::Ok(text)) => Ok(text),
             Ok(AdminResponse::Error(e)) => Err(format!("not stored: {e}")),
             Ok(other) => Err(format!("not stored: unexpected answer {other:?}")),
             Err(e) => Err(format!("not stored: {e}")),
-        })
+        };
+        // The links to the other members, timed with this model's decode frames.
+        let (_, meta) = open_model(&a.model)?;
+        let req = AdminRequest::ProbeLinks { frame_bytes: meta.n_embd * 4 };
+        links = Some(match rt.block_on(node::admin(&dir, identity, &req)) {
+            Ok(AdminResponse::Ok(_)) => "links to the other members measured".to_string(),
+            Ok(AdminResponse::Error(e)) => format!("links not measured: {e}"),
+            Ok(other) => format!("links not measured: unexpected answer {other:?}"),
+            Err(e) => format!("links not measured: {e}"),
+        });
+        Some(stored)
     };
     if a.json {
         let mut v = serde_json::to_value(&profile)?;
@@ -90,11 +124,12 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!(
-            "{}: decode {:.4} ms per layer, prefill {:.4} ms per layer and token, LM head {:.3} ms ({} thread(s))",
+            "{}: decode {:.4} ms per layer, prefill {:.4} ms per layer and token, LM head {:.3} ms, wake-up {:.3} ms ({} thread(s))",
             a.model.display(),
             profile.ms_per_layer,
             profile.prefill_ms_per_layer_token,
             profile.head_ms,
+            profile.wake_ms,
             profile.threads
         );
     }
@@ -103,49 +138,77 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
         Some(Err(e)) => eprintln!("{e}"),
         None => {}
     }
+    if let Some(links) = links {
+        eprintln!("{links}");
+    }
     Ok(())
 }
 
-fn measure(a: &CalibrateArgs) -> Result<MeasuredProfile> {
-    let (_, meta) = open_model(&a.model)?;
+/// Idle pause before each timed wake-up step (a stage waits about this long for the
+/// next token when the other stages compute).
+const IDLE: std::time::Duration = std::time::Duration::from_millis(20);
+/// Wake-up steps timed.
+const WAKE_STEPS: usize = 8;
+
+/// Time `model` on this machine's CPU: `tokens` decode steps back to back after a
+/// prefill of `chunk` tokens, then a few steps each after an idle pause.
+pub fn measure(model: &Path, tokens: usize, threads: u32, chunk: u32) -> Result<MeasuredProfile> {
+    let (_, meta) = open_model(model)?;
     let mid = crate::bench::even_split(meta.n_layer, 2, meta.layer_period())
-        .with_context(|| format!("{} is too small to calibrate (it cannot be split in two)", a.model.display()))?;
+        .with_context(|| format!("{} is too small to calibrate (it cannot be split in two)", model.display()))?;
+    let tokens = tokens.max(1);
     let config = StageConfig {
-        n_ctx_per_session: a.chunk + a.tokens as u32 + 8,
+        n_ctx_per_session: chunk + (tokens + WAKE_STEPS) as u32 + 8,
         max_sessions: 1,
-        chunk: a.chunk,
-        threads: a.threads.max(1),
+        chunk,
+        threads: threads.max(1),
         gpu_layers: 0,
     };
     let cache = ShardCache::new(crate::run::default_cache());
-    let (_, stages) = load_split(&a.model, &mid, &cache, &config)?;
+    let (_, stages) = load_split(model, &mid, &cache, &config)?;
     let layers: Vec<u32> = stages.iter().map(|s| s.info().layers.len()).collect();
     let mut chain = Chain::new(stages.into_iter().map(|s: LlamaStage| Box::new(s) as Box<dyn Stage>).collect())?;
     let session = SessionId(1);
     // Any token ids will do for timing; spread them over the vocabulary.
-    let prompt: Vec<i32> = (0..a.chunk).map(|i| ((i as u64 * 7919) % u64::from(meta.n_vocab)) as i32).collect();
+    let prompt: Vec<i32> = (0..chunk).map(|i| ((i as u64 * 7919) % u64::from(meta.n_vocab)) as i32).collect();
     let mut prefill = StepTiming::default();
     let mut logits = chain.step(session, 0, &prompt, &mut prefill)?;
     let mut decode = StepTiming::default();
-    for step in 0..a.tokens {
-        let next = argmax(&logits);
-        logits = chain.step(session, a.chunk + step as u32, &[next], &mut decode)?;
+    let mut pos = chunk;
+    let mut back_to_back = Vec::with_capacity(tokens);
+    for _ in 0..tokens {
+        let t0 = Instant::now();
+        logits = chain.step(session, pos, &[argmax(&logits)], &mut decode)?;
+        back_to_back.push(t0.elapsed().as_secs_f64() * 1000.0);
+        pos += 1;
+    }
+    // The same step after the threads slept as long as a stage waits for its next
+    // token: caches and clocks cool down; the difference is the wake-up cost.
+    let mut after_idle = Vec::with_capacity(WAKE_STEPS);
+    for _ in 0..WAKE_STEPS {
+        std::thread::sleep(IDLE);
+        let t0 = Instant::now();
+        logits = chain.step(session, pos, &[argmax(&logits)], &mut StepTiming::default())?;
+        after_idle.push(t0.elapsed().as_secs_f64() * 1000.0);
+        pos += 1;
     }
     let ms = |t: &StepTiming, k: usize| t.per_stage[k].as_secs_f64() * 1000.0;
-    let n = a.tokens.max(1) as f64;
+    let n = tokens as f64;
     let per_layer = ms(&decode, 0) / n / f64::from(layers[0]);
     let head = (ms(&decode, 1) / n - per_layer * f64::from(layers[1])).max(0.0);
-    let prefill_per_layer_token = ms(&prefill, 0) / f64::from(a.chunk) / f64::from(layers[0]);
+    let prefill_per_layer_token = ms(&prefill, 0) / f64::from(chunk) / f64::from(layers[0]);
     if !(per_layer.is_finite() && per_layer > 0.0) {
         bail!("the measurement gave no usable time per layer");
     }
+    let wake = (crate::bench::median(&mut after_idle) - crate::bench::median(&mut back_to_back)).max(0.0);
     Ok(MeasuredProfile {
         device: "cpu".into(),
         ms_per_layer: per_layer,
         prefill_ms_per_layer_token: prefill_per_layer_token,
         head_ms: head,
+        wake_ms: wake,
         threads: config.threads,
-        tokens: a.tokens,
+        tokens,
         shoal_version: env!("CARGO_PKG_VERSION").into(),
     })
 }

@@ -119,6 +119,7 @@ pub fn serve(dir: Option<PathBuf>, listen: Option<SocketAddr>, impair: Impairmen
         accept_approval: !args.code_only,
         timing: Config::default(),
         transport: TransportOptions { impair, ..TransportOptions::default() },
+        calibrator: Some(crate::calibrate::calibrator(identity.id())),
     };
     eprintln!("[shoal] cluster node {} (data in {})", identity.id(), data_dir.display());
     runtime()?.block_on(async move {

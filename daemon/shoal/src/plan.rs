@@ -10,9 +10,11 @@ use shoal_engine::open_model;
 use shoal_membership::node;
 use shoal_membership::wire::{AdminRequest, AdminResponse, ClusterStatus, MemberStatus};
 use shoal_planner::plan::{gib, parse_stages};
-use shoal_planner::{predict, Cluster, Device, ModelProfile, ModelSpec, Options, Plan, Profile};
+use shoal_planner::{predict, Cluster, Device, Link, ModelProfile, ModelSpec, Options, Plan, Profile};
+use shoal_types::NodeId;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Args, Debug)]
@@ -32,6 +34,15 @@ pub struct PlanArgs {
     /// node and `shoal generate --placement` here (live cluster only: it needs node ids).
     #[arg(long)]
     write_placement: Option<PathBuf>,
+    /// Before planning on the live cluster, measure what is not measured yet: each live
+    /// member without a profile for this model calibrates (it needs the model at the
+    /// same path) and each member without link measurements probes its links. On by
+    /// default with --write-placement (placing a model), off otherwise.
+    #[arg(long, overrides_with = "no_calibrate")]
+    calibrate: bool,
+    /// Plan with what is measured so far (estimates elsewhere), even when placing.
+    #[arg(long)]
+    no_calibrate: bool,
     /// Port the stage processes of a written placement listen on.
     #[arg(long, default_value_t = 7101)]
     stage_port: u16,
@@ -71,9 +82,8 @@ const ASSUMED_GB_PER_S: f64 = 20.0;
 enum Source {
     Profile,
     ThisMachine,
-    /// The live cluster, as the local node sees it, and the members it has measured
-    /// profiles of.
-    Live(Box<ClusterStatus>, Vec<String>),
+    /// The live cluster, as the local node sees it, and what was measured.
+    Live(Box<ClusterStatus>, Measured),
 }
 
 pub fn plan(a: PlanArgs) -> Result<()> {
@@ -99,22 +109,32 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             0,
             "Planned for this machine alone, its speed estimated from an assumed memory bandwidth (no cluster node runs here; pass --profile to plan a described cluster).".into(),
         ),
-        Source::Live(st, measured) => result.explanation.insert(
-            0,
-            if measured.is_empty() {
-                format!(
-                    "Planned on the live cluster ({} members, CPU memory as advertised); speeds estimated from an assumed memory bandwidth (run `shoal calibrate --model …` on each node to measure them).",
-                    st.members.len()
-                )
+        Source::Live(st, measured) => {
+            let devices = if measured.hosts.is_empty() {
+                "speeds estimated from an assumed memory bandwidth (`--calibrate`, or `shoal calibrate --model …` on each node, measures them)".to_string()
             } else {
                 format!(
-                    "Planned on the live cluster ({} members, CPU memory as advertised); speeds measured on {} by `shoal calibrate`{}.",
-                    st.members.len(),
-                    measured.join(", "),
-                    if measured.len() < st.members.len() { ", estimated on the others" } else { "" }
+                    "speeds measured on {}{}",
+                    measured.hosts.join(", "),
+                    if measured.hosts.len() < st.members.len() { ", estimated on the others" } else { "" }
                 )
-            },
-        ),
+            };
+            let links = if measured.links == 0 {
+                "links assumed (nothing measured)".to_string()
+            } else {
+                format!("{} link(s) measured", measured.links)
+            };
+            result.explanation.insert(
+                0,
+                format!(
+                    "Planned on the live cluster ({} members, CPU memory as advertised); {devices}; {links}.",
+                    st.members.len()
+                ),
+            );
+            for line in measured.notes.iter().rev() {
+                result.explanation.insert(1, line.clone());
+            }
+        }
         Source::Profile => {}
     }
     if let Some(path) = &a.write_placement {
@@ -167,8 +187,14 @@ fn inputs(a: &PlanArgs) -> Result<(ModelProfile, Cluster, Option<u32>, Source)> 
             let Some(m) = &a.model else { bail!("give --model (or a --profile with a [model])") };
             let model = from_gguf(m)?;
             match live_cluster(&a.data_dir) {
-                Some((st, profiles)) => {
-                    let (cluster, measured) = cluster_of(&st, &profiles, &model, m);
+                Some(mut live) => {
+                    let mut notes = Vec::new();
+                    if a.calibrate || (a.write_placement.is_some() && !a.no_calibrate) {
+                        notes = measure_missing(&mut live, &model, m)?;
+                    }
+                    let Live { status: st, entries, .. } = live;
+                    let (cluster, mut measured) = cluster_of(&st, &entries, &model, m);
+                    measured.notes = notes;
                     if cluster.devices.is_empty() {
                         bail!("the local node's cluster reports no member memory yet; try again in a few seconds");
                     }
@@ -180,44 +206,167 @@ fn inputs(a: &PlanArgs) -> Result<(ModelProfile, Cluster, Option<u32>, Source)> 
     }
 }
 
+/// The local node's cluster as it answered.
+struct Live {
+    /// Its status (members, addresses, liveness).
+    status: ClusterStatus,
+    /// The measurements in the cluster state: `profile/…` and `links/…` entries.
+    entries: BTreeMap<String, serde_json::Value>,
+    /// The local node's key (to ask members to measure).
+    identity: Arc<shoal_net::Identity>,
+    /// The local node's data directory.
+    dir: PathBuf,
+}
+
+/// What the live plan's inputs rest on.
+#[derive(Default)]
+struct Measured {
+    /// Hosts whose speed was measured for this model.
+    hosts: Vec<String>,
+    /// Links between the planned hosts with measurements.
+    links: usize,
+    /// What measuring before the plan did (or failed to do).
+    notes: Vec<String>,
+}
+
 /// The status of the local node's cluster, if a node runs here and belongs to one,
-/// with the measured profiles kept in the cluster state.
-fn live_cluster(dir: &Option<PathBuf>) -> Option<(ClusterStatus, BTreeMap<String, serde_json::Value>)> {
+/// with the measurements kept in the cluster state.
+fn live_cluster(dir: &Option<PathBuf>) -> Option<Live> {
     let dir = crate::pipeline::data_dir(dir);
     // No endpoint file: no node was ever started here (and no key is created for asking).
     if !dir.join(node::ENDPOINT_FILE).exists() {
         return None;
     }
-    let identity = std::sync::Arc::new(shoal_net::Identity::load_or_create(&dir).ok()?);
+    let identity = Arc::new(shoal_net::Identity::load_or_create(&dir).ok()?);
     let rt = crate::pipeline::runtime().ok()?;
-    let ask = |req: AdminRequest| {
-        rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(3), node::admin(&dir, identity.clone(), &req)).await
-        })
-    };
-    let st = match ask(AdminRequest::Status) {
-        Ok(Ok(AdminResponse::Status(st))) if st.cluster.is_some() => *st,
+    let status = match ask_local(&rt, &dir, &identity, AdminRequest::Status) {
+        Some(AdminResponse::Status(st)) if st.cluster.is_some() => *st,
         _ => return None,
     };
-    let profiles = match ask(AdminRequest::Entries { prefix: "profile/".into() }) {
-        Ok(Ok(AdminResponse::Entries(e))) => e,
-        _ => BTreeMap::new(),
-    };
-    Some((st, profiles))
+    let entries = measurements(&rt, &dir, &identity);
+    Some(Live { status, entries, identity, dir })
+}
+
+/// Ask the local node, giving up after 3 s.
+fn ask_local(
+    rt: &tokio::runtime::Runtime,
+    dir: &std::path::Path,
+    identity: &Arc<shoal_net::Identity>,
+    req: AdminRequest,
+) -> Option<AdminResponse> {
+    rt.block_on(async { tokio::time::timeout(Duration::from_secs(3), node::admin(dir, identity.clone(), &req)).await })
+        .ok()?
+        .ok()
+}
+
+/// The `profile/` and `links/` entries of the cluster state.
+fn measurements(
+    rt: &tokio::runtime::Runtime,
+    dir: &std::path::Path,
+    identity: &Arc<shoal_net::Identity>,
+) -> BTreeMap<String, serde_json::Value> {
+    let mut all = BTreeMap::new();
+    for prefix in ["profile/", "links/"] {
+        if let Some(AdminResponse::Entries(e)) =
+            ask_local(rt, dir, identity, AdminRequest::Entries { prefix: prefix.into() })
+        {
+            all.extend(e);
+        }
+    }
+    all
+}
+
+/// Have every live member measure what the plan lacks: its speed on this model (a
+/// quick calibration, all members at once, each on its own machine) and its links to
+/// the others. Then read the measurements again. Returns a line per member that could
+/// not measure (the plan goes on with estimates for it).
+fn measure_missing(live: &mut Live, model: &ModelProfile, model_path: &std::path::Path) -> Result<Vec<String>> {
+    let path = std::fs::canonicalize(model_path).unwrap_or_else(|_| model_path.to_path_buf());
+    let st = &live.status;
+    let alive: Vec<&MemberStatus> =
+        st.members.iter().filter(|m| m.state == shoal_membership::Liveness::Alive).collect();
+    let mut jobs = Vec::new();
+    for m in &alive {
+        let Some(addr) = member_addr(st, m) else { continue };
+        if !live.entries.contains_key(&crate::calibrate::profile_key(&m.node, model_path)) {
+            let req = AdminRequest::Calibrate {
+                model: path.display().to_string(),
+                tokens: crate::calibrate::DEFAULT_TOKENS,
+                threads: 1,
+            };
+            jobs.push((m.name.clone(), m.node, addr, req));
+        }
+        let probed = live
+            .entries
+            .get(&format!("links/{}", m.node))
+            .and_then(|v| serde_json::from_value::<node::LinksEntry>(v.clone()).ok())
+            .is_some_and(|l| alive.iter().all(|o| o.node == m.node || l.peers.contains_key(&o.node.to_string())));
+        if !probed && alive.len() > 1 {
+            jobs.push((m.name.clone(), m.node, addr, AdminRequest::ProbeLinks { frame_bytes: model.n_embd * 4 }));
+        }
+    }
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    eprintln!("[shoal] measuring before planning: {} request(s) to {} member(s)", jobs.len(), alive.len());
+    let rt = crate::pipeline::runtime()?;
+    let answers = rt.block_on(async {
+        // Calibrations first and together (each member loads the model once), then
+        // the link probes, so that no probe times a link next to a busy calibration.
+        let (calibrations, probes): (Vec<_>, Vec<_>) =
+            jobs.into_iter().partition(|j| matches!(j.3, AdminRequest::Calibrate { .. }));
+        let mut answers = Vec::new();
+        for batch in [calibrations, probes] {
+            let mut set = tokio::task::JoinSet::new();
+            for (name, id, addr, req) in batch {
+                let identity = live.identity.clone();
+                set.spawn(async move {
+                    let what = if matches!(req, AdminRequest::Calibrate { .. }) { "calibration" } else { "link probe" };
+                    (name, what, node::admin_at(addr, id, identity, &req).await)
+                });
+            }
+            while let Some(done) = set.join_next().await {
+                answers.extend(done.ok());
+            }
+        }
+        answers
+    });
+    let mut notes = Vec::new();
+    for (name, what, answer) in answers {
+        match answer {
+            Ok(AdminResponse::Ok(_)) => {}
+            Ok(AdminResponse::Error(e)) => notes.push(format!("{name}: {what} failed: {e}")),
+            Ok(other) => notes.push(format!("{name}: {what}: unexpected answer {other:?}")),
+            Err(e) => notes.push(format!("{name}: {what} failed: {e}")),
+        }
+    }
+    live.entries = measurements(&rt, &live.dir, &live.identity);
+    Ok(notes)
+}
+
+/// Where member `m` is reached (this node's own endpoint for itself).
+fn member_addr(st: &ClusterStatus, m: &MemberStatus) -> Option<std::net::SocketAddr> {
+    let text = if m.node == st.node { Some(st.addr.as_str()) } else { m.addr.as_deref() };
+    let mut addr: std::net::SocketAddr = text?.parse().ok()?;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::IpAddr::from([127, 0, 0, 1]));
+    }
+    Some(addr)
 }
 
 /// The live cluster's members as planner devices: each live member's CPU with the
-/// RAM it advertises; its speed measured (`shoal calibrate` for this model file) or
-/// else estimated from memory bandwidth. Host names are member names (made unique
-/// with an id prefix when two members share one). Returns the measured hosts too.
+/// RAM it advertises; its speed measured (calibrated for this model file) or else
+/// estimated from memory bandwidth; the links between them as the members measured
+/// them (the mean of both directions). Host names are member names (made unique with
+/// an id prefix when two members share one).
 fn cluster_of(
     st: &ClusterStatus,
-    profiles: &BTreeMap<String, serde_json::Value>,
+    entries: &BTreeMap<String, serde_json::Value>,
     model: &ModelProfile,
     model_path: &std::path::Path,
-) -> (Cluster, Vec<String>) {
+) -> (Cluster, Measured) {
     let mut devices = Vec::new();
-    let mut measured = Vec::new();
+    let mut measured = Measured::default();
     for m in &st.members {
         let Some(ram) = m.ram_available else { continue };
         if m.state != shoal_membership::Liveness::Alive {
@@ -226,17 +375,55 @@ fn cluster_of(
         let mut cpu = estimated_cpu(host_name(st, m), ram, model);
         let key = crate::calibrate::profile_key(&m.node, model_path);
         if let Some(p) =
-            profiles.get(&key).and_then(|v| serde_json::from_value::<crate::calibrate::MeasuredProfile>(v.clone()).ok())
+            entries.get(&key).and_then(|v| serde_json::from_value::<crate::calibrate::MeasuredProfile>(v.clone()).ok())
         {
             cpu.ms_per_layer = p.ms_per_layer;
             cpu.prefill_ms_per_layer_token = Some(p.prefill_ms_per_layer_token);
             cpu.head_ms = p.head_ms;
+            cpu.wake_ms = p.wake_ms;
             cpu.estimated = false;
-            measured.push(cpu.host.clone());
+            measured.hosts.push(cpu.host.clone());
         }
         devices.push(cpu);
     }
-    (Cluster { devices, links: Vec::new() }, measured)
+    let links = links_of(st, entries, &devices);
+    measured.links = links.len();
+    (Cluster { devices, links }, measured)
+}
+
+/// The measured links between the planned members' hosts: for each pair, the mean of
+/// what either side measured towards the other.
+fn links_of(st: &ClusterStatus, entries: &BTreeMap<String, serde_json::Value>, devices: &[Device]) -> Vec<Link> {
+    let probes: BTreeMap<NodeId, node::LinksEntry> = st
+        .members
+        .iter()
+        .filter_map(|m| {
+            let v = entries.get(&format!("links/{}", m.node))?;
+            Some((m.node, serde_json::from_value(v.clone()).ok()?))
+        })
+        .collect();
+    let planned: Vec<&MemberStatus> =
+        st.members.iter().filter(|m| devices.iter().any(|d| d.host == host_name(st, m))).collect();
+    let mut links = Vec::new();
+    for (i, x) in planned.iter().enumerate() {
+        for y in &planned[i + 1..] {
+            let seen: Vec<&shoal_net::LinkMeasure> = [(x, y), (y, x)]
+                .iter()
+                .filter_map(|(from, to)| probes.get(&from.node)?.peers.get(&to.node.to_string()))
+                .collect();
+            if seen.is_empty() {
+                continue;
+            }
+            let n = seen.len() as f64;
+            let mbit: Vec<f64> = seen.iter().map(|l| l.mbit_per_s).filter(|b| *b > 0.0).collect();
+            links.push(Link {
+                hosts: [host_name(st, x), host_name(st, y)],
+                ms_per_frame: seen.iter().map(|l| l.frame_ms).sum::<f64>() / n,
+                mbit_per_s: (!mbit.is_empty()).then(|| mbit.iter().sum::<f64>() / mbit.len() as f64),
+            });
+        }
+    }
+    links
 }
 
 /// A member's host name in plans: its name, unless another member has the same one.

@@ -219,6 +219,21 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
         serde_json::from_str(&cli(&a, &["calibrate", "--json", "-n", "8", "--model", smol.to_str().unwrap()])).unwrap();
     assert_eq!(cal["stored"], true, "{cal}");
     assert!(cal["ms_per_layer"].as_f64().unwrap() > 0.0 && cal["head_ms"].as_f64().unwrap() >= 0.0, "{cal}");
+    assert!(cal["wake_ms"].as_f64().unwrap() >= 0.0, "{cal}");
+    // Planning alone measures nothing more: B is estimated; the link A measured after
+    // calibrating is used.
+    let v = json(
+        shoal()
+            .args(["plan", "--json", "--context", "1024", "--model"])
+            .arg(&smol)
+            .arg("--data-dir")
+            .arg(&a)
+            .output()
+            .unwrap(),
+    );
+    let why = v["explanation"][0].as_str().unwrap();
+    assert!(why.contains("measured on a, estimated on the others") && why.contains("1 link(s) measured"), "{v}");
+    // Placing the model measures what is missing first: B calibrates by itself.
     let placement = tmp.path().join("p.toml");
     let out = shoal()
         .args(["plan", "--json", "--context", "1024", "--pin", "0-15:a/cpu,15-30:b/cpu", "--model"])
@@ -232,7 +247,8 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
     let v = json(out);
     assert_eq!(stages(&v), vec![("a/cpu".to_string(), 0, 15), ("b/cpu".to_string(), 15, 30)], "{v}");
     let why = v["explanation"][0].as_str().unwrap();
-    assert!(why.contains("live cluster (2 members") && why.contains("measured on a by"), "{v}");
+    assert!(why.contains("live cluster (2 members") && why.contains("speeds measured on a, b;"), "{v}");
+    assert!(why.contains("1 link(s) measured"), "{v}");
     for dir in [&b, &a] {
         let child = shoal()
             .args(["serve", "--placement"])
