@@ -1,7 +1,7 @@
 //! Link probing over a node's own QUIC connections ([`alpn::PROBE`](crate::alpn::PROBE)):
 //! how long a decode-sized frame takes from one node to the next when the receiver has
-//! idled between tokens (as a pipeline stage does), and the bandwidth bulk transfers
-//! get, for prefill frames. The planner's link profiles come from here.
+//! idled between tokens (as a pipeline stage does) and when it is busy (kept awake),
+//! and the bandwidth bulk transfers get, for prefill frames. The planner's link profiles come from here.
 //!
 //! The protocol is one bidirectional stream per exchange: the asker writes an 8-byte
 //! header `[payload_len: u32 BE][reply_len: u32 BE]`, then `payload_len` bytes, and
@@ -32,6 +32,11 @@ pub struct LinkMeasure {
     /// One-way time of a `frame_bytes` frame to a receiver that idled `idle_ms`: half the
     /// median echo time, ms. Includes the network stacks and the wake-ups on both sides.
     pub frame_ms: f64,
+    /// The same back to back (the receiver busy or kept awake): the link and the two
+    /// stacks without the wake-up, ms. `frame_ms - hot_frame_ms` is what waking the
+    /// receiver costs.
+    #[serde(default)]
+    pub hot_frame_ms: f64,
     /// The frame size probed, bytes.
     pub frame_bytes: u32,
     /// How long the receiver idled before each frame, ms.
@@ -111,20 +116,25 @@ pub async fn measure(conn: &quinn::Connection, opts: &ProbeOptions) -> Result<Li
         tokio::time::sleep(opts.idle).await;
         echoes.push(exchange(conn, opts.frame_bytes, opts.frame_bytes).await?);
     }
-    echoes.sort_by(f64::total_cmp);
-    let echo_ms = echoes[echoes.len() / 2];
+    let mut hot = Vec::with_capacity(opts.rounds as usize);
+    for _ in 0..opts.rounds.max(1) {
+        hot.push(exchange(conn, opts.frame_bytes, opts.frame_bytes).await?);
+    }
+    let echo_ms = median(&mut echoes);
+    let hot_ms = median(&mut hot);
     let mbit_per_s = if opts.bulk_bytes == 0 {
         0.0
     } else {
         let total = exchange(conn, opts.bulk_bytes, 1).await?;
         // The bulk exchange also paid one round trip; what is left is the transfer. A
         // floor keeps a loopback link from dividing by (almost) zero.
-        let transfer_ms = (total - echo_ms).max(total * 0.05).max(1e-3);
+        let transfer_ms = (total - hot_ms).max(total * 0.05).max(1e-3);
         f64::from(opts.bulk_bytes) * 8.0 / (transfer_ms * 1000.0)
     };
     Ok(LinkMeasure {
         rtt_ms: conn.rtt().as_secs_f64() * 1000.0,
         frame_ms: echo_ms / 2.0,
+        hot_frame_ms: hot_ms / 2.0,
         frame_bytes: opts.frame_bytes,
         idle_ms: opts.idle.as_secs_f64() * 1000.0,
         mbit_per_s,
@@ -151,6 +161,11 @@ async fn exchange(conn: &quinn::Connection, payload: u32, reply: u32) -> Result<
         }
     }
     Ok(start.elapsed().as_secs_f64() * 1000.0)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn lengths(header: [u8; 8]) -> (u32, u32) {

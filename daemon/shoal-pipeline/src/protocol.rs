@@ -78,6 +78,12 @@ pub struct NodeStatus {
     /// Mean time a decode step spends handing over to the stage thread and back, ms.
     #[serde(default)]
     pub decode_handoff_ms: f64,
+    /// Whether keep-alive is on (the node spins between tokens while generating).
+    #[serde(default)]
+    pub keepalive: bool,
+    /// Whether it spins right now (a session generated within the keep-alive window).
+    #[serde(default)]
+    pub keepalive_spinning: bool,
 }
 
 /// One line of the coordinator's answer.

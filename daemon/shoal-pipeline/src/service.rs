@@ -31,7 +31,17 @@ pub struct ServiceConfig {
     pub dtype: Dtype,
     /// Re-drive and give-up timing.
     pub retry: RetryPolicy,
+    /// Keep-alive: for this long after the last frame or finished step (a session is
+    /// generating), the node's thread does not sleep between tokens; it spins, so the
+    /// next frame is handled (and, inline, computed) without a wake-up. `None`: it
+    /// sleeps. Costs a core while on. See [`KEEPALIVE_WINDOW`].
+    pub keepalive: Option<Duration>,
 }
+
+/// Keep-alive window when it is on: longer than a token's trip round a home pipeline
+/// (so it holds between tokens of a generation), short enough that a node stops
+/// spinning soon after its sessions stop.
+pub const KEEPALIVE_WINDOW: Duration = Duration::from_millis(250);
 
 /// Largest Open/Close/Error payload.
 const MAX_MESSAGE: u32 = 64 << 10;
@@ -68,7 +78,7 @@ struct ShellCounters {
 
 /// Serve `cfg`'s stage on `node` until the endpoint closes.
 pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineError> {
-    let ServiceConfig { placement, index, stage, samplers, dtype, retry } = cfg;
+    let ServiceConfig { placement, index, stage, samplers, dtype, retry, keepalive } = cfg;
     let info = stage.info().clone();
     let limits = FrameLimits { n_embd: info.n_embd, max_tokens: info.chunk, max_message: MAX_MESSAGE };
     let (events_tx, mut events) = mpsc::channel::<Event>(1024);
@@ -105,6 +115,8 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
         }
     });
 
+    let awake = keepalive.map(KeepAwake::start);
+
     let core_cfg = CoreConfig {
         index,
         n_stages: n,
@@ -123,6 +135,9 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
     let mut submitted: std::collections::VecDeque<(Instant, bool)> = std::collections::VecDeque::new();
     tracing::info!(stage = %info.layers, addr = ?node.local_addr().ok(), "serving");
     while let Some(ev) = events.recv().await {
+        if let (Some(k), Event::Input(Input::Frame(_) | Input::Done(..)) | Event::Generate(..)) = (&awake, &ev) {
+            k.touch();
+        }
         let input = match ev {
             Event::Input(Input::Frame(f)) => {
                 hops.record(&f);
@@ -157,6 +172,8 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                     decode_compute_ms: shell.decode_ns.load(Relaxed) as f64
                         / 1e6
                         / shell.decode_steps.load(Relaxed).max(1) as f64,
+                    keepalive: awake.is_some(),
+                    keepalive_spinning: awake.as_ref().is_some_and(KeepAwake::spinning),
                     decode_handoff_ms: shell
                         .decode_roundtrip_ns
                         .load(Relaxed)
@@ -215,6 +232,67 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
         }
     }
     Ok(())
+}
+
+/// Keeps the node's thread busy while sessions generate (keep-alive): a task that
+/// yields to the runtime in a loop until the window after the last activity has passed,
+/// then waits to be touched again. A yielding task makes the runtime poll its sockets
+/// without blocking instead of sleeping in the kernel, so a frame that arrives is read
+/// (and a decode step computed inline) at once, by a thread whose caches are warm. Each
+/// turn also yields the CPU to the OS, so other runnable threads lose nothing to it.
+struct KeepAwake {
+    /// When the last activity was, in ns since `epoch`.
+    last: Arc<std::sync::atomic::AtomicU64>,
+    epoch: Instant,
+    /// Wakes the spinner after it stopped.
+    wake: Arc<tokio::sync::Notify>,
+    /// The spinner is spinning now (for the node's status).
+    spinning: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl KeepAwake {
+    fn start(window: Duration) -> KeepAwake {
+        let k = KeepAwake {
+            last: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            epoch: Instant::now(),
+            wake: Arc::new(tokio::sync::Notify::new()),
+            spinning: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        };
+        let (last, epoch, wake, spinning) = (k.last.clone(), k.epoch, k.wake.clone(), k.spinning.clone());
+        tokio::spawn(async move {
+            loop {
+                spinning.store(false, std::sync::atomic::Ordering::Relaxed);
+                wake.notified().await;
+                spinning.store(true, std::sync::atomic::Ordering::Relaxed);
+                loop {
+                    let idle = epoch
+                        .elapsed()
+                        .saturating_sub(Duration::from_nanos(last.load(std::sync::atomic::Ordering::Relaxed)));
+                    if idle >= window {
+                        break;
+                    }
+                    // Politely: give the CPU to any other runnable thread first (the
+                    // stage thread, another stage on the same machine), so spinning
+                    // costs only otherwise idle time.
+                    std::thread::yield_now();
+                    tokio::task::yield_now().await;
+                }
+            }
+        });
+        k
+    }
+
+    /// Whether the node spins now.
+    fn spinning(&self) -> bool {
+        self.spinning.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Something happened: stay awake for another window.
+    fn touch(&self) {
+        self.last.store(self.epoch.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+        // A permit is stored if the spinner is busy; it then checks once more and waits.
+        self.wake.notify_one();
+    }
 }
 
 /// The stage's own thread: runs queued jobs in order (prefill chunks, and decode steps

@@ -11,6 +11,14 @@ use std::sync::Arc;
 
 /// Start one node per range; returns the placement, a client node and the nodes' identities.
 async fn start_with_ids(ranges: &[LayerRange]) -> (Placement, Node, Vec<Arc<Identity>>) {
+    start_full(ranges, None).await
+}
+
+/// [`start_with_ids`] with every node's keep-alive set to `keepalive`.
+async fn start_full(
+    ranges: &[LayerRange],
+    keepalive: Option<std::time::Duration>,
+) -> (Placement, Node, Vec<Arc<Identity>>) {
     let ids: Vec<Arc<Identity>> = ranges.iter().map(|_| Arc::new(Identity::generate().unwrap())).collect();
     let client = Identity::generate().unwrap();
     let mut trusted: Vec<_> = ids.iter().map(|i| i.id()).collect();
@@ -50,6 +58,7 @@ async fn start_with_ids(ranges: &[LayerRange]) -> (Placement, Node, Vec<Arc<Iden
             samplers: samplers.clone(),
             dtype: shoal_net::Dtype::F32,
             retry: shoal_pipeline::RetryPolicy::default(),
+            keepalive,
         };
         tokio::spawn(serve(node, cfg));
     }
@@ -93,6 +102,38 @@ async fn three_nodes_match_in_process_stages() {
     );
     assert_eq!(a.unwrap().tokens, reference(&ranges, &prompt, 20).0);
     assert_eq!(b.unwrap().tokens, reference(&ranges, &other, 20).0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_spins_while_generating_then_stops_and_changes_no_output() {
+    let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];
+    // Long enough that the status calls right after the generation fall inside it.
+    let window = std::time::Duration::from_millis(1500);
+    let (placement, client, _) = start_full(&ranges, Some(window)).await;
+    let prompt: Vec<TokenId> = (0..11).map(|i| (i * 5 % 50) as TokenId).collect();
+    let report = generate(&client, &placement.stages[0], &request(&prompt, 30), |_| {}).await.unwrap();
+    assert_eq!((report.tokens, report.logits_digest), reference(&ranges, &prompt, 30));
+    // Every node reports keep-alive on and spins right after the generation; none
+    // spins once the window after its last frame has passed (status requests do not
+    // count as activity).
+    for place in &placement.stages {
+        let st = shoal_pipeline::status(&client, place).await.unwrap();
+        assert!(st.keepalive && st.keepalive_spinning, "{st:?}");
+    }
+    for place in &placement.stages {
+        let mut st = shoal_pipeline::status(&client, place).await.unwrap();
+        for _ in 0..100 {
+            if !st.keepalive_spinning {
+                break;
+            }
+            tokio::time::sleep(window).await;
+            st = shoal_pipeline::status(&client, place).await.unwrap();
+        }
+        assert!(!st.keepalive_spinning, "still spinning long after the generation: {st:?}");
+    }
+    // Without keep-alive, nodes say so.
+    let (placement, client, _) = start_full(&ranges[..1], None).await;
+    assert!(!shoal_pipeline::status(&client, &placement.stages[0]).await.unwrap().keepalive);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -58,6 +58,10 @@ pub struct MeasuredProfile {
     /// How much longer a decode step takes after the device idled between tokens, ms.
     #[serde(default)]
     pub wake_ms: f64,
+    /// Whether a CPU stage keeps alive on this machine by default (`serve --keepalive
+    /// auto`): it then pays no wake-up between tokens.
+    #[serde(default)]
+    pub keepalive: bool,
     /// Threads it was measured with.
     pub threads: u32,
     /// Decode steps timed.
@@ -207,6 +211,7 @@ pub fn measure(model: &Path, tokens: usize, threads: u32, chunk: u32) -> Result<
         prefill_ms_per_layer_token: prefill_per_layer_token,
         head_ms: head,
         wake_ms: wake,
+        keepalive: crate::pipeline::KeepAlive::Auto.enabled(0),
         threads: config.threads,
         tokens,
         shoal_version: env!("CARGO_PKG_VERSION").into(),

@@ -28,7 +28,8 @@ pub struct Lab {
 
 impl Lab {
     /// Start one stage per entry of `stages` on its own host, with `impair` on every
-    /// host's outgoing packets; returns once all of them serve.
+    /// host's outgoing packets and `serve_args` added to each `shoal serve`; returns
+    /// once all of them serve.
     pub fn start(
         tag: &str,
         model: &Path,
@@ -36,6 +37,7 @@ impl Lab {
         chunk: u32,
         context: u32,
         impair: &Impairment,
+        serve_args: &[&str],
     ) -> Result<Lab> {
         let net =
             Net::new(tag, stages.len()).context("network namespaces unavailable here (they need root and iproute2)")?;
@@ -72,7 +74,9 @@ impl Lab {
             let mut child = lab
                 .net
                 .command(k, &lab.exe)
-                .args(["serve", "--impair", &impair_arg, "--placement"])
+                .args(["serve", "--impair", &impair_arg])
+                .args(serve_args)
+                .arg("--placement")
                 .arg(&lab.placement)
                 .arg("--data-dir")
                 .arg(lab.dir.path().join(format!("node{k}")))

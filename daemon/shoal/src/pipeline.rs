@@ -43,6 +43,12 @@ pub struct ServeArgs {
     /// Layers to offload to a GPU (needs a GPU build).
     #[arg(long, default_value_t = 0)]
     gpu_layers: u32,
+    /// Keep-alive: while a session generates, the stage's thread spins between tokens
+    /// instead of sleeping (no wake-up per token; it yields to any other runnable
+    /// thread, so it uses only idle CPU time). auto: on for GPU stages and on machines
+    /// with 2 or more CPUs, where `shoal bench keepalive` found it faster; off on one.
+    #[arg(long, value_enum, default_value_t = KeepAlive::Auto)]
+    keepalive: KeepAlive,
     /// Send hidden states as f16 (half the bytes; not bit-exact).
     #[arg(long)]
     f16: bool,
@@ -55,6 +61,34 @@ pub struct ServeArgs {
     impair: Impairment,
     #[command(flatten)]
     cluster: crate::cluster::ClusterArgs,
+}
+
+/// The keep-alive setting of a stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KeepAlive {
+    /// On for GPU stages, and on CPU when the machine has 2 or more CPUs.
+    Auto,
+    /// Always on.
+    On,
+    /// Always off.
+    Off,
+}
+
+/// Fewest logical CPUs on which `auto` keeps CPU stages alive (with one, the spinner
+/// would share the only CPU with the compute).
+pub const KEEPALIVE_MIN_CPUS: usize = 2;
+
+impl KeepAlive {
+    /// Whether a stage with `gpu_layers` layers on a GPU keeps alive on this machine.
+    pub fn enabled(self, gpu_layers: u32) -> bool {
+        match self {
+            KeepAlive::Auto => {
+                gpu_layers > 0 || std::thread::available_parallelism().map_or(1, |n| n.get()) >= KEEPALIVE_MIN_CPUS
+            }
+            KeepAlive::On => true,
+            KeepAlive::Off => false,
+        }
+    }
 }
 
 /// `shoal generate`.
@@ -159,6 +193,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // (each is tens of µs on a loaded machine); the stage computes on its own thread.
     let rt =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the async runtime")?;
+    let keepalive = a.keepalive.enabled(a.gpu_layers).then_some(shoal_pipeline::KEEPALIVE_WINDOW);
     rt.block_on(async move {
         let listen = a.listen.unwrap_or(place.addr);
         let opts = TransportOptions { impair: a.impair, ..TransportOptions::default() };
@@ -167,15 +202,23 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         }
         let node = Arc::new(Node::bind(listen, identity.clone(), TrustedKeys::new(placement.trusted()), &opts)?);
         eprintln!(
-            "[shoal] serving layers {} of {} on {} as node {}",
+            "[shoal] serving layers {} of {} on {} as node {}{}",
             place.layers,
             placement.model.display(),
             node.local_addr()?,
-            identity.id()
+            identity.id(),
+            if keepalive.is_some() { " (keep-alive on)" } else { "" }
         );
         let dtype = if a.f16 { Dtype::F16 } else { Dtype::F32 };
-        let cfg =
-            ServiceConfig { placement, index, stage: Box::new(stage), samplers, dtype, retry: RetryPolicy::default() };
+        let cfg = ServiceConfig {
+            placement,
+            index,
+            stage: Box::new(stage),
+            samplers,
+            dtype,
+            retry: RetryPolicy::default(),
+            keepalive,
+        };
         tokio::select! {
             r = serve_stage(node.clone(), cfg) => r?,
             _ = shutdown_signal() => eprintln!("[shoal] shutting down"),

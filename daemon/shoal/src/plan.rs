@@ -381,19 +381,30 @@ fn cluster_of(
             cpu.prefill_ms_per_layer_token = Some(p.prefill_ms_per_layer_token);
             cpu.head_ms = p.head_ms;
             cpu.wake_ms = p.wake_ms;
+            cpu.keepalive = p.keepalive;
             cpu.estimated = false;
             measured.hosts.push(cpu.host.clone());
         }
         devices.push(cpu);
     }
-    let links = links_of(st, entries, &devices);
+    let (links, wake) = links_of(st, entries, &devices);
+    // Waking a receiver's network thread is the receiver's cost, like its compute's.
+    for d in &mut devices {
+        d.wake_ms += wake.get(&d.host).copied().unwrap_or(0.0);
+    }
     measured.links = links.len();
     (Cluster { devices, links }, measured)
 }
 
 /// The measured links between the planned members' hosts: for each pair, the mean of
-/// what either side measured towards the other.
-fn links_of(st: &ClusterStatus, entries: &BTreeMap<String, serde_json::Value>, devices: &[Device]) -> Vec<Link> {
+/// what either side measured towards the other, frames back to back (the receiver
+/// awake). Also, per host, what waking it for a frame adds (the mean over the probes
+/// that reached it after an idle pause).
+fn links_of(
+    st: &ClusterStatus,
+    entries: &BTreeMap<String, serde_json::Value>,
+    devices: &[Device],
+) -> (Vec<Link>, BTreeMap<String, f64>) {
     let probes: BTreeMap<NodeId, node::LinksEntry> = st
         .members
         .iter()
@@ -404,6 +415,16 @@ fn links_of(st: &ClusterStatus, entries: &BTreeMap<String, serde_json::Value>, d
         .collect();
     let planned: Vec<&MemberStatus> =
         st.members.iter().filter(|m| devices.iter().any(|d| d.host == host_name(st, m))).collect();
+    let mut wakes: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (from, probe) in &probes {
+        for (to, m) in &probe.peers {
+            let Some(host) = planned.iter().find(|p| p.node.to_string() == *to && p.node != *from) else { continue };
+            if m.hot_frame_ms > 0.0 {
+                wakes.entry(host_name(st, host)).or_default().push((m.frame_ms - m.hot_frame_ms).max(0.0));
+            }
+        }
+    }
+    let wake = wakes.into_iter().map(|(h, v)| (h, v.iter().sum::<f64>() / v.len() as f64)).collect();
     let mut links = Vec::new();
     for (i, x) in planned.iter().enumerate() {
         for y in &planned[i + 1..] {
@@ -418,12 +439,17 @@ fn links_of(st: &ClusterStatus, entries: &BTreeMap<String, serde_json::Value>, d
             let mbit: Vec<f64> = seen.iter().map(|l| l.mbit_per_s).filter(|b| *b > 0.0).collect();
             links.push(Link {
                 hosts: [host_name(st, x), host_name(st, y)],
-                ms_per_frame: seen.iter().map(|l| l.frame_ms).sum::<f64>() / n,
+                // Older entries have no back-to-back figure: the idle one then.
+                ms_per_frame: seen
+                    .iter()
+                    .map(|l| if l.hot_frame_ms > 0.0 { l.hot_frame_ms } else { l.frame_ms })
+                    .sum::<f64>()
+                    / n,
                 mbit_per_s: (!mbit.is_empty()).then(|| mbit.iter().sum::<f64>() / mbit.len() as f64),
             });
         }
     }
-    links
+    (links, wake)
 }
 
 /// A member's host name in plans: its name, unless another member has the same one.

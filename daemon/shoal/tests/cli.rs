@@ -118,3 +118,22 @@ fn bench_pipeline_prints_its_table() {
     assert!(text.contains("time to first token"), "{text}");
     assert!(text.contains("tokens and logits identical: yes"), "{text}");
 }
+
+#[test]
+fn bench_keepalive_prints_both_sides() {
+    let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["bench", "keepalive", "--json", "--model", m.to_str().unwrap(), "-n", "12", "--rounds", "1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for side in ["off", "on"] {
+        let tps = v[side]["median_tok_per_s"].as_f64().unwrap();
+        let cpu = v[side]["cpu_ms_per_token"].as_f64().unwrap();
+        assert!(tps.is_finite() && tps > 0.0 && cpu.is_finite() && cpu >= 0.0, "{v}");
+    }
+    assert!(v["ratio"].as_f64().unwrap() > 0.0, "{v}");
+    assert_eq!(v["identical"], true, "{v}");
+}

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 mod cluster;
+mod keepalive;
 mod plan;
 mod reconnect;
 
@@ -27,6 +28,9 @@ pub enum BenchCommand {
     /// The planner's predictions against real runs: SmolLM2 on 2-3 namespace hosts with
     /// different splits and link delays; predicted vs measured decode tok/s.
     Plan(plan::PlanBenchArgs),
+    /// Keep-alive off vs on: the same split on loopback twice, one set of stages
+    /// sleeping between tokens, one spinning; decode tok/s and CPU time per token.
+    Keepalive(keepalive::KeepaliveArgs),
     /// Cluster nodes on namespace hosts: time to discover, form, elect; failover after
     /// killing the leader; heartbeat traffic; a partition with the leader cut off.
     Cluster(cluster::ClusterBenchArgs),
@@ -99,6 +103,7 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Reconnect(a) => reconnect::reconnect(a),
         BenchCommand::Plan(a) => plan::plan(a),
         BenchCommand::Cluster(a) => cluster::cluster(a),
+        BenchCommand::Keepalive(a) => keepalive::keepalive(a),
     }
 }
 
@@ -225,65 +230,123 @@ impl Drop for Children {
     }
 }
 
+/// Stage processes of one model split on loopback, with their placement file and keys.
+pub(crate) struct LoopbackPipeline {
+    /// Keys and the placement file (removed on drop).
+    dir: tempfile::TempDir,
+    placement: PathBuf,
+    /// The stage processes (killed on drop).
+    children: Children,
+}
+
+impl LoopbackPipeline {
+    /// Start one `shoal serve --placement` process per stage of `model` split at
+    /// `points`, each with `serve_args` added, and wait until all serve.
+    pub(crate) fn start(
+        model: &std::path::Path,
+        points: &[u32],
+        chunk: u32,
+        context: usize,
+        serve_args: &[&str],
+    ) -> Result<LoopbackPipeline> {
+        use std::io::BufRead;
+        let (_, meta) = open_model(model)?;
+        let exe = std::env::current_exe().context("locating the shoal binary")?;
+        let dir = tempfile::tempdir()?;
+        let key = |name: &str| -> Result<String> {
+            let out = Command::new(&exe).args(["key", "--data-dir"]).arg(dir.path().join(name)).output()?;
+            Ok(String::from_utf8(out.stdout)?.trim().to_string())
+        };
+        let mut bounds = vec![0];
+        bounds.extend(points);
+        bounds.push(meta.n_layer);
+        let mut toml = format!(
+            "model = {:?}\nchunk = {chunk}\ncontext = {context}\nsessions = 1\nclients = [\"{}\"]\n",
+            std::fs::canonicalize(model)?,
+            key("client")?
+        );
+        for i in 0..bounds.len() - 1 {
+            let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
+            toml += &format!(
+                "[[stage]]\nnode = \"{}\"\naddr = \"127.0.0.1:{port}\"\nlayers = [{}, {}]\n",
+                key(&format!("node{i}"))?,
+                bounds[i],
+                bounds[i + 1]
+            );
+        }
+        let placement = dir.path().join("placement.toml");
+        std::fs::write(&placement, toml)?;
+        // Stage processes: the page cache of their shards dropped first, like the unsplit runs.
+        let shard_cache = ShardCache::new(crate::run::default_cache());
+        for r in split_ranges(meta.n_layer, points, meta.layer_period(), meta.arch.name())? {
+            drop_page_cache(&shard_cache.shard_path(model, r)?);
+        }
+        let mut children = Children(Vec::new());
+        for i in 0..bounds.len() - 1 {
+            let mut c = Command::new(&exe)
+                .arg("serve")
+                .args(serve_args)
+                .arg("--placement")
+                .arg(&placement)
+                .arg("--data-dir")
+                .arg(dir.path().join(format!("node{i}")))
+                .stderr(std::process::Stdio::piped())
+                .spawn()?;
+            let mut lines = std::io::BufReader::new(c.stderr.take().context("stage stderr")?).lines();
+            loop {
+                match lines.next() {
+                    Some(Ok(l)) if l.contains("[shoal] serving") => break,
+                    Some(_) => {}
+                    None => bail!("stage {i} exited before serving"),
+                }
+            }
+            std::thread::spawn(move || lines.for_each(drop));
+            children.0.push(c);
+        }
+        Ok(LoopbackPipeline { dir, placement, children })
+    }
+
+    /// The client's data directory.
+    pub(crate) fn client(&self) -> PathBuf {
+        self.dir.path().join("client")
+    }
+
+    /// A greedy generation of `n` tokens (EOS ignored) through the pipeline.
+    pub(crate) fn generate(&self, prompt: &str, n: usize) -> Result<GenOutput> {
+        let exe = std::env::current_exe().context("locating the shoal binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["generate", "--placement"]).arg(&self.placement).arg("--data-dir").arg(self.client());
+        cmd.args(["--raw", "--ignore-eos", "--json", "--prompt", prompt, "-n", &n.to_string()]);
+        json_of(cmd, "generate")
+    }
+
+    /// CPU time (user + system) the stage processes have used so far, seconds.
+    pub(crate) fn cpu_seconds(&self) -> f64 {
+        self.children.0.iter().map(|c| process_cpu_seconds(c.id())).sum()
+    }
+}
+
+/// CPU time of process `pid`, seconds (Linux: /proc; 0 elsewhere).
+fn process_cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
+    // Fields after the command name (which may hold spaces, inside parentheses).
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { return 0.0 };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let ticks: f64 = fields.get(11..13).map_or(0.0, |f| f.iter().filter_map(|x| x.parse::<f64>().ok()).sum());
+    // Linux reports them in USER_HZ, 100 on every platform Linux supports today.
+    ticks / 100.0
+}
+
 fn pipeline(a: PipelineArgs) -> Result<()> {
-    use std::io::BufRead;
     let (_, meta) = open_model(&a.model)?;
     let points = even_split(meta.n_layer, a.stages, meta.layer_period())?;
     let exe = std::env::current_exe().context("locating the shoal binary")?;
-    let dir = tempfile::tempdir()?;
-    let cache = crate::run::default_cache();
-    let key = |name: &str| -> Result<String> {
-        let out = Command::new(&exe).args(["key", "--data-dir"]).arg(dir.path().join(name)).output()?;
-        Ok(String::from_utf8(out.stdout)?.trim().to_string())
-    };
-    let mut bounds = vec![0];
-    bounds.extend(&points);
-    bounds.push(meta.n_layer);
-    let mut toml = format!(
-        "model = {:?}\nchunk = {}\ncontext = {}\nsessions = 1\nclients = [\"{}\"]\n",
-        std::fs::canonicalize(&a.model)?,
-        a.chunk,
-        (a.prompt_tokens + a.tokens + 64).max(2048),
-        key("client")?
-    );
-    for i in 0..a.stages as usize {
-        let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
-        toml += &format!(
-            "[[stage]]\nnode = \"{}\"\naddr = \"127.0.0.1:{port}\"\nlayers = [{}, {}]\n",
-            key(&format!("node{i}"))?,
-            bounds[i],
-            bounds[i + 1]
-        );
-    }
-    let placement = dir.path().join("placement.toml");
-    std::fs::write(&placement, toml)?;
-    // Stage processes: the page cache of their shards dropped first, like the unsplit runs.
-    let shard_cache = ShardCache::new(&cache);
-    for r in split_ranges(meta.n_layer, &points, meta.layer_period(), meta.arch.name())? {
-        drop_page_cache(&shard_cache.shard_path(&a.model, r)?);
-    }
     let impair = format!("{:?}", a.impair);
     let impair_arg = if a.impair.is_none() { String::new() } else { impair_spec(&a.impair) };
-    let mut children = Children(Vec::new());
-    for i in 0..a.stages as usize {
-        let mut c = Command::new(&exe)
-            .args(["serve", "--impair", &impair_arg, "--placement"])
-            .arg(&placement)
-            .arg("--data-dir")
-            .arg(dir.path().join(format!("node{i}")))
-            .stderr(std::process::Stdio::piped())
-            .spawn()?;
-        let mut lines = std::io::BufReader::new(c.stderr.take().context("stage stderr")?).lines();
-        loop {
-            match lines.next() {
-                Some(Ok(l)) if l.contains("[shoal] serving") => break,
-                Some(_) => {}
-                None => bail!("stage {i} exited before serving"),
-            }
-        }
-        std::thread::spawn(move || lines.for_each(drop));
-        children.0.push(c);
-    }
+    let context = (a.prompt_tokens + a.tokens + 64).max(2048);
+    let lp = LoopbackPipeline::start(&a.model, &points, a.chunk, context, &["--impair", &impair_arg])?;
+    let placement = lp.placement.clone();
     let long_prompt = {
         let vocab = shoal_engine::Vocab::load(&a.model)?;
         let unit = "The lighthouse keeper climbed the stairs each evening, trimmed the wick, wound the clock and watched the sea. ";
@@ -301,12 +364,7 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
         cmd.args(["--ctx", &(a.prompt_tokens + a.tokens + 64).max(2048).to_string()]);
         json_of(cmd, "run")
     };
-    let piped = |prompt: &str, n: usize| -> Result<GenOutput> {
-        let mut cmd = Command::new(&exe);
-        cmd.args(["generate", "--placement"]).arg(&placement).arg("--data-dir").arg(dir.path().join("client"));
-        cmd.args(["--raw", "--ignore-eos", "--json", "--prompt", prompt, "-n", &n.to_string()]);
-        json_of(cmd, "generate")
-    };
+    let piped = |prompt: &str, n: usize| lp.generate(prompt, n);
     piped(SHORT_PROMPT, 8).context("warm-up")?;
 
     println!(
@@ -340,7 +398,7 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
         a.stages,
         1.25 * loop_ms + 0.5
     );
-    probe_frames(&placement, &dir.path().join("client"), meta.n_embd)?;
+    probe_frames(&placement, &lp.client(), meta.n_embd)?;
     let tu = unsplit(&long_prompt, 1, a.chunk)?;
     let tp = piped(&long_prompt, 1)?;
     let t512 = unsplit(&long_prompt, 1, 512)?;
@@ -354,7 +412,7 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
         t512.prefill_s
     );
     identical &= tu.tokens == tp.tokens && tu.logits_digest == tp.logits_digest;
-    print_hop_latencies(&placement, &dir.path().join("client"))?;
+    print_hop_latencies(&placement, &lp.client())?;
     println!("tokens and logits identical: {}", if identical { "yes" } else { "NO" });
     if !identical {
         bail!("the pipeline's output differs from the unsplit run's");

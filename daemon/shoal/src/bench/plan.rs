@@ -1,11 +1,13 @@
 //! `shoal bench plan`: checks the planner's predictions against reality. For each
 //! configuration (a split of SmolLM2 over 2–3 namespace hosts, a one-way delay on every
-//! link applied by the impairment layer) it starts the stages, calibrates the profile
-//! as Shoal does when it first places a model (a generation; then each node's measured
-//! decode compute per token gives ms per layer and the LM head's ms; bare QUIC between
-//! two endpoints gives the wake-up cost of a hop), asks `shoal_planner::predict` for
-//! the decode speed, and then measures it with further generations. Calibrating per
-//! configuration keeps a shared, noisy machine's drift out of the comparison.
+//! link applied by the impairment layer, keep-alive off or on) it starts the stages,
+//! calibrates the profile as Shoal does when it first places a model (a generation;
+//! then each node's measured decode compute per token gives ms per layer and the LM
+//! head's ms; bare QUIC between two endpoints gives a hop's cost back to back, which
+//! goes to the link, and what an idle receiver adds, which is the device's wake-up
+//! cost, waived with keep-alive), asks `shoal_planner::predict` for the decode speed,
+//! and then measures it with further generations. Calibrating per configuration keeps
+//! a shared, noisy machine's drift out of the comparison.
 
 use super::{json_of, median, quinn_alone, GenOutput, SHORT_PROMPT};
 use crate::lab::Lab;
@@ -36,14 +38,24 @@ pub struct PlanBenchArgs {
     json: bool,
 }
 
-/// (split points, one-way delay on every link in ms).
-const CONFIGS: [(&[u32], u64); 5] = [(&[15], 0), (&[10], 3), (&[10, 20], 3), (&[20], 10), (&[8, 22], 0)];
+/// (split points, one-way delay on every link in ms, keep-alive). Keep-alive runs with
+/// two stages only: three spinning stages would share this machine's two cores.
+const CONFIGS: [(&[u32], u64, bool); 7] = [
+    (&[15], 0, false),
+    (&[10], 3, false),
+    (&[10, 20], 3, false),
+    (&[20], 10, false),
+    (&[10], 3, true),
+    (&[8, 22], 0, false),
+    (&[15], 0, true),
+];
 
 /// One configuration's figures.
 #[derive(serde::Serialize)]
 struct Row {
     split: Vec<u32>,
     delay_ms: u64,
+    keepalive: bool,
     ms_per_layer: f64,
     head_ms: f64,
     wake_ms: f64,
@@ -71,9 +83,10 @@ pub fn plan(a: PlanBenchArgs) -> Result<()> {
             a.rounds
         );
         println!(
-            "{:<10} {:>6} {:>9} {:>8} {:>7} {:>6} {:>10} {:>10} {:>7} {:>10} {:>7}",
+            "{:<10} {:>6} {:>5} {:>9} {:>8} {:>7} {:>6} {:>10} {:>10} {:>7} {:>10} {:>7}",
             "split",
             "delay",
+            "k-a",
             "ms/layer",
             "head ms",
             "wake ms",
@@ -85,7 +98,7 @@ pub fn plan(a: PlanBenchArgs) -> Result<()> {
             "error"
         );
     }
-    for (split, delay_ms) in CONFIGS.iter().take(a.configs.unwrap_or(CONFIGS.len())) {
+    for (split, delay_ms, keepalive) in CONFIGS.iter().take(a.configs.unwrap_or(CONFIGS.len())) {
         let stages: Vec<LayerRange> = {
             let mut b = vec![0];
             b.extend(split.iter());
@@ -93,7 +106,15 @@ pub fn plan(a: PlanBenchArgs) -> Result<()> {
             b.windows(2).map(|w| LayerRange { start: w[0], end: w[1] }).collect()
         };
         let impair: shoal_net::Impairment = format!("delay={delay_ms}ms").parse().map_err(anyhow::Error::msg)?;
-        let lab = Lab::start("pl", &model, &stages, 128, 2048, &impair)?;
+        let lab = Lab::start(
+            "pl",
+            &model,
+            &stages,
+            128,
+            2048,
+            &impair,
+            &["--keepalive", if *keepalive { "on" } else { "off" }],
+        )?;
         let run = |n: &str| -> Result<GenOutput> {
             let mut c = lab.generate();
             c.args(["--raw", "--ignore-eos", "--json", "--prompt", SHORT_PROMPT, "-n", n]);
@@ -104,11 +125,13 @@ pub fn plan(a: PlanBenchArgs) -> Result<()> {
         run(&(a.tokens / 2).max(8).to_string()).context("calibration run")?;
         let calibration = lab.status()?;
         let compute: Vec<f64> = calibration.iter().map(|s| s.decode_compute_ms).collect();
-        // A hop's wake-up cost: bare QUIC to an idle receiver, plus the receiving node's
-        // hand-off to its stage thread and back (the mean over the nodes).
+        // A hop: bare QUIC back to back is the link's part (with the delay); what an
+        // idle receiver adds to it, plus the receiving node's hand-off to its stage
+        // thread and back (the mean over the nodes), is the wake-up cost.
         let handoff = calibration.iter().map(|s| s.decode_handoff_ms).sum::<f64>() / calibration.len() as f64;
-        let (quinn_ms, _) = quinn_alone(profile.frame_bytes(1) as usize, Duration::from_millis(10))?;
-        let wake_ms = quinn_ms + handoff;
+        let (idle_ms, _) = quinn_alone(profile.frame_bytes(1) as usize, Duration::from_millis(10))?;
+        let (hot_ms, _) = quinn_alone(profile.frame_bytes(1) as usize, Duration::ZERO)?;
+        let wake_ms = (idle_ms - hot_ms).max(0.0) + handoff;
         let hosts: Vec<String> = (0..stages.len()).map(|k| format!("h{k}")).collect();
         let predict_with = |compute: &[f64]| -> Result<(f64, f64, f64)> {
             let (ms_per_layer, head_ms) = per_layer_and_head(compute, &stages);
@@ -123,7 +146,7 @@ pub fn plan(a: PlanBenchArgs) -> Result<()> {
                         prefill_ms_per_layer_token: None,
                         head_ms,
                         wake_ms,
-                        keepalive: false,
+                        keepalive: *keepalive,
                         estimated: false,
                     })
                     .collect(),
@@ -133,7 +156,7 @@ pub fn plan(a: PlanBenchArgs) -> Result<()> {
                     .filter(|(x, y)| x < y)
                     .map(|(x, y)| Link {
                         hosts: [x.clone(), y.clone()],
-                        ms_per_frame: *delay_ms as f64,
+                        ms_per_frame: *delay_ms as f64 + hot_ms,
                         mbit_per_s: None,
                     })
                     .collect(),
@@ -170,6 +193,7 @@ pub fn plan(a: PlanBenchArgs) -> Result<()> {
         let row = Row {
             split: split.to_vec(),
             delay_ms: *delay_ms,
+            keepalive: *keepalive,
             ms_per_layer,
             head_ms,
             wake_ms,
@@ -181,9 +205,10 @@ pub fn plan(a: PlanBenchArgs) -> Result<()> {
         };
         if !a.json {
             println!(
-                "{:<10} {:>3} ms {:>9.4} {:>8.3} {:>7.3} {:>6} {:>10.2} {:>10.2} {:>+6.1}% {:>10.2} {:>+6.1}%",
+                "{:<10} {:>3} ms {:>5} {:>9.4} {:>8.3} {:>7.3} {:>6} {:>10.2} {:>10.2} {:>+6.1}% {:>10.2} {:>+6.1}%",
                 format!("{:?}", row.split),
                 row.delay_ms,
+                if row.keepalive { "on" } else { "off" },
                 row.ms_per_layer,
                 row.head_ms,
                 row.wake_ms,

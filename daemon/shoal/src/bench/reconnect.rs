@@ -62,7 +62,7 @@ pub fn reconnect(a: ReconnectArgs) -> Result<()> {
     }
     let points = even_split(meta.n_layer, a.stages, meta.layer_period())?;
     let stages = split_ranges(meta.n_layer, &points, meta.layer_period(), meta.arch.name())?;
-    let lab = Lab::start("rc", &model, &stages, CHUNK, CONTEXT, &a.impair)?;
+    let lab = Lab::start("rc", &model, &stages, CHUNK, CONTEXT, &a.impair, &[])?;
     let flapped = (a.stages / 2) as usize;
     let args = ["--prompt", PROMPT, "--raw", "-n", &a.tokens.to_string(), "--ignore-eos", "--json"];
     let mut gen = lab
