@@ -90,6 +90,30 @@ pub struct CalibrationJob {
     pub threads: u32,
 }
 
+/// Most decode steps a calibration may be asked to time.
+pub const MAX_CALIBRATION_TOKENS: u32 = 512;
+
+impl CalibrationJob {
+    /// A job from a request, within bounds: a regular `.gguf` file (not a device or a
+    /// pipe, which could block the node), a bounded number of steps, no more threads
+    /// than the machine has.
+    pub fn checked(model: &str, tokens: u32, threads: u32) -> Result<CalibrationJob, String> {
+        let path = PathBuf::from(model);
+        let is_gguf = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        if !is_gguf || !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+            return Err(format!("{model}: no such .gguf file on this node"));
+        }
+        if tokens == 0 || tokens > MAX_CALIBRATION_TOKENS {
+            return Err(format!("calibration steps must be 1..={MAX_CALIBRATION_TOKENS}, not {tokens}"));
+        }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        if threads == 0 || threads > cpus {
+            return Err(format!("threads must be 1..={cpus} on this node, not {threads}"));
+        }
+        Ok(CalibrationJob { model: path, tokens, threads })
+    }
+}
+
 /// What a calibration returns: the cluster-state entry to keep (name, value), or why
 /// it failed.
 pub type CalibrationResult = Result<(String, serde_json::Value), String>;
@@ -133,7 +157,8 @@ pub enum NodeError {
 /// Everything that reaches the actor.
 enum Input {
     Member(NodeId, crate::core::Msg, SocketAddr),
-    Admin(AdminRequest, oneshot::Sender<AdminResponse>),
+    /// A request on the admin protocol; `bool`: from the owner (else another member).
+    Admin(AdminRequest, oneshot::Sender<AdminResponse>, bool),
     Verified(PublicInfo, SocketAddr),
     /// A discovered unpaired node did not answer its hello (it is tried again when
     /// discovery reports it again).
@@ -275,6 +300,7 @@ pub async fn run(
         welcomed: HashMap::new(),
         traffic: Arc::new(Traffic::default()),
         calibrating: false,
+        probing: false,
         tx: tx.clone(),
         main_addr,
         cfg,
@@ -351,6 +377,8 @@ struct Actor {
     traffic: Arc<Traffic>,
     /// A calibration runs (it loads a model: one at a time).
     calibrating: bool,
+    /// A link probe runs (one at a time: probes at once would time each other).
+    probing: bool,
     /// Clone for tasks that report back.
     tx: mpsc::Sender<Input>,
     main_addr: SocketAddr,
@@ -493,7 +521,7 @@ impl Actor {
                     self.execute(actions)?;
                 }
             }
-            Input::Admin(req, reply) => self.on_admin(req, reply)?,
+            Input::Admin(req, reply, owner) => self.on_admin(req, reply, owner)?,
             Input::VerifyFailed(node) => {
                 self.verifying.remove(&node);
             }
@@ -603,6 +631,8 @@ impl Actor {
             Input::Measured { key, value, calibration, reply } => {
                 if calibration {
                     self.calibrating = false;
+                } else {
+                    self.probing = false;
                 }
                 match value {
                     Ok(value) if self.core.is_some() => {
@@ -661,7 +691,12 @@ impl Actor {
         Ok(JoinResponse::Accepted)
     }
 
-    fn on_admin(&mut self, req: AdminRequest, reply: oneshot::Sender<AdminResponse>) -> Result<(), NodeError> {
+    fn on_admin(
+        &mut self,
+        req: AdminRequest,
+        reply: oneshot::Sender<AdminResponse>,
+        owner: bool,
+    ) -> Result<(), NodeError> {
         match req {
             AdminRequest::Status => {
                 let _ = reply.send(AdminResponse::Status(Box::new(self.status())));
@@ -752,6 +787,17 @@ impl Actor {
                     let _ = reply.send(AdminResponse::Error("this node is not in a cluster".into()));
                     return Ok(());
                 };
+                if frame_bytes == 0 || frame_bytes > shoal_net::probe::MAX_FRAME_BYTES {
+                    let _ = reply.send(AdminResponse::Error(format!(
+                        "frame size {frame_bytes} is out of bounds (1..={})",
+                        shoal_net::probe::MAX_FRAME_BYTES
+                    )));
+                    return Ok(());
+                }
+                if self.probing {
+                    let _ = reply.send(AdminResponse::Error("a link probe already runs on this node".into()));
+                    return Ok(());
+                }
                 let addrs = lock(&self.addrs);
                 let peers: Vec<(NodeId, SocketAddr)> = core
                     .state()
@@ -765,6 +811,7 @@ impl Actor {
                     let _ = reply.send(AdminResponse::Error("no other live member to probe".into()));
                     return Ok(());
                 }
+                self.probing = true;
                 let (main, tx, me) = (self.main.clone(), self.tx.clone(), self.me);
                 tokio::spawn(async move {
                     let value = probe_links(&main, &peers, frame_bytes).await;
@@ -785,8 +832,17 @@ impl Actor {
                     let _ = reply.send(AdminResponse::Error("a calibration already runs on this node".into()));
                     return Ok(());
                 }
+                let job = match CalibrationJob::checked(&model, tokens, threads) {
+                    Ok(job) => job,
+                    Err(e) => {
+                        let _ = reply.send(AdminResponse::Error(e));
+                        return Ok(());
+                    }
+                };
+                if !owner {
+                    tracing::info!(model = %job.model.display(), "calibrating at a member's request");
+                }
                 self.calibrating = true;
-                let job = CalibrationJob { model: PathBuf::from(model), tokens, threads };
                 let tx = self.tx.clone();
                 tokio::spawn(async move {
                     let done = tokio::task::spawn_blocking(move || (calibrator.0)(&job)).await;
@@ -1243,6 +1299,11 @@ async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
     while let Some(acc) = main.accept().await {
         let tx = tx.clone();
         let addr = acc.conn.remote_address();
+        if acc.peer != me {
+            if let Some(trusted) = main.trusted() {
+                tokio::spawn(close_when_untrusted(acc.conn.clone(), acc.peer, trusted.clone()));
+            }
+        }
         if acc.alpn == alpn::MEMBERSHIP && acc.peer != me {
             tokio::spawn(async move {
                 while let Ok(mut recv) = acc.conn.accept_uni().await {
@@ -1271,7 +1332,7 @@ async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
                         }
                         Ok(Some(req)) => {
                             let (reply, rx) = oneshot::channel();
-                            if tx.send(Input::Admin(req, reply)).await.is_err() {
+                            if tx.send(Input::Admin(req, reply, owner)).await.is_err() {
                                 return;
                             }
                             rx.await.unwrap_or(AdminResponse::Error("the node is stopping".into()))
@@ -1285,6 +1346,23 @@ async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
             });
         } else {
             acc.conn.close(1u32.into(), b"protocol not served here");
+        }
+    }
+}
+
+/// Close `conn` once `peer`'s key is no longer trusted (it was removed): the handshake
+/// checked it once, and QUIC keep-alives would hold the connection open for good.
+async fn close_when_untrusted(conn: quinn::Connection, peer: NodeId, trusted: TrustedKeys) {
+    loop {
+        tokio::select! {
+            _ = conn.closed() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                if !trusted.contains(&peer) {
+                    tracing::info!(%peer, "closing a connection of a removed member");
+                    conn.close(2u32.into(), b"key revoked");
+                    return;
+                }
+            }
         }
     }
 }
@@ -1440,42 +1518,34 @@ async fn join_with_code(
 const NO_OFFER: &str =
     "no member of a cluster on the LAN holds a pairing code: run `shoal nodes pair` on one (or wait for discovery)";
 
-/// Probe the links to `peers` at once; the value kept as `links/<this node>`.
+/// Probe the links to `peers`, one after the other (transfers at once would share the
+/// uplink and time each other); the value kept as `links/<this node>`.
 async fn probe_links(
-    main: &Arc<Node>,
+    main: &Node,
     peers: &[(NodeId, SocketAddr)],
     frame_bytes: u32,
 ) -> Result<serde_json::Value, String> {
     let opts = shoal_net::ProbeOptions { frame_bytes, ..shoal_net::ProbeOptions::default() };
-    let mut tasks = tokio::task::JoinSet::new();
-    for (id, addr) in peers.iter().copied() {
-        let main = main.clone();
-        tasks.spawn(async move {
-            let measured = async {
-                let conn = tokio::time::timeout(Duration::from_secs(5), main.connect(addr, id, alpn::PROBE))
-                    .await
-                    .map_err(|_| "no connection within 5 s".to_string())?
-                    .map_err(|e| e.to_string())?;
-                let m = shoal_net::probe::measure(&conn, &opts).await.map_err(|e| e.to_string());
-                conn.close(0u32.into(), b"done");
-                m
-            };
-            let m = tokio::time::timeout(Duration::from_secs(30), measured).await.unwrap_or(Err("timeout".into()));
-            (id, m)
-        });
-    }
     let mut out = BTreeMap::new();
     let mut failed = Vec::new();
-    while let Some(done) = tasks.join_next().await {
-        match done {
-            Ok((id, Ok(m))) => {
+    for (id, addr) in peers.iter().copied() {
+        let measured = async {
+            let conn = tokio::time::timeout(Duration::from_secs(5), main.connect(addr, id, alpn::PROBE))
+                .await
+                .map_err(|_| "no connection within 5 s".to_string())?
+                .map_err(|e| e.to_string())?;
+            let m = shoal_net::probe::measure(&conn, &opts).await.map_err(|e| e.to_string());
+            conn.close(0u32.into(), b"done");
+            m
+        };
+        match tokio::time::timeout(Duration::from_secs(60), measured).await.unwrap_or(Err("timeout".into())) {
+            Ok(m) => {
                 out.insert(id.to_string(), m);
             }
-            Ok((id, Err(e))) => {
+            Err(e) => {
                 tracing::warn!(node = %id, "link probe failed: {e}");
                 failed.push(format!("{id}: {e}"));
             }
-            Err(e) => failed.push(e.to_string()),
         }
     }
     if out.is_empty() {

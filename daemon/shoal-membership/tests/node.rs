@@ -130,7 +130,8 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
     // giving a made-up profile; the real one is the binary's (tested there).
     let calibrator = node::Calibrator(Arc::new(|job: &node::CalibrationJob| {
         std::thread::sleep(Duration::from_millis(500));
-        Ok((format!("profile/test/{}", job.model.display()), serde_json::json!({ "threads": job.threads })))
+        let name = job.model.file_name().unwrap().to_string_lossy().into_owned();
+        Ok((format!("profile/test/{name}"), serde_json::json!({ "tokens": job.tokens })))
     }));
     let b = start_with(&dirs[1], "b", CreatePolicy::Never, Some(calibrator));
     let c = start(&dirs[2], "c", CreatePolicy::Never);
@@ -264,10 +265,31 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
             other => panic!("a member administered another: {other:?}"),
         }
     }
-    let calibrate = || AdminRequest::Calibrate { model: "m.gguf".into(), tokens: 8, threads: 3 };
+    let gguf = tmp.path().join("m.gguf");
+    std::fs::write(&gguf, b"GGUF").unwrap();
+    let calibrate = || AdminRequest::Calibrate { model: gguf.display().to_string(), tokens: 8, threads: 1 };
     match as_b(calibrate()).await {
         AdminResponse::Error(e) => assert!(e.contains("cannot calibrate"), "{e}"),
         other => panic!("A has no calibrator: {other:?}"),
+    }
+    // Requests out of bounds are refused before anything runs: a file that is not a
+    // regular .gguf file (a pipe would block the node), too many steps or threads.
+    let fifo = tmp.path().join("pipe.gguf");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    for (model, tokens, threads, want) in [
+        (fifo.display().to_string(), 8, 1, "no such .gguf"),
+        (dirs[0].join("node.key").display().to_string(), 8, 1, "no such .gguf"),
+        (gguf.display().to_string(), 100_000, 1, "steps"),
+        (gguf.display().to_string(), 8, 100_000, "threads"),
+    ] {
+        match b.ask(AdminRequest::Calibrate { model, tokens, threads }).await {
+            AdminResponse::Error(e) => assert!(e.contains(want), "{e}"),
+            other => panic!("a bad calibration was taken: {other:?}"),
+        }
+    }
+    match a.ask(AdminRequest::ProbeLinks { frame_bytes: 0 }).await {
+        AdminResponse::Error(e) => assert!(e.contains("out of bounds"), "{e}"),
+        other => panic!("a probe of empty frames was taken: {other:?}"),
     }
     // B calibrates (one at a time) and the profile is replicated.
     let (first, second) = tokio::join!(b.ask(calibrate()), async {
@@ -288,7 +310,7 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
         }
     })
     .await;
-    assert_eq!(entries["profile/test/m.gguf"]["threads"], 3);
+    assert_eq!(entries["profile/test/m.gguf"]["tokens"], 8);
     let links: node::LinksEntry = serde_json::from_value(entries[&format!("links/{}", a.id)].clone()).unwrap();
     assert_eq!(links.frame_bytes, 2304);
     for peer in [b.id, c.id] {
@@ -296,6 +318,15 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
         assert!(m.frame_ms > 0.0 && m.mbit_per_s > 0.0 && m.samples > 0, "{m:?}");
     }
 
+    // A connection C holds open from before (an admin one) is closed when C is removed.
+    let c_client = Node::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::new(key_of(&dirs[2])),
+        TrustedKeys::new([a.id]),
+        &TransportOptions::default(),
+    )
+    .unwrap();
+    let held = c_client.connect(sa.addr.parse().unwrap(), a.id, alpn::ADMIN).await.unwrap();
     // Removing C revokes its key everywhere: C is told and falls back to unpaired, and
     // its key no longer opens a connection to A.
     match a.ask(AdminRequest::Remove { node: c.id.to_string() }).await {
@@ -303,6 +334,9 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
         other => panic!("remove: {other:?}"),
     }
     wait_for("C unpaired", 10, || async { (c.status().await.role == "unpaired").then_some(()) }).await;
+    tokio::time::timeout(Duration::from_secs(10), held.closed())
+        .await
+        .expect("the removed member's connection stays open");
     assert!(!can_connect(key_of(&dirs[2]), &sa).await, "a revoked key got in");
     assert!(can_connect(key_of(&dirs[1]), &sa).await, "a member's key was refused");
     let sb = b.status().await;

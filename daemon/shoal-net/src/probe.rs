@@ -5,13 +5,19 @@
 //!
 //! The protocol is one bidirectional stream per exchange: the asker writes an 8-byte
 //! header `[payload_len: u32 BE][reply_len: u32 BE]`, then `payload_len` bytes, and
-//! finishes; the server reads them all and answers `reply_len` zero bytes. Both
-//! lengths are bounded by [`MAX_PROBE_BYTES`]; anything else ends the stream.
+//! finishes; the server reads them all and answers `reply_len` zero bytes. The payload
+//! is bounded by [`MAX_PROBE_BYTES`], the reply by [`MAX_FRAME_BYTES`] (the bulk
+//! transfer goes one way only), and a connection gets one exchange at a time, each
+//! within [`EXCHANGE_TIMEOUT`]: a peer cannot make a node send much.
 
 use std::time::{Duration, Instant};
 
-/// The most bytes either side of one exchange may carry.
+/// The most bytes an asker may send in one exchange (the bulk transfer).
 pub const MAX_PROBE_BYTES: u32 = 16 << 20;
+/// The largest frame probed, and the largest reply a server sends.
+pub const MAX_FRAME_BYTES: u32 = 256 << 10;
+/// An exchange that takes longer ends.
+pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why a probe failed.
 #[derive(Debug, thiserror::Error)]
@@ -19,9 +25,12 @@ pub enum ProbeError {
     /// The connection or a stream failed.
     #[error("link probe: {0}")]
     Stream(String),
-    /// A length over [`MAX_PROBE_BYTES`] was asked for.
-    #[error("link probe: {0} bytes is over the {MAX_PROBE_BYTES}-byte limit")]
+    /// A length over the limits was asked for (or a frame of 0 bytes).
+    #[error("link probe: {0} bytes is out of bounds (frames 1..={MAX_FRAME_BYTES}, bulk ≤ {MAX_PROBE_BYTES}: over the limit)")]
     TooLarge(u32),
+    /// The exchange took longer than [`EXCHANGE_TIMEOUT`].
+    #[error("link probe: no answer within {} s", EXCHANGE_TIMEOUT.as_secs())]
+    Timeout,
 }
 
 /// What a probe measured on one link, in the direction asker → server.
@@ -33,10 +42,13 @@ pub struct LinkMeasure {
     /// median echo time, ms. Includes the network stacks and the wake-ups on both sides.
     pub frame_ms: f64,
     /// The same back to back (the receiver busy or kept awake): the link and the two
-    /// stacks without the wake-up, ms. `frame_ms - hot_frame_ms` is what waking the
-    /// receiver costs.
+    /// stacks without the wake-up, ms.
     #[serde(default)]
     pub hot_frame_ms: f64,
+    /// What waking the receiver after an idle pause adds to a frame: the median echo
+    /// after the pause less the median echo back to back (one wake-up, not halved), ms.
+    #[serde(default)]
+    pub wake_ms: f64,
     /// The frame size probed, bytes.
     pub frame_bytes: u32,
     /// How long the receiver idled before each frame, ms.
@@ -66,15 +78,16 @@ impl Default for ProbeOptions {
     }
 }
 
-/// Serve probes on an accepted connection until it closes. Each exchange runs in its
-/// own task; a peer asking for too much gets its stream reset, nothing more.
+/// Serve probes on an accepted connection until it closes, one exchange at a time
+/// (an asker times them one after the other anyway); a peer asking for too much gets
+/// its stream reset, nothing more.
 pub async fn serve(conn: quinn::Connection) {
     while let Ok((send, recv)) = conn.accept_bi().await {
-        tokio::spawn(async move {
-            if let Err(e) = answer(send, recv).await {
-                tracing::debug!("probe exchange ended: {e}");
-            }
-        });
+        match tokio::time::timeout(EXCHANGE_TIMEOUT, answer(send, recv)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!("probe exchange ended: {e}"),
+            Err(_) => tracing::debug!("probe exchange timed out"),
+        }
     }
 }
 
@@ -83,8 +96,8 @@ async fn answer(mut send: quinn::SendStream, mut recv: quinn::RecvStream) -> Res
     let mut header = [0u8; 8];
     recv.read_exact(&mut header).await.map_err(|e| stream(&e))?;
     let (payload, reply) = lengths(header);
-    for n in [payload, reply] {
-        if n > MAX_PROBE_BYTES {
+    for (n, max) in [(payload, MAX_PROBE_BYTES), (reply, MAX_FRAME_BYTES)] {
+        if n > max {
             let _ = send.reset(1u32.into());
             return Err(ProbeError::TooLarge(n));
         }
@@ -102,7 +115,7 @@ async fn answer(mut send: quinn::SendStream, mut recv: quinn::RecvStream) -> Res
 
 /// Probe the link of `conn` (whose peer serves [`serve`]).
 pub async fn measure(conn: &quinn::Connection, opts: &ProbeOptions) -> Result<LinkMeasure, ProbeError> {
-    if opts.frame_bytes > MAX_PROBE_BYTES {
+    if opts.frame_bytes == 0 || opts.frame_bytes > MAX_FRAME_BYTES {
         return Err(ProbeError::TooLarge(opts.frame_bytes));
     }
     if opts.bulk_bytes > MAX_PROBE_BYTES {
@@ -125,6 +138,9 @@ pub async fn measure(conn: &quinn::Connection, opts: &ProbeOptions) -> Result<Li
     let mbit_per_s = if opts.bulk_bytes == 0 {
         0.0
     } else {
+        // A first transfer, untimed, opens the congestion window (slow start would
+        // otherwise make a long link look narrow).
+        exchange(conn, opts.bulk_bytes / 4, 1).await?;
         let total = exchange(conn, opts.bulk_bytes, 1).await?;
         // The bulk exchange also paid one round trip; what is left is the transfer. A
         // floor keeps a loopback link from dividing by (almost) zero.
@@ -135,6 +151,7 @@ pub async fn measure(conn: &quinn::Connection, opts: &ProbeOptions) -> Result<Li
         rtt_ms: conn.rtt().as_secs_f64() * 1000.0,
         frame_ms: echo_ms / 2.0,
         hot_frame_ms: hot_ms / 2.0,
+        wake_ms: (echo_ms - hot_ms).max(0.0),
         frame_bytes: opts.frame_bytes,
         idle_ms: opts.idle.as_secs_f64() * 1000.0,
         mbit_per_s,
@@ -144,6 +161,12 @@ pub async fn measure(conn: &quinn::Connection, opts: &ProbeOptions) -> Result<Li
 
 /// One exchange: send `payload` bytes, wait for `reply` bytes; its time in ms.
 async fn exchange(conn: &quinn::Connection, payload: u32, reply: u32) -> Result<f64, ProbeError> {
+    tokio::time::timeout(EXCHANGE_TIMEOUT, exchange_once(conn, payload, reply))
+        .await
+        .map_err(|_| ProbeError::Timeout)?
+}
+
+async fn exchange_once(conn: &quinn::Connection, payload: u32, reply: u32) -> Result<f64, ProbeError> {
     let stream = |e: &dyn std::fmt::Display| ProbeError::Stream(e.to_string());
     let start = Instant::now();
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream(&e))?;

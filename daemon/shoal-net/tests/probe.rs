@@ -48,10 +48,13 @@ async fn oversized_probes_are_refused_and_the_server_keeps_serving() {
     let (_a, conn) = pair("").await;
     let too_big = ProbeOptions { bulk_bytes: MAX_PROBE_BYTES + 1, ..ProbeOptions::default() };
     assert!(probe::measure(&conn, &too_big).await.unwrap_err().to_string().contains("limit"));
-    // A hand-made header asking for a huge reply: the server resets that stream.
+    let empty = ProbeOptions { frame_bytes: 0, ..ProbeOptions::default() };
+    assert!(probe::measure(&conn, &empty).await.is_err());
+    // A hand-made header asking for a reply over the frame limit: the server resets
+    // that stream.
     let (mut send, mut recv) = conn.open_bi().await.unwrap();
     let mut header = 0u32.to_be_bytes().to_vec();
-    header.extend(u32::MAX.to_be_bytes());
+    header.extend((shoal_net::probe::MAX_FRAME_BYTES + 1).to_be_bytes());
     send.write_all(&header).await.unwrap();
     send.finish().unwrap();
     let got = tokio::time::timeout(Duration::from_secs(5), recv.read_to_end(1 << 20)).await.unwrap();

@@ -239,7 +239,8 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
 /// then waits to be touched again. A yielding task makes the runtime poll its sockets
 /// without blocking instead of sleeping in the kernel, so a frame that arrives is read
 /// (and a decode step computed inline) at once, by a thread whose caches are warm. Each
-/// turn also yields the CPU to the OS, so other runnable threads lose nothing to it.
+/// turn also yields the CPU to the OS, so other runnable threads lose little to it
+/// (the scheduler decides; Linux's moves the spinner behind them).
 struct KeepAwake {
     /// When the last activity was, in ns since `epoch`.
     last: Arc<std::sync::atomic::AtomicU64>,
@@ -248,18 +249,25 @@ struct KeepAwake {
     wake: Arc<tokio::sync::Notify>,
     /// The spinner is spinning now (for the node's status).
     spinning: Arc<std::sync::atomic::AtomicBool>,
+    /// The spinner task, stopped with the service.
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for KeepAwake {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 impl KeepAwake {
     fn start(window: Duration) -> KeepAwake {
-        let k = KeepAwake {
-            last: Arc::new(std::sync::atomic::AtomicU64::new(0)),
-            epoch: Instant::now(),
-            wake: Arc::new(tokio::sync::Notify::new()),
-            spinning: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-        };
-        let (last, epoch, wake, spinning) = (k.last.clone(), k.epoch, k.wake.clone(), k.spinning.clone());
-        tokio::spawn(async move {
+        let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let epoch = Instant::now();
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let spinning = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (l, w, sp) = (last.clone(), wake.clone(), spinning.clone());
+        let task = tokio::spawn(async move {
+            let (last, wake, spinning) = (l, w, sp);
             loop {
                 spinning.store(false, std::sync::atomic::Ordering::Relaxed);
                 wake.notified().await;
@@ -271,15 +279,14 @@ impl KeepAwake {
                     if idle >= window {
                         break;
                     }
-                    // Politely: give the CPU to any other runnable thread first (the
-                    // stage thread, another stage on the same machine), so spinning
-                    // costs only otherwise idle time.
+                    // Politely: let any other runnable thread go first (the stage
+                    // thread, another stage on the same machine).
                     std::thread::yield_now();
                     tokio::task::yield_now().await;
                 }
             }
         });
-        k
+        KeepAwake { last, epoch, wake, spinning, task }
     }
 
     /// Whether the node spins now.

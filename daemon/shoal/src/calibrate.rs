@@ -80,6 +80,17 @@ pub fn profile_key(node: &shoal_types::NodeId, model: &Path) -> String {
 /// returned as the cluster-state entry of `node`'s profile.
 pub fn calibrator(node: shoal_types::NodeId) -> node::Calibrator {
     node::Calibrator(Arc::new(move |job: &node::CalibrationJob| {
+        // The whole model is loaded to time it: refuse rather than swap for minutes.
+        let need = std::fs::metadata(&job.model).map_err(|e| format!("{}: {e}", job.model.display()))?.len();
+        let free = crate::inventory::Refresher::new().refresh().ram_available_bytes;
+        if need + need / 10 > free {
+            return Err(format!(
+                "calibrating {} needs about {} MiB of free memory; {} MiB are free",
+                job.model.display(),
+                (need + need / 10) >> 20,
+                free >> 20
+            ));
+        }
         let profile = measure(&job.model, job.tokens as usize, job.threads, DEFAULT_CHUNK)
             .map_err(|e| format!("calibrating {}: {e:#}", job.model.display()))?;
         let value = serde_json::to_value(&profile).map_err(|e| e.to_string())?;

@@ -350,9 +350,10 @@ pub fn status(a: StatusArgs) -> Result<()> {
             Ok(st) => {
                 let c = &st.counters;
                 println!(
-                    "stage {:<8} {} {}  sessions {}  frames in/out {}/{}  re-drives {}  replays {}  lost {}  stale {}  duplicates {}  link connects {}  malformed in {}  refused by next {}",
+                    "stage {:<8} {} {}  sessions {}  frames in/out {}/{}  re-drives {}  replays {}  lost {}  stale {}  duplicates {}  link connects {}  malformed in {}  refused by next {}  keep-alive {}",
                     p.layers.to_string(), &id[..12], p.addr, st.sessions, c.frames_in, c.frames_out, c.redrives, c.replays,
-                    c.lost_reported, c.stale_dropped, c.duplicates_dropped, st.link_connects, st.malformed_frames, st.refused_by_next
+                    c.lost_reported, c.stale_dropped, c.duplicates_dropped, st.link_connects, st.malformed_frames, st.refused_by_next,
+                    match (st.keepalive, st.keepalive_spinning) { (false, _) => "off", (true, false) => "on (idle)", (true, true) => "on (spinning)" }
                 );
                 for h in &st.hop_in {
                     println!(

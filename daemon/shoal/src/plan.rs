@@ -277,70 +277,117 @@ fn measurements(
 }
 
 /// Have every live member measure what the plan lacks: its speed on this model (a
-/// quick calibration, all members at once, each on its own machine) and its links to
-/// the others. Then read the measurements again. Returns a line per member that could
-/// not measure (the plan goes on with estimates for it).
+/// quick calibration, all members at once, each on its own machine; not where the
+/// model would not fit the member's free memory) and its links to the others (one
+/// member at a time, so that probes do not time each other). Then read the
+/// measurements again. Returns a line per member that could not measure (the plan goes
+/// on with estimates for it).
 fn measure_missing(live: &mut Live, model: &ModelProfile, model_path: &std::path::Path) -> Result<Vec<String>> {
-    let path = std::fs::canonicalize(model_path).unwrap_or_else(|_| model_path.to_path_buf());
+    // Absolute, but not resolved: the profile is keyed by the file name given here,
+    // which a symbolic link's target may not share.
+    let path = std::path::absolute(model_path).unwrap_or_else(|_| model_path.to_path_buf());
+    let frame_bytes = model.n_embd * 4;
+    let model_bytes = model.layer_bytes.iter().sum::<u64>() + model.embed_bytes + model.head_bytes;
     let st = &live.status;
     let alive: Vec<&MemberStatus> =
         st.members.iter().filter(|m| m.state == shoal_membership::Liveness::Alive).collect();
-    let mut jobs = Vec::new();
+    let mut notes = Vec::new();
+    let (mut calibrations, mut probes) = (Vec::new(), Vec::new());
     for m in &alive {
-        let Some(addr) = member_addr(st, m) else { continue };
-        if !live.entries.contains_key(&crate::calibrate::profile_key(&m.node, model_path)) {
-            let req = AdminRequest::Calibrate {
-                model: path.display().to_string(),
-                tokens: crate::calibrate::DEFAULT_TOKENS,
-                threads: 1,
-            };
-            jobs.push((m.name.clone(), m.node, addr, req));
+        let Some(addr) = member_addr(st, m) else {
+            notes.push(format!("{}: not measured: no known address", m.name));
+            continue;
+        };
+        let key = crate::calibrate::profile_key(&m.node, model_path);
+        if !live.entries.contains_key(&key) {
+            // Calibrating loads the whole model there; a member it does not fit would
+            // swap (or fail) for minutes.
+            match m.ram_available {
+                Some(free) if free < model_bytes + model_bytes / 10 => notes.push(format!(
+                    "{}: not calibrated: the model ({}) does not fit its free memory ({}); its speed is estimated",
+                    m.name,
+                    gib(model_bytes),
+                    gib(free)
+                )),
+                _ => {
+                    let req = AdminRequest::Calibrate {
+                        model: path.display().to_string(),
+                        tokens: crate::calibrate::DEFAULT_TOKENS,
+                        threads: 1,
+                    };
+                    calibrations.push((m.name.clone(), m.node, addr, req, key));
+                }
+            }
         }
+        let key = format!("links/{}", m.node);
         let probed = live
             .entries
-            .get(&format!("links/{}", m.node))
+            .get(&key)
             .and_then(|v| serde_json::from_value::<node::LinksEntry>(v.clone()).ok())
-            .is_some_and(|l| alive.iter().all(|o| o.node == m.node || l.peers.contains_key(&o.node.to_string())));
+            .is_some_and(|l| {
+                l.frame_bytes == frame_bytes
+                    && alive.iter().all(|o| o.node == m.node || l.peers.contains_key(&o.node.to_string()))
+            });
         if !probed && alive.len() > 1 {
-            jobs.push((m.name.clone(), m.node, addr, AdminRequest::ProbeLinks { frame_bytes: model.n_embd * 4 }));
+            probes.push((m.name.clone(), m.node, addr, AdminRequest::ProbeLinks { frame_bytes }, key));
         }
     }
-    if jobs.is_empty() {
-        return Ok(Vec::new());
+    if calibrations.is_empty() && probes.is_empty() {
+        return Ok(notes);
     }
-    eprintln!("[shoal] measuring before planning: {} request(s) to {} member(s)", jobs.len(), alive.len());
+    eprintln!(
+        "[shoal] measuring before planning: {} calibration(s), {} link probe(s)",
+        calibrations.len(),
+        probes.len()
+    );
     let rt = crate::pipeline::runtime()?;
+    let ask = |(name, id, addr, req, key): (String, NodeId, std::net::SocketAddr, AdminRequest, String)| {
+        let identity = live.identity.clone();
+        async move {
+            let what = if matches!(req, AdminRequest::Calibrate { .. }) { "calibration" } else { "link probe" };
+            (name, what, key, node::admin_at(addr, id, identity, &req).await)
+        }
+    };
     let answers = rt.block_on(async {
-        // Calibrations first and together (each member loads the model once), then
-        // the link probes, so that no probe times a link next to a busy calibration.
-        let (calibrations, probes): (Vec<_>, Vec<_>) =
-            jobs.into_iter().partition(|j| matches!(j.3, AdminRequest::Calibrate { .. }));
+        // Calibrations first and together, then the probes one by one, so that no
+        // probe times a link next to a busy calibration or another probe.
         let mut answers = Vec::new();
-        for batch in [calibrations, probes] {
-            let mut set = tokio::task::JoinSet::new();
-            for (name, id, addr, req) in batch {
-                let identity = live.identity.clone();
-                set.spawn(async move {
-                    let what = if matches!(req, AdminRequest::Calibrate { .. }) { "calibration" } else { "link probe" };
-                    (name, what, node::admin_at(addr, id, identity, &req).await)
-                });
+        let mut set = tokio::task::JoinSet::new();
+        for job in calibrations {
+            set.spawn(ask(job));
+        }
+        while let Some(done) = set.join_next().await {
+            match done {
+                Ok(a) => answers.push(a),
+                Err(e) => notes.push(format!("a calibration request failed: {e}")),
             }
-            while let Some(done) = set.join_next().await {
-                answers.extend(done.ok());
-            }
+        }
+        for job in probes {
+            answers.push(ask(job).await);
         }
         answers
     });
-    let mut notes = Vec::new();
-    for (name, what, answer) in answers {
+    let before = std::mem::take(&mut live.entries);
+    let mut expect = Vec::new();
+    for (name, what, key, answer) in answers {
         match answer {
-            Ok(AdminResponse::Ok(_)) => {}
+            Ok(AdminResponse::Ok(_)) => expect.push(key),
             Ok(AdminResponse::Error(e)) => notes.push(format!("{name}: {what} failed: {e}")),
             Ok(other) => notes.push(format!("{name}: {what}: unexpected answer {other:?}")),
             Err(e) => notes.push(format!("{name}: {what} failed: {e}")),
         }
     }
-    live.entries = measurements(&rt, &live.dir, &live.identity);
+    // A measurement is committed when its answer comes; the local node may apply it a
+    // heartbeat later. Wait (briefly) until it holds every new value.
+    let t0 = std::time::Instant::now();
+    loop {
+        live.entries = measurements(&rt, &live.dir, &live.identity);
+        let fresh = |k: &String| live.entries.get(k).is_some_and(|v| before.get(k) != Some(v));
+        if expect.iter().all(fresh) || t0.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     Ok(notes)
 }
 
@@ -393,13 +440,15 @@ fn cluster_of(
         d.wake_ms += wake.get(&d.host).copied().unwrap_or(0.0);
     }
     measured.links = links.len();
+    measured.hosts.sort();
     (Cluster { devices, links }, measured)
 }
 
 /// The measured links between the planned members' hosts: for each pair, the mean of
 /// what either side measured towards the other, frames back to back (the receiver
 /// awake). Also, per host, what waking it for a frame adds (the mean over the probes
-/// that reached it after an idle pause).
+/// that reached it). Entries probed with another model's frame size are used as they
+/// are (a frame's size matters little next to the wake-ups and the link's delay).
 fn links_of(
     st: &ClusterStatus,
     entries: &BTreeMap<String, serde_json::Value>,
@@ -419,9 +468,7 @@ fn links_of(
     for (from, probe) in &probes {
         for (to, m) in &probe.peers {
             let Some(host) = planned.iter().find(|p| p.node.to_string() == *to && p.node != *from) else { continue };
-            if m.hot_frame_ms > 0.0 {
-                wakes.entry(host_name(st, host)).or_default().push((m.frame_ms - m.hot_frame_ms).max(0.0));
-            }
+            wakes.entry(host_name(st, host)).or_default().push(m.wake_ms);
         }
     }
     let wake = wakes.into_iter().map(|(h, v)| (h, v.iter().sum::<f64>() / v.len() as f64)).collect();

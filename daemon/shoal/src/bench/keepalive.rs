@@ -53,6 +53,7 @@ pub fn keepalive(a: KeepaliveArgs) -> Result<()> {
     // Warm both (shards in the page cache, connections up).
     off.generate(SHORT_PROMPT, 8)?;
     on.generate(SHORT_PROMPT, 8)?;
+    std::thread::sleep(shoal_pipeline::KEEPALIVE_WINDOW * 2);
     if !a.json {
         println!(
             "bench keepalive: {} split at {:?} on loopback, {} thread(s) per stage, {} tokens, {} alternating rounds",
@@ -68,8 +69,8 @@ pub fn keepalive(a: KeepaliveArgs) -> Result<()> {
     let (mut cpu_off, mut cpu_on) = (0.0, 0.0);
     let mut first: Option<Vec<i32>> = None;
     let mut identical = true;
-    // The spinning set stops a window after its generation; wait that out so it never
-    // competes with the other set's run.
+    // The spinning set stops a window after its generation; each run is followed by a
+    // pause that waits it out, so it never competes with the other set's run.
     let settle = shoal_pipeline::KEEPALIVE_WINDOW * 2;
     for round in 1..=a.rounds.max(1) {
         let mut runs = [(&off, &mut t_off, &mut cpu_off), (&on, &mut t_on, &mut cpu_on)];
@@ -79,9 +80,10 @@ pub fn keepalive(a: KeepaliveArgs) -> Result<()> {
         }
         let mut row = [0.0; 2];
         for (set, tps, cpu) in runs {
-            std::thread::sleep(settle);
             let before = set.cpu_seconds();
             let out = set.generate(SHORT_PROMPT, a.tokens)?;
+            // The spinning after the run's last token counts too (it stops in the pause).
+            std::thread::sleep(settle);
             *cpu += set.cpu_seconds() - before;
             identical &= *first.get_or_insert_with(|| out.tokens.clone()) == out.tokens;
             tps.push(out.tok_per_s);

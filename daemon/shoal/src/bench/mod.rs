@@ -232,11 +232,11 @@ impl Drop for Children {
 
 /// Stage processes of one model split on loopback, with their placement file and keys.
 pub(crate) struct LoopbackPipeline {
+    /// The stage processes (killed on drop, before their files go).
+    children: Children,
     /// Keys and the placement file (removed on drop).
     dir: tempfile::TempDir,
     placement: PathBuf,
-    /// The stage processes (killed on drop).
-    children: Children,
 }
 
 impl LoopbackPipeline {
