@@ -53,6 +53,21 @@ fn check_blob(v: &[u8]) -> u64 {
     i
 }
 
+/// Open the store, waiting (up to 10 s) while its lock is held elsewhere: the other
+/// side's handle may hold sled's lock a moment after it is dropped, and a sibling
+/// test's child, forked meanwhile, holds a copy of the descriptor until it execs.
+fn open_when_free(dir: &Path) -> Result<SledStore, shoal_store::StoreError> {
+    let t0 = Instant::now();
+    loop {
+        match SledStore::open(dir) {
+            Err(shoal_store::StoreError::InUse { .. }) if t0.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r => return r,
+        }
+    }
+}
+
 /// The writer run in a child process; returns at once in a normal run.
 #[test]
 #[ignore = "the SIGKILL tests' writer: they run it in a child process"]
@@ -60,7 +75,7 @@ fn child_writer() {
     let Some(dir) = std::env::var_os(CHILD_ENV) else {
         return;
     };
-    let store = SledStore::open(Path::new(&dir)).expect("child: open the store");
+    let store = open_when_free(Path::new(&dir)).expect("child: open the store");
     let start = match store.get_json::<u64>(Space::Election, "term").expect("child: read term") {
         Some(term) => term + 1,
         None => 0,
@@ -190,7 +205,7 @@ fn round(dir: &Path, errs: &Path, kill: KillAt, floor: Option<u64>) -> Round {
     }
 
     // The store opens, and holds every acknowledged write.
-    let store = SledStore::open(dir).unwrap_or_else(|e| panic!("{kill:?}: reopen after SIGKILL: {e}"));
+    let store = open_when_free(dir).unwrap_or_else(|e| panic!("{kill:?}: reopen after SIGKILL: {e}"));
     let term = store.get_json::<u64>(Space::Election, "term").unwrap();
     if let Some(start) = start {
         // The child found what the parent found after the previous round.
