@@ -287,3 +287,23 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
     assert_eq!(split["tokens"], whole["tokens"]);
     assert_eq!(split["logits_digest"], whole["logits_digest"]);
 }
+
+/// `shoal bench live-plan`: cluster nodes measure themselves when a placement is
+/// planned, and the prediction is compared with runs. The figures are the bench's
+/// business; the test checks the chain ran on measured inputs and gave sane numbers.
+#[test]
+fn bench_live_plan_predicts_from_the_clusters_own_measurements() {
+    model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let v = json(
+        shoal().args(["bench", "live-plan", "--json", "--delays", "3", "-n", "16", "--rounds", "1"]).output().unwrap(),
+    );
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{v}");
+    let r = &rows[0];
+    assert_eq!(r["delay_ms"], 3);
+    let (p, m) = (r["predicted_tok_s"].as_f64().unwrap(), r["median_tok_s"].as_f64().unwrap());
+    assert!(p.is_finite() && p > 0.0 && m.is_finite() && m > 0.0, "{r}");
+    let basis = r["basis"].as_str().unwrap();
+    assert!(basis.contains("speeds measured on a, b;") && basis.contains("1 link(s) measured"), "{r}");
+    eprintln!("live plan, 3 ms: predicted {p:.2} tok/s, measured {m:.2}");
+}

@@ -12,6 +12,7 @@ use std::process::Command;
 
 mod cluster;
 mod keepalive;
+mod live;
 mod plan;
 mod reconnect;
 
@@ -28,6 +29,9 @@ pub enum BenchCommand {
     /// The planner's predictions against real runs: SmolLM2 on 2-3 namespace hosts with
     /// different splits and link delays; predicted vs measured decode tok/s.
     Plan(plan::PlanBenchArgs),
+    /// The live path's predictions against runs: two cluster nodes on loopback measure
+    /// themselves when a placement is planned; predicted vs measured decode tok/s.
+    LivePlan(live::LivePlanArgs),
     /// Keep-alive off vs on: the same split on loopback twice, one set of stages
     /// sleeping between tokens, one spinning; decode tok/s and CPU time per token.
     Keepalive(keepalive::KeepaliveArgs),
@@ -104,6 +108,7 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Plan(a) => plan::plan(a),
         BenchCommand::Cluster(a) => cluster::cluster(a),
         BenchCommand::Keepalive(a) => keepalive::keepalive(a),
+        BenchCommand::LivePlan(a) => live::live_plan(a),
     }
 }
 
