@@ -242,6 +242,9 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
         .arg(&a)
         .arg("--write-placement")
         .arg(&placement)
+        // Not the default port: another pipeline may run on this machine (a test
+        // running beside this one).
+        .args(["--stage-port", &free_port_pair().to_string()])
         .output()
         .unwrap();
     let v = json(out);

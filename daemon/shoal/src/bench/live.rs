@@ -132,6 +132,7 @@ fn one_delay(model: &Path, n_layer: u32, split: u32, delay: u64, a: &LivePlanArg
     let pins = format!("0-{split}:a/cpu,{split}-{n_layer}:b/cpu");
     let mut plan = cli(&["plan", "--json", "--context", "1024", "--pin", &pins], &data("a"));
     plan.arg("--write-placement").arg(&placement).arg("--model").arg(model);
+    plan.args(["--stage-port", &super::free_port_pair()?.to_string()]);
     let plan: Value = json_of(plan, "plan")?;
     let predicted = plan["predicted_tok_s"].as_f64().context("the plan has no prediction")?;
     let basis = plan["explanation"][0].as_str().unwrap_or_default().to_string();

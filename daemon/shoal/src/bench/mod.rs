@@ -331,6 +331,20 @@ impl LoopbackPipeline {
     }
 }
 
+/// A UDP port `p` on 127.0.0.1 with `p + 1` free too, for a written placement's two
+/// stages (`shoal plan --stage-port`): fixed ports would collide with another
+/// pipeline on the same machine.
+pub(crate) fn free_port_pair() -> Result<u16> {
+    for _ in 0..100 {
+        let a = std::net::UdpSocket::bind("127.0.0.1:0")?;
+        let p = a.local_addr()?.port();
+        if p < u16::MAX && std::net::UdpSocket::bind(("127.0.0.1", p + 1)).is_ok() {
+            return Ok(p);
+        }
+    }
+    bail!("no two adjacent free UDP ports on 127.0.0.1")
+}
+
 /// CPU time of process `pid`, seconds (Linux: /proc; 0 elsewhere).
 fn process_cpu_seconds(pid: u32) -> f64 {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };

@@ -47,3 +47,16 @@ pub fn namespaces_available() -> bool {
         }
     }
 }
+
+/// A UDP port `p` on 127.0.0.1 with `p + 1` free too (for two stages of a written
+/// placement).
+pub fn free_port_pair() -> u16 {
+    for _ in 0..100 {
+        let a = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < u16::MAX && std::net::UdpSocket::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two adjacent free UDP ports on 127.0.0.1")
+}
