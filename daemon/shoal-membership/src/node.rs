@@ -157,8 +157,7 @@ pub enum NodeError {
 /// Everything that reaches the actor.
 enum Input {
     Member(NodeId, crate::core::Msg, SocketAddr),
-    /// A request on the admin protocol; `bool`: from the owner (else another member).
-    Admin(AdminRequest, oneshot::Sender<AdminResponse>, bool),
+    Admin(AdminRequest, oneshot::Sender<AdminResponse>),
     Verified(PublicInfo, SocketAddr),
     /// A discovered unpaired node did not answer its hello (it is tried again when
     /// discovery reports it again).
@@ -521,7 +520,7 @@ impl Actor {
                     self.execute(actions)?;
                 }
             }
-            Input::Admin(req, reply, owner) => self.on_admin(req, reply, owner)?,
+            Input::Admin(req, reply) => self.on_admin(req, reply)?,
             Input::VerifyFailed(node) => {
                 self.verifying.remove(&node);
             }
@@ -691,12 +690,7 @@ impl Actor {
         Ok(JoinResponse::Accepted)
     }
 
-    fn on_admin(
-        &mut self,
-        req: AdminRequest,
-        reply: oneshot::Sender<AdminResponse>,
-        owner: bool,
-    ) -> Result<(), NodeError> {
+    fn on_admin(&mut self, req: AdminRequest, reply: oneshot::Sender<AdminResponse>) -> Result<(), NodeError> {
         match req {
             AdminRequest::Status => {
                 let _ = reply.send(AdminResponse::Status(Box::new(self.status())));
@@ -839,9 +833,7 @@ impl Actor {
                         return Ok(());
                     }
                 };
-                if !owner {
-                    tracing::info!(model = %job.model.display(), "calibrating at a member's request");
-                }
+                tracing::info!(model = %job.model.display(), "calibrating");
                 self.calibrating = true;
                 let tx = self.tx.clone();
                 tokio::spawn(async move {
@@ -1332,7 +1324,7 @@ async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
                         }
                         Ok(Some(req)) => {
                             let (reply, rx) = oneshot::channel();
-                            if tx.send(Input::Admin(req, reply, owner)).await.is_err() {
+                            if tx.send(Input::Admin(req, reply)).await.is_err() {
                                 return;
                             }
                             rx.await.unwrap_or(AdminResponse::Error("the node is stopping".into()))

@@ -43,11 +43,9 @@ pub struct LinkMeasure {
     pub frame_ms: f64,
     /// The same back to back (the receiver busy or kept awake): the link and the two
     /// stacks without the wake-up, ms.
-    #[serde(default)]
     pub hot_frame_ms: f64,
     /// What waking the receiver after an idle pause adds to a frame: the median echo
     /// after the pause less the median echo back to back (one wake-up, not halved), ms.
-    #[serde(default)]
     pub wake_ms: f64,
     /// The frame size probed, bytes.
     pub frame_bytes: u32,

@@ -265,24 +265,25 @@ impl KeepAwake {
         let epoch = Instant::now();
         let wake = Arc::new(tokio::sync::Notify::new());
         let spinning = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (l, w, sp) = (last.clone(), wake.clone(), spinning.clone());
-        let task = tokio::spawn(async move {
-            let (last, wake, spinning) = (l, w, sp);
-            loop {
-                spinning.store(false, std::sync::atomic::Ordering::Relaxed);
-                wake.notified().await;
-                spinning.store(true, std::sync::atomic::Ordering::Relaxed);
+        let task = tokio::spawn({
+            let (last, wake, spinning) = (last.clone(), wake.clone(), spinning.clone());
+            async move {
                 loop {
-                    let idle = epoch
-                        .elapsed()
-                        .saturating_sub(Duration::from_nanos(last.load(std::sync::atomic::Ordering::Relaxed)));
-                    if idle >= window {
-                        break;
+                    spinning.store(false, std::sync::atomic::Ordering::Relaxed);
+                    wake.notified().await;
+                    spinning.store(true, std::sync::atomic::Ordering::Relaxed);
+                    loop {
+                        let idle = epoch
+                            .elapsed()
+                            .saturating_sub(Duration::from_nanos(last.load(std::sync::atomic::Ordering::Relaxed)));
+                        if idle >= window {
+                            break;
+                        }
+                        // Politely: let any other runnable thread go first (the stage
+                        // thread, another stage on the same machine).
+                        std::thread::yield_now();
+                        tokio::task::yield_now().await;
                     }
-                    // Politely: let any other runnable thread go first (the stage
-                    // thread, another stage on the same machine).
-                    std::thread::yield_now();
-                    tokio::task::yield_now().await;
                 }
             }
         });

@@ -26,6 +26,23 @@ pub struct Lab {
     exe: PathBuf,
 }
 
+/// Read a `shoal serve --placement` process's stderr until it says it serves, then
+/// keep draining it on a thread (a full pipe would block the stage). Returns the
+/// lines before that one; fails with them if the process ended first.
+pub(crate) fn until_serving(stderr: std::process::ChildStderr, what: &str) -> Result<Vec<String>> {
+    let mut lines = BufReader::new(stderr).lines();
+    let mut seen = Vec::new();
+    loop {
+        match lines.next() {
+            Some(Ok(l)) if l.contains("[shoal] serving") => break,
+            Some(Ok(l)) => seen.push(l),
+            _ => bail!("{what} exited before serving: {}", seen.join("\n")),
+        }
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+    Ok(seen)
+}
+
 impl Lab {
     /// Start one stage per entry of `stages` on its own host, with `impair` on every
     /// host's outgoing packets and `serve_args` added to each `shoal serve`; returns
@@ -84,19 +101,10 @@ impl Lab {
                 .spawn()?;
             let stderr = child.stderr.take().context("stage stderr")?;
             lab.net.adopt(child);
-            let mut lines = BufReader::new(stderr).lines();
-            let mut seen = Vec::new();
-            loop {
-                match lines.next() {
-                    Some(Ok(l)) if l.contains("[shoal] serving") => break,
-                    Some(Ok(l)) => seen.push(l),
-                    _ => bail!("stage {k} exited before serving: {}", seen.join("\n")),
-                }
-            }
+            let seen = until_serving(stderr, &format!("stage {k}"))?;
             if !impair.is_none() && !seen.iter().any(|l| l.contains("impairing")) {
                 bail!("stage {k} did not apply the impairment: {}", seen.join("\n"));
             }
-            std::thread::spawn(move || lines.for_each(drop));
         }
         Ok(lab)
     }

@@ -190,7 +190,7 @@ fn inputs(a: &PlanArgs) -> Result<(ModelProfile, Cluster, Option<u32>, Source)> 
                 Some(mut live) => {
                     let mut notes = Vec::new();
                     if a.calibrate || (a.write_placement.is_some() && !a.no_calibrate) {
-                        notes = measure_missing(&mut live, &model, m)?;
+                        notes = measure_missing(&mut live, &model, m);
                     }
                     let Live { status: st, entries, .. } = live;
                     let (cluster, mut measured) = cluster_of(&st, &entries, &model, m);
@@ -216,6 +216,8 @@ struct Live {
     identity: Arc<shoal_net::Identity>,
     /// The local node's data directory.
     dir: PathBuf,
+    /// The runtime the admin requests run on.
+    rt: tokio::runtime::Runtime,
 }
 
 /// What the live plan's inputs rest on.
@@ -244,7 +246,7 @@ fn live_cluster(dir: &Option<PathBuf>) -> Option<Live> {
         _ => return None,
     };
     let entries = measurements(&rt, &dir, &identity);
-    Some(Live { status, entries, identity, dir })
+    Some(Live { status, entries, identity, dir, rt })
 }
 
 /// Ask the local node, giving up after 3 s.
@@ -282,7 +284,7 @@ fn measurements(
 /// member at a time, so that probes do not time each other). Then read the
 /// measurements again. Returns a line per member that could not measure (the plan goes
 /// on with estimates for it).
-fn measure_missing(live: &mut Live, model: &ModelProfile, model_path: &std::path::Path) -> Result<Vec<String>> {
+fn measure_missing(live: &mut Live, model: &ModelProfile, model_path: &std::path::Path) -> Vec<String> {
     // Absolute, but not resolved: the profile is keyed by the file name given here,
     // which a symbolic link's target may not share.
     let path = std::path::absolute(model_path).unwrap_or_else(|_| model_path.to_path_buf());
@@ -333,14 +335,14 @@ fn measure_missing(live: &mut Live, model: &ModelProfile, model_path: &std::path
         }
     }
     if calibrations.is_empty() && probes.is_empty() {
-        return Ok(notes);
+        return notes;
     }
     eprintln!(
         "[shoal] measuring before planning: {} calibration(s), {} link probe(s)",
         calibrations.len(),
         probes.len()
     );
-    let rt = crate::pipeline::runtime()?;
+    let rt = &live.rt;
     let ask = |(name, id, addr, req, key): (String, NodeId, std::net::SocketAddr, AdminRequest, String)| {
         let identity = live.identity.clone();
         async move {
@@ -381,14 +383,14 @@ fn measure_missing(live: &mut Live, model: &ModelProfile, model_path: &std::path
     // heartbeat later. Wait (briefly) until it holds every new value.
     let t0 = std::time::Instant::now();
     loop {
-        live.entries = measurements(&rt, &live.dir, &live.identity);
+        live.entries = measurements(rt, &live.dir, &live.identity);
         let fresh = |k: &String| live.entries.get(k).is_some_and(|v| before.get(k) != Some(v));
         if expect.iter().all(fresh) || t0.elapsed() > Duration::from_secs(5) {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Ok(notes)
+    notes
 }
 
 /// Where member `m` is reached (this node's own endpoint for itself).
@@ -486,12 +488,7 @@ fn links_of(
             let mbit: Vec<f64> = seen.iter().map(|l| l.mbit_per_s).filter(|b| *b > 0.0).collect();
             links.push(Link {
                 hosts: [host_name(st, x), host_name(st, y)],
-                // Older entries have no back-to-back figure: the idle one then.
-                ms_per_frame: seen
-                    .iter()
-                    .map(|l| if l.hot_frame_ms > 0.0 { l.hot_frame_ms } else { l.frame_ms })
-                    .sum::<f64>()
-                    / n,
+                ms_per_frame: seen.iter().map(|l| l.hot_frame_ms).sum::<f64>() / n,
                 mbit_per_s: (!mbit.is_empty()).then(|| mbit.iter().sum::<f64>() / mbit.len() as f64),
             });
         }

@@ -10,7 +10,6 @@ use super::{json_of, median, Children, SHORT_PROMPT};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::Value;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -139,16 +138,9 @@ fn one_delay(model: &Path, n_layer: u32, split: u32, delay: u64, a: &LivePlanArg
     for name in ["b", "a"] {
         let mut c = cli(&["serve", "--impair", &impair], &data(name));
         let mut child = c.arg("--placement").arg(&placement).stderr(Stdio::piped()).spawn()?;
-        let mut lines = BufReader::new(child.stderr.take().context("stage stderr")?).lines();
+        let stderr = child.stderr.take().context("stage stderr")?;
         procs.0.push(child);
-        loop {
-            match lines.next() {
-                Some(Ok(l)) if l.contains("[shoal] serving") => break,
-                Some(_) => {}
-                None => bail!("the stage on {name} exited before serving"),
-            }
-        }
-        std::thread::spawn(move || lines.for_each(drop));
+        crate::lab::until_serving(stderr, &format!("the stage on {name}"))?;
     }
     let generate = |n: usize| -> Result<f64> {
         let mut c = cli(&["generate", "--json", "--raw", "--ignore-eos", "--prompt", SHORT_PROMPT], &data("a"));

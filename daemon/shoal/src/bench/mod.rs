@@ -254,7 +254,6 @@ impl LoopbackPipeline {
         context: usize,
         serve_args: &[&str],
     ) -> Result<LoopbackPipeline> {
-        use std::io::BufRead;
         let (_, meta) = open_model(model)?;
         let exe = std::env::current_exe().context("locating the shoal binary")?;
         let dir = tempfile::tempdir()?;
@@ -297,16 +296,9 @@ impl LoopbackPipeline {
                 .arg(dir.path().join(format!("node{i}")))
                 .stderr(std::process::Stdio::piped())
                 .spawn()?;
-            let mut lines = std::io::BufReader::new(c.stderr.take().context("stage stderr")?).lines();
-            loop {
-                match lines.next() {
-                    Some(Ok(l)) if l.contains("[shoal] serving") => break,
-                    Some(_) => {}
-                    None => bail!("stage {i} exited before serving"),
-                }
-            }
-            std::thread::spawn(move || lines.for_each(drop));
+            let stderr = c.stderr.take().context("stage stderr")?;
             children.0.push(c);
+            crate::lab::until_serving(stderr, &format!("stage {i}"))?;
         }
         Ok(LoopbackPipeline { dir, placement, children })
     }
