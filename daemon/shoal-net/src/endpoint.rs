@@ -233,3 +233,65 @@ pub fn peer_id(conn: &quinn::Connection) -> Option<NodeId> {
     let certs = conn.peer_identity()?.downcast::<Vec<CertificateDer<'static>>>().ok()?;
     node_id_of(certs.first()?).ok()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An attacker's client: the node's own client TLS config with resumption turned
+    /// back on, one config (so one session store) shared by every connection it makes.
+    fn resuming_client(me: &Identity, server: NodeId) -> quinn::ClientConfig {
+        // Invariant: our own identity and provider always make a valid config.
+        let mut tls = client_config(me, None, server, alpn::CONTROL).expect("client config");
+        tls.resumption = rustls::client::Resumption::in_memory_sessions(16);
+        let quic = QuicClientConfig::try_from(tls).expect("a TLS 1.3 config");
+        quinn::ClientConfig::new(Arc::new(quic))
+    }
+
+    #[tokio::test]
+    async fn a_saved_tls_session_does_not_let_a_revoked_key_back_in() {
+        let (a, b) = (Identity::generate().unwrap(), Identity::generate().unwrap());
+        let (ia, ib) = (a.id(), b.id());
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let server = Node::bind(any, Arc::new(a), TrustedKeys::new([ib]), &TransportOptions::default()).unwrap();
+        let addr = server.local_addr().unwrap();
+        let config = resuming_client(&b, ia);
+        let client = quinn::Endpoint::client(any).unwrap();
+
+        // While trusted: connect, and do one round trip so that whatever session
+        // ticket the server sends has reached the client before it goes.
+        let first = client.connect_with(config.clone(), addr, "shoal").unwrap().await.unwrap();
+        let acc = server.accept().await.expect("the trusted key is accepted");
+        assert_eq!(acc.peer, ib);
+        let echo = tokio::spawn(async move {
+            let (mut tx, mut rx) = acc.conn.accept_bi().await.unwrap();
+            let got = rx.read_to_end(64).await.unwrap();
+            tx.write_all(&got).await.unwrap();
+            tx.finish().unwrap();
+            let _ = tx.stopped().await;
+        });
+        let (mut tx, mut rx) = first.open_bi().await.unwrap();
+        tx.write_all(b"ping").await.unwrap();
+        tx.finish().unwrap();
+        assert_eq!(rx.read_to_end(64).await.unwrap(), b"ping");
+        echo.await.unwrap();
+        first.close(0u32.into(), b"bye");
+
+        // The owner removes the key; the attacker comes back with its saved session.
+        server.trusted().expect("a main endpoint").remove(&ib);
+        let attempt = async {
+            if let Ok(conn) = client.connect_with(config.clone(), addr, "shoal").unwrap().await {
+                // TLS 1.3: the client may finish first; the server's refusal closes it.
+                let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed())
+                    .await
+                    .expect("the connection of a revoked key stays open");
+            }
+        };
+        tokio::select! {
+            acc = server.accept() => {
+                panic!("a revoked key got back in on a resumed TLS session: {:?}", acc.map(|a| a.peer))
+            }
+            _ = attempt => {}
+        }
+    }
+}
