@@ -1,14 +1,23 @@
 //! One QUIC endpoint per node (quinn), serving several protocols told apart by ALPN,
 //! with pinned-key mutual TLS on every connection. Keep-alive and idle timeouts are
 //! sized for home WiFi: a link silent for a few seconds survives without a reconnect.
+//!
+//! Admission is bounded so that a stranger cannot deny members a handshake. An
+//! incoming connection whose source address is not proven (a QUIC Initial can carry
+//! any source) gets a stateless Retry once handshakes in progress pass
+//! [`RETRY_ABOVE`], and always on the open join endpoint; only a proven source is
+//! counted against a per-source cap ([`MAX_HANDSHAKES_PER_SOURCE`]), so spoofing a
+//! member's address cannot use up that member's share. The join endpoint also caps
+//! connections per source and in total, and grants few streams and small windows.
 
 use crate::identity::{Identity, NodeId};
 use crate::impair::{ImpairedSocket, Impairment};
 use crate::tls::{client_config, node_id_of, server_config, TrustedKeys};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::CertificateDer;
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The protocols a node speaks, one ALPN each.
@@ -100,6 +109,33 @@ pub struct Node {
 /// Handshakes in progress at once; more incoming connections are refused meanwhile.
 pub const MAX_HANDSHAKES: usize = 64;
 
+/// With this many handshakes in progress, a source that has not proven its address
+/// gets a QUIC Retry instead of a handshake slot (a spoofed source never answers it,
+/// a real one comes back proven). So unproven handshakes hold at most this many
+/// slots and the rest stay free for proven ones.
+pub const RETRY_ABOVE: usize = MAX_HANDSHAKES / 2;
+
+/// Handshakes in progress at once from one proven source (an IPv4 address, or an
+/// IPv6 /64); on the open join endpoint this counts its open connections too.
+pub const MAX_HANDSHAKES_PER_SOURCE: usize = 8;
+
+/// Handshakes and connections at once on the open join endpoint, all sources together.
+pub const OPEN_MAX_CONNECTIONS: usize = 64;
+
+/// Streams a peer may have open at once on a join connection (bidirectional; no
+/// unidirectional ones: the join protocol does not use them).
+pub const OPEN_MAX_STREAMS: u32 = 4;
+
+/// Receive window of one stream on a join connection. A welcome carrying a cluster
+/// state of up to 1 MiB still gets through: flow control only paces it.
+pub const OPEN_STREAM_WINDOW: u32 = 64 * 1024;
+
+/// Receive window of a whole join connection (all its streams).
+pub const OPEN_CONNECTION_WINDOW: u32 = 256 * 1024;
+
+/// The application close code of a connection whose peer's key was removed.
+pub const REVOKED: u32 = 2;
+
 impl Node {
     /// Listen on `addr` (port 0: any free port). Must run inside a Tokio runtime.
     pub fn bind(
@@ -126,10 +162,19 @@ impl Node {
         alpns: &[&[u8]],
         opts: &TransportOptions,
     ) -> Result<Node, NetError> {
+        let open = trusted.is_none();
         let mut transport = quinn::TransportConfig::default();
         transport.keep_alive_interval(Some(opts.keep_alive));
         // Invariant: the idle timeouts we use are far below QUIC's 2^62 ms bound.
         transport.max_idle_timeout(Some(opts.idle_timeout.try_into().expect("idle timeout fits in a VarInt")));
+        if open {
+            // A stranger gets little: a few request streams, small buffers, no datagrams.
+            transport.max_concurrent_bidi_streams(OPEN_MAX_STREAMS.into());
+            transport.max_concurrent_uni_streams(0u32.into());
+            transport.stream_receive_window(OPEN_STREAM_WINDOW.into());
+            transport.receive_window(OPEN_CONNECTION_WINDOW.into());
+            transport.datagram_receive_buffer_size(None);
+        }
         let transport = Arc::new(transport);
         let tls = server_config(&identity, trusted.as_ref(), alpns)?;
         let quic = QuicServerConfig::try_from(tls).map_err(|e| rustls::Error::General(e.to_string()))?;
@@ -146,7 +191,7 @@ impl Node {
                 .map_err(bind)?
         };
         let (tx, rx) = tokio::sync::mpsc::channel(MAX_HANDSHAKES);
-        tokio::spawn(handshakes(endpoint.clone(), tx));
+        tokio::spawn(handshakes(endpoint.clone(), tx, open));
         Ok(Node { endpoint, identity, trusted, transport, accepted: tokio::sync::Mutex::new(rx) })
     }
 
@@ -195,36 +240,140 @@ impl Node {
     }
 }
 
+/// How many handshakes (and, on the join endpoint, connections) each proven source
+/// holds. An IPv6 source counts by its /64, which one host can fill with addresses.
+#[derive(Default)]
+struct PerSource(Mutex<HashMap<IpAddr, usize>>);
+
+/// One unit of a source's share, given back when dropped.
+struct SourceSlot {
+    sources: Arc<PerSource>,
+    key: IpAddr,
+}
+
+impl PerSource {
+    fn key(ip: IpAddr) -> IpAddr {
+        match ip.to_canonical() {
+            IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !(u64::MAX as u128)).into()),
+            v4 => v4,
+        }
+    }
+
+    /// A slot for `ip` if it holds fewer than `cap`.
+    fn take(self: &Arc<Self>, ip: IpAddr, cap: usize) -> Option<SourceSlot> {
+        let key = Self::key(ip);
+        // A poisoned lock only means a holder panicked between two integer updates.
+        let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = held.entry(key).or_insert(0);
+        if *n >= cap {
+            return None;
+        }
+        *n += 1;
+        Some(SourceSlot { sources: self.clone(), key })
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut held = self.sources.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = held.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.key);
+            }
+        }
+    }
+}
+
 /// Accept incoming connections, each handshake in a task of its own, and pass on the
-/// ones that succeed.
-async fn handshakes(endpoint: quinn::Endpoint, tx: tokio::sync::mpsc::Sender<Accepted>) {
+/// ones that succeed. `open`: the join endpoint (see the module docs for the limits).
+async fn handshakes(endpoint: quinn::Endpoint, tx: tokio::sync::mpsc::Sender<Accepted>, open: bool) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let connections = Arc::new(tokio::sync::Semaphore::new(OPEN_MAX_CONNECTIONS));
+    let sources = Arc::new(PerSource::default());
     while let Some(incoming) = endpoint.accept().await {
         let addr = incoming.remote_address();
+        let proven = incoming.remote_address_validated();
+        let in_progress = MAX_HANDSHAKES - slots.available_permits();
+        if !proven && (open || in_progress >= RETRY_ABOVE) {
+            // Stateless: nothing is kept until the source answers from its address.
+            // retry() fails only where the Initial already answered a Retry, which an
+            // unproven one cannot have; drop it quietly then.
+            if let Err(e) = incoming.retry() {
+                e.into_incoming().ignore();
+            }
+            continue;
+        }
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             tracing::warn!(%addr, "too many handshakes in progress; connection refused");
             incoming.refuse();
             continue;
         };
+        // Unproven sources (below RETRY_ABOVE) are not counted per source: their
+        // address may be a member's, spoofed.
+        let source = if proven {
+            let Some(s) = sources.take(addr.ip(), MAX_HANDSHAKES_PER_SOURCE) else {
+                tracing::warn!(%addr, "too many handshakes from one source; connection refused");
+                incoming.refuse();
+                continue;
+            };
+            Some(s)
+        } else {
+            None
+        };
+        let connection = if open {
+            let Ok(c) = connections.clone().try_acquire_owned() else {
+                tracing::warn!(%addr, "the join endpoint is full; connection refused");
+                incoming.refuse();
+                continue;
+            };
+            Some(c)
+        } else {
+            None
+        };
         let tx = tx.clone();
         tokio::spawn(async move {
-            let _slot = slot;
-            match incoming.await {
-                Ok(conn) => {
-                    let alpn = conn
-                        .handshake_data()
-                        .and_then(|h| h.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
-                        .and_then(|h| h.protocol);
-                    match (peer_id(&conn), alpn) {
-                        (Some(peer), Some(alpn)) => {
-                            let _ = tx.send(Accepted { conn, peer, alpn }).await;
-                        }
-                        _ => tracing::warn!(%addr, "connection without a node key or protocol; closed"),
-                    }
+            let hs = incoming.await;
+            drop(slot);
+            let conn = match hs {
+                Ok(conn) => conn,
+                Err(e) => {
+                    tracing::info!(%addr, "incoming handshake failed: {e}");
+                    return;
                 }
-                Err(e) => tracing::info!(%addr, "incoming handshake failed: {e}"),
+            };
+            let alpn = conn
+                .handshake_data()
+                .and_then(|h| h.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+                .and_then(|h| h.protocol);
+            let (Some(peer), Some(alpn)) = (peer_id(&conn), alpn) else {
+                tracing::warn!(%addr, "connection without a node key or protocol; closed");
+                return;
+            };
+            if open {
+                // The join endpoint's shares are held for the connection's life.
+                let _ = tx.send(Accepted { conn: conn.clone(), peer, alpn }).await;
+                conn.closed().await;
+                drop((source, connection));
+            } else {
+                drop(source);
+                let _ = tx.send(Accepted { conn, peer, alpn }).await;
             }
         });
+    }
+}
+
+/// Close `conn` (application code [`REVOKED`]) the moment `peer`'s key is removed from
+/// `trusted`; returns when either happens. The handshake checked the key once, and
+/// keep-alives would hold the connection open for good. Spawn one per connection of
+/// a pinned endpoint, accepted or dialled.
+pub async fn close_when_revoked(conn: quinn::Connection, peer: NodeId, trusted: TrustedKeys) {
+    tokio::select! {
+        _ = conn.closed() => {}
+        _ = trusted.revoked(&peer) => {
+            tracing::info!(%peer, "closing a connection of a removed key");
+            conn.close(REVOKED.into(), b"key revoked");
+        }
     }
 }
 

@@ -15,7 +15,7 @@ pub mod tls;
 pub use discovery::{
     Advert, Discovery, DiscoveryError, DiscoveryEvent, InterfaceFilter, TxtError, PROTOCOL_VERSION, SERVICE_TYPE,
 };
-pub use endpoint::{alpn, NetError, Node, TransportOptions};
+pub use endpoint::{alpn, close_when_revoked, NetError, Node, TransportOptions};
 pub use frame::{wall_us, Dtype, Frame, FrameError, FrameKind, FrameLimits};
 pub use identity::{Identity, IdentityError, NodeId};
 pub use impair::Impairment;

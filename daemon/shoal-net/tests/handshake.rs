@@ -100,6 +100,47 @@ async fn revoked_keys_cannot_reconnect() {
     assert_refused_by_server(&na, &nb, ia).await;
 }
 
+/// The handshake checked the key once; removing it must also end the connections it
+/// already has, woken by the removal (not at the next poll of the set).
+#[tokio::test]
+async fn a_removed_key_loses_its_open_connections_at_once() {
+    let (a, b, _) = ids();
+    let (ia, ib) = (a.id(), b.id());
+    let na = node(&[ib], a);
+    let nb = node(&[ia], b);
+    let addr = na.local_addr().unwrap();
+    let (conn, acc) = tokio::join!(nb.connect(addr, ia, alpn::CONTROL), na.accept());
+    let (conn, acc) = (conn.unwrap(), acc.unwrap());
+    let trusted = na.trusted().expect("a main endpoint").clone();
+    let watcher = tokio::spawn(shoal_net::close_when_revoked(acc.conn.clone(), acc.peer, trusted.clone()));
+    // Still trusted: the connection carries data.
+    tokio::spawn(async move {
+        let (mut tx, mut rx) = acc.conn.accept_bi().await.unwrap();
+        let got = rx.read_to_end(64).await.unwrap();
+        tx.write_all(&got).await.unwrap();
+        tx.finish().unwrap();
+        let _ = tx.stopped().await;
+    });
+    let (mut tx, mut rx) = conn.open_bi().await.unwrap();
+    tx.write_all(b"ping").await.unwrap();
+    tx.finish().unwrap();
+    assert_eq!(rx.read_to_end(64).await.unwrap(), b"ping");
+    assert!(!watcher.is_finished());
+    let t = std::time::Instant::now();
+    trusted.remove(&ib);
+    let why =
+        tokio::time::timeout(Duration::from_secs(10), conn.closed()).await.expect("still open 10 s after removal");
+    eprintln!("the removed key's connection closed {:?} after the removal", t.elapsed());
+    match why {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(c.error_code, shoal_net::endpoint::REVOKED.into());
+            assert_eq!(&c.reason[..], b"key revoked");
+        }
+        other => panic!("closed for another reason: {other}"),
+    }
+    watcher.await.unwrap();
+}
+
 #[tokio::test]
 async fn unknown_alpn_is_refused() {
     let (a, b, _) = ids();
