@@ -387,12 +387,13 @@ pub fn peer_id(conn: &quinn::Connection) -> Option<NodeId> {
 mod tests {
     use super::*;
 
-    /// An attacker's client: the node's own client TLS config with resumption turned
-    /// back on, one config (so one session store) shared by every connection it makes.
+    /// An attacker's client: the node's own client TLS config with resumption (and
+    /// 0-RTT) turned back on, one config (so one session store) shared by every connection it makes.
     fn resuming_client(me: &Identity, server: NodeId) -> quinn::ClientConfig {
         // Invariant: our own identity and provider always make a valid config.
         let mut tls = client_config(me, None, server, alpn::CONTROL).expect("client config");
         tls.resumption = rustls::client::Resumption::in_memory_sessions(16);
+        tls.enable_early_data = true;
         let quic = QuicClientConfig::try_from(tls).expect("a TLS 1.3 config");
         quinn::ClientConfig::new(Arc::new(quic))
     }
@@ -429,7 +430,13 @@ mod tests {
         // The owner removes the key; the attacker comes back with its saved session.
         server.trusted().expect("a main endpoint").remove(&ib);
         let attempt = async {
-            if let Ok(conn) = client.connect_with(config.clone(), addr, "shoal").unwrap().await {
+            let connecting = client.connect_with(config.clone(), addr, "shoal").unwrap();
+            // Nor can it send 0-RTT data on its saved session.
+            let connecting = match connecting.into_0rtt() {
+                Ok(_) => panic!("0-RTT was possible for a revoked key"),
+                Err(connecting) => connecting,
+            };
+            if let Ok(conn) = connecting.await {
                 // TLS 1.3: the client may finish first; the server's refusal closes it.
                 let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed())
                     .await
