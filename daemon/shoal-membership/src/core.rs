@@ -14,9 +14,11 @@
 
 use crate::state::{Change, ChangeError, ClusterState, Version};
 
-/// The largest cluster state a leader lets the state grow to (encoded), so that a
-/// snapshot always fits in one membership message.
-pub const MAX_STATE: usize = crate::wire::MAX_MESSAGE / 2;
+/// How far ahead of ours a term from a peer may be. Terms grow by one per election;
+/// further jumps are refused so that no member can push the counters to their end.
+pub const MAX_TERM_STEP: u64 = 1 << 32;
+/// How far ahead of ours a snapshot index from a peer may be (one per change).
+pub const MAX_INDEX_STEP: u64 = 1 << 40;
 use serde::{Deserialize, Serialize};
 use shoal_types::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
@@ -40,6 +42,10 @@ pub struct Config {
     pub rank_step_ms: u64,
     /// A proposal forwarded to the leader fails if no answer comes within this time.
     pub forward_timeout_ms: u64,
+    /// (Shell) A node admitted by a welcome, a code or a token must hear from a member
+    /// of its new cluster within this time, or it goes back to unpaired: its admission
+    /// never took effect there.
+    pub confirm_ms: u64,
 }
 
 impl Default for Config {
@@ -54,6 +60,7 @@ impl Default for Config {
             election_spread_ms: 1000,
             rank_step_ms: 150,
             forward_timeout_ms: 5000,
+            confirm_ms: 60_000,
         }
     }
 }
@@ -311,6 +318,8 @@ pub struct Core {
     committed: Version,
     /// Leader only: the version each member has stored.
     acked: BTreeMap<NodeId, Version>,
+    /// Leader only: when each member last acknowledged this leader's term.
+    ack_heard: BTreeMap<NodeId, u64>,
     /// Leader only: whether a snapshot of this leader's own term has committed. Until
     /// then membership changes wait (Raft's single-server change needs the new leader's
     /// no-op committed first, or an old configuration's majority can undo a change).
@@ -319,6 +328,8 @@ pub struct Core {
     pending: Vec<(Version, Origin, bool)>,
     /// Proposals forwarded to the leader: request number → deadline.
     forwarded: BTreeMap<u64, u64>,
+    /// The leader this node accepted for each of the last few terms.
+    leaders: BTreeMap<u64, NodeId>,
     /// Election jitter.
     rng: Rng,
     /// Actions produced by the current call.
@@ -347,8 +358,10 @@ impl Core {
             heard: BTreeMap::new(),
             liveness: BTreeMap::new(),
             acked: BTreeMap::new(),
+            ack_heard: BTreeMap::new(),
             pending: Vec::new(),
             forwarded: BTreeMap::new(),
+            leaders: BTreeMap::new(),
             rng: Rng(seed | 1),
             out: Vec::new(),
             config,
@@ -421,6 +434,12 @@ impl Core {
         if self.role == Role::Removed || from == self.me || !self.state.is_member(&from) {
             return Vec::new();
         }
+        if !self.plausible(&msg) {
+            // Terms and versions move by one per election and per change; a jump this
+            // large is a broken or hostile member, and following it could exhaust the
+            // counters (no term after u64::MAX: no election could ever succeed).
+            return Vec::new();
+        }
         self.heard.insert(from, now);
         self.update_liveness(now);
         match msg {
@@ -435,8 +454,15 @@ impl Core {
             Msg::CatchUp { state } => {
                 // Strictly newer only: a newer version holds every committed change of an
                 // older one (leader completeness), so this never loses one; and it only
-                // makes this node's votes stricter.
+                // makes this node's votes stricter. From the node this node accepted as
+                // the leader of the term that made the snapshot; from another member only
+                // while this node campaigns without a fresh leader (it asked for votes
+                // with an old state, and may not even know the leader as a member):
+                // never can a member hand a following node a made-up state.
+                let trusted = self.leaders.get(&state.version.term) == Some(&from)
+                    || (matches!(self.role, Role::PreCandidate | Role::Candidate) && !self.leader_is_fresh(now));
                 if self.role != Role::Leader
+                    && trusted
                     && state.cluster == self.state.cluster
                     && state.version > self.state.version
                 {
@@ -450,8 +476,10 @@ impl Core {
             }
             Msg::PreVoteReply { term, granted, current } => {
                 if current > self.hard.term {
-                    self.adopt_term(now, current, None);
-                } else if self.role == Role::PreCandidate && term == self.hard.term + 1 && granted {
+                    if !self.sticky(now, from) {
+                        self.adopt_term(now, current, None);
+                    }
+                } else if self.role == Role::PreCandidate && term == self.hard.term.saturating_add(1) && granted {
                     self.votes.insert(from);
                     if self.votes.len() >= self.state.majority() {
                         self.start_campaign(now);
@@ -461,7 +489,9 @@ impl Core {
             Msg::Vote { term, last } => self.on_vote(now, from, term, last),
             Msg::VoteReply { term, granted } => {
                 if term > self.hard.term {
-                    self.adopt_term(now, term, None);
+                    if !self.sticky(now, from) {
+                        self.adopt_term(now, term, None);
+                    }
                 } else if self.role == Role::Candidate && term == self.hard.term && granted {
                     self.votes.insert(from);
                     if self.votes.len() >= self.state.majority() {
@@ -509,7 +539,9 @@ impl Core {
             self.send(from, Msg::Ack { term: self.hard.term, version: self.state.version });
             return;
         }
-        self.follow(now, from, term);
+        if !self.follow(now, from, term) {
+            return;
+        }
         // Say what we hold; if it is not the leader's version (older, or an
         // uncommitted snapshot of an older term), the leader sends its snapshot.
         self.send(from, Msg::Ack { term, version: self.state.version });
@@ -520,7 +552,9 @@ impl Core {
             self.send(from, Msg::Ack { term: self.hard.term, version: self.state.version });
             return;
         }
-        self.follow(now, from, term);
+        if !self.follow(now, from, term) {
+            return;
+        }
         if state.cluster != self.state.cluster || state.version.term > term {
             // Not our cluster, or a snapshot its sender could not have made: ignore.
             return;
@@ -542,12 +576,17 @@ impl Core {
 
     fn on_ack(&mut self, now: u64, from: NodeId, term: u64, version: Version) {
         if term > self.hard.term {
+            // Even a leader a majority acknowledges steps down: a member with a higher
+            // term (from a campaign pre-vote did not stop, say after a partition) would
+            // otherwise refuse this leader for ever. (A member can abuse this to force
+            // an election; signed votes would close that, see ARCHITECTURE.md.)
             self.adopt_term(now, term, None);
             return;
         }
         if self.role != Role::Leader || term != self.hard.term {
             return;
         }
+        self.ack_heard.insert(from, now);
         let acked = self.acked.entry(from).or_default();
         // A member's stored version from the current term only grows; an older one
         // (reordered ack) must not lower it.
@@ -589,8 +628,22 @@ impl Core {
         self.send(from, Msg::VoteReply { term, granted });
     }
 
-    /// `from` leads `term` (≥ ours): follow it.
-    fn follow(&mut self, now: u64, from: NodeId, term: u64) {
+    /// `from` leads `term` (≥ ours): follow it. False, and nothing changes, when another
+    /// node is already the leader of this very term here: a term has one leader, and a
+    /// member claiming to be a second one is lying.
+    fn follow(&mut self, now: u64, from: NodeId, term: u64) -> bool {
+        if term == self.hard.term && self.leader.is_some_and(|l| l != from) {
+            return false;
+        }
+        if term > self.hard.term && self.sticky(now, from) {
+            // A new leader can only have been elected by voters that stopped hearing
+            // the current one (they refuse votes while it is fresh), and a current
+            // leader that loses its majority steps down: while ours is fresh, a claim
+            // to a newer term is a member lying. A real new leader is followed at most
+            // `election_min_ms` later, once ours has gone quiet.
+            return false;
+        }
+        self.remember_leader(term, from);
         if term > self.hard.term {
             self.adopt_term(now, term, Some(from));
         } else if self.leader != Some(from) || self.role != Role::Follower {
@@ -601,6 +654,33 @@ impl Core {
         }
         self.leader_heard = Some(now);
         self.reset_election(now);
+        true
+    }
+
+    /// Keep who led `term` (the last few terms): only they may send a catch-up snapshot
+    /// made in their term.
+    fn remember_leader(&mut self, term: u64, leader: NodeId) {
+        self.leaders.insert(term, leader);
+        while self.leaders.len() > 8 {
+            self.leaders.pop_first();
+        }
+    }
+
+    /// Whether a message's numbers are within reach of ours (see `receive`).
+    fn plausible(&self, msg: &Msg) -> bool {
+        let near = |term: u64| term <= self.hard.term.saturating_add(MAX_TERM_STEP);
+        let version_ok =
+            |v: &Version| near(v.term) && v.index <= self.state.version.index.saturating_add(MAX_INDEX_STEP);
+        match msg {
+            Msg::Beat { term, version, .. } => near(*term) && version_ok(version),
+            Msg::State { term, state } => near(*term) && version_ok(&state.version),
+            Msg::Ack { term, version } => near(*term) && version_ok(version),
+            Msg::PreVote { term, last } | Msg::Vote { term, last } => near(*term) && version_ok(last),
+            Msg::PreVoteReply { term, current, .. } => near(*term) && near(*current),
+            Msg::VoteReply { term, .. } => near(*term),
+            Msg::CatchUp { state } => version_ok(&state.version),
+            Msg::Forward { .. } | Msg::Forwarded { .. } => true,
+        }
     }
 
     /// Move to a higher term as a follower (of `leader`, if known).
@@ -630,7 +710,8 @@ impl Core {
 
     fn start_pre_vote(&mut self, now: u64) {
         self.reset_election(now);
-        if self.role == Role::Leader {
+        if self.role == Role::Leader || self.hard.term == u64::MAX {
+            // No term after the last: campaigning again in it could vote twice.
             return;
         }
 
@@ -644,14 +725,14 @@ impl Core {
             self.start_campaign(now);
             return;
         }
-        let (term, last) = (self.hard.term + 1, self.state.version);
+        let (term, last) = (self.hard.term.saturating_add(1), self.state.version);
         for to in self.others() {
             self.send(to, Msg::PreVote { term, last });
         }
     }
 
     fn start_campaign(&mut self, now: u64) {
-        self.hard = HardState { term: self.hard.term + 1, voted_for: Some(self.me) };
+        self.hard = HardState { term: self.hard.term.saturating_add(1), voted_for: Some(self.me) };
         // The vote for ourselves is stored before anyone hears of the campaign.
         self.out.push(Action::PersistHard(self.hard));
         self.role = Role::Candidate;
@@ -672,8 +753,10 @@ impl Core {
     fn become_leader(&mut self, now: u64) {
         self.role = Role::Leader;
         self.leader = Some(self.me);
+        self.remember_leader(self.hard.term, self.me);
         self.votes.clear();
         self.acked.clear();
+        self.ack_heard.clear();
         self.pending.clear();
         self.leader_since = now;
         self.term_committed = false;
@@ -695,10 +778,6 @@ impl Core {
             self.answer(origin, Err(e.into()));
             return;
         }
-        if serde_json::to_vec(&next).map_or(usize::MAX, |b| b.len()) > MAX_STATE {
-            self.answer(origin, Err(ChangeError::TooLarge("the cluster state".into()).into()));
-            return;
-        }
         let removed: Vec<NodeId> =
             self.state.members.keys().filter(|id| !next.members.contains_key(id)).copied().collect();
         for id in next.members.keys() {
@@ -717,7 +796,7 @@ impl Core {
     /// Give the held state the next version, store it, send it to every member, and
     /// remember `pending` to answer once a majority stored it.
     fn stamp_and_send(&mut self, pending: Option<(Origin, bool)>) {
-        self.state.version = Version { term: self.hard.term, index: self.state.version.index + 1 };
+        self.state.version = Version { term: self.hard.term, index: self.state.version.index.saturating_add(1) };
         self.out.push(Action::PersistState(Box::new(self.state.clone())));
         self.out.push(Action::Event(Event::State { version: self.state.version }));
         if let Some((origin, membership)) = pending {
@@ -824,6 +903,27 @@ impl Core {
     }
 
     /// Has the current leader been heard from within the minimum election timeout?
+    /// Whether this node holds on to the leader it has against `from`'s claim of a newer
+    /// term: a leader while a majority acknowledged it recently (or it was just elected);
+    /// anyone else while it hears from a leader other than `from`.
+    fn sticky(&self, now: u64, from: NodeId) -> bool {
+        let window = self.config.election_min_ms;
+        match self.role {
+            Role::Leader => {
+                let acked = self
+                    .state
+                    .members
+                    .keys()
+                    .filter(|id| {
+                        **id == self.me || self.ack_heard.get(*id).is_some_and(|t| now.saturating_sub(*t) < window)
+                    })
+                    .count();
+                now.saturating_sub(self.leader_since) < window || acked >= self.state.majority()
+            }
+            _ => self.leader.is_some_and(|l| l != from) && self.leader_is_fresh(now),
+        }
+    }
+
     fn leader_is_fresh(&self, now: u64) -> bool {
         self.role == Role::Leader
             || (self.leader.is_some()
@@ -899,5 +999,72 @@ mod tests {
         let actions = core.receive(10, NodeId([9; 32]), Msg::Vote { term: 99, last: Version::default() });
         assert!(actions.is_empty());
         assert_eq!(core.term(), 0);
+    }
+
+    /// Three members; node 1 follows node 2, the leader of term 1, heard at `now`.
+    fn follower_of_2(now: u64) -> Core {
+        let mut state = ClusterState::create(ClusterId([1; 16]), member(1));
+        for k in [2, 3] {
+            state.apply(&Change::AddMember(member(k))).unwrap();
+        }
+        let mut core = Core::new(Config::default(), NodeId([1; 32]), HardState::default(), state, 0, 7);
+        core.receive(now, NodeId([2; 32]), Msg::Beat { term: 1, leader: true, version: Version::default() });
+        assert_eq!((core.leader(), core.term()), (Some(NodeId([2; 32])), 1));
+        core
+    }
+
+    #[test]
+    fn a_second_leader_of_the_same_term_is_ignored() {
+        let mut core = follower_of_2(100);
+        let mut forged = core.state().clone();
+        forged.apply(&Change::AddMember(member(9))).unwrap();
+        forged.version = Version { term: 1, index: 50 };
+        core.receive(150, NodeId([3; 32]), Msg::State { term: 1, state: Box::new(forged) });
+        assert_eq!(core.leader(), Some(NodeId([2; 32])));
+        assert!(!core.state().is_member(&NodeId([9; 32])));
+    }
+
+    #[test]
+    fn a_newer_term_claimed_while_the_leader_is_fresh_is_ignored_until_it_goes_quiet() {
+        let mut core = follower_of_2(100);
+        let mut forged = core.state().clone();
+        forged.apply(&Change::AddMember(member(9))).unwrap();
+        forged.version = Version { term: 2, index: 50 };
+        core.receive(150, NodeId([3; 32]), Msg::State { term: 2, state: Box::new(forged.clone()) });
+        assert_eq!((core.leader(), core.term()), (Some(NodeId([2; 32])), 1));
+        assert!(!core.state().is_member(&NodeId([9; 32])));
+        // Forged vote replies (to a vote it never asked for) cannot push the term up either.
+        core.receive(160, NodeId([3; 32]), Msg::PreVoteReply { term: 2, granted: false, current: 7 });
+        core.receive(160, NodeId([3; 32]), Msg::VoteReply { term: 7, granted: false });
+        assert_eq!(core.term(), 1);
+        // A catch-up snapshot from a node that did not lead its term is ignored.
+        core.receive(170, NodeId([3; 32]), Msg::CatchUp { state: Box::new(forged.clone()) });
+        assert!(!core.state().is_member(&NodeId([9; 32])));
+        // Once the leader has been quiet past the election timeout, node 3 may really
+        // have won term 2: it is followed.
+        let later = 100 + Config::default().election_min_ms + 1;
+        core.receive(later, NodeId([3; 32]), Msg::State { term: 2, state: Box::new(forged) });
+        assert_eq!((core.leader(), core.term()), (Some(NodeId([3; 32])), 2));
+    }
+
+    #[test]
+    fn terms_and_versions_near_the_end_of_the_counter_are_ignored() {
+        let mut core = follower_of_2(100);
+        let later = 100 + Config::default().election_min_ms + 1;
+        for term in [u64::MAX, u64::MAX - 1, 1 + MAX_TERM_STEP + 1] {
+            core.receive(later, NodeId([3; 32]), Msg::Beat { term, leader: true, version: Version::default() });
+            core.receive(later, NodeId([3; 32]), Msg::Vote { term, last: Version::default() });
+            assert_eq!(core.term(), 1, "term {term} was taken");
+        }
+        let mut state = core.state().clone();
+        state.version = Version { term: 1, index: u64::MAX };
+        core.receive(later, NodeId([2; 32]), Msg::State { term: 1, state: Box::new(state) });
+        assert_ne!(core.state().version.index, u64::MAX);
+        // A campaign from the largest term this node holds does not overflow.
+        let mut core = follower_of_2(100);
+        core.hard.term = u64::MAX;
+        core.tick(later + 10_000);
+        assert_eq!(core.term(), u64::MAX);
+        assert_eq!(core.role(), &Role::Follower);
     }
 }

@@ -9,6 +9,7 @@ pub mod core;
 pub mod node;
 pub mod pairing;
 pub mod state;
+pub mod token;
 pub mod wire;
 
 pub use crate::core::{Action, Config, Core, Event, HardState, Liveness, Msg, ProposeError, Role};

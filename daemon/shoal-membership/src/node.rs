@@ -4,13 +4,16 @@
 //!
 //! A node starts *unpaired* (or resumes the cluster it stored). Unpaired, it advertises
 //! `cl=unpaired`; members that see it verify its key on its open join endpoint and list
-//! it as pending. It becomes a member when an owner approves it (a member then sends it
-//! the cluster state on the join endpoint) or when it pairs with a code. With no cluster
-//! on the LAN, the node with the lowest id among the unpaired ones creates one.
+//! it as pending. It becomes a member only through something its own owner did: a
+//! pairing code or a join token typed or installed on it, or an approval from a member
+//! after its owner agreed to that cluster (`shoal join --accept`). An approval alone,
+//! from whatever cluster is on the LAN, is refused. With no cluster on the LAN, the node
+//! with the lowest id among the unpaired ones creates one.
 
 use crate::core::{Action, Config, Core, Event, HardState, Liveness, Role as ElectionRole};
-use crate::pairing::{Joiner, Offers, PairError, PairingCode, Responder};
+use crate::pairing::{Joiner, Offers, PairError, PairingCode, Responder, Secret};
 use crate::state::{Change, ClusterState, Member};
+use crate::token::{JoinToken, TokenId, Tokens};
 use crate::wire::{
     read_msg, write_msg, AdminRequest, AdminResponse, ClusterStatus, JoinRequest, JoinResponse, MemberStatus,
     PendingStatus, PublicInfo, WireError,
@@ -28,11 +31,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
-/// The largest message accepted on the join endpoint (a welcome carries a cluster state).
-const JOIN_MAX: usize = 1 << 20;
-
 /// File in the data directory holding the main endpoint's address, for the CLI.
 pub const ENDPOINT_FILE: &str = "endpoint";
+/// File in the data directory holding a join token given at install (read at start,
+/// deleted once the node joined with it).
+pub const JOIN_TOKEN_FILE: &str = "join-token";
+/// How long `shoal join --accept` lets an approval in.
+const ACCEPT_MS: u64 = 10 * 60 * 1000;
 
 /// When a node with no cluster creates one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,9 +71,13 @@ pub struct NodeConfig {
     pub interfaces: InterfaceFilter,
     /// Creating a cluster when there is none.
     pub create: CreatePolicy,
-    /// Whether an approval by a member of a cluster on the LAN is taken as it comes
-    /// (trust on first approval). Off: only a pairing code joins this node.
-    pub accept_approval: bool,
+    /// The cluster (id or id prefix, at least 8 hex digits) whose approval this node's
+    /// owner agreed to at start (`shoal serve --accept`); none: approvals are taken only
+    /// after `shoal join --accept`. Codes and tokens join either way.
+    pub accept: Option<String>,
+    /// A join token given at install (`--join-token`, or [`JOIN_TOKEN_FILE`]): while
+    /// unpaired, the node pairs with the member of the token's cluster that made it.
+    pub join_token: Option<JoinToken>,
     /// Protocol timing.
     pub timing: Config,
     /// QUIC timing (and test impairment).
@@ -168,11 +177,32 @@ enum Input {
         taken: Result<(), String>,
         reply: oneshot::Sender<AdminResponse>,
     },
-    PairBegin(oneshot::Sender<Result<PairingCode, PairError>>),
+    /// A joiner begins a pairing exchange, with the member's code or a join token (id).
+    PairBegin {
+        token: Option<String>,
+        reply: oneshot::Sender<Result<JoinSecret, PairError>>,
+    },
     PairDone {
         ok: bool,
         info: PublicInfo,
+        /// The token used, if it was one (consumed on success).
+        token: Option<TokenId>,
         reply: oneshot::Sender<JoinResponse>,
+    },
+    /// A node asks whether it is (still) a member here.
+    AmIMember {
+        peer: NodeId,
+        reply: oneshot::Sender<JoinResponse>,
+    },
+    /// The members asked about a removal notice answered: a majority of the membership
+    /// without this node confirmed it (or not).
+    RevocationChecked {
+        from: NodeId,
+        confirmed: bool,
+    },
+    /// A join with the token given at install ended.
+    TokenJoined {
+        result: Result<Box<ClusterState>, String>,
     },
     Welcome {
         from: NodeId,
@@ -188,7 +218,7 @@ enum Input {
     /// fresh discovery results (the member showing the code may have just joined itself).
     JoinResult {
         result: Result<Box<ClusterState>, String>,
-        code: PairingCode,
+        code: JoinSecret,
         tries: u32,
         reply: oneshot::Sender<AdminResponse>,
     },
@@ -202,10 +232,64 @@ enum Input {
     },
     /// Try pairing again.
     JoinRetry {
-        code: PairingCode,
+        code: JoinSecret,
         tries: u32,
         reply: oneshot::Sender<AdminResponse>,
     },
+}
+
+/// What a pairing exchange uses as its password.
+#[derive(Clone, Debug)]
+enum JoinSecret {
+    /// The 8-digit code a member shows.
+    Code(PairingCode),
+    /// A join token (one cluster, one member that made it).
+    Token(JoinToken),
+}
+
+impl Secret for JoinSecret {
+    fn password(&self) -> Vec<u8> {
+        match self {
+            JoinSecret::Code(c) => c.password(),
+            JoinSecret::Token(t) => t.password(),
+        }
+    }
+}
+
+impl JoinSecret {
+    /// What the joiner sends beside its first message: the token's id, if a token.
+    fn token_id(&self) -> Option<String> {
+        match self {
+            JoinSecret::Code(_) => None,
+            JoinSecret::Token(t) => Some(t.id.to_string()),
+        }
+    }
+}
+
+/// An approval this node's owner agreed to take.
+#[derive(Clone, Debug)]
+struct Acceptance {
+    /// Cluster id prefix (lower-case hex).
+    prefix: String,
+    /// Until then (ms on the node's clock); none: while the node runs (given at start).
+    until: Option<u64>,
+}
+
+impl Acceptance {
+    fn admits(&self, cluster: &ClusterId, now: u64) -> bool {
+        cluster.to_string().starts_with(&self.prefix) && self.until.is_none_or(|u| now < u)
+    }
+}
+
+/// How joining with the token given at install goes.
+#[derive(Debug, Default)]
+struct TokenJoin {
+    /// An attempt runs.
+    trying: bool,
+    /// The next attempt, not before (ms).
+    next: u64,
+    /// What `shoal status` says about it.
+    status: String,
 }
 
 /// Who waits for a proposal's outcome.
@@ -239,6 +323,9 @@ struct Proposal {
     deadline: u64,
 }
 
+/// Where the tokens a member made are kept ([`Space::Node`]).
+const TOKENS_KEY: &str = "join_tokens";
+
 /// How long a proposal is retried while there is no leader (ms).
 const PROPOSAL_MS: u64 = 30_000;
 
@@ -269,8 +356,10 @@ pub async fn run(
         name: cfg.name.clone(),
         role: cfg.role,
         memory_bytes: memory_of(&inv),
-        accepts_approval: cfg.accept_approval,
+        accepts_approval: cfg.accept.is_some(),
     }));
+    let tokens: Tokens = store.get_json(Space::Node, TOKENS_KEY)?.unwrap_or_default();
+    let accepting = cfg.accept.as_ref().map(|p| Acceptance { prefix: p.trim().to_ascii_lowercase(), until: None });
     tracing::info!(node = %me, %main_addr, %join_addr, "cluster node starting");
     let mut actor = Actor {
         seed: random_u64(),
@@ -289,16 +378,23 @@ pub async fn run(
         pending: BTreeMap::new(),
         verifying: BTreeSet::new(),
         addrs: Arc::new(Mutex::new(HashMap::new())),
+        hints: Arc::new(Mutex::new(HashMap::new())),
         links: HashMap::new(),
         waiting: HashMap::new(),
         retry: Vec::new(),
         next_req: 0,
         offers: Offers::default(),
+        tokens,
+        accepting,
+        token_join: TokenJoin::default(),
+        provisional: None,
         pairing_until: 0,
         committed_members: BTreeSet::new(),
         welcomed: HashMap::new(),
         traffic: Arc::new(Traffic::default()),
         calibrating: false,
+        checking_revocation: false,
+        leave_now: false,
         probing: false,
         tx: tx.clone(),
         main_addr,
@@ -355,8 +451,14 @@ struct Actor {
     pending: BTreeMap<NodeId, (PublicInfo, SocketAddr)>,
     /// Verifications under way.
     verifying: BTreeSet<NodeId>,
-    /// Members' main endpoints, shared with the link tasks.
+    /// Members' main endpoints, shared with the link tasks: where each was last reached.
+    /// Only a successful handshake (which proves the member's key) puts an address here
+    /// over one that is known; mDNS alone never replaces it.
     addrs: Arc<Mutex<HashMap<NodeId, SocketAddr>>>,
+    /// Other addresses heard of for members (mDNS adverts, incoming connections): a link
+    /// task tries one when the known address fails, and keeps it once the handshake there
+    /// proved the member's key.
+    hints: Arc<Mutex<HashMap<NodeId, SocketAddr>>>,
     /// One sender task per member.
     links: HashMap<NodeId, mpsc::Sender<crate::core::Msg>>,
     /// Proposals waiting for their outcome, by request number.
@@ -366,6 +468,15 @@ struct Actor {
     next_req: u64,
     /// Pairing codes offered here.
     offers: Offers,
+    /// Join tokens made here (kept in the store: they outlive a restart).
+    tokens: Tokens,
+    /// Unpaired: the approval this node's owner agreed to take.
+    accepting: Option<Acceptance>,
+    /// Unpaired with a join token: the attempts.
+    token_join: TokenJoin,
+    /// Took a cluster state from a welcome or a pairing, and has not heard from any
+    /// member since: back to unpaired after this time (ms).
+    provisional: Option<u64>,
     /// A pairing exchange is under way until then (ms), or ended early.
     pairing_until: u64,
     /// Leader only: the members as of the last committed version (removed nodes are
@@ -376,6 +487,10 @@ struct Actor {
     traffic: Arc<Traffic>,
     /// A calibration runs (it loads a model: one at a time).
     calibrating: bool,
+    /// The members are being asked whether a removal notice is true.
+    checking_revocation: bool,
+    /// This node's own removal committed: leave at the next tick.
+    leave_now: bool,
     /// A link probe runs (one at a time: probes at once would time each other).
     probing: bool,
     /// Clone for tasks that report back.
@@ -437,7 +552,7 @@ impl Actor {
         // The term and vote stored before are kept (they are never deleted): a node
         // removed and approved again must not vote twice in a term it voted in before.
         let hard: HardState = self.store.get_json(Space::Election, "hard")?.unwrap_or_default();
-        self.store.put_json(Space::Cluster, "state", &state)?;
+        blocking(|| self.store.put_json(Space::Cluster, "state", &state))?;
         self.resume(hard, state);
         Ok(())
     }
@@ -474,6 +589,7 @@ impl Actor {
             self.trusted.remove(id);
             self.links.remove(id);
             lock(&self.addrs).remove(id);
+            lock(&self.hints).remove(id);
         }
         self.trusted_set = want;
         self.pending.retain(|id, _| !self.trusted_set.contains(id));
@@ -482,7 +598,7 @@ impl Actor {
         let mut addrs = lock(&self.addrs);
         for id in &self.trusted_set {
             if let (false, Some((advert, ips))) = (addrs.contains_key(id), self.peers.get(id)) {
-                if let Some(ip) = ips.first() {
+                if let Some(ip) = reachable(ips, self.main_addr) {
                     addrs.insert(*id, SocketAddr::new(*ip, advert.port));
                 }
             }
@@ -491,6 +607,26 @@ impl Actor {
 
     fn on_tick(&mut self) -> Result<(), NodeError> {
         let now = self.now();
+        if std::mem::take(&mut self.leave_now) && self.core.is_some() {
+            self.leave()?;
+        }
+        if self.provisional.is_some_and(|until| now >= until) {
+            // Its approval never reached a member (the approver died before proposing,
+            // or the change failed): nobody will ever talk to it in that cluster.
+            tracing::warn!(
+                "no member of the cluster this node was admitted to has been heard from in {} s; back to unpaired",
+                self.cfg.timing.confirm_ms / 1000
+            );
+            self.forget("the approval was never confirmed by the cluster")?;
+        }
+        let accepts = self.core.is_none() && self.accepting.as_ref().is_some_and(|a| a.until.is_none_or(|u| now < u));
+        if !accepts {
+            self.accepting = None;
+        }
+        lock(&self.public).accepts_approval = accepts;
+        if self.core.is_none() && self.cfg.join_token.is_some() {
+            self.token_tick(now);
+        }
         if let Some(core) = self.core.as_mut() {
             let actions = core.tick(now);
             self.execute(actions)?;
@@ -515,7 +651,21 @@ impl Actor {
         match input {
             Input::Member(from, msg, addr) => {
                 if let Some(core) = self.core.as_mut() {
-                    lock(&self.addrs).entry(from).or_insert(addr);
+                    // A member talks to us: it applied the state that admits us.
+                    self.provisional = None;
+                    // The handshake proved `from` holds its key at `addr`: known, or a
+                    // candidate for when the known address stops working.
+                    let mut addrs = lock(&self.addrs);
+                    match addrs.get(&from) {
+                        None => {
+                            addrs.insert(from, addr);
+                        }
+                        Some(known) if *known != addr => {
+                            lock(&self.hints).insert(from, addr);
+                        }
+                        Some(_) => {}
+                    }
+                    drop(addrs);
                     let actions = core.receive(now, from, msg);
                     self.execute(actions)?;
                 }
@@ -531,9 +681,9 @@ impl Actor {
                     .core
                     .as_ref()
                     .is_some_and(|c| c.state().is_member(&info.node) || c.state().revoked.contains(&info.node));
-                if info.cluster.is_none() && !known && !info.accepts_approval {
-                    tracing::info!(node = %info.node, name = %info.name, "an unpaired node that joins by pairing code only");
-                } else if info.cluster.is_none() && !known {
+                // Listed whether or not its owner armed it to take an approval yet: an
+                // approval then fails with the reason, and works once armed.
+                if info.cluster.is_none() && !known {
                     tracing::info!(node = %info.node, name = %info.name, "pending: an unpaired node asks to join");
                     self.pending.insert(info.node, (info, addr));
                 }
@@ -550,26 +700,31 @@ impl Actor {
                     let _ = reply.send(AdminResponse::Error(format!("{} did not take the approval: {e}", member.id)));
                 }
             },
-            Input::PairBegin(reply) => {
-                let r = if self.core.is_none() {
-                    Err(PairError::NoOffer)
-                } else if self.pairing_until > now {
+            Input::PairBegin { token, reply } => {
+                let r = match (&self.core, token) {
+                    (None, _) => Err(PairError::NoOffer),
                     // One exchange at a time, so one code admits one node.
-                    Err(PairError::TooSoon { wait_ms: self.pairing_until - now })
-                } else {
-                    match self.offers.begin(now) {
+                    _ if self.pairing_until > now => Err(PairError::TooSoon { wait_ms: self.pairing_until - now }),
+                    (Some(core), Some(id)) => {
+                        let cluster = core.state().cluster;
+                        let begun = id.parse::<TokenId>().and_then(|id| self.tokens.begin(cluster, id, unix_ms()));
+                        // The attempt counts even if the node stops now.
+                        self.save_tokens()?;
+                        begun.map(JoinSecret::Token)
+                    }
+                    (Some(_), None) => match self.offers.begin(now) {
                         // An expired or used-up code here is as good as none: the joiner
                         // tries the other members.
                         Err(PairError::Expired | PairError::TooManyAttempts) => Err(PairError::NoOffer),
-                        r => r,
-                    }
+                        r => r.map(JoinSecret::Code),
+                    },
                 };
                 if r.is_ok() {
                     self.pairing_until = now + 35_000;
                 }
                 let _ = reply.send(r);
             }
-            Input::PairDone { ok, mut info, reply } => {
+            Input::PairDone { ok, mut info, token, reply } => {
                 self.pairing_until = 0;
                 info.name = crate::wire::clean_name(&info.name);
                 if !ok {
@@ -577,7 +732,13 @@ impl Actor {
                     let _ = reply.send(JoinResponse::Error(PairError::WrongCode.to_string()));
                     return Ok(());
                 }
-                self.offers.succeeded();
+                match token {
+                    Some(id) => {
+                        self.tokens.succeeded(id);
+                        self.save_tokens()?;
+                    }
+                    None => self.offers.succeeded(),
+                }
                 let member =
                     Member { id: info.node, name: info.name, role: info.role, memory_bytes: info.memory_bytes };
                 tracing::info!(node = %member.id, "paired with a code; proposing it as a member");
@@ -606,12 +767,39 @@ impl Actor {
                         && state.version >= mine.version
                 });
                 if genuine {
+                    // Any member could send this; only the cluster's decision counts: the
+                    // members are asked, and a majority of them must say so.
                     let _ = reply.send(JoinResponse::Accepted);
-                    self.leave()?;
+                    if !self.checking_revocation {
+                        self.check_revocation(from, 4);
+                    }
                 } else {
                     tracing::warn!(%from, "ignored a removal notice that does not come from this node's cluster");
                     let _ = reply.send(JoinResponse::Error("not a removal this node can verify".into()));
                 }
+            }
+            Input::RevocationChecked { from, confirmed } => {
+                self.checking_revocation = false;
+                if confirmed && self.core.is_some() {
+                    self.leave()?;
+                } else if self.core.is_some() {
+                    tracing::warn!(%from, "a removal notice was not confirmed by a majority of the members; ignored");
+                }
+            }
+            Input::AmIMember { peer, reply } => {
+                let answer = match &self.core {
+                    Some(core) => JoinResponse::Membership {
+                        cluster: core.state().cluster,
+                        version: core.state().version,
+                        member: core.state().is_member(&peer),
+                    },
+                    None => JoinResponse::Error("this node is not in a cluster".into()),
+                };
+                let _ = reply.send(answer);
+            }
+            Input::TokenJoined { result } => {
+                self.token_join.trying = false;
+                self.on_token_joined(result)?;
             }
             Input::JoinResult { result: Err(e), code, tries, reply } if e == NO_OFFER && tries < 6 => {
                 let tx = self.tx.clone();
@@ -649,6 +837,7 @@ impl Actor {
                 Ok(state) if self.core.is_none() && state.is_member(&self.me) => {
                     let cluster = state.cluster;
                     self.adopt(*state)?;
+                    self.provisional = Some(self.now() + self.cfg.timing.confirm_ms);
                     let _ = reply.send(AdminResponse::Ok(format!("joined cluster {cluster}")));
                 }
                 Ok(_) if self.core.is_some() => {
@@ -671,8 +860,16 @@ impl Actor {
         if self.core.is_some() {
             return Ok(JoinResponse::Error("this node already belongs to a cluster".into()));
         }
-        if !self.cfg.accept_approval {
-            return Ok(JoinResponse::Error("this node joins only with a pairing code".into()));
+        let now = self.now();
+        if !self.accepting.as_ref().is_some_and(|a| a.admits(&state.cluster, now)) {
+            // Approval alone is never enough: a stranger's cluster on the LAN must not
+            // adopt a node whose owner did nothing.
+            tracing::info!(%from, cluster = %state.cluster, "refused an approval its owner did not agree to");
+            return Ok(JoinResponse::Error(format!(
+                "this node takes an approval only after its owner agrees: run `shoal join --accept {}` on it \
+                 (or join with a pairing code or a join token)",
+                &state.cluster.to_string()[..12]
+            )));
         }
         let last: Option<ClusterState> = self.store.get_json(Space::Cluster, "last")?;
         if let Some(last) = last.filter(|l| l.cluster == state.cluster && l.version > state.version) {
@@ -687,6 +884,8 @@ impl Actor {
         }
         tracing::info!(%from, cluster = %state.cluster, "approved by a member; joining");
         self.adopt(state)?;
+        self.accepting = None;
+        self.provisional = Some(now + self.cfg.timing.confirm_ms);
         Ok(JoinResponse::Accepted)
     }
 
@@ -861,14 +1060,80 @@ impl Actor {
                     let _ = reply.send(AdminResponse::Error("this node already belongs to a cluster".into()));
                     return Ok(());
                 }
-                let code: PairingCode = match code.parse() {
-                    Ok(c) => c,
+                let secret = if crate::token::is_token(&code) {
+                    code.parse::<JoinToken>().map(JoinSecret::Token)
+                } else {
+                    code.parse::<PairingCode>().map(JoinSecret::Code)
+                };
+                match secret {
+                    Ok(secret) => self.try_join(secret, 1, reply),
                     Err(e) => {
                         let _ = reply.send(AdminResponse::Error(format!("{e}")));
-                        return Ok(());
+                    }
+                }
+            }
+            AdminRequest::Accept { cluster } => {
+                let answer = self.accept(&cluster);
+                let _ = reply.send(answer);
+            }
+            AdminRequest::Token { valid_s } => {
+                let Some(core) = &self.core else {
+                    let _ = reply.send(AdminResponse::Error("this node is not in a cluster yet".into()));
+                    return Ok(());
+                };
+                if valid_s == 0 {
+                    let _ = reply.send(AdminResponse::Error("a token must be valid for at least a second".into()));
+                    return Ok(());
+                }
+                let cluster = core.state().cluster;
+                let token = self.tokens.issue(cluster, unix_ms(), valid_s.saturating_mul(1000));
+                self.save_tokens()?;
+                tracing::info!(id = %token.id, "made a join token");
+                let valid_s = valid_s.min(crate::token::MAX_TOKEN_TTL_MS / 1000);
+                let _ = reply.send(AdminResponse::Code { code: token.to_string(), valid_s });
+            }
+            AdminRequest::Leave => {
+                let Some(core) = &self.core else {
+                    let _ = reply.send(AdminResponse::Error("this node is not in a cluster".into()));
+                    return Ok(());
+                };
+                if core.state().members.len() == 1 {
+                    let _ = reply.send(AdminResponse::Error(
+                        "this node is its cluster's only member: `shoal reset` forgets the cluster".into(),
+                    ));
+                    return Ok(());
+                }
+                let me = self.me;
+                let rest: Vec<&NodeId> = core.state().members.keys().filter(|m| **m != me).collect();
+                let alive = rest.iter().filter(|m| core.liveness(m) == Some(Liveness::Alive)).count();
+                if alive < rest.len() / 2 + 1 {
+                    let _ = reply.send(AdminResponse::Error(format!(
+                        "only {alive} of the other {} members are reachable, not a majority, so they cannot agree \
+                         that this node leaves; bring them back, or `shoal reset` to forget the cluster here only",
+                        rest.len()
+                    )));
+                    return Ok(());
+                }
+                self.propose(Change::RemoveMember(me), Waiter::Remove { node: me, reply })?;
+                // The leader's answer may never reach us (its links to us go with our
+                // key): the members are asked until a majority no longer lists us.
+                if !self.checking_revocation {
+                    self.check_revocation(me, 30);
+                }
+            }
+            AdminRequest::Reset => {
+                let answer = match self.core.as_ref().map(|c| c.state().cluster) {
+                    None => AdminResponse::Ok("this node is not in a cluster; nothing to forget".into()),
+                    Some(cluster) => {
+                        self.forget("reset by its owner")?;
+                        AdminResponse::Ok(format!(
+                            "this node forgot cluster {cluster} and is unpaired now; on a member of that cluster, \
+                             `shoal nodes remove {}` revokes its key there",
+                            &self.me.to_string()[..12]
+                        ))
                     }
                 };
-                self.try_join(code, 1, reply);
+                let _ = reply.send(answer);
             }
         }
         Ok(())
@@ -882,21 +1147,229 @@ impl Actor {
         Some(state)
     }
 
-    /// Pair with `code` with the members discovery knows of.
-    fn try_join(&mut self, code: PairingCode, tries: u32, reply: oneshot::Sender<AdminResponse>) {
+    /// The join endpoints of the members discovery knows of (of `cluster` only, if given).
+    fn join_targets(&self, cluster: Option<ClusterId>) -> Vec<(NodeId, SocketAddr)> {
         let mut targets: Vec<(NodeId, SocketAddr)> = self
             .peers
             .values()
-            .filter(|(a, _)| a.cluster.is_some())
-            .filter_map(|(a, ips)| ips.first().map(|ip| (a.node, SocketAddr::new(*ip, a.join_port))))
+            .filter(|(a, _)| a.cluster.is_some() && (cluster.is_none() || a.cluster == cluster))
+            .filter_map(|(a, ips)| reachable(ips, self.main_addr).map(|ip| (a.node, SocketAddr::new(*ip, a.join_port))))
             .collect();
         targets.sort();
+        targets
+    }
+
+    /// Pair with `code` (or a token) with the members discovery knows of.
+    fn try_join(&mut self, code: JoinSecret, tries: u32, reply: oneshot::Sender<AdminResponse>) {
+        let cluster = match &code {
+            JoinSecret::Token(t) => Some(t.cluster),
+            JoinSecret::Code(_) => None,
+        };
+        let targets = self.join_targets(cluster);
         let info = lock(&self.public).clone();
         let (open, tx) = (self.open.clone(), self.tx.clone());
         tokio::spawn(async move {
             let result = join_with_code(&open, &code, info, &targets).await;
             let _ = tx.send(Input::JoinResult { result, code, tries, reply }).await;
         });
+    }
+
+    /// `shoal join --accept PREFIX`: take an approval from that cluster for a while.
+    fn accept(&mut self, prefix: &str) -> AdminResponse {
+        if self.core.is_some() {
+            return AdminResponse::Error("this node already belongs to a cluster".into());
+        }
+        let prefix = prefix.trim().to_ascii_lowercase();
+        if prefix.len() < 8 || !prefix.chars().all(|c| c.is_ascii_hexdigit()) {
+            return AdminResponse::Error(
+                "give at least the first 8 hex digits of the cluster id (`shoal status` lists the clusters on the LAN)"
+                    .into(),
+            );
+        }
+        let seen = self.lan_clusters();
+        let hits: Vec<&(ClusterId, usize)> = seen.iter().filter(|(c, _)| c.to_string().starts_with(&prefix)).collect();
+        match hits.as_slice() {
+            [(cluster, nodes)] => {
+                let until = self.now() + ACCEPT_MS;
+                self.accepting = Some(Acceptance { prefix: cluster.to_string(), until: Some(until) });
+                lock(&self.public).accepts_approval = true;
+                tracing::info!(%cluster, "the owner agreed to an approval from this cluster");
+                AdminResponse::Ok(format!(
+                    "this node takes an approval from cluster {cluster} ({nodes} node(s) on the LAN) for the next {} min: \
+                     approve it there with `shoal nodes approve {}`",
+                    ACCEPT_MS / 60_000,
+                    &self.me.to_string()[..12]
+                ))
+            }
+            [] => AdminResponse::Error(format!(
+                "no cluster {prefix}… advertises on the LAN; seen: {}",
+                if seen.is_empty() {
+                    "none".to_string()
+                } else {
+                    seen.iter().map(|(c, n)| format!("{c} ({n} node(s))")).collect::<Vec<_>>().join(", ")
+                }
+            )),
+            _ => AdminResponse::Error(format!("{prefix} matches {} clusters; give more digits", hits.len())),
+        }
+    }
+
+    /// Clusters advertised on the LAN, with how many nodes advertise each.
+    fn lan_clusters(&self) -> Vec<(ClusterId, usize)> {
+        let mut seen: BTreeMap<ClusterId, usize> = BTreeMap::new();
+        for (advert, _) in self.peers.values() {
+            if let Some(c) = advert.cluster {
+                *seen.entry(c).or_default() += 1;
+            }
+        }
+        seen.into_iter().collect()
+    }
+
+    fn save_tokens(&self) -> Result<(), NodeError> {
+        blocking(|| self.store.put_json(Space::Node, TOKENS_KEY, &self.tokens))?;
+        Ok(())
+    }
+
+    /// Unpaired with a join token: try the members of its cluster now and then.
+    fn token_tick(&mut self, now: u64) {
+        let Some(token) = self.cfg.join_token.clone() else { return };
+        if self.token_join.trying || now < self.token_join.next {
+            return;
+        }
+        let targets = self.join_targets(Some(token.cluster));
+        if targets.is_empty() {
+            self.token_join.status = format!("waiting to discover a member of cluster {}", token.cluster);
+            self.token_join.next = now + 1000;
+            return;
+        }
+        self.token_join.trying = true;
+        let info = lock(&self.public).clone();
+        let (open, tx) = (self.open.clone(), self.tx.clone());
+        tokio::spawn(async move {
+            let result = join_with_code(&open, &JoinSecret::Token(token), info, &targets).await;
+            let _ = tx.send(Input::TokenJoined { result }).await;
+        });
+    }
+
+    fn on_token_joined(&mut self, result: Result<Box<ClusterState>, String>) -> Result<(), NodeError> {
+        let now = self.now();
+        let Some(token) = self.cfg.join_token.clone() else { return Ok(()) };
+        match result {
+            Ok(state) if self.core.is_none() && state.is_member(&self.me) && state.cluster == token.cluster => {
+                tracing::info!(cluster = %state.cluster, "joined with the join token");
+                self.adopt(*state)?;
+                self.provisional = Some(now + self.cfg.timing.confirm_ms);
+                self.cfg.join_token = None;
+                self.token_join.status = String::new();
+                // Used up: a restart must not try it again.
+                let file = self.cfg.data_dir.join(JOIN_TOKEN_FILE);
+                if file.exists() {
+                    if let Err(e) = std::fs::remove_file(&file) {
+                        tracing::warn!("cannot delete {}: {e}", file.display());
+                    }
+                }
+            }
+            Ok(_) => {
+                self.token_join.status = "the member answered without a usable cluster state".into();
+                self.token_join.next = now + 5_000;
+            }
+            Err(e) if e == NO_OFFER => {
+                self.token_join.status =
+                    format!("no member of cluster {} discovered so far holds this token", token.cluster);
+                self.token_join.next = now + 3_000;
+            }
+            Err(e) => {
+                tracing::warn!("joining with the join token failed: {e}");
+                self.token_join.status = format!("refused: {e}");
+                self.token_join.next = now + 30_000;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ask the members (on their join endpoints) whether this node is still one of them;
+    /// a majority of the membership without this node must say no.
+    fn check_revocation(&mut self, from: NodeId, rounds: u32) {
+        let Some(core) = &self.core else { return };
+        let cluster = core.state().cluster;
+        let others: Vec<NodeId> = core.state().members.keys().filter(|m| **m != self.me).copied().collect();
+        let need = others.len() / 2 + 1;
+        let addrs = lock(&self.addrs);
+        let targets: Vec<(NodeId, SocketAddr)> = others
+            .iter()
+            .filter_map(|m| {
+                let (advert, ips) = self.peers.get(m)?;
+                // The advertised address, or the one the member was reached at.
+                let ip = reachable(ips, self.main_addr).copied().or_else(|| addrs.get(m).map(|a| a.ip()))?;
+                Some((*m, SocketAddr::new(ip, advert.join_port)))
+            })
+            .collect();
+        drop(addrs);
+        self.checking_revocation = true;
+        let (open, tx) = (self.open.clone(), self.tx.clone());
+        tokio::spawn(async move {
+            let mut confirmed = false;
+            // The members learn of a commit a beat after the leader: a few rounds.
+            for round in 0..rounds {
+                if round > 0 {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                let mut asks = tokio::task::JoinSet::new();
+                for (node, addr) in targets.clone() {
+                    let open = open.clone();
+                    asks.spawn(async move {
+                        let ask = join_request(&open, addr, node, &JoinRequest::AmIMember);
+                        tokio::time::timeout(Duration::from_secs(5), ask).await
+                    });
+                }
+                let mut no = 0;
+                while let Some(done) = asks.join_next().await {
+                    if let Ok(Ok(Ok(JoinResponse::Membership { cluster: c, member: false, .. }))) = done {
+                        no += usize::from(c == cluster);
+                    }
+                }
+                if no >= need {
+                    confirmed = true;
+                    break;
+                }
+            }
+            let _ = tx.send(Input::RevocationChecked { from, confirmed }).await;
+        });
+    }
+
+    /// Forget the cluster here without asking anyone (reset by the owner, or an approval
+    /// that was never confirmed): unpaired, waiting for a code, a token or an approval.
+    fn forget(&mut self, why: &str) -> Result<(), NodeError> {
+        tracing::warn!("forgetting the cluster: {why}");
+        blocking(|| self.store.remove(Space::Cluster, "state"))?;
+        blocking(|| self.store.remove(Space::Cluster, "last"))?;
+        self.unpaired(why);
+        Ok(())
+    }
+
+    /// Drop the core and everything that depended on being a member.
+    fn unpaired(&mut self, why: &str) {
+        self.core = None;
+        self.provisional = None;
+        self.checking_revocation = false;
+        lock(&self.public).cluster = None;
+        self.sync_trust();
+        self.advertise();
+        let mut waiting: Vec<Proposal> = self.waiting.drain().map(|(_, p)| p).collect();
+        waiting.extend(self.retry.drain(..).map(|(_, p)| p));
+        for p in waiting {
+            let me = self.me;
+            match p.waiter {
+                Waiter::Remove { node, reply } if node == me => {
+                    let _ = reply.send(AdminResponse::Ok(format!("removed {node}; this node is unpaired now")));
+                }
+                Waiter::Approve { reply, .. } | Waiter::Remove { reply, .. } | Waiter::Put { reply, .. } => {
+                    let _ = reply.send(AdminResponse::Error(format!("this node left the cluster: {why}")));
+                }
+                Waiter::Paired { .. } => {}
+            }
+        }
+        // Not straight back into a cluster of our own: wait to be approved or paired.
+        self.cfg.create = CreatePolicy::Never;
     }
 
     fn propose(&mut self, change: Change, waiter: Waiter) -> Result<(), NodeError> {
@@ -924,8 +1397,8 @@ impl Actor {
     fn execute(&mut self, actions: Vec<Action>) -> Result<(), NodeError> {
         for action in actions {
             match action {
-                Action::PersistHard(h) => self.store.put_json(Space::Election, "hard", &h)?,
-                Action::PersistState(s) => self.store.put_json(Space::Cluster, "state", &*s)?,
+                Action::PersistHard(h) => blocking(|| self.store.put_json(Space::Election, "hard", &h))?,
+                Action::PersistState(s) => blocking(|| self.store.put_json(Space::Cluster, "state", &*s))?,
                 Action::Send { to, msg } => self.send(to, msg),
                 Action::Reply { req, result } => self.answer(req, result),
                 Action::Event(Event::State { version }) => {
@@ -957,30 +1430,10 @@ impl Actor {
         tracing::warn!("this node was removed from the cluster; it is unpaired now");
         if let Some(core) = &self.core {
             // Kept so that a welcome back can be checked against it (see `on_welcome`).
-            self.store.put_json(Space::Cluster, "last", core.state())?;
+            blocking(|| self.store.put_json(Space::Cluster, "last", core.state()))?;
         }
-        self.store.remove(Space::Cluster, "state")?;
-        self.core = None;
-        lock(&self.public).cluster = None;
-        self.sync_trust();
-        self.advertise();
-        let mut waiting: Vec<Proposal> = self.waiting.drain().map(|(_, p)| p).collect();
-        waiting.extend(self.retry.drain(..).map(|(_, p)| p));
-        for p in waiting {
-            let me = self.me;
-            let text = "this node was removed from the cluster";
-            match p.waiter {
-                Waiter::Remove { node, reply } if node == me => {
-                    let _ = reply.send(AdminResponse::Ok(format!("removed {node}; this node is unpaired now")));
-                }
-                Waiter::Approve { reply, .. } | Waiter::Remove { reply, .. } | Waiter::Put { reply, .. } => {
-                    let _ = reply.send(AdminResponse::Error(text.into()));
-                }
-                Waiter::Paired { .. } => {}
-            }
-        }
-        // Not straight back into a cluster of our own: wait to be approved or paired.
-        self.cfg.create = CreatePolicy::Never;
+        blocking(|| self.store.remove(Space::Cluster, "state"))?;
+        self.unpaired("it was removed");
         Ok(())
     }
 
@@ -1002,7 +1455,7 @@ impl Actor {
     fn tell_revoked(&self, node: NodeId) {
         let Some(core) = &self.core else { return };
         let Some((advert, ips)) = self.peers.get(&node) else { return };
-        let Some(ip) = ips.first() else { return };
+        let Some(ip) = reachable(ips, self.main_addr) else { return };
         let (open, addr, state) =
             (self.open.clone(), SocketAddr::new(*ip, advert.join_port), Box::new(core.state().clone()));
         tokio::spawn(async move {
@@ -1040,6 +1493,12 @@ impl Actor {
                 self.pending.remove(&node);
                 let _ = reply.send(AdminResponse::Ok(format!("approved {node}")));
             }
+            (Waiter::Remove { node, reply }, Ok(_)) if node == self.me => {
+                // This node's own removal committed (`shoal leave`): the leader's notice
+                // may never arrive (its links to us go with our key), so leave now.
+                let _ = reply.send(AdminResponse::Ok(format!("removed {node}; this node is unpaired now")));
+                self.leave_now = true;
+            }
             (Waiter::Remove { node, reply }, Ok(_)) => {
                 let _ = reply.send(AdminResponse::Ok(format!("removed {node}; its key is revoked")));
             }
@@ -1057,7 +1516,7 @@ impl Actor {
     /// Send `state` (which lists it as a member) to a node on its join endpoint.
     fn welcome(&mut self, node: NodeId, state: ClusterState) {
         let Some((advert, ips)) = self.peers.get(&node) else { return };
-        let Some(ip) = ips.first() else { return };
+        let Some(ip) = reachable(ips, self.main_addr) else { return };
         let addr = SocketAddr::new(*ip, advert.join_port);
         // Its main endpoint, for the membership link, until its new advert arrives.
         lock(&self.addrs).entry(node).or_insert(SocketAddr::new(*ip, advert.port));
@@ -1094,7 +1553,14 @@ impl Actor {
     fn send(&mut self, to: NodeId, msg: crate::core::Msg) {
         let link = self.links.entry(to).or_insert_with(|| {
             let (tx, rx) = mpsc::channel(64);
-            tokio::spawn(link_task(self.main.clone(), to, self.addrs.clone(), rx, self.traffic.clone()));
+            tokio::spawn(link_task(
+                self.main.clone(),
+                to,
+                self.addrs.clone(),
+                self.hints.clone(),
+                rx,
+                self.traffic.clone(),
+            ));
             tx
         });
         // Best effort: a full queue means the member is unreachable; the protocol
@@ -1105,7 +1571,7 @@ impl Actor {
     fn on_discovery(&mut self, event: DiscoveryEvent) {
         match event {
             DiscoveryEvent::Found { advert, addrs } => {
-                let Some(ip) = addrs.first().copied() else { return };
+                let Some(ip) = reachable(&addrs, self.main_addr).copied() else { return };
                 let cluster = self.core.as_ref().map(|c| c.state().cluster);
                 let revoked = self.core.as_ref().is_some_and(|c| c.state().revoked.contains(&advert.node));
                 let leader = self.core.as_ref().is_some_and(|c| c.role() == &ElectionRole::Leader);
@@ -1116,8 +1582,20 @@ impl Actor {
                         self.tell_revoked(advert.node);
                     }
                 } else if advert.cluster.is_some() && advert.cluster == cluster {
-                    // A member: mDNS is a hint; the QUIC handshake checks the key.
-                    lock(&self.addrs).insert(advert.node, SocketAddr::new(ip, advert.port));
+                    // A member: mDNS is only a hint. It gives the first address; after
+                    // that, another address goes to the hints, and a link task uses it
+                    // only if the known one fails and a handshake there proves the key.
+                    let addr = SocketAddr::new(ip, advert.port);
+                    let mut addrs = lock(&self.addrs);
+                    match addrs.get(&advert.node) {
+                        None => {
+                            addrs.insert(advert.node, addr);
+                        }
+                        Some(known) if *known != addr => {
+                            lock(&self.hints).insert(advert.node, addr);
+                        }
+                        Some(_) => {}
+                    }
                 } else if advert.cluster.is_none() && cluster.is_some() && !self.verifying.contains(&advert.node) {
                     let revoked = self.core.as_ref().is_some_and(|c| c.state().revoked.contains(&advert.node));
                     if !revoked && !self.pending.contains_key(&advert.node) {
@@ -1220,6 +1698,19 @@ impl Actor {
                 })
                 .collect(),
             pairing_s: self.offers.active(now).map(|until| until.saturating_sub(now) / 1000),
+            tokens: self.tokens.active(unix_ms()),
+            lan_clusters: if self.core.is_none() { self.lan_clusters() } else { Vec::new() },
+            accepting: self
+                .accepting
+                .as_ref()
+                .filter(|_| self.core.is_none())
+                .and_then(|a| a.prefix.parse::<ClusterId>().ok()),
+            join_token: self
+                .cfg
+                .join_token
+                .as_ref()
+                .filter(|_| self.core.is_none())
+                .map(|t| format!("cluster {}: {}", t.cluster, self.token_join.status)),
             sent_msgs: self.traffic.msgs.load(Ordering::Relaxed),
             sent_bytes: self.traffic.bytes.load(Ordering::Relaxed),
             uptime_s: self.start.elapsed().as_secs_f64(),
@@ -1233,6 +1724,7 @@ async fn link_task(
     main: Arc<Node>,
     to: NodeId,
     addrs: Arc<Mutex<HashMap<NodeId, SocketAddr>>>,
+    hints: Arc<Mutex<HashMap<NodeId, SocketAddr>>>,
     mut rx: mpsc::Receiver<crate::core::Msg>,
     traffic: Arc<Traffic>,
 ) {
@@ -1247,8 +1739,26 @@ async fn link_task(
             if Instant::now() < retry_at {
                 continue; // dropped: beats repeat, the protocol tolerates loss
             }
-            let Some(addr) = lock(&addrs).get(&to).copied() else { continue };
-            match tokio::time::timeout(Duration::from_secs(3), main.connect(addr, to, alpn::MEMBERSHIP)).await {
+            let known = lock(&addrs).get(&to).copied();
+            let hint = lock(&hints).get(&to).copied().filter(|h| Some(*h) != known);
+            let Some(addr) = known.or(hint) else { continue };
+            let connect = |addr| tokio::time::timeout(Duration::from_secs(3), main.connect(addr, to, alpn::MEMBERSHIP));
+            let mut attempt = connect(addr).await;
+            // The known address failed: try the other one heard of. mDNS or a forged
+            // advert can only suggest it; the handshake there proves the member's key
+            // before it replaces the known one.
+            if let (false, Some(hint), Some(_)) = (matches!(attempt, Ok(Ok(_))), hint, known) {
+                attempt = connect(hint).await;
+                if matches!(attempt, Ok(Ok(_))) {
+                    tracing::info!(node = %to, %hint, "member reached at a new address");
+                    lock(&addrs).insert(to, hint);
+                    lock(&hints).remove(&to);
+                }
+            } else if known.is_none() && matches!(attempt, Ok(Ok(_))) {
+                lock(&addrs).insert(to, addr);
+                lock(&hints).remove(&to);
+            }
+            match attempt {
                 Ok(Ok(c)) => {
                     conn = Some(c);
                     backoff = Duration::from_millis(50);
@@ -1293,7 +1803,7 @@ async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
         let addr = acc.conn.remote_address();
         if acc.peer != me {
             if let Some(trusted) = main.trusted() {
-                tokio::spawn(close_when_untrusted(acc.conn.clone(), acc.peer, trusted.clone()));
+                tokio::spawn(shoal_net::close_when_revoked(acc.conn.clone(), acc.peer, trusted.clone()));
             }
         }
         if acc.alpn == alpn::MEMBERSHIP && acc.peer != me {
@@ -1342,23 +1852,6 @@ async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
     }
 }
 
-/// Close `conn` once `peer`'s key is no longer trusted (it was removed): the handshake
-/// checked it once, and QUIC keep-alives would hold the connection open for good.
-async fn close_when_untrusted(conn: quinn::Connection, peer: NodeId, trusted: TrustedKeys) {
-    loop {
-        tokio::select! {
-            _ = conn.closed() => return,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {
-                if !trusted.contains(&peer) {
-                    tracing::info!(%peer, "closing a connection of a removed member");
-                    conn.close(2u32.into(), b"key revoked");
-                    return;
-                }
-            }
-        }
-    }
-}
-
 /// Accept connections on the join endpoint: public facts, pairing, welcomes.
 async fn accept_join(open: Arc<Node>, tx: mpsc::Sender<Input>, public: Arc<Mutex<PublicInfo>>, me: NodeId) {
     while let Some(acc) = open.accept().await {
@@ -1384,7 +1877,10 @@ async fn serve_join(
     public: &Mutex<PublicInfo>,
 ) -> Result<(), WireError> {
     // Strangers speak here: a bounded message, and a bounded wait for it.
-    let first = tokio::time::timeout(Duration::from_secs(10), crate::wire::read_msg_max::<JoinRequest>(recv, JOIN_MAX));
+    let first = tokio::time::timeout(
+        Duration::from_secs(10),
+        crate::wire::read_msg_max::<JoinRequest>(recv, crate::wire::MAX_MESSAGE),
+    );
     let Some(req) = first.await.map_err(|_| WireError::Stream("no request within 10 s".into()))?? else {
         return Ok(());
     };
@@ -1399,11 +1895,12 @@ async fn serve_join(
             tx.send(Input::Welcome { from: peer, state, reply }).await.map_err(|_| stopping())?;
             write_msg(send, &rx.await.map_err(|_| stopping())?).await
         }
-        JoinRequest::PairStart { msg, mut info } => {
+        JoinRequest::PairStart { msg, mut info, token } => {
             // The key is the one the joiner proved in the handshake, whatever it claims.
             info.node = peer;
+            let token_id = token.as_deref().and_then(|t| t.parse::<TokenId>().ok());
             let (reply, rx) = oneshot::channel();
-            tx.send(Input::PairBegin(reply)).await.map_err(|_| stopping())?;
+            tx.send(Input::PairBegin { token, reply }).await.map_err(|_| stopping())?;
             let code = match rx.await.map_err(|_| stopping())? {
                 Ok(code) => code,
                 Err(PairError::NoOffer) => return write_msg(send, &JoinResponse::NoOffer).await,
@@ -1411,7 +1908,7 @@ async fn serve_join(
             };
             let done = |ok: bool, info: PublicInfo| async move {
                 let (reply, rx) = oneshot::channel();
-                tx.send(Input::PairDone { ok, info, reply }).await.map_err(|_| stopping())?;
+                tx.send(Input::PairDone { ok, info, token: token_id, reply }).await.map_err(|_| stopping())?;
                 rx.await.map_err(|_| stopping())
             };
             let (responder, first) = match Responder::respond(&code, peer, me, &msg) {
@@ -1433,6 +1930,11 @@ async fn serve_join(
         JoinRequest::Revoked { state } => {
             let (reply, rx) = oneshot::channel();
             tx.send(Input::Revoked { from: peer, state, reply }).await.map_err(|_| stopping())?;
+            write_msg(send, &rx.await.map_err(|_| stopping())?).await
+        }
+        JoinRequest::AmIMember => {
+            let (reply, rx) = oneshot::channel();
+            tx.send(Input::AmIMember { peer, reply }).await.map_err(|_| stopping())?;
             write_msg(send, &rx.await.map_err(|_| stopping())?).await
         }
         JoinRequest::PairConfirm { .. } => {
@@ -1458,52 +1960,93 @@ async fn join_request(open: &Node, addr: SocketAddr, node: NodeId, req: &JoinReq
     Ok(answer)
 }
 
-/// Pair with `code`, trying the members in `targets` until one holds an offer.
+/// Pair with `code` (or a token), trying the members in `targets` until one holds an
+/// offer. Each member gets its own time limits: one that accepts and then stalls, or
+/// answers nonsense, costs at most a few seconds before the next is tried.
 async fn join_with_code(
     open: &Node,
-    code: &PairingCode,
+    code: &JoinSecret,
     info: PublicInfo,
     targets: &[(NodeId, SocketAddr)],
 ) -> Result<Box<ClusterState>, String> {
-    let mut last: Option<String> = None;
+    // What a member that held an offer said (a wrong code, a pause to respect) matters
+    // more to the user than members that could not be reached.
+    let (mut answered, mut unreachable): (Option<String>, Option<String>) = (None, None);
     for (member, addr) in targets {
-        let conn = match tokio::time::timeout(Duration::from_secs(5), open.connect(*addr, *member, alpn::JOIN)).await {
-            Ok(Ok(c)) => c,
-            _ => continue,
-        };
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
-        let (joiner, first) = Joiner::start(code, open.id(), *member);
-        let io = |e: WireError| e.to_string();
-        write_msg(&mut send, &JoinRequest::PairStart { msg: first, info: info.clone() }).await.map_err(io)?;
-        match read_msg::<JoinResponse>(&mut recv).await.map_err(io)? {
-            Some(JoinResponse::PairReply { msg }) => {
-                // A wrong code here may be right at another member (another cluster, or
-                // an older code): go on, and report the failure only if none takes it.
-                let confirmation = match joiner.finish(&msg) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        last = Some(e.to_string());
-                        continue;
-                    }
-                };
-                write_msg(&mut send, &JoinRequest::PairConfirm { msg: confirmation }).await.map_err(io)?;
-                let answer = tokio::time::timeout(Duration::from_secs(30), read_msg::<JoinResponse>(&mut recv))
-                    .await
-                    .map_err(|_| "no answer from the member within 30 s".to_string())?
-                    .map_err(io)?;
-                conn.close(0u32.into(), b"done");
-                return match answer {
-                    Some(JoinResponse::Joined { state }) => Ok(state),
-                    Some(JoinResponse::Error(e)) => Err(e),
-                    other => Err(format!("unexpected answer: {other:?}")),
-                };
-            }
-            Some(JoinResponse::NoOffer) => continue,
-            Some(JoinResponse::Error(e)) => last = Some(e),
-            other => last = Some(format!("unexpected answer: {other:?}")),
+        let attempt = pair_with(open, code, info.clone(), *member, *addr);
+        match tokio::time::timeout(Duration::from_secs(45), attempt).await {
+            Ok(PairOutcome::Joined(state)) => return Ok(state),
+            Ok(PairOutcome::Final(e)) => return Err(e),
+            Ok(PairOutcome::NoOffer) => {}
+            Ok(PairOutcome::Next(e)) => answered = Some(e),
+            Ok(PairOutcome::Unreachable(e)) => unreachable = Some(e),
+            Err(_) => unreachable = Some(format!("{member} did not finish the exchange in 45 s")),
         }
     }
-    Err(last.unwrap_or_else(|| NO_OFFER.to_string()))
+    Err(answered.or(unreachable).unwrap_or_else(|| NO_OFFER.to_string()))
+}
+
+/// How one pairing attempt with one member ended.
+enum PairOutcome {
+    /// Joined: the state to start from.
+    Joined(Box<ClusterState>),
+    /// The member holds no offer: try the next one.
+    NoOffer,
+    /// This member answered but it did not work (wrong secret for it, a pause to
+    /// respect, nonsense): try the next one, and report this if none succeeds.
+    Next(String),
+    /// This member could not be reached or did not answer: try the next one.
+    Unreachable(String),
+    /// The exchange succeeded but the member refused afterwards: stop.
+    Final(String),
+}
+
+async fn pair_with(open: &Node, code: &JoinSecret, info: PublicInfo, member: NodeId, addr: SocketAddr) -> PairOutcome {
+    let io = |e: &dyn std::fmt::Display| PairOutcome::Unreachable(format!("{member}: {e}"));
+    let conn = match tokio::time::timeout(Duration::from_secs(5), open.connect(addr, member, alpn::JOIN)).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return io(&e),
+        Err(_) => return io(&"no connection within 5 s"),
+    };
+    let (mut send, mut recv) = match conn.open_bi().await {
+        Ok(s) => s,
+        Err(e) => return io(&e),
+    };
+    let (joiner, first) = Joiner::start(code, open.id(), member);
+    let start = JoinRequest::PairStart { msg: first, info, token: code.token_id() };
+    if let Err(e) = write_msg(&mut send, &start).await {
+        return io(&e);
+    }
+    let reply = match tokio::time::timeout(Duration::from_secs(10), read_msg::<JoinResponse>(&mut recv)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return io(&e),
+        Err(_) => return io(&"no reply within 10 s"),
+    };
+    match reply {
+        Some(JoinResponse::PairReply { msg }) => {
+            // A wrong code here may be right at another member (another cluster, or an
+            // older code): go on, and report the failure only if none takes it.
+            let confirmation = match joiner.finish(&msg) {
+                Ok(c) => c,
+                Err(e) => return PairOutcome::Next(e.to_string()),
+            };
+            if let Err(e) = write_msg(&mut send, &JoinRequest::PairConfirm { msg: confirmation }).await {
+                return io(&e);
+            }
+            let answer = tokio::time::timeout(Duration::from_secs(30), read_msg::<JoinResponse>(&mut recv)).await;
+            conn.close(0u32.into(), b"done");
+            match answer {
+                Ok(Ok(Some(JoinResponse::Joined { state }))) => PairOutcome::Joined(state),
+                Ok(Ok(Some(JoinResponse::Error(e)))) => PairOutcome::Final(e),
+                Ok(Ok(other)) => PairOutcome::Final(format!("unexpected answer: {other:?}")),
+                Ok(Err(e)) => PairOutcome::Final(e.to_string()),
+                Err(_) => PairOutcome::Final("no answer from the member within 30 s".into()),
+            }
+        }
+        Some(JoinResponse::NoOffer) => PairOutcome::NoOffer,
+        Some(JoinResponse::Error(e)) => PairOutcome::Next(e),
+        other => PairOutcome::Next(format!("unexpected answer: {other:?}")),
+    }
 }
 
 /// What pairing reports when no member discovered so far holds a code (retried).
@@ -1607,6 +2150,35 @@ pub async fn admin_at(
     Ok(answer)
 }
 
+/// `shoal reset` while the node is stopped: forget the cluster stored in `data_dir`
+/// (and the tokens made there); with `new_key`, also the node's key and election state,
+/// so that it starts as a new node. Fails if the node runs (its store is locked).
+pub fn reset_offline(data_dir: &Path, new_key: bool) -> Result<String, NodeError> {
+    let store = SledStore::open(data_dir)?;
+    let cluster = store.get_json::<ClusterState>(Space::Cluster, "state")?.map(|s| s.cluster);
+    store.remove(Space::Cluster, "state")?;
+    store.remove(Space::Cluster, "last")?;
+    store.remove(Space::Node, TOKENS_KEY)?;
+    let mut text = match cluster {
+        Some(c) => format!("this node forgot cluster {c}; it starts unpaired"),
+        None => "this node held no cluster; it starts unpaired".to_string(),
+    };
+    if new_key {
+        // A new key is a new node: its old term and vote mean nothing to anyone.
+        store.remove(Space::Election, "hard")?;
+        drop(store);
+        let key = data_dir.join(shoal_net::identity::KEY_FILE);
+        match std::fs::remove_file(&key) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(NodeError::Io { path: key, source }),
+        }
+        shoal_net::identity::sync_dir(data_dir).map_err(|source| NodeError::Io { path: data_dir.into(), source })?;
+        text.push_str(" with a new key (a new node id) at its next start");
+    }
+    Ok(text)
+}
+
 fn write_endpoint(dir: &Path, addr: SocketAddr) -> Result<(), NodeError> {
     let path = dir.join(ENDPOINT_FILE);
     std::fs::write(&path, format!("{addr}\n")).map_err(|source| NodeError::Io { path, source })
@@ -1630,9 +2202,31 @@ fn memory_of(inv: &NodeInventory) -> u64 {
     inv.ram_total_bytes + inv.gpus.iter().map(|g| g.total_bytes).sum::<u64>()
 }
 
+/// Run a store write (it fsyncs) off the async worker: on the multi-threaded runtime
+/// `block_in_place` hands this worker's other tasks (link tasks carrying beats, accept
+/// loops) to another thread while the disk is slow. The actor itself waits, which keeps
+/// the order the core needs (a vote is stored before the reply that depends on it).
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A poisoned lock means a panic elsewhere mid-update of plain data; still usable.
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The first of a peer's advertised addresses this node's endpoints can reach: one of
+/// the same family (an endpoint bound to IPv4 cannot dial `::1`), else the first.
+fn reachable(ips: &[IpAddr], local: SocketAddr) -> Option<&IpAddr> {
+    ips.iter().find(|ip| ip.is_ipv4() == local.is_ipv4() || local.ip().is_unspecified() && local.is_ipv6())
+}
+
+/// Wall-clock time (Unix, ms): for what outlives a restart (join tokens' expiry).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 fn fill_random(buf: &mut [u8]) {

@@ -167,8 +167,22 @@ impl FromStr for PairingCode {
     }
 }
 
-fn password(code: &PairingCode) -> Password {
-    Password::new(code.digits())
+/// A SPAKE2 password: a code's 8 digits, or a join token's secret (see [`crate::token`]).
+/// Both sides must use the same one; which one a joiner means is told by the token id it
+/// sends beside its first message (none: the member's current code).
+pub trait Secret {
+    /// The password bytes.
+    fn password(&self) -> Vec<u8>;
+}
+
+impl Secret for PairingCode {
+    fn password(&self) -> Vec<u8> {
+        self.digits().to_vec()
+    }
+}
+
+fn password(secret: &dyn Secret) -> Password {
+    Password::new(secret.password())
 }
 
 /// The confirmation MAC of one side over the whole exchange.
@@ -212,7 +226,7 @@ impl fmt::Debug for Joiner {
 impl Joiner {
     /// Begin an exchange as node `joiner` with node `member` (both as seen in the TLS
     /// handshake). Returns the first message to send to the member.
-    pub fn start(code: &PairingCode, joiner: NodeId, member: NodeId) -> (Joiner, Vec<u8>) {
+    pub fn start(code: &dyn Secret, joiner: NodeId, member: NodeId) -> (Joiner, Vec<u8>) {
         let (spake, first) =
             Spake2::<Ed25519Group>::start_a(&password(code), &Identity::new(&joiner.0), &Identity::new(&member.0));
         (Joiner { spake, joiner, member, first: first.clone() }, first)
@@ -255,7 +269,7 @@ impl Responder {
     /// Returns the reply to send: the member's SPAKE2 message and its MAC.
     /// [`PairError::Protocol`] if `first` is malformed.
     pub fn respond(
-        code: &PairingCode,
+        code: &dyn Secret,
         joiner: NodeId,
         member: NodeId,
         first: &[u8],

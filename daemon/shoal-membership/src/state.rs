@@ -49,6 +49,11 @@ impl Member {
 pub const MAX_KEY: usize = 200;
 /// See [`MAX_KEY`].
 pub const MAX_VALUE: usize = 64 * 1024;
+/// The largest cluster state (encoded JSON) a change may produce. Every message that
+/// carries a state (membership snapshots, welcomes on the join endpoint) is bounded by
+/// this plus [`crate::wire::ENVELOPE`], so a state the leader accepted always fits the
+/// messages that must carry it.
+pub const MAX_STATE_BYTES: usize = 2 << 20;
 
 /// One change the leader can make.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -93,6 +98,9 @@ pub enum ChangeError {
     /// A key or value over the limits.
     #[error("entry {0:?} is too large or its key is empty")]
     TooLarge(String),
+    /// The change would make the state larger than [`MAX_STATE_BYTES`].
+    #[error("the cluster state would exceed {} bytes; delete entries first", MAX_STATE_BYTES)]
+    StateFull,
 }
 
 /// The replicated cluster state.
@@ -135,6 +143,12 @@ impl ClusterState {
         self.members.len() / 2 + 1
     }
 
+    /// The size of this state as JSON, as it crosses the network.
+    pub fn encoded_len(&self) -> usize {
+        // Invariant: the state is plain data (string keys, JSON values): it serialises.
+        serde_json::to_vec(self).map(|v| v.len()).unwrap_or(usize::MAX)
+    }
+
     /// Apply `change` (without touching the version: the caller stamps it).
     pub fn apply(&mut self, change: &Change) -> Result<(), ChangeError> {
         match change {
@@ -144,6 +158,10 @@ impl ClusterState {
                 }
                 self.revoked.remove(&m.id);
                 self.members.insert(m.id, m.clone());
+                if self.encoded_len() > MAX_STATE_BYTES {
+                    self.members.remove(&m.id);
+                    return Err(ChangeError::StateFull);
+                }
             }
             Change::RemoveMember(id) => {
                 if !self.members.contains_key(id) {
@@ -160,7 +178,14 @@ impl ClusterState {
                 if key.is_empty() || key.len() > MAX_KEY || size > MAX_VALUE {
                     return Err(ChangeError::TooLarge(key.chars().take(40).collect()));
                 }
-                self.entries.insert(key.clone(), value.clone());
+                let old = self.entries.insert(key.clone(), value.clone());
+                if self.encoded_len() > MAX_STATE_BYTES {
+                    match old {
+                        Some(old) => self.entries.insert(key.clone(), old),
+                        None => self.entries.remove(key),
+                    };
+                    return Err(ChangeError::StateFull);
+                }
             }
             Change::Delete { key } => {
                 self.entries.remove(key);
@@ -201,6 +226,26 @@ mod tests {
         assert!(s.apply(&Change::Put { key: String::new(), value: 1.into() }).is_err());
         s.apply(&Change::Put { key: "a".into(), value: 1.into() }).unwrap();
         assert_eq!(s.entries["a"], 1);
+    }
+
+    #[test]
+    fn a_state_never_grows_past_what_a_welcome_can_carry() {
+        let mut s = ClusterState::create(ClusterId([1; 16]), member(1));
+        let value = serde_json::Value::String("x".repeat(MAX_VALUE - 100));
+        let mut refused = None;
+        for i in 0..100 {
+            if let Err(e) = s.apply(&Change::Put { key: format!("k{i}"), value: value.clone() }) {
+                refused = Some((i, e));
+                break;
+            }
+        }
+        let (i, e) = refused.expect("the state grew without bound");
+        assert_eq!(e, ChangeError::StateFull);
+        assert!(!s.entries.contains_key(&format!("k{i}")), "a refused change was kept");
+        assert!(s.encoded_len() <= MAX_STATE_BYTES);
+        assert!(MAX_STATE_BYTES + crate::wire::ENVELOPE <= crate::wire::MAX_MESSAGE);
+        // Replacing an entry by a smaller one is still allowed when full.
+        s.apply(&Change::Put { key: "k0".into(), value: 1.into() }).unwrap();
     }
 
     #[test]

@@ -7,8 +7,12 @@ use crate::state::ClusterState;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use shoal_types::{ClusterId, NodeId, Role};
 
-/// The largest message accepted (a cluster state with many entries fits easily).
-pub const MAX_MESSAGE: usize = 4 << 20;
+/// Room around a cluster state in a message (the message's own fields).
+pub const ENVELOPE: usize = 64 << 10;
+/// The largest message accepted: a cluster state of the largest size a change may
+/// produce ([`crate::state::MAX_STATE_BYTES`]) with its envelope. The join endpoint uses
+/// the same bound, since a welcome carries the whole state.
+pub const MAX_MESSAGE: usize = crate::state::MAX_STATE_BYTES + ENVELOPE;
 
 /// Why a message could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -55,8 +59,21 @@ pub async fn read_msg_max<T: DeserializeOwned>(
     if len > max {
         return Err(WireError::TooLarge(len));
     }
-    let mut body = vec![0u8; len];
-    recv.read_exact(&mut body).await.map_err(|e| WireError::Stream(e.to_string()))?;
+    // Memory grows with the bytes that actually arrive, not with the length a peer
+    // announced: a stranger who sends only a large length costs nothing.
+    let mut body = Vec::with_capacity(len.min(64 << 10));
+    while body.len() < len {
+        match recv.read_chunk(len - body.len(), true).await {
+            Ok(Some(chunk)) => body.extend_from_slice(&chunk.bytes),
+            Ok(None) => {
+                return Err(WireError::Stream(format!(
+                    "the stream ended {} bytes into a {len}-byte message",
+                    body.len()
+                )))
+            }
+            Err(e) => return Err(WireError::Stream(e.to_string())),
+        }
+    }
     decode(&body).map(Some)
 }
 
@@ -78,13 +95,10 @@ pub struct PublicInfo {
     pub role: Role,
     /// RAM + VRAM it offers, bytes.
     pub memory_bytes: u64,
-    /// Whether it takes an approval from a member (else it joins by pairing code only).
-    #[serde(default = "yes")]
+    /// Whether its owner armed it to take an approval now (`shoal join --accept`); else
+    /// it joins only with a pairing code or a join token.
+    #[serde(default)]
     pub accepts_approval: bool,
-}
-
-fn yes() -> bool {
-    true
 }
 
 /// A name from the network made safe to store and print: control characters become
@@ -118,6 +132,10 @@ pub enum JoinRequest {
         msg: Vec<u8>,
         /// The joiner's facts, for its member record.
         info: PublicInfo,
+        /// The join token whose secret the joiner uses (its public id); none: the
+        /// member's current pairing code.
+        #[serde(default)]
+        token: Option<String>,
     },
     /// The joiner's key confirmation.
     PairConfirm {
@@ -135,6 +153,9 @@ pub enum JoinRequest {
         /// The cluster state, holding the receiver as a member.
         state: Box<ClusterState>,
     },
+    /// Is the asker (the key it proved in the handshake) a member of this node's
+    /// cluster? A node told it was removed asks the members before it believes it.
+    AmIMember,
 }
 
 /// Answers on the join endpoint.
@@ -157,6 +178,15 @@ pub enum JoinResponse {
     Accepted,
     /// This node has no pairing code active (the joiner tries another member).
     NoOffer,
+    /// The answer to [`JoinRequest::AmIMember`], from this node's state.
+    Membership {
+        /// This node's cluster.
+        cluster: ClusterId,
+        /// Its state's version.
+        version: crate::state::Version,
+        /// Whether the asker is a member in it.
+        member: bool,
+    },
     /// Refused, and why.
     Error(String),
 }
@@ -180,11 +210,28 @@ pub enum AdminRequest {
     },
     /// Make a pairing code for a new node to join with.
     Pair,
-    /// Join a cluster with a code shown by one of its members.
+    /// Join a cluster with a code shown by one of its members, or a join token.
     Join {
-        /// The code.
+        /// The code or token.
         code: String,
     },
+    /// Take an approval from the cluster whose id starts with `cluster` (for 10
+    /// minutes): the owner of an unpaired node saw that cluster and agrees to join it.
+    Accept {
+        /// Cluster id or prefix (at least 8 hex digits).
+        cluster: String,
+    },
+    /// Make a join token (a one-time secret for a node installed unattended).
+    Token {
+        /// Validity, seconds.
+        valid_s: u64,
+    },
+    /// Leave the cluster cleanly: this node's removal is committed by the others,
+    /// which revoke its key, and it becomes unpaired.
+    Leave,
+    /// Forget the cluster here, at once, without asking anyone (for a node whose
+    /// cluster is gone or unreachable); the members still list it until removed.
+    Reset,
     /// Set a named entry of the cluster state (e.g. a device profile), replicated to
     /// every member once a majority stored it.
     Put {
@@ -287,6 +334,18 @@ pub struct ClusterStatus {
     pub pending: Vec<PendingStatus>,
     /// Seconds left on an active pairing code.
     pub pairing_s: Option<u64>,
+    /// Join tokens made here and still usable.
+    #[serde(default)]
+    pub tokens: usize,
+    /// Unpaired: the clusters whose members advertise on the LAN, with how many.
+    #[serde(default)]
+    pub lan_clusters: Vec<(ClusterId, usize)>,
+    /// Unpaired: the cluster whose approval this node's owner agreed to take.
+    #[serde(default)]
+    pub accepting: Option<ClusterId>,
+    /// Unpaired with a join token: how joining with it goes.
+    #[serde(default)]
+    pub join_token: Option<String>,
     /// Membership messages this node sent, and their bytes (beats, votes, states).
     pub sent_msgs: u64,
     /// See `sent_msgs`.

@@ -26,8 +26,12 @@ fn start(dir: &Path, name: &str, create: CreatePolicy) -> TestNode {
 }
 
 fn start_with(dir: &Path, name: &str, create: CreatePolicy, calibrator: Option<node::Calibrator>) -> TestNode {
+    start_cfg(dir, name, create, |cfg| cfg.calibrator = calibrator)
+}
+
+fn start_cfg(dir: &Path, name: &str, create: CreatePolicy, tweak: impl FnOnce(&mut NodeConfig)) -> TestNode {
     let identity = Arc::new(Identity::load_or_create(dir).unwrap());
-    let cfg = NodeConfig {
+    let mut cfg = NodeConfig {
         data_dir: dir.to_path_buf(),
         listen: "127.0.0.1:0".parse().unwrap(),
         join_listen: "127.0.0.1:0".parse().unwrap(),
@@ -35,11 +39,13 @@ fn start_with(dir: &Path, name: &str, create: CreatePolicy, calibrator: Option<n
         role: Role::Pc,
         interfaces: InterfaceFilter::loopback(),
         create,
-        accept_approval: true,
+        accept: None,
+        join_token: None,
         timing: Config::default(),
         transport: TransportOptions::default(),
-        calibrator,
+        calibrator: None,
     };
+    tweak(&mut cfg);
     let inventory = NodeInventory { ram_total_bytes: 8 << 30, ram_available_bytes: 4 << 30, ..Default::default() };
     let (_keep, rx) = tokio::sync::watch::channel(inventory);
     let (stop, stopped) = oneshot::channel::<()>();
@@ -146,8 +152,25 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
     let cluster = pending.cluster.expect("A has a cluster");
     assert_eq!(b.status().await.role, "unpaired");
 
-    // Approval from the CLI (an id prefix is enough).
+    // An approval alone does not adopt B: its owner has not agreed to that cluster.
     let prefix = b.id.to_string()[..10].to_string();
+    match a.ask(AdminRequest::Approve { node: prefix.clone() }).await {
+        AdminResponse::Error(e) => assert!(e.contains("--accept"), "{e}"),
+        other => panic!("B was adopted without its owner: {other:?}"),
+    }
+    assert_eq!(b.status().await.role, "unpaired");
+    // B's owner sees the cluster on the LAN and agrees to it; then the approval from the
+    // CLI (an id prefix is enough) takes.
+    let seen = b.status().await.lan_clusters;
+    assert!(seen.iter().any(|(c, _)| *c == cluster), "{seen:?}");
+    match b.ask(AdminRequest::Accept { cluster: "0000000".into() }).await {
+        AdminResponse::Error(e) => assert!(e.contains("8 hex"), "{e}"),
+        other => panic!("a short prefix was taken: {other:?}"),
+    }
+    match b.ask(AdminRequest::Accept { cluster: cluster.to_string()[..8].into() }).await {
+        AdminResponse::Ok(text) => assert!(text.contains(&cluster.to_string()), "{text}"),
+        other => panic!("accept: {other:?}"),
+    }
     match a.ask(AdminRequest::Approve { node: prefix }).await {
         AdminResponse::Ok(text) => assert!(text.contains(&b.id.to_string())),
         other => panic!("approve: {other:?}"),
@@ -345,4 +368,209 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
     for n in [a, b, c] {
         n.stop().await;
     }
+}
+
+/// Poll until `node` lists `want` members, all alive, with one leader known.
+async fn formed(nodes: &[&TestNode], want: usize) {
+    wait_for("members formed", 20, || async {
+        let mut leaders = Vec::new();
+        for n in nodes {
+            let s = n.status().await;
+            let alive = s.members.iter().filter(|m| m.state == shoal_membership::Liveness::Alive).count();
+            if s.members.len() != want || alive != want {
+                return None;
+            }
+            leaders.push(s.leader?);
+        }
+        leaders.windows(2).all(|w| w[0] == w[1]).then_some(())
+    })
+    .await
+}
+
+/// Send one membership message to `target` with `key`, as a member would.
+async fn send_membership(key: Identity, target: &ClusterStatus, msg: &shoal_membership::Msg) {
+    let client = Node::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::new(key),
+        TrustedKeys::new([target.node]),
+        &TransportOptions::default(),
+    )
+    .unwrap();
+    let conn = client.connect(target.addr.parse().unwrap(), target.node, alpn::MEMBERSHIP).await.unwrap();
+    let mut s = conn.open_uni().await.unwrap();
+    wire::write_msg(&mut s, msg).await.unwrap();
+    s.finish().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_join_once_forged_notices_change_nothing_and_members_leave_or_reset() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let a = start(&dir("a"), "a", CreatePolicy::Now);
+    let cluster = wait_for("A's cluster", 10, || async { a.status().await.cluster }).await;
+
+    // A join token made on A admits C, started with it, by itself; a token text that is
+    // not one is refused with the reason.
+    match a.ask(AdminRequest::Token { valid_s: 0 }).await {
+        AdminResponse::Error(e) => assert!(e.contains("at least"), "{e}"),
+        other => panic!("a token valid 0 s: {other:?}"),
+    }
+    let token = match a.ask(AdminRequest::Token { valid_s: 600 }).await {
+        AdminResponse::Code { code, .. } => code,
+        other => panic!("token: {other:?}"),
+    };
+    assert!(token.contains(&cluster.to_string()));
+    assert_eq!(a.status().await.tokens, 1);
+    let parsed: shoal_membership::token::JoinToken = token.parse().unwrap();
+    let c = start_cfg(&dir("c"), "c", CreatePolicy::Never, |cfg| cfg.join_token = Some(parsed.clone()));
+    wait_for("C joined with the token", 20, || async { (c.status().await.cluster == Some(cluster)).then_some(()) })
+        .await;
+    assert_eq!(a.status().await.tokens, 0, "the token was not used up");
+    // The same token again: D never gets in, and its status says why.
+    let d = start_cfg(&dir("d"), "d", CreatePolicy::Never, |cfg| cfg.join_token = Some(parsed));
+    let why = wait_for("D's token refused", 20, || async {
+        let s = d.status().await;
+        assert_eq!(s.cluster, None, "a used token admitted a second node");
+        s.join_token.filter(|t| t.contains("holds this token") || t.contains("refused"))
+    })
+    .await;
+    eprintln!("D with a used token: {why}");
+
+    // B joins with a pairing code: three members.
+    let code = match a.ask(AdminRequest::Pair).await {
+        AdminResponse::Code { code, .. } => code,
+        other => panic!("pair: {other:?}"),
+    };
+    let b = start(&dir("b"), "b", CreatePolicy::Never);
+    wait_for("B joined with the code", 20, || async {
+        match b.ask(AdminRequest::Join { code: code.clone() }).await {
+            AdminResponse::Ok(_) => Some(()),
+            AdminResponse::Error(e) if e.contains("no member") => None,
+            other => panic!("join: {other:?}"),
+        }
+    })
+    .await;
+    formed(&[&a, &b, &c], 3).await;
+
+    // A forged mDNS advert: B's id and the cluster id, another address. It must not
+    // take the place of the address A reaches B at, nor make B unreachable.
+    let b_addr = a.status().await.members.iter().find(|m| m.node == b.id).and_then(|m| m.addr.clone());
+    let inventory = NodeInventory { ram_total_bytes: 1 << 30, ..Default::default() };
+    let forged_advert = shoal_net::discovery::Advert::new(b.id, Some(cluster), Role::Hub, 9, 9, &inventory);
+    let (liar, _events) = shoal_net::discovery::Discovery::start(forged_advert, &InterfaceFilter::loopback()).unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    formed(&[&a, &b, &c], 3).await;
+    let now_addr = a.status().await.members.iter().find(|m| m.node == b.id).and_then(|m| m.addr.clone());
+    assert_eq!(now_addr, b_addr, "a forged advert replaced a member's address");
+    liar.shutdown();
+
+    // Forged notices from a member that is not the leader change nothing.
+    let sa = a.status().await;
+    let leader = sa.leader.unwrap();
+    let ids = [(a.id, &a), (b.id, &b), (c.id, &c)];
+    let (forger_id, forger) = ids.iter().find(|(id, _)| *id != leader).map(|(id, n)| (*id, *n)).unwrap();
+    let (victim_id, victim) =
+        ids.iter().find(|(id, _)| *id != leader && *id != forger_id).map(|(id, n)| (*id, *n)).unwrap();
+    let sv = victim.status().await;
+    let member = |id: NodeId| shoal_membership::Member { id, name: "x".into(), role: Role::Pc, memory_bytes: 1 };
+    // A removal notice naming the victim removed, on its join endpoint.
+    let mut without_victim = shoal_membership::ClusterState::create(cluster, member(a.id));
+    for id in [b.id, c.id] {
+        let _ = without_victim.apply(&shoal_membership::Change::AddMember(member(id)));
+    }
+    without_victim.apply(&shoal_membership::Change::RemoveMember(victim_id)).unwrap();
+    without_victim.version = shoal_membership::Version { term: sv.term, index: 1000 };
+    let forger_key = Arc::new(key_of(&forger.dir));
+    let open =
+        Node::bind_open("127.0.0.1:0".parse().unwrap(), forger_key.clone(), &TransportOptions::default()).unwrap();
+    let conn = open.connect(sv.join_addr.parse().unwrap(), victim_id, alpn::JOIN).await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    wire::write_msg(&mut send, &JoinRequest::Revoked { state: Box::new(without_victim.clone()) }).await.unwrap();
+    let _ = wire::read_msg::<JoinResponse>(&mut recv).await;
+    // A cluster state from the forger, for the current term, adding a stranger.
+    let mut with_stranger = without_victim.clone();
+    with_stranger.apply(&shoal_membership::Change::AddMember(member(victim_id))).unwrap();
+    let stranger = NodeId([0x66; 32]);
+    with_stranger.apply(&shoal_membership::Change::AddMember(member(stranger))).unwrap();
+    let forged = shoal_membership::Msg::State { term: sv.term, state: Box::new(with_stranger) };
+    send_membership(key_of(&forger.dir), &sv, &forged).await;
+    // The same as the leader of a newer term (the real leader is alive), and terms at
+    // the end of the counter.
+    let shoal_membership::Msg::State { state, .. } = forged else { unreachable!() };
+    for term in [sv.term + 1, u64::MAX] {
+        let newer = shoal_membership::Msg::State { term, state: state.clone() };
+        send_membership(key_of(&forger.dir), &sv, &newer).await;
+        let beat = shoal_membership::Msg::Beat { term, leader: true, version: state.version };
+        send_membership(key_of(&forger.dir), &sv, &beat).await;
+    }
+    assert_eq!(victim.status().await.term, sv.term, "a forged term was taken");
+    // The victim asks the members about the removal (a few rounds) and keeps its place.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let after = victim.status().await;
+    assert_eq!(after.cluster, Some(cluster), "a forged removal notice removed a member");
+    assert_eq!(after.members.len(), 3, "a forged state was taken: {:?}", after.members);
+    assert!(after.members.iter().all(|m| m.node != stranger));
+    formed(&[&a, &b, &c], 3).await;
+
+    // B leaves cleanly: unpaired, removed everywhere, its key refused.
+    match b.ask(AdminRequest::Leave).await {
+        AdminResponse::Ok(text) => assert!(text.contains("unpaired"), "{text}"),
+        other => panic!("leave: {other:?}"),
+    }
+    assert_eq!(b.status().await.role, "unpaired");
+    wait_for("B removed at A", 10, || async { (a.status().await.members.len() == 2).then_some(()) }).await;
+    assert!(!can_connect(key_of(&dir("b")), &a.status().await).await, "a member that left still gets in");
+
+    // C forgets the cluster at once (its owner's reset).
+    match c.ask(AdminRequest::Reset).await {
+        AdminResponse::Ok(text) => assert!(text.contains("forgot"), "{text}"),
+        other => panic!("reset: {other:?}"),
+    }
+    assert_eq!(c.status().await.role, "unpaired");
+    // A stopped node is reset in its store; with a new key it becomes a new node.
+    let d_id = d.id;
+    d.stop().await;
+    let text = node::reset_offline(&dir("d"), true).unwrap();
+    assert!(text.contains("new key"), "{text}");
+    assert_ne!(key_of(&dir("d")).id(), d_id);
+    c.stop().await;
+    // While a node runs, its store is locked: no reset behind its back.
+    assert!(matches!(node::reset_offline(&dir("a"), false), Err(NodeError::Store(_))));
+    for n in [a, b] {
+        n.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_that_never_takes_effect_falls_back_to_unpaired() {
+    // E's owner agreed to cluster X; a node claiming to be X's member welcomes E, but no
+    // member of X ever talks to E: E must not stay in limbo.
+    let tmp = tempfile::tempdir().unwrap();
+    let x = shoal_types::ClusterId([0x5a; 16]);
+    let e = start_cfg(&tmp.path().join("e"), "e", CreatePolicy::Never, |cfg| {
+        cfg.accept = Some(x.to_string()[..8].into());
+        cfg.timing.confirm_ms = 2000;
+    });
+    let se = e.status().await;
+    let fake = Node::bind_open(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::new(Identity::generate().unwrap()),
+        &TransportOptions::default(),
+    )
+    .unwrap();
+    let member = |id: NodeId| shoal_membership::Member { id, name: "x".into(), role: Role::Pc, memory_bytes: 1 };
+    let mut state = shoal_membership::ClusterState::create(x, member(fake.id()));
+    state.apply(&shoal_membership::Change::AddMember(member(e.id))).unwrap();
+    let conn = fake.connect(se.join_addr.parse().unwrap(), e.id, alpn::JOIN).await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    wire::write_msg(&mut send, &JoinRequest::Welcome { state: Box::new(state) }).await.unwrap();
+    assert!(matches!(wire::read_msg::<JoinResponse>(&mut recv).await.unwrap(), Some(JoinResponse::Accepted)));
+    assert_eq!(e.status().await.cluster, Some(x));
+    wait_for("E back to unpaired", 15, || async { (e.status().await.role == "unpaired").then_some(()) }).await;
+    e.stop().await;
 }

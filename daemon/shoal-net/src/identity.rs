@@ -120,7 +120,24 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     // A hard link publishes the complete file under its name only if none exists.
     let linked = std::fs::hard_link(&tmp, path);
     let _ = std::fs::remove_file(&tmp);
-    linked
+    linked?;
+    // The new name lives in the directory: without syncing it, a power cut can lose the
+    // key the node already handed out as its identity.
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// Make a directory's entries durable (a new or removed file name in it).
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::fs::File::open(if dir.as_os_str().is_empty() { Path::new(".") } else { dir })?.sync_all()
+    }
+    // Windows cannot open a directory as a file; NTFS journals its metadata.
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        Ok(())
+    }
 }
 
 fn check_permissions(path: &Path) -> Result<(), IdentityError> {

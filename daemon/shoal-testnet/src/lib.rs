@@ -4,6 +4,8 @@
 //! the [`Net`] is dropped (also on panic), together with the processes it was given.
 //! Needs root and iproute2; [`Net::new`] says why when it cannot.
 
+pub mod flood;
+
 use std::ffi::OsStr;
 use std::net::Ipv4Addr;
 use std::process::{Child, Command};

@@ -1,13 +1,15 @@
 //! The cluster commands: `shoal serve` without a placement (a cluster node: discovery,
 //! joining, membership, leader election), `shoal status` of the cluster, `shoal nodes
-//! approve|remove|pair` and `shoal join CODE`. The CLI talks to the local node as its
-//! owner, with the node's own key from the data directory.
+//! approve|remove|pair|token`, `shoal join CODE|TOKEN` / `shoal join --accept CLUSTER`,
+//! `shoal leave` and `shoal reset`. The CLI talks to the local node as its owner, with the
+//! node's own key from the data directory.
 
 use crate::inventory::Refresher;
 use crate::pipeline::{data_dir, runtime};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use shoal_membership::node::{self, CreatePolicy, NodeConfig};
+use shoal_membership::token::JoinToken;
 use shoal_membership::wire::{AdminRequest, AdminResponse, ClusterStatus};
 use shoal_membership::Config;
 use shoal_net::discovery::InterfaceFilter;
@@ -51,9 +53,15 @@ pub struct ClusterArgs {
     /// With neither flag: listen this long (ms) for a cluster on the LAN before creating one.
     #[arg(long, default_value_t = 3000)]
     create_after_ms: u64,
-    /// Join only with a pairing code, not by an approval from any cluster on the LAN.
-    #[arg(long)]
-    code_only: bool,
+    /// Take an approval from the cluster whose id starts with this (at least 8 hex
+    /// digits). Without it, an approval is taken only after `shoal join --accept`; a
+    /// pairing code or a join token joins either way.
+    #[arg(long, value_name = "CLUSTER")]
+    accept: Option<String>,
+    /// Join the cluster this token admits to (made by `shoal nodes token` on a member);
+    /// also read from the file `join-token` in the data directory.
+    #[arg(long, value_name = "TOKEN")]
+    join_token: Option<String>,
 }
 
 /// `shoal nodes`.
@@ -65,6 +73,48 @@ pub enum NodesCommand {
     Remove(NodeArg),
     /// Make a pairing code a new node can join with (`shoal join CODE` there).
     Pair(DirArg),
+    /// Make a join token for a node installed unattended (`shoal serve --join-token T`,
+    /// or the file `join-token` in its data directory). One node, until it expires.
+    Token(TokenArgs),
+}
+
+/// `shoal nodes token`.
+#[derive(Args, Debug)]
+pub struct TokenArgs {
+    /// How long the token stays valid, e.g. 30m, 24h, 7d (at most 30 days).
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    valid: Duration,
+    #[command(flatten)]
+    dir: DirArg,
+}
+
+/// `shoal reset`.
+#[derive(Args, Debug)]
+pub struct ResetArgs {
+    /// Also make a new key (a new node id) at the next start; the node must be stopped.
+    #[arg(long)]
+    new_key: bool,
+    #[command(flatten)]
+    dir: DirArg,
+}
+
+/// A duration like 90s, 30m, 24h or 7d.
+fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().map_err(|_| format!("{s:?}: a number then s, m, h or d"))?;
+    let secs = match unit {
+        "s" | "" => n,
+        "m" => n.saturating_mul(60),
+        "h" => n.saturating_mul(3600),
+        "d" => n.saturating_mul(86_400),
+        _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
+    };
+    if secs == 0 {
+        return Err("a validity of zero".into());
+    }
+    Ok(Duration::from_secs(secs))
 }
 
 /// A node id (or prefix) and the local node's data directory.
@@ -86,9 +136,15 @@ pub struct DirArg {
 
 /// `shoal join`.
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("how").required(true).args(["code", "accept"])))]
 pub struct JoinArgs {
-    /// The code a member showed (`shoal nodes pair`), e.g. 1234-5678.
-    code: String,
+    /// The code a member showed (`shoal nodes pair`), e.g. 1234-5678, or a join token
+    /// (`shoal nodes token`).
+    code: Option<String>,
+    /// Instead: take an approval from this cluster (an id prefix `shoal status` shows
+    /// among the clusters on the LAN) for 10 minutes; then approve this node there.
+    #[arg(long, value_name = "CLUSTER")]
+    accept: Option<String>,
     #[command(flatten)]
     dir: DirArg,
 }
@@ -108,6 +164,23 @@ pub fn serve(dir: Option<PathBuf>, listen: Option<SocketAddr>, impair: Impairmen
     } else {
         CreatePolicy::Auto { after_ms: args.create_after_ms }
     };
+    let join_token = match args.join_token.clone() {
+        Some(t) => Some(t),
+        None => match std::fs::read_to_string(data_dir.join(node::JOIN_TOKEN_FILE)) {
+            Ok(t) => Some(t),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => bail!("reading {}: {e}", data_dir.join(node::JOIN_TOKEN_FILE).display()),
+        },
+    };
+    let join_token = join_token
+        .map(|t| t.trim().parse::<JoinToken>())
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("the join token: {e}"))?;
+    if let Some(prefix) = &args.accept {
+        if prefix.len() < 8 || !prefix.chars().all(|c| c.is_ascii_hexdigit()) {
+            bail!("--accept takes at least the first 8 hex digits of a cluster id");
+        }
+    }
     let cfg = NodeConfig {
         data_dir: data_dir.clone(),
         listen: listen.unwrap_or(SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT))),
@@ -116,7 +189,8 @@ pub fn serve(dir: Option<PathBuf>, listen: Option<SocketAddr>, impair: Impairmen
         role: args.role,
         interfaces: InterfaceFilter { allow: args.mdns_allow, deny: args.mdns_deny },
         create,
-        accept_approval: !args.code_only,
+        accept: args.accept.clone(),
+        join_token,
         timing: Config::default(),
         transport: TransportOptions { impair, ..TransportOptions::default() },
         calibrator: Some(crate::calibrate::calibrator(identity.id())),
@@ -157,9 +231,19 @@ pub fn nodes(c: NodesCommand) -> Result<()> {
         NodesCommand::Approve(a) => (a.dir.data_dir, AdminRequest::Approve { node: a.id }),
         NodesCommand::Remove(a) => (a.dir.data_dir, AdminRequest::Remove { node: a.id }),
         NodesCommand::Pair(d) => (d.data_dir, AdminRequest::Pair),
+        NodesCommand::Token(t) => (t.dir.data_dir, AdminRequest::Token { valid_s: t.valid.as_secs() }),
     };
     match ask(&dir, req)? {
         AdminResponse::Ok(text) => println!("{text}"),
+        AdminResponse::Code { code, valid_s } if shoal_membership::token::is_token(&code) => {
+            println!("{code}");
+            eprintln!(
+                "give it to the new node: shoal serve --join-token {code}\n(or put it in the file {} of its data \
+                 directory; valid {} h, one node; it joins while this node runs)",
+                node::JOIN_TOKEN_FILE,
+                valid_s / 3600
+            );
+        }
         AdminResponse::Code { code, valid_s } => {
             println!("{code}");
             eprintln!("on the new node run: shoal join {code}   (valid {} min, one node)", valid_s / 60);
@@ -169,11 +253,56 @@ pub fn nodes(c: NodesCommand) -> Result<()> {
     Ok(())
 }
 
-/// `shoal join CODE`.
+/// `shoal join CODE|TOKEN`, or `shoal join --accept CLUSTER`.
 pub fn join(a: JoinArgs) -> Result<()> {
-    match ask(&a.dir.data_dir, AdminRequest::Join { code: a.code })? {
+    let req = match (a.code, a.accept) {
+        (_, Some(cluster)) => AdminRequest::Accept { cluster },
+        (Some(code), None) => AdminRequest::Join { code },
+        // clap's group requires one of them.
+        (None, None) => bail!("give a code, a token or --accept CLUSTER"),
+    };
+    match ask(&a.dir.data_dir, req)? {
         AdminResponse::Ok(text) => println!("{text}"),
         other => bail!("unexpected answer: {other:?}"),
+    }
+    Ok(())
+}
+
+/// `shoal leave`: this node leaves its cluster; the others revoke its key.
+pub fn leave(d: DirArg) -> Result<()> {
+    match ask(&d.data_dir, AdminRequest::Leave)? {
+        AdminResponse::Ok(text) => println!("{text}"),
+        other => bail!("unexpected answer: {other:?}"),
+    }
+    Ok(())
+}
+
+/// `shoal reset`: forget the cluster here (through the running node, or in its store
+/// when it is stopped); `--new-key` also makes the node a new one at its next start.
+pub fn reset(a: ResetArgs) -> Result<()> {
+    let data_dir = data_dir(&a.dir.data_dir);
+    if !a.new_key && data_dir.join(shoal_net::identity::KEY_FILE).exists() {
+        let identity = Arc::new(Identity::load_or_create(&data_dir)?);
+        match runtime()?.block_on(node::admin(&data_dir, identity, &AdminRequest::Reset)) {
+            Ok(AdminResponse::Ok(text)) => {
+                println!("{text}");
+                return Ok(());
+            }
+            Ok(AdminResponse::Error(e)) => bail!("{e}"),
+            Ok(other) => bail!("unexpected answer: {other:?}"),
+            // Not running (or not reachable): the store is the truth; opening it fails
+            // if a node does hold it.
+            Err(_) => {}
+        }
+    }
+    match node::reset_offline(&data_dir, a.new_key) {
+        Ok(text) => println!("{text}"),
+        Err(node::NodeError::Store(shoal_store::StoreError::InUse { .. })) => bail!(
+            "the node with data directory {} is running{}: stop it first",
+            data_dir.display(),
+            if a.new_key { " (a new key needs a restart)" } else { " but does not answer" }
+        ),
+        Err(e) => return Err(e.into()),
     }
     Ok(())
 }
@@ -203,9 +332,23 @@ fn print_status(st: &ClusterStatus) {
             });
             println!("cluster {c}  term {}  leader {leader}  state {}", st.term, st.version);
         }
-        None => println!("unpaired: not in a cluster yet (approve it from a member, or `shoal join CODE`)"),
+        None => println!("unpaired: not in a cluster yet (`shoal join CODE|TOKEN`, or `shoal join --accept CLUSTER` and an approval there)"),
     }
-    println!("this node {} ({}) at {}: {}", short(&st.node), st.name, st.addr, st.role);
+    println!("this node {} ({}) at {}: {}", short(&st.node), shown(&st.name), st.addr, st.role);
+    if st.cluster.is_none() {
+        if st.lan_clusters.is_empty() {
+            println!("no cluster advertises on the LAN");
+        }
+        for (c, n) in &st.lan_clusters {
+            println!("cluster on the LAN: {c}  ({n} node(s))");
+        }
+        if let Some(c) = &st.accepting {
+            println!("takes an approval from cluster {c} (agreed with `shoal join --accept`)");
+        }
+        if let Some(t) = &st.join_token {
+            println!("join token: {}", shown(t));
+        }
+    }
     if !st.members.is_empty() {
         println!("members:");
         println!(
@@ -216,7 +359,7 @@ fn print_status(st: &ClusterStatus) {
             println!(
                 "  {:<12}  {:<16} {:<4} {:<10} {:>10} {:>10}  {}",
                 short(&m.node),
-                m.name,
+                shown(&m.name),
                 m.role.to_string(),
                 format!("{:?}{}", m.state, if m.leader { " *" } else { "" }).to_lowercase(),
                 gib(m.ram_available),
@@ -231,7 +374,7 @@ fn print_status(st: &ClusterStatus) {
             println!(
                 "  {}  {:<16} {:<4} {:>10}  {}",
                 short(&p.node),
-                p.name,
+                shown(&p.name),
                 p.role.to_string(),
                 gib(Some(p.memory_bytes)),
                 p.addr
@@ -241,4 +384,13 @@ fn print_status(st: &ClusterStatus) {
     if let Some(s) = st.pairing_s {
         println!("a pairing code is active for {} more min", s / 60 + 1);
     }
+    if st.tokens > 0 {
+        println!("{} join token(s) made here are still usable", st.tokens);
+    }
+}
+
+/// Text that came from other nodes, safe for a terminal: no control characters (escape
+/// sequences could rewrite the screen or the title), at most 64 characters.
+fn shown(text: &str) -> String {
+    text.chars().filter(|c| !c.is_control()).take(64).collect()
 }

@@ -37,8 +37,14 @@ enum Command {
     /// Approve, remove or pair nodes of this node's cluster.
     #[command(subcommand)]
     Nodes(cluster::NodesCommand),
-    /// Join a cluster with a pairing code shown by one of its members.
+    /// Join a cluster: with a pairing code or a join token from one of its members, or
+    /// (`--accept CLUSTER`) by taking an approval from that cluster.
     Join(cluster::JoinArgs),
+    /// Leave this node's cluster cleanly: the other members revoke its key.
+    Leave(cluster::DirArg),
+    /// Forget this node's cluster here without asking anyone (its cluster is gone or
+    /// unreachable); `--new-key` also gives it a new identity.
+    Reset(cluster::ResetArgs),
     /// Print this node's id (its public key), creating the key on first use.
     Key(pipeline::KeyArgs),
     /// Describe a GGUF model: architecture, sizes, bytes per layer.
@@ -73,6 +79,8 @@ fn main() -> std::process::ExitCode {
         Command::Status(a) => pipeline::status(a),
         Command::Nodes(c) => cluster::nodes(c),
         Command::Join(a) => cluster::join(a),
+        Command::Leave(a) => cluster::leave(a),
+        Command::Reset(a) => cluster::reset(a),
         Command::Plan(a) => plan::plan(a),
         Command::Inventory(a) => inventory::inventory(a),
         Command::Calibrate(a) => calibrate::calibrate(a),

@@ -63,3 +63,41 @@ fn five_nodes_discover_join_elect_fail_over_and_survive_a_partition() {
     }
     check(&bench_cluster(5, 2), 5, 2);
 }
+
+/// Issue 15's first acceptance item, on namespace hosts with stock nodes: a stranger's
+/// cluster approving a fresh node (default flags, and `--no-create`) does not get it; its
+/// owner does, with a code and with a token (after `shoal leave`); and a member restarting
+/// through a flood of 20,000 spoofed QUIC Initials at its node's endpoints is back within 10 s.
+#[test]
+fn a_strangers_cluster_cannot_adopt_a_node_and_its_owner_can() {
+    if !namespaces_available() {
+        return;
+    }
+    let child = shoal()
+        .args(["bench", "adoption", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    let v = json(out);
+    for (k, why) in [
+        ("default_stayed_out", "a stranger's approval adopted a fresh node"),
+        ("no_create_stayed_out", "a stranger's approval adopted a --no-create node"),
+        ("joined_by_code", "the owner's code did not let the node in"),
+        ("left", "shoal leave did not take the node out"),
+        ("joined_by_token", "the owner's join token did not let the node in"),
+    ] {
+        assert_eq!(v[k], true, "{why}: {v}");
+    }
+    for k in ["stranger_approve_default", "stranger_approve_no_create"] {
+        assert!(
+            v[k].as_str().unwrap().contains("--accept"),
+            "the stranger's approval did not fail for the right reason: {v}"
+        );
+    }
+    assert!(v["flood_sent"].as_u64().unwrap() > 15_000, "the flood did not go out: {v}");
+    let back = v["back_during_flood_s"].as_f64().unwrap();
+    assert!(back > 0.0 && back <= 10.0, "the member was not back within 10 s of a flood: {v}");
+}

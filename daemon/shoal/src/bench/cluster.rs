@@ -66,7 +66,7 @@ struct PartitionFigures {
 }
 
 /// Nodes on namespace hosts. Children are killed before the namespaces go.
-struct Cluster {
+pub(crate) struct Cluster {
     children: Vec<Option<Child>>,
     net: Net,
     dir: tempfile::TempDir,
@@ -82,14 +82,35 @@ impl Drop for Cluster {
     }
 }
 
-const WAIT: Duration = Duration::from_secs(30);
+pub(crate) const WAIT: Duration = Duration::from_secs(30);
 
 impl Cluster {
+    /// `n` namespace hosts (named after `tag`), no node started yet.
+    pub(crate) fn new(tag: &str, n: usize) -> Result<Cluster> {
+        let net = Net::new(tag, n).context("network namespaces unavailable here (they need root and iproute2)")?;
+        Ok(Cluster {
+            children: (0..n).map(|_| None).collect(),
+            net,
+            dir: tempfile::tempdir()?,
+            exe: std::env::current_exe().context("locating the shoal binary")?,
+        })
+    }
+
+    /// The namespace hosts.
+    pub(crate) fn net(&self) -> &Net {
+        &self.net
+    }
+
+    /// The shoal binary the nodes run.
+    pub(crate) fn exe(&self) -> &PathBuf {
+        &self.exe
+    }
+
     fn data(&self, k: usize) -> PathBuf {
         self.dir.path().join(format!("node{k}"))
     }
 
-    fn start(&mut self, k: usize, flags: &[&str]) -> Result<()> {
+    pub(crate) fn start(&mut self, k: usize, flags: &[&str]) -> Result<()> {
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join(format!("node{k}.log")))?;
         let child = self
@@ -107,7 +128,7 @@ impl Cluster {
         Ok(())
     }
 
-    fn kill(&mut self, k: usize, hard: bool) -> Result<()> {
+    pub(crate) fn kill(&mut self, k: usize, hard: bool) -> Result<()> {
         if let Some(mut c) = self.children[k].take() {
             if hard {
                 c.kill()?;
@@ -119,7 +140,7 @@ impl Cluster {
         Ok(())
     }
 
-    fn cli(&self, k: usize, args: &[&str]) -> Result<String> {
+    pub(crate) fn cli(&self, k: usize, args: &[&str]) -> Result<String> {
         let out = self.net.command(k, &self.exe).args(args).arg("--data-dir").arg(self.data(k)).output()?;
         if !out.status.success() {
             bail!("node{k}: shoal {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
@@ -127,12 +148,12 @@ impl Cluster {
         Ok(String::from_utf8(out.stdout)?.trim().to_string())
     }
 
-    fn status(&self, k: usize) -> Option<ClusterStatus> {
+    pub(crate) fn status(&self, k: usize) -> Option<ClusterStatus> {
         self.children[k].as_ref()?;
         serde_json::from_str(&self.cli(k, &["status", "--json"]).ok()?).ok()
     }
 
-    fn id(&self, k: usize) -> Result<NodeId> {
+    pub(crate) fn id(&self, k: usize) -> Result<NodeId> {
         Ok(self.cli(k, &["key"])?.parse()?)
     }
 
@@ -195,13 +216,7 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
         bail!("a cluster benchmark needs at least 2 nodes");
     }
     let n = a.nodes;
-    let net = Net::new("cl", n).context("network namespaces unavailable here (they need root and iproute2)")?;
-    let mut c = Cluster {
-        children: (0..n).map(|_| None).collect(),
-        net,
-        dir: tempfile::tempdir()?,
-        exe: std::env::current_exe().context("locating the shoal binary")?,
-    };
+    let mut c = Cluster::new("cl", n)?;
     let ids: Vec<NodeId> = (0..n).map(|k| c.id(k)).collect::<Result<_>>()?;
     let index = |id: NodeId| ids.iter().position(|i| *i == id);
 
@@ -223,10 +238,13 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
     let discover = t0.elapsed();
     eprintln!("[bench] node0 discovered and verified {} nodes in {:.2} s", n - 1, discover.as_secs_f64());
 
-    // Forming: odd nodes approved from node0's CLI, even ones join with a code.
+    // Forming: odd nodes approved from node0's CLI (once their owner agreed to that
+    // cluster), even ones join with a code.
     let t1 = Instant::now();
+    let cluster = c.status(0).and_then(|s| s.cluster).context("node0 has no cluster")?.to_string();
     for (k, id) in ids.iter().enumerate().skip(1) {
         if k % 2 == 1 {
+            c.cli(k, &["join", "--accept", &cluster[..12]])?;
             c.cli(0, &["nodes", "approve", &id.to_string()[..16]])?;
         } else {
             let code = c.cli(0, &["nodes", "pair"])?;

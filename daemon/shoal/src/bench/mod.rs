@@ -10,6 +10,7 @@ use shoal_types::split_ranges;
 use std::path::PathBuf;
 use std::process::Command;
 
+mod adoption;
 mod cluster;
 mod keepalive;
 mod live;
@@ -38,6 +39,13 @@ pub enum BenchCommand {
     /// Cluster nodes on namespace hosts: time to discover, form, elect; failover after
     /// killing the leader; heartbeat traffic; a partition with the leader cut off.
     Cluster(cluster::ClusterBenchArgs),
+    /// The cluster against a stranger on namespace hosts: a stranger's cluster approves
+    /// a fresh node (it stays out), its owner lets it in with a code and with a token,
+    /// and a member restarts through a flood of spoofed QUIC handshakes.
+    Adoption(adoption::AdoptionArgs),
+    /// Lab tool: send spoofed QUIC Initial packets (loopback or namespace hosts only).
+    #[command(hide = true)]
+    Flood(adoption::FloodArgs),
 }
 
 #[derive(Args, Debug)]
@@ -107,6 +115,8 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Reconnect(a) => reconnect::reconnect(a),
         BenchCommand::Plan(a) => plan::plan(a),
         BenchCommand::Cluster(a) => cluster::cluster(a),
+        BenchCommand::Adoption(a) => adoption::adoption(a),
+        BenchCommand::Flood(a) => adoption::flood(a),
         BenchCommand::Keepalive(a) => keepalive::keepalive(a),
         BenchCommand::LivePlan(a) => live::live_plan(a),
     }
