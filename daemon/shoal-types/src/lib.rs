@@ -7,6 +7,8 @@ use std::fmt;
 
 mod inventory;
 pub use inventory::{BadClusterId, BadNodeId, ClusterId, DeviceInventory, NodeId, NodeInventory, Role};
+pub mod sampling;
+pub use sampling::{validate_generation, GenerationError, SamplingParams};
 
 /// A token id in the model's vocabulary (llama.cpp's `llama_token`).
 pub type TokenId = i32;
