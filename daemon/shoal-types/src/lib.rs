@@ -168,7 +168,8 @@ pub struct StageMemory {
 impl StageMemory {
     /// Everything together.
     pub fn total(&self) -> u64 {
-        self.weights + self.kv + self.compute
+        // The parts are estimates from file and profile sizes: saturate, never overflow.
+        self.weights.saturating_add(self.kv).saturating_add(self.compute)
     }
 }
 
