@@ -4,34 +4,11 @@ use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::data::LlamaTokenData;
 use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use llama_cpp_2::token::LlamaToken;
-use serde::{Deserialize, Serialize};
 use shoal_types::{TokenId, TokenSampler};
 
-/// How to sample. The defaults are greedy decoding: the most likely token, always.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SamplingParams {
-    /// 0 means greedy; otherwise logits are divided by it before sampling.
-    pub temperature: f32,
-    /// Keep the k most likely tokens (0: off).
-    pub top_k: i32,
-    /// Keep the smallest set of tokens whose probability reaches p (1: off).
-    pub top_p: f32,
-    /// Drop tokens less likely than `min_p` × the most likely one (0: off).
-    pub min_p: f32,
-    /// Penalise tokens seen in the last `repeat_last_n` (1: off).
-    pub repeat_penalty: f32,
-    /// Window of the repetition penalty.
-    pub repeat_last_n: i32,
-    /// Random seed: the same seed and inputs give the same tokens.
-    pub seed: u32,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        Self { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
-    }
-}
+/// How to sample (defined with its checks in `shoal-types`, which builds without
+/// llama.cpp, so the control boundary can refuse bad values before any sampler exists).
+pub use shoal_types::SamplingParams;
 
 /// A sampler with its state (random generator, recent tokens).
 pub struct Sampler {

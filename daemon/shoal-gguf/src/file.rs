@@ -19,6 +19,20 @@ const MAX_NAME: usize = 63;
 /// Refuse headers larger than this: real ones (vocabulary included) are a few tens
 /// of MB, and a hostile one must not make us allocate gigabytes.
 pub const MAX_HEADER_BYTES: u64 = 256 << 20;
+/// Most memory the parsed header (metadata values, keys, tensor table) may take,
+/// counted as the reader allocates it: an array of a million 1-byte values takes
+/// 1 MB of file but tens of MB as [`Value`]s. Real headers (a 256k-token vocabulary
+/// included) take about 50 MB.
+pub const MAX_HEADER_MEMORY: u64 = 256 << 20;
+/// A header may take this many bytes of memory per byte of file (within
+/// [`MAX_HEADER_MEMORY`], and at least [`MIN_HEADER_MEMORY`]), so a small file cannot
+/// make the reader allocate much more than itself. An array of 4-byte values takes
+/// 8 bytes of memory per byte of file, strings less; only arrays of 1- and 2-byte
+/// values take more, and those are rare and short in real models.
+pub const HEADER_MEMORY_PER_FILE_BYTE: u64 = 16;
+/// The memory budget of a header however small its file (see
+/// [`HEADER_MEMORY_PER_FILE_BYTE`]).
+pub const MIN_HEADER_MEMORY: u64 = 16 << 20;
 /// Alignment of the data section when the file does not say (`general.alignment`).
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 
@@ -75,7 +89,7 @@ impl Gguf {
 
     /// Parse a header from `reader`, which yields a file of `len` bytes.
     pub fn parse(reader: impl Read, len: u64, path: &Path) -> Result<Gguf, GgufError> {
-        let mut r = Reader { inner: reader, pos: 0, len, path };
+        let mut r = Reader { inner: reader, pos: 0, len, path, memory: 0, memory_budget: header_memory_budget(len) };
         let magic = r.bytes_fixed::<4>("magic")?;
         if &magic != MAGIC {
             return Err(r.invalid(format!("not a GGUF file (magic {:02x?}, expected \"GGUF\")", magic)));
@@ -92,13 +106,20 @@ impl Gguf {
         // Each entry takes some bytes at least: refuse counts the file cannot hold
         // before allocating anything for them.
         r.ensure_room(n_kv, 13, "metadata count")?;
-        let mut metadata: Vec<(String, Value)> = Vec::with_capacity(n_kv.min(1024) as usize);
+        r.charge(n_kv.saturating_mul(size_of::<(String, Value)>() as u64), "metadata count")?;
+        // Charged in full (and so bounded): allocate it at once.
+        let mut metadata: Vec<(String, Value)> = Vec::with_capacity(n_kv as usize);
+        // Keys seen so far: a set, not a scan of `metadata` per key, which would be
+        // quadratic in a count the file chooses.
+        let mut keys = std::collections::HashSet::new();
         for i in 0..n_kv {
             let key = r.string_utf8(&format!("key of metadata entry {i}"))?;
             if key.is_empty() {
                 return Err(r.invalid(format!("metadata entry {i} has an empty key")));
             }
-            if metadata.iter().any(|(k, _)| *k == key) {
+            // The key's copy in `keys` (its bytes in `metadata` were counted as read).
+            r.charge((size_of::<String>() + key.len()) as u64, &key)?;
+            if !keys.insert(key.clone()) {
                 return Err(r.invalid(format!("duplicate metadata key {key:?}")));
             }
             let ty = r.value_type(&key)?;
@@ -106,7 +127,8 @@ impl Gguf {
             metadata.push((key, value));
         }
         r.ensure_room(n_tensors, 32, "tensor count")?;
-        let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors.min(4096) as usize);
+        r.charge(n_tensors.saturating_mul(size_of::<TensorInfo>() as u64), "tensor count")?;
+        let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors as usize);
         let mut names = std::collections::HashSet::new();
         for i in 0..n_tensors {
             let name = r.string_utf8(&format!("name of tensor {i}"))?;
@@ -122,6 +144,9 @@ impl Gguf {
             if n_dims == 0 || n_dims > MAX_DIMS {
                 return Err(r.invalid(format!("tensor {name:?} has {n_dims} dimensions (1..={MAX_DIMS} allowed)")));
             }
+            // Its dimensions, and the name's copy in `names`.
+            let entry = 8 * n_dims as usize + size_of::<String>() + name.len();
+            r.charge(entry as u64, &name)?;
             let mut dims = Vec::with_capacity(n_dims as usize);
             let mut n_elements: u64 = 1;
             for _ in 0..n_dims {
@@ -154,7 +179,8 @@ impl Gguf {
             Some((_, Value::U32(a))) if a.is_power_of_two() => u64::from(*a),
             Some((_, v)) => return Err(r.invalid(format!("general.alignment {v:?} is not a power-of-two u32"))),
         };
-        let data_offset = align(r.pos, alignment);
+        // Invariant: `r.pos` is within MAX_HEADER_BYTES, far from overflowing.
+        let data_offset = checked_align(r.pos, alignment).expect("header offset aligns");
         // Like llama.cpp, require tensors packed in table order, each aligned.
         let mut expected = 0u64;
         for t in &tensors {
@@ -164,11 +190,12 @@ impl Gguf {
             expected = t
                 .offset
                 .checked_add(t.bytes)
-                .map(|end| align(end, alignment))
+                .and_then(|end| checked_align(end, alignment))
                 .filter(|&end| end <= len)
                 .ok_or_else(|| r.invalid(format!("tensor {:?} has absurd data offset {}", t.name, t.offset)))?;
         }
-        let data_end = tensors.last().map_or(0, |t| t.offset + t.bytes);
+        // Each tensor's end was checked against the file length above.
+        let data_end = tensors.last().map_or(0, |t| t.offset.saturating_add(t.bytes));
         if data_offset.checked_add(data_end).is_none_or(|end| end > len) {
             return Err(GgufError::Truncated {
                 path: path.to_owned(),
@@ -193,13 +220,26 @@ impl Gguf {
 
     /// Where tensor `t`'s bytes start in the file.
     pub fn file_offset(&self, t: &TensorInfo) -> u64 {
-        self.data_offset + t.offset
+        // Parsing checked that this is within the file; saturate for hand-built headers.
+        self.data_offset.saturating_add(t.offset)
     }
 }
 
-/// Round `x` up to a multiple of `a` (a power of two).
+/// Round `x` up to a multiple of `a` (a power of two). For offsets within a parsed
+/// file (which cannot overflow); values read from a file go through [`checked_align`].
 pub(crate) fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
+}
+
+/// Round `x` up to a multiple of `a` (a power of two), or `None` past `u64::MAX`.
+pub(crate) fn checked_align(x: u64, a: u64) -> Option<u64> {
+    x.div_ceil(a).checked_mul(a)
+}
+
+/// The memory budget of the header of a file of `len` bytes: [`HEADER_MEMORY_PER_FILE_BYTE`]
+/// per byte, at least [`MIN_HEADER_MEMORY`], at most [`MAX_HEADER_MEMORY`].
+pub fn header_memory_budget(len: u64) -> u64 {
+    len.saturating_mul(HEADER_MEMORY_PER_FILE_BYTE).clamp(MIN_HEADER_MEMORY, MAX_HEADER_MEMORY)
 }
 
 /// Serialise a header (magic … tensor table) followed by padding up to the data
@@ -265,12 +305,17 @@ fn put_value(out: &mut Vec<u8>, v: &Value) {
 }
 
 /// A bounds-checked little-endian reader that knows the file length, so that no
-/// count read from the file can make us read past its end or allocate for it.
+/// count read from the file can make us read past its end or allocate for it; and
+/// that counts the memory of what it parses against a budget.
 struct Reader<'p, R> {
     inner: R,
     pos: u64,
     len: u64,
     path: &'p Path,
+    /// Bytes of memory the parsed header takes so far (charged before allocating).
+    memory: u64,
+    /// The most it may take ([`header_memory_budget`] of the file's length).
+    memory_budget: u64,
 }
 
 impl<R: Read> Reader<'_, R> {
@@ -286,6 +331,24 @@ impl<R: Read> Reader<'_, R> {
             return Err(self.invalid(format!("{what} {count} is absurd: the file cannot hold that many")));
         }
         Ok(())
+    }
+
+    /// Count `bytes` of memory the header is about to take for `what`; fail when that
+    /// goes over the budget (before anything is allocated for it).
+    fn charge(&mut self, bytes: u64, what: &str) -> Result<(), GgufError> {
+        match self.memory.checked_add(bytes).filter(|&m| m <= self.memory_budget) {
+            Some(m) => {
+                self.memory = m;
+                Ok(())
+            }
+            None => Err(self.invalid(format!(
+                "the header would take more than {} MiB of memory (reading {what:?}; at most {} MiB for \
+                 a file of {} bytes)",
+                self.memory >> 20,
+                self.memory_budget >> 20,
+                self.len
+            ))),
+        }
     }
 
     fn take(&mut self, n: u64, what: &str) -> Result<(), GgufError> {
@@ -330,6 +393,7 @@ impl<R: Read> Reader<'_, R> {
     fn string(&mut self, what: &str) -> Result<Vec<u8>, GgufError> {
         let n = self.u64(what)?;
         self.ensure_room(n, 1, &format!("length of {what}"))?;
+        self.charge(n, what)?;
         let mut s = vec![0u8; n as usize];
         self.fill(&mut s, what)?;
         Ok(s)
@@ -371,12 +435,84 @@ impl<R: Read> Reader<'_, R> {
                 let elem = self.value_type(key)?;
                 let n = self.u64(key)?;
                 self.ensure_room(n, elem.min_size(), &format!("array length of {key:?}"))?;
-                let mut items = Vec::with_capacity(n.min(1 << 16) as usize);
+                // Every element is a whole `Value` in memory (32 bytes, whatever the
+                // element type), however few bytes it takes in the file; strings
+                // charge their bytes as they are read, nested arrays their elements.
+                let elements = n.saturating_mul(size_of::<Value>() as u64);
+                self.charge(elements, key)?;
+                // Charged in full, so allocating it all at once is within the budget.
+                let mut items = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     items.push(self.value(elem, key, false)?);
                 }
                 Value::Array(elem, items)
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader over `bytes` with a memory budget of `budget` bytes.
+    fn reader(bytes: &[u8], budget: u64) -> Reader<'static, &[u8]> {
+        Reader {
+            inner: bytes,
+            pos: 0,
+            len: bytes.len() as u64,
+            path: Path::new("mem"),
+            memory: 0,
+            memory_budget: budget,
+        }
+    }
+
+    fn encoded(v: &Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_value(&mut out, v);
+        out
+    }
+
+    #[test]
+    fn string_bytes_count_against_the_memory_budget() {
+        let s = Value::String(vec![b'a'; 2000]);
+        let bytes = encoded(&s);
+        assert_eq!(reader(&bytes, 2000).value(ValueType::String, "k", true).unwrap(), s);
+        let e = reader(&bytes, 1999).value(ValueType::String, "k", true).unwrap_err();
+        assert!(e.to_string().contains("of memory"), "{e}");
+    }
+
+    #[test]
+    fn array_elements_count_their_in_memory_size_and_their_strings() {
+        let items = vec![Value::String(vec![b'b'; 100]); 10];
+        let bytes = encoded(&Value::Array(ValueType::String, items.clone()));
+        // 10 `Value`s plus 10 × 100 string bytes.
+        let need = 10 * size_of::<Value>() as u64 + 1000;
+        let mut r = reader(&bytes, need);
+        assert_eq!(r.value(ValueType::Array, "k", true).unwrap(), Value::Array(ValueType::String, items));
+        assert_eq!(r.memory, need);
+        let e = reader(&bytes, need - 1).value(ValueType::Array, "k", true).unwrap_err();
+        assert!(e.to_string().contains("of memory"), "{e}");
+        // One-byte elements are charged as whole `Value`s: 32 times their file bytes.
+        let bytes = encoded(&Value::Array(ValueType::U8, vec![Value::U8(1); 1000]));
+        let mut r = reader(&bytes, 1 << 20);
+        r.value(ValueType::Array, "k", true).unwrap();
+        assert_eq!(r.memory, 1000 * size_of::<Value>() as u64);
+        assert!(reader(&bytes, 999 * size_of::<Value>() as u64).value(ValueType::Array, "k", true).is_err());
+    }
+
+    #[test]
+    fn nested_arrays_are_refused() {
+        let inner = Value::Array(ValueType::U32, vec![Value::U32(1)]);
+        let bytes = encoded(&Value::Array(ValueType::Array, vec![inner]));
+        let e = reader(&bytes, 1 << 20).value(ValueType::Array, "k", true).unwrap_err();
+        assert!(e.to_string().contains("nests arrays"), "{e}");
+    }
+
+    #[test]
+    fn checked_align_refuses_to_overflow() {
+        assert_eq!(checked_align(33, 32), Some(64));
+        assert_eq!(checked_align(u64::MAX - 7, 32), None);
+        assert_eq!(checked_align(u64::MAX - 31, 32), Some(u64::MAX - 31));
     }
 }

@@ -9,7 +9,10 @@ mod model;
 pub mod shard;
 mod value;
 
-pub use file::{write_header, Gguf, TensorInfo, DEFAULT_ALIGNMENT, MAX_HEADER_BYTES};
+pub use file::{
+    header_memory_budget, write_header, Gguf, TensorInfo, DEFAULT_ALIGNMENT, HEADER_MEMORY_PER_FILE_BYTE,
+    MAX_HEADER_BYTES, MAX_HEADER_MEMORY, MIN_HEADER_MEMORY,
+};
 pub use ggml_type::GgmlType;
 pub use model::{Arch, ModelMeta};
 pub use shard::{ShardCache, ShardError, ShardFile};

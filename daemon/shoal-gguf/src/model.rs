@@ -8,6 +8,13 @@ use crate::value::Value;
 use crate::GgufError;
 use serde::Serialize;
 
+/// Most transformer blocks accepted (real models have at most a few hundred).
+pub const MAX_LAYERS: u32 = 4096;
+/// Widest hidden state accepted (real models: up to ~25k).
+pub const MAX_EMBD: u32 = 1 << 20;
+/// Widest attention head accepted (real models: 64 to 512).
+pub const MAX_HEAD_DIM: u32 = 1 << 16;
+
 /// An architecture Shoal has verified split-exact.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Arch {
@@ -115,12 +122,30 @@ impl ModelMeta {
         let n_ctx_train = key_u32("context_length")?;
         let n_head = key_u32("attention.head_count")?;
         let n_head_kv = key_u32("attention.head_count_kv").unwrap_or(n_head);
-        let n_ff = key_u32("feed_forward_length").unwrap_or(4 * n_embd);
-        if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || n_layer > 4096 {
+        if n_layer == 0
+            || n_embd == 0
+            || n_head == 0
+            || n_head_kv == 0
+            || n_layer > MAX_LAYERS
+            || n_embd > MAX_EMBD
+            || n_head > n_embd
+            || n_head_kv > n_embd
+        {
             return Err(bad(format!("absurd sizes: {n_layer} layers, n_embd {n_embd}, {n_head}/{n_head_kv} heads")));
         }
+        // Within MAX_EMBD, 4 × n_embd fits a u32; checked all the same.
+        let n_ff = match key_u32("feed_forward_length") {
+            Ok(n) => n,
+            Err(_) => n_embd.checked_mul(4).ok_or_else(|| bad(format!("n_embd {n_embd} is absurd")))?,
+        };
+        // n_head ≤ n_embd, so the defaults are at least 1.
         let head_dim_k = key_u32("attention.key_length").unwrap_or(n_embd / n_head);
         let head_dim_v = key_u32("attention.value_length").unwrap_or(n_embd / n_head);
+        if !(1..=MAX_HEAD_DIM).contains(&head_dim_k) || !(1..=MAX_HEAD_DIM).contains(&head_dim_v) {
+            return Err(bad(format!(
+                "absurd head widths: key {head_dim_k}, value {head_dim_v} (1..={MAX_HEAD_DIM} allowed)"
+            )));
+        }
 
         let embd = g.tensor("token_embd.weight").ok_or_else(|| bad("no token_embd.weight tensor".into()))?;
         if embd.dims.len() != 2 || embd.dims[0] != u64::from(n_embd) {
@@ -138,12 +163,20 @@ impl ModelMeta {
                 None => types.push((t.ggml_type.name.to_string(), 1)),
             }
             match t.layer() {
-                Some((i, _)) if i < n_layer => layer_bytes[i as usize] += t.bytes,
+                Some((i, _)) if i < n_layer => {
+                    // Tensors were checked to lie within the file, so their sum cannot
+                    // overflow; checked all the same, as these are the file's numbers.
+                    let sum = &mut layer_bytes[i as usize];
+                    *sum = sum.checked_add(t.bytes).ok_or_else(|| bad(format!("block {i} has absurd size")))?;
+                }
                 Some((i, _)) => {
                     return Err(bad(format!("tensor {} names block {i}, but the model has {n_layer}", t.name)))
                 }
                 None if t.name == "token_embd.weight" || t.name == "output.weight" => {}
-                None => other_bytes += t.bytes,
+                None => {
+                    other_bytes = u64::checked_add(other_bytes, t.bytes)
+                        .ok_or_else(|| bad("the non-layer tensors have absurd size".into()))?
+                }
             }
         }
         if let Some(empty) = layer_bytes.iter().position(|&b| b == 0) {
@@ -171,8 +204,10 @@ impl ModelMeta {
     }
 
     /// KV-cache bytes per token per layer at f16 (llama.cpp's default cache type).
+    /// Saturates rather than overflows (a parsed model's sizes are far from it).
     pub fn kv_bytes_per_token_per_layer(&self) -> u64 {
-        2 * u64::from(self.n_head_kv) * u64::from(self.head_dim_k + self.head_dim_v)
+        let per_head = u64::from(self.head_dim_k) + u64::from(self.head_dim_v);
+        2u64.saturating_mul(u64::from(self.n_head_kv)).saturating_mul(per_head)
     }
 
     /// Tensor bytes a stage over this file reads: its layers, the small non-layer
@@ -180,10 +215,13 @@ impl ModelMeta {
     /// it), the LM head on the tail. A shard's unused tensors are holes, not counted.
     pub fn stage_weight_bytes(&self, is_first: bool, is_tail: bool) -> u64 {
         let embd = is_first || (is_tail && self.tied_embeddings);
-        self.layer_bytes.iter().sum::<u64>()
-            + self.other_bytes
-            + if embd { self.embd_bytes } else { 0 }
-            + if is_tail { self.output_bytes } else { 0 }
+        // Parts of one file, so the sum fits; saturating for hand-built values.
+        self.layer_bytes
+            .iter()
+            .fold(0u64, |a, &b| a.saturating_add(b))
+            .saturating_add(self.other_bytes)
+            .saturating_add(if embd { self.embd_bytes } else { 0 })
+            .saturating_add(if is_tail { self.output_bytes } else { 0 })
     }
 
     /// Architecture's split period (see [`Arch::layer_period`]).

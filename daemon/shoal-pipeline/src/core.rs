@@ -277,16 +277,10 @@ impl NodeCore {
         if !self.is_coordinator() {
             return fail("this node is not the coordinator".into(), out);
         }
-        if req.prompt.is_empty() || req.max_new == 0 {
-            return fail("empty prompt or nothing to generate".into(), out);
-        }
-        if req.prompt.len() + req.max_new as usize > self.cfg.n_ctx as usize {
-            let m = format!(
-                "prompt of {} tokens + {} new tokens exceeds the context of {}",
-                req.prompt.len(),
-                req.max_new,
-                self.cfg.n_ctx
-            );
+        // Every bound (prompt and answer within the context, sampling parameters that
+        // cannot make the tail's sampler misbehave or allocate) is checked here, before
+        // the session exists anywhere.
+        if let Err(m) = req.validate(self.cfg.n_ctx) {
             return fail(m, out);
         }
         self.next_session += 1;
@@ -617,8 +611,11 @@ impl NodeCore {
                 return;
             }
         }
+        // The coordinator checked the parameters, but they arrive here from the network:
+        // check them again before the factory makes a sampler of them.
         let value: Result<serde_json::Value, String> = serde_json::from_slice(params).map_err(|e| e.to_string());
-        match value.and_then(|v| (self.cfg.samplers)(&v).map(|s| (v, s))) {
+        let checked = value.and_then(|v| crate::protocol::sampling_params(&v).map(|_| v));
+        match checked.and_then(|v| (self.cfg.samplers)(&v).map(|s| (v, s))) {
             Ok((v, sampler)) => {
                 let s = self.sessions.entry(session).or_insert(Session {
                     epoch,
@@ -804,5 +801,99 @@ mod tests {
         let out = c.handle(Input::Tick, t0 + Duration::from_secs(901));
         assert!(matches!(out.as_slice(), [Action::Free(7)]), "{out:?}");
         assert_eq!(c.session_count(), 0);
+    }
+
+    /// A sampler factory that counts the samplers it makes (none must be made for a
+    /// refused request).
+    fn counting_core(index: usize) -> (NodeCore, Arc<std::sync::atomic::AtomicUsize>) {
+        let made = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = made.clone();
+        let samplers: SamplerFactory = Arc::new(move |_: &serde_json::Value| {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(Box::new(First) as Box<dyn TokenSampler>)
+        });
+        let mut c = core(index);
+        c.cfg.samplers = samplers;
+        (c, made)
+    }
+
+    fn request(prompt_len: usize, max_new: u32, sampling: serde_json::Value) -> GenerateRequest {
+        GenerateRequest { prompt: vec![1; prompt_len], max_new, stop: vec![], sampling }
+    }
+
+    /// The coordinator's answer to a request it refuses: one error to the client, and
+    /// nothing sent to any stage.
+    fn refusal(c: &mut NodeCore, req: GenerateRequest) -> String {
+        let out = c.handle(Input::Generate(req, 5), Instant::now());
+        assert_eq!(c.session_count(), 0);
+        match out.as_slice() {
+            [Action::Reply(5, GenEvent::Error(m))] => m.clone(),
+            other => panic!("expected one refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn huge_repeat_last_n_is_refused_at_the_coordinator() {
+        let (mut c, made) = counting_core(0);
+        let m = refusal(&mut c, request(4, 8, serde_json::json!({"repeat_last_n": i32::MAX, "repeat_penalty": 1.1})));
+        assert!(m.contains("repeat_last_n 2147483647 is outside 0 (off) ..= 65536"), "{m}");
+        assert_eq!(made.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn out_of_range_sampling_parameters_are_refused_at_the_coordinator() {
+        let (mut c, _) = counting_core(0);
+        for (sampling, says) in [
+            (serde_json::json!({"top_k": -3}), "top_k -3"),
+            (serde_json::json!({"top_p": 1.5}), "top_p 1.5"),
+            (serde_json::json!({"min_p": -0.5}), "min_p -0.5"),
+            (serde_json::json!({"temperature": -1.0}), "temperature -1"),
+            (serde_json::json!({"temperature": 1e39}), "temperature inf"),
+            (serde_json::json!({"repeat_penalty": 0.0}), "repeat_penalty 0"),
+            (serde_json::json!({"repeat_last_n": -1}), "repeat_last_n -1"),
+            (serde_json::json!({"mirostat": 2}), "unknown field `mirostat`"),
+            (serde_json::json!("greedy"), "bad sampling parameters"),
+        ] {
+            let m = refusal(&mut c, request(4, 8, sampling.clone()));
+            assert!(m.starts_with("bad sampling parameters: ") && m.contains(says), "{sampling}: {m}");
+        }
+    }
+
+    #[test]
+    fn zero_max_tokens_and_answers_over_the_context_are_refused_at_the_coordinator() {
+        let (mut c, _) = counting_core(0);
+        assert!(refusal(&mut c, request(4, 0, serde_json::json!({}))).contains("max_tokens is 0"));
+        assert!(refusal(&mut c, request(0, 4, serde_json::json!({}))).contains("empty prompt"));
+        let m = refusal(&mut c, request(60, u32::MAX, serde_json::json!({})));
+        assert!(m.contains("at most 4 new tokens fit"), "{m}");
+        let m = refusal(&mut c, request(64, 1, serde_json::json!({})));
+        assert!(m.contains("the prompt of 64 tokens exceeds the context of 64"), "{m}");
+        // Within bounds, the session starts.
+        let out =
+            c.handle(Input::Generate(request(60, 4, serde_json::json!({"repeat_last_n": 65536})), 5), Instant::now());
+        assert!(matches!(out.as_slice(), [Action::Send(_), ..]), "{out:?}");
+        assert_eq!(c.session_count(), 1);
+    }
+
+    #[test]
+    fn huge_repeat_last_n_in_an_open_frame_is_refused_by_the_tail() {
+        // The tail (index 2 of 3) gets the parameters from the network, not from the
+        // coordinator's check: it refuses them itself, and makes no sampler.
+        let (mut c, made) = counting_core(2);
+        let params = serde_json::to_vec(&serde_json::json!({"repeat_last_n": i32::MAX})).unwrap();
+        let out = c.handle(Input::Frame(Frame::message(FrameKind::Open, 9, 0, 0, params)), Instant::now());
+        match out.as_slice() {
+            [Action::Send(f)] if f.kind == FrameKind::Error => {
+                let m = String::from_utf8_lossy(&f.payload);
+                assert!(m.contains("bad sampling parameters: repeat_last_n 2147483647"), "{m}");
+            }
+            other => panic!("expected an error frame to the coordinator, got {other:?}"),
+        }
+        assert_eq!(made.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(c.session_count(), 0);
+        // Sane parameters still open the session.
+        let out = c.handle(Input::Frame(Frame::message(FrameKind::Open, 10, 0, 0, b"{}".to_vec())), Instant::now());
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(made.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 }

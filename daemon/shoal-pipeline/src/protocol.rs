@@ -6,7 +6,7 @@ use crate::placement::StagePlace;
 use crate::PipelineError;
 use serde::{Deserialize, Serialize};
 use shoal_net::{alpn, Node};
-use shoal_types::TokenId;
+use shoal_types::{SamplingParams, TokenId};
 
 /// Largest request accepted (a prompt of ~250k tokens).
 pub const MAX_REQUEST: usize = 1 << 20;
@@ -20,8 +20,29 @@ pub struct GenerateRequest {
     pub max_new: u32,
     /// Generation stops after any of these (end-of-generation tokens); may be empty.
     pub stop: Vec<TokenId>,
-    /// Sampling parameters, handed to the tail's sampler factory as they are.
+    /// Sampling parameters ([`SamplingParams`] as a JSON object), checked by the
+    /// coordinator and again by the tail, then handed to the tail's sampler factory.
     pub sampling: serde_json::Value,
+}
+
+impl GenerateRequest {
+    /// Refuse a request that cannot run within a context of `n_ctx` positions, or whose
+    /// sampling parameters are malformed or out of bounds, with a message for the
+    /// client. The coordinator calls this before anything reaches a stage.
+    pub fn validate(&self, n_ctx: u32) -> Result<SamplingParams, String> {
+        let params = sampling_params(&self.sampling).map_err(|e| format!("bad sampling parameters: {e}"))?;
+        shoal_types::validate_generation(&params, self.prompt.len(), self.max_new, n_ctx).map_err(|e| e.to_string())?;
+        Ok(params)
+    }
+}
+
+/// Parse and check sampling parameters as they arrive from the network (the tail gets
+/// them in the session's Open frame): malformed or out-of-bounds ones are refused before
+/// a sampler is made.
+pub fn sampling_params(value: &serde_json::Value) -> Result<SamplingParams, String> {
+    let params = SamplingParams::deserialize(value).map_err(|e| e.to_string())?;
+    params.validate().map_err(|e| e.to_string())?;
+    Ok(params)
 }
 
 /// What a finished generation reports.

@@ -171,6 +171,25 @@ async fn requests_that_cannot_run_fail_clearly() {
     assert!(generate(&client, &placement.stages[0], &request(&[1, 2, 3], 3), |_| {}).await.is_ok());
 }
 
+/// Sampling parameters come from the network: a huge `repeat_last_n` (which would make
+/// llama.cpp's penalties sampler allocate gigabytes) and other out-of-range values are
+/// refused at the coordinator, and the client reads why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_repeat_last_n_is_refused_and_the_client_is_told() {
+    let ranges = [LayerRange::new(0, 3), LayerRange::new(3, 6)];
+    let (placement, client) = start(&ranges).await;
+    let mut req = request(&[1, 2, 3], 4);
+    req.sampling = serde_json::json!({"repeat_penalty": 1.1, "repeat_last_n": i32::MAX});
+    let e = generate(&client, &placement.stages[0], &req, |_| {}).await.unwrap_err();
+    assert!(e.to_string().contains("repeat_last_n 2147483647 is outside 0 (off) ..= 65536"), "{e}");
+    req.sampling = serde_json::json!({"top_p": 2.0});
+    let e = generate(&client, &placement.stages[0], &req, |_| {}).await.unwrap_err();
+    assert!(e.to_string().contains("top_p 2 is outside [0, 1]"), "{e}");
+    // The pipeline still serves sane requests afterwards.
+    req.sampling = serde_json::json!({"repeat_penalty": 1.1, "repeat_last_n": 65536});
+    assert!(generate(&client, &placement.stages[0], &req, |_| {}).await.is_ok());
+}
+
 /// Even the previous stage's own key cannot derail a session: malformed frames (bad
 /// length, bad dtype, garbage), frames for unknown sessions and stale epochs are
 /// dropped or answered, and the generation running meanwhile is exact.

@@ -64,7 +64,8 @@ impl ModelProfile {
 
     /// Bytes of one f32 hidden-state frame of `tokens` tokens.
     pub fn frame_bytes(&self, tokens: u32) -> u64 {
-        u64::from(tokens) * u64::from(self.n_embd) * 4
+        // At most 2^32 · 2^32 · 4: saturate rather than overflow.
+        u64::from(tokens).saturating_mul(u64::from(self.n_embd)).saturating_mul(4)
     }
 
     /// Memory of a stage holding `layers` (stage 0 when `layers.start == 0`; the tail
@@ -80,25 +81,37 @@ impl ModelProfile {
     ///   and Gemma 3, within 1%); plus the output buffer, n_vocab floats per output row
     ///   (C rows on a non-tail stage, which marks every token as output, one per
     ///   session on the tail).
+    ///
+    /// Sizes come from a GGUF or a profile file, so the arithmetic saturates instead
+    /// of overflowing: an absurd model needs `u64::MAX` bytes and fits nowhere. A range
+    /// past the profile's blocks counts the blocks it has.
     pub fn stage_memory(&self, layers: LayerRange, s: &Sizing) -> StageMemory {
-        let blocks: u64 = self.layer_bytes[layers.start as usize..layers.end as usize].iter().sum();
-        self.memory_of(blocks, layers.end - layers.start, layers.start == 0, layers.end == self.layers, s)
+        let (start, end) = (layers.start as usize, layers.end as usize);
+        let held = self.layer_bytes.get(start..end.min(self.layer_bytes.len())).unwrap_or(&[]);
+        let blocks = held.iter().fold(0u64, |a, &b| a.saturating_add(b));
+        self.memory_of(blocks, layers.len(), layers.start == 0, layers.end == self.layers, s)
     }
 
     /// [`ModelProfile::stage_memory`] of `n_layers` blocks of `block_bytes` in all,
     /// on stage 0 (`first`) and/or the tail.
     pub fn memory_of(&self, block_bytes: u64, n_layers: u32, first: bool, tail: bool, s: &Sizing) -> StageMemory {
         let weights = block_bytes
-            + self.other_bytes
-            + if first { self.embed_bytes } else { 0 }
-            + if tail && !(first && self.tied_embeddings) { self.head_bytes } else { 0 };
-        let kv = u64::from(s.context) * u64::from(s.sessions) * self.kv_bytes_per_token_per_layer * u64::from(n_layers);
+            .saturating_add(self.other_bytes)
+            .saturating_add(if first { self.embed_bytes } else { 0 })
+            .saturating_add(if tail && !(first && self.tied_embeddings) { self.head_bytes } else { 0 });
+        let kv = u64::from(s.context)
+            .saturating_mul(u64::from(s.sessions))
+            .saturating_mul(self.kv_bytes_per_token_per_layer)
+            .saturating_mul(u64::from(n_layers));
+        // Each term is a u32 times a small constant, so their sum fits a u64.
         let per_token = 4 * u64::from(self.n_vocab)
             + 2 * u64::from(s.context)
             + 8 * u64::from(self.n_embd)
             + 6 * u64::from(self.n_ff);
         let out_rows = if tail { s.sessions } else { s.chunk.max(s.sessions) };
-        let compute = u64::from(s.chunk) * per_token + u64::from(out_rows) * u64::from(self.n_vocab) * 4;
+        let compute = u64::from(s.chunk)
+            .saturating_mul(per_token)
+            .saturating_add(u64::from(out_rows).saturating_mul(u64::from(self.n_vocab)).saturating_mul(4));
         StageMemory { weights, kv, compute }
     }
 }
@@ -139,5 +152,34 @@ mod tests {
         assert_eq!(whole.weights, 400 + 7 + 1000 + 2000);
         let tied = ModelProfile { head_bytes: 1000, tied_embeddings: true, ..m };
         assert_eq!(tied.stage_memory(LayerRange { start: 0, end: 4 }, &s).weights, 400 + 7 + 1000);
+    }
+
+    #[test]
+    fn absurd_sizes_saturate_instead_of_overflowing() {
+        let m = ModelProfile {
+            layer_bytes: vec![u64::MAX; 4],
+            other_bytes: u64::MAX,
+            n_embd: u32::MAX,
+            n_vocab: u32::MAX,
+            n_ff: u32::MAX,
+            kv_bytes_per_token_per_layer: u64::MAX,
+            ..toy()
+        };
+        let s = Sizing { context: u32::MAX, sessions: u32::MAX, chunk: u32::MAX };
+        let mem = m.stage_memory(LayerRange { start: 0, end: 4 }, &s);
+        assert_eq!((mem.weights, mem.kv, mem.compute), (u64::MAX, u64::MAX, u64::MAX));
+        assert_eq!(mem.total(), u64::MAX);
+        assert_eq!(m.frame_bytes(u32::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn a_range_past_the_profile_blocks_does_not_panic() {
+        // A profile whose `layer_bytes` is shorter than its `layers`, or a range past
+        // them: the blocks it has are counted.
+        let m = ModelProfile { layer_bytes: vec![100, 100], ..toy() };
+        let s = Sizing { context: 10, sessions: 2, chunk: 4 };
+        assert_eq!(m.stage_memory(LayerRange { start: 1, end: 4 }, &s).weights, 100 + 7 + 2000);
+        assert_eq!(m.stage_memory(LayerRange { start: 9, end: 12 }, &s).weights, 7);
+        assert_eq!(m.stage_memory(LayerRange { start: 3, end: 1 }, &s).kv, 0);
     }
 }

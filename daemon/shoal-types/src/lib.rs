@@ -7,6 +7,8 @@ use std::fmt;
 
 mod inventory;
 pub use inventory::{BadClusterId, BadNodeId, ClusterId, DeviceInventory, NodeId, NodeInventory, Role};
+pub mod sampling;
+pub use sampling::{validate_generation, GenerationError, SamplingParams};
 
 /// A token id in the model's vocabulary (llama.cpp's `llama_token`).
 pub type TokenId = i32;
@@ -166,7 +168,8 @@ pub struct StageMemory {
 impl StageMemory {
     /// Everything together.
     pub fn total(&self) -> u64 {
-        self.weights + self.kv + self.compute
+        // The parts are estimates from file and profile sizes: saturate, never overflow.
+        self.weights.saturating_add(self.kv).saturating_add(self.compute)
     }
 }
 

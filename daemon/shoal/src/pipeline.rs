@@ -186,6 +186,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let stage = LlamaStage::load(&shard.path, place.layers, meta.n_layer, &config)?;
     let samplers: SamplerFactory = Arc::new(|v: &serde_json::Value| {
         let params: SamplingParams = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+        // The core checked them already; the sampler factory is the last gate before llama.cpp.
+        params.validate().map_err(|e| e.to_string())?;
         Ok(Box::new(Sampler::new(&params)) as Box<dyn TokenSampler>)
     });
     // One thread for all of the node's networking: a frame's path through the link
@@ -253,11 +255,14 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     if max_new == 0 {
         bail!("the prompt takes {} tokens, which leaves no room in the context of {}", prompt.len(), placement.context);
     }
+    // The coordinator refuses bad parameters too; checking here says so before connecting.
+    let sampling = t.sampling();
+    shoal_types::validate_generation(&sampling, prompt.len(), max_new as u32, placement.context)?;
     let request = GenerateRequest {
         prompt: prompt.clone(),
         max_new: max_new as u32,
         stop: if t.ignore_eos { Vec::new() } else { vocab.eog_tokens() },
-        sampling: serde_json::to_value(t.sampling())?,
+        sampling: serde_json::to_value(sampling)?,
     };
     let dir = data_dir(&a.data_dir);
     let identity = Arc::new(Identity::load_or_create(&dir)?);

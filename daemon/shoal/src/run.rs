@@ -174,6 +174,10 @@ pub fn run(a: RunArgs) -> Result<()> {
             g.ctx
         );
     }
+    // Refuse out-of-range sampling flags (a NaN or negative --temp, --top-p 2, ...)
+    // before llama.cpp loads anything or sees them.
+    let sampling = t.sampling();
+    shoal_types::validate_generation(&sampling, prompt.len(), max_new as u32, g.ctx)?;
     let (_, stages) = load_split(&a.model, &a.split, &cache, &config)?;
     let ranges: Vec<LayerRange> = stages.iter().map(|s| s.info().layers).collect();
     let memory: Vec<StageMemory> = stages.iter().map(|s| s.memory()).collect();
@@ -189,7 +193,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         );
     }
     let mut out = Printer::new(&vocab, !t.json, !t.ignore_eos);
-    let gen = chain.generate(SessionId(0), &prompt, max_new, &mut Sampler::new(&t.sampling()), &mut out)?;
+    let gen = chain.generate(SessionId(0), &prompt, max_new, &mut Sampler::new(&sampling), &mut out)?;
     let tail = out.finish();
     if t.json {
         let report = RunReport {

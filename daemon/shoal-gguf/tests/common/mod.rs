@@ -11,7 +11,12 @@ pub const N_VOCAB: u64 = 10;
 /// A llama-arch GGUF with `n_layer` blocks of two F32 tensors each, whose bytes are
 /// distinct per tensor so that a misplaced copy is visible.
 pub fn synthetic_model(n_layer: u32, tied: bool) -> Vec<u8> {
-    let metadata = vec![
+    synthetic_model_with(n_layer, tied, |_| {})
+}
+
+/// [`synthetic_model`] with its metadata changed by `edit` first.
+pub fn synthetic_model_with(n_layer: u32, tied: bool, edit: impl FnOnce(&mut Vec<(String, Value)>)) -> Vec<u8> {
+    let mut metadata = vec![
         ("general.architecture".to_string(), Value::String(b"llama".to_vec())),
         ("general.name".to_string(), Value::String(b"synthetic".to_vec())),
         ("llama.block_count".to_string(), Value::U32(n_layer)),
@@ -31,6 +36,7 @@ pub fn synthetic_model(n_layer: u32, tied: bool) -> Vec<u8> {
             ),
         ),
     ];
+    edit(&mut metadata);
     let f32t = GgmlType::from_id(0).unwrap();
     let mut specs: Vec<(String, Vec<u64>)> = vec![("token_embd.weight".into(), vec![N_EMBD, N_VOCAB])];
     for i in 0..n_layer {
@@ -55,6 +61,19 @@ pub fn synthetic_model(n_layer: u32, tied: bool) -> Vec<u8> {
         out.resize(base + t.offset as usize, 0);
         out.extend((0..t.bytes).map(|b| (k as u8).wrapping_mul(31).wrapping_add((b % 251) as u8) | 1));
     }
+    out
+}
+
+/// Set metadata `key` to `value`, replacing it where present.
+pub fn set(metadata: &mut Vec<(String, Value)>, key: &str, value: Value) {
+    metadata.retain(|(k, _)| k != key);
+    metadata.push((key.to_string(), value));
+}
+
+/// A header of `metadata` and `tensors` (offsets as given) without tensor data.
+pub fn header_only(metadata: &[(String, Value)], tensors: &[TensorInfo]) -> Vec<u8> {
+    let mut out = Vec::new();
+    write_header(&mut out, metadata, tensors, 32).unwrap();
     out
 }
 

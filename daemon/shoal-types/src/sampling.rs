@@ -1,0 +1,283 @@
+//! A generation's sampling parameters and the one check that keeps a request sane
+//! before any engine sees it (llama.cpp trusts its arguments: a `repeat_last_n` of
+//! two billion makes its penalties sampler allocate 8 GiB).
+
+use serde::{Deserialize, Serialize};
+
+/// Longest repetition window accepted, in tokens. llama.cpp's penalties sampler keeps
+/// a ring of this many tokens (4 bytes each) and a count per distinct token in it, so
+/// the bound is what keeps a request from allocating gigabytes; 64 Ki tokens is as long
+/// as the longest contexts in common use. A fixed bound rather than the context, so the
+/// default window (64) stays valid for small contexts.
+pub const MAX_REPEAT_LAST_N: i32 = 1 << 16;
+
+/// Largest `top_k` accepted. Larger than any vocabulary (llama.cpp clamps k to the
+/// vocabulary anyway), so a bigger value can only be a client's mistake.
+pub const MAX_TOP_K: i32 = 1 << 20;
+
+/// How to sample. The defaults are greedy decoding: the most likely token, always.
+///
+/// This is the wire form too: the control protocol carries it as a JSON object (every
+/// field optional, unknown fields refused).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// 0 means greedy; otherwise logits are divided by it before sampling.
+    pub temperature: f32,
+    /// Keep the k most likely tokens (0: off).
+    pub top_k: i32,
+    /// Keep the smallest set of tokens whose probability reaches p (1: off).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` × the most likely one (0: off).
+    pub min_p: f32,
+    /// Penalise tokens seen in the last `repeat_last_n` (1: off).
+    pub repeat_penalty: f32,
+    /// Window of the repetition penalty, in tokens (0: off; at most [`MAX_REPEAT_LAST_N`]).
+    pub repeat_last_n: i32,
+    /// Random seed: the same seed and inputs give the same tokens.
+    pub seed: u32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+    }
+}
+
+/// Why a generation request is refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum GenerationError {
+    /// No prompt token.
+    #[error("empty prompt: there is nothing to generate from")]
+    EmptyPrompt,
+    /// `max_tokens` (the request's `max_new`) is 0.
+    #[error("max_tokens is 0: nothing to generate")]
+    NothingToGenerate,
+    /// The prompt alone does not fit the context.
+    #[error("the prompt of {prompt} tokens exceeds the context of {n_ctx} tokens")]
+    PromptOverContext {
+        /// Prompt tokens.
+        prompt: usize,
+        /// The context (positions per session).
+        n_ctx: u32,
+    },
+    /// The prompt fits, but not with `max_new` tokens after it.
+    #[error(
+        "prompt of {prompt} tokens + {max_new} new tokens exceeds the context of {n_ctx} \
+         (at most {room} new tokens fit after this prompt)"
+    )]
+    AnswerOverContext {
+        /// Prompt tokens.
+        prompt: usize,
+        /// New tokens asked for.
+        max_new: u32,
+        /// The context (positions per session).
+        n_ctx: u32,
+        /// New tokens that would fit.
+        room: usize,
+    },
+    /// Negative, NaN or infinite temperature.
+    #[error("temperature {0} is not a finite number ≥ 0 (0 is greedy)")]
+    Temperature(f32),
+    /// Negative or absurd `top_k`.
+    #[error("top_k {0} is outside 0 (off) ..= {MAX_TOP_K}")]
+    TopK(i32),
+    /// `top_p` outside [0, 1] or NaN.
+    #[error("top_p {0} is outside [0, 1] (1 is off)")]
+    TopP(f32),
+    /// `min_p` outside [0, 1] or NaN.
+    #[error("min_p {0} is outside [0, 1] (0 is off)")]
+    MinP(f32),
+    /// Zero, negative, NaN or infinite repetition penalty (llama.cpp divides by it).
+    #[error("repeat_penalty {0} is not a finite number > 0 (1 is off)")]
+    RepeatPenalty(f32),
+    /// A repetition window below 0 or over [`MAX_REPEAT_LAST_N`]. llama.cpp's tools
+    /// read -1 as "the whole context", but its sampler silently turns -1 into 0 (off);
+    /// rather than guess, the window must be given as a number.
+    #[error(
+        "repeat_last_n {0} is outside 0 (off) ..= {MAX_REPEAT_LAST_N}; \
+         give the window in tokens (-1 for the whole context is not accepted)"
+    )]
+    RepeatLastN(i32),
+}
+
+impl SamplingParams {
+    /// Check every parameter against what the sampler can take without misbehaving or
+    /// allocating more than a stated bound.
+    pub fn validate(&self) -> Result<(), GenerationError> {
+        // `!(x >= 0)` and friends are written so that NaN fails them.
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(GenerationError::Temperature(self.temperature));
+        }
+        if !(0..=MAX_TOP_K).contains(&self.top_k) {
+            return Err(GenerationError::TopK(self.top_k));
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return Err(GenerationError::TopP(self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(GenerationError::MinP(self.min_p));
+        }
+        if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
+            return Err(GenerationError::RepeatPenalty(self.repeat_penalty));
+        }
+        // The penalties sampler allocates a ring of `repeat_last_n` tokens up front.
+        if !(0..=MAX_REPEAT_LAST_N).contains(&self.repeat_last_n) {
+            return Err(GenerationError::RepeatLastN(self.repeat_last_n));
+        }
+        Ok(())
+    }
+}
+
+/// The check every generation passes before an engine is touched: the request's shape
+/// (a prompt, something to generate, both within the context of `n_ctx` positions per
+/// session) and then its sampling parameters ([`SamplingParams::validate`]).
+pub fn validate_generation(
+    params: &SamplingParams,
+    prompt_len: usize,
+    max_new: u32,
+    n_ctx: u32,
+) -> Result<(), GenerationError> {
+    if prompt_len == 0 {
+        return Err(GenerationError::EmptyPrompt);
+    }
+    if max_new == 0 {
+        return Err(GenerationError::NothingToGenerate);
+    }
+    let n_ctx_len = n_ctx as usize;
+    if prompt_len >= n_ctx_len {
+        // A prompt that fills the context leaves no position for a new token either.
+        return Err(GenerationError::PromptOverContext { prompt: prompt_len, n_ctx });
+    }
+    let room = n_ctx_len - prompt_len;
+    if max_new as usize > room {
+        return Err(GenerationError::AnswerOverContext { prompt: prompt_len, max_new, n_ctx, room });
+    }
+    params.validate()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CTX: u32 = 256;
+
+    fn check(p: SamplingParams) -> Result<(), GenerationError> {
+        validate_generation(&p, 10, 20, CTX)
+    }
+
+    #[test]
+    fn defaults_and_edges_are_accepted() {
+        assert_eq!(check(SamplingParams::default()), Ok(()));
+        let edges = SamplingParams {
+            temperature: 0.0,
+            top_k: MAX_TOP_K,
+            top_p: 0.0,
+            min_p: 1.0,
+            repeat_penalty: f32::MIN_POSITIVE,
+            repeat_last_n: MAX_REPEAT_LAST_N,
+            seed: u32::MAX,
+        };
+        assert_eq!(check(edges), Ok(()));
+        let off = SamplingParams { top_k: 0, top_p: 1.0, min_p: 0.0, repeat_last_n: 0, ..Default::default() };
+        assert_eq!(check(off), Ok(()));
+        // The default window is valid whatever the context.
+        assert_eq!(validate_generation(&SamplingParams::default(), 1, 7, 8), Ok(()));
+        // Prompt plus answer exactly filling the context is fine.
+        assert_eq!(validate_generation(&SamplingParams::default(), 200, 56, CTX), Ok(()));
+    }
+
+    #[test]
+    fn huge_repeat_last_n_is_refused() {
+        for value in [i32::MAX, MAX_REPEAT_LAST_N + 1, 1 << 20] {
+            let p = SamplingParams { repeat_last_n: value, ..Default::default() };
+            assert_eq!(check(p), Err(GenerationError::RepeatLastN(value)));
+        }
+    }
+
+    #[test]
+    fn negative_repeat_last_n_is_refused() {
+        for value in [-1, i32::MIN] {
+            let e = check(SamplingParams { repeat_last_n: value, ..Default::default() }).unwrap_err();
+            assert_eq!(e, GenerationError::RepeatLastN(value));
+            assert!(e.to_string().contains("-1 for the whole context is not accepted"), "{e}");
+        }
+    }
+
+    #[test]
+    fn negative_or_absurd_top_k_is_refused() {
+        for k in [-1, i32::MIN, MAX_TOP_K + 1, i32::MAX] {
+            assert_eq!(check(SamplingParams { top_k: k, ..Default::default() }), Err(GenerationError::TopK(k)));
+        }
+    }
+
+    #[test]
+    fn top_p_outside_unit_interval_or_nan_is_refused() {
+        for p in [-0.1, 1.01, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let e = check(SamplingParams { top_p: p, ..Default::default() }).unwrap_err();
+            assert!(matches!(e, GenerationError::TopP(_)), "{p}: {e}");
+        }
+    }
+
+    #[test]
+    fn min_p_outside_unit_interval_or_nan_is_refused() {
+        for p in [-0.1, 1.01, f32::NAN, f32::INFINITY] {
+            let e = check(SamplingParams { min_p: p, ..Default::default() }).unwrap_err();
+            assert!(matches!(e, GenerationError::MinP(_)), "{p}: {e}");
+        }
+    }
+
+    #[test]
+    fn negative_nan_or_infinite_temperature_is_refused() {
+        for t in [-0.5, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let e = check(SamplingParams { temperature: t, ..Default::default() }).unwrap_err();
+            assert!(matches!(e, GenerationError::Temperature(_)), "{t}: {e}");
+        }
+    }
+
+    #[test]
+    fn non_positive_nan_or_infinite_repeat_penalty_is_refused() {
+        for r in [0.0, -0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let e = check(SamplingParams { repeat_penalty: r, ..Default::default() }).unwrap_err();
+            assert!(matches!(e, GenerationError::RepeatPenalty(_)), "{r}: {e}");
+        }
+    }
+
+    #[test]
+    fn zero_max_tokens_is_refused() {
+        assert_eq!(
+            validate_generation(&SamplingParams::default(), 10, 0, CTX),
+            Err(GenerationError::NothingToGenerate)
+        );
+    }
+
+    #[test]
+    fn empty_prompt_is_refused() {
+        assert_eq!(validate_generation(&SamplingParams::default(), 0, 5, CTX), Err(GenerationError::EmptyPrompt));
+    }
+
+    #[test]
+    fn prompt_over_context_is_refused_and_says_so() {
+        for len in [CTX as usize, CTX as usize + 1, usize::MAX] {
+            let e = validate_generation(&SamplingParams::default(), len, 1, CTX).unwrap_err();
+            assert_eq!(e, GenerationError::PromptOverContext { prompt: len, n_ctx: CTX });
+        }
+    }
+
+    #[test]
+    fn prompt_plus_max_tokens_over_context_is_refused_and_says_how_many_fit() {
+        let e = validate_generation(&SamplingParams::default(), 200, u32::MAX, CTX).unwrap_err();
+        assert_eq!(e, GenerationError::AnswerOverContext { prompt: 200, max_new: u32::MAX, n_ctx: CTX, room: 56 });
+        assert!(e.to_string().contains("exceeds the context of 256 (at most 56 new tokens fit"), "{e}");
+        let e = validate_generation(&SamplingParams::default(), 200, 57, CTX).unwrap_err();
+        assert!(matches!(e, GenerationError::AnswerOverContext { room: 56, .. }), "{e}");
+    }
+
+    #[test]
+    fn unknown_sampling_fields_are_refused_on_the_wire() {
+        let e = serde_json::from_str::<SamplingParams>(r#"{"repeat_last_n": 8, "mirostat": 2}"#).unwrap_err();
+        assert!(e.to_string().contains("mirostat"), "{e}");
+        let p: SamplingParams = serde_json::from_str(r#"{"repeat_last_n": 8}"#).unwrap();
+        assert_eq!(p, SamplingParams { repeat_last_n: 8, ..Default::default() });
+    }
+}
