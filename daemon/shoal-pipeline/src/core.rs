@@ -78,6 +78,10 @@ pub enum Action {
     Free(u64),
     /// Tell a client something.
     Reply(ClientId, GenEvent),
+    /// The connection to the next node is stale: drop it and connect again. The tail
+    /// says so when the coordinator restarted: its old connection would swallow frames
+    /// until QUIC's idle timeout noticed the peer is gone.
+    RenewLink,
 }
 
 /// One step for the stage.
@@ -781,7 +785,10 @@ impl NodeCore {
         if self.newest_incarnation.is_some_and(|n| n == incarnation || !is_newer(incarnation, n)) {
             return;
         }
-        self.newest_incarnation = Some(incarnation);
+        let restarted = self.newest_incarnation.replace(incarnation).is_some();
+        if restarted && self.is_tail() {
+            out.push(Action::RenewLink);
+        }
         let orphans: Vec<u64> = self.sessions.keys().copied().filter(|&id| incarnation_of(id) != incarnation).collect();
         if orphans.is_empty() {
             return;

@@ -121,7 +121,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
 
     let next = placement.next(index).clone();
     let next_is_self = next.node == node.id();
-    let (link_tx, link_rx) = mpsc::channel::<Frame>(4096);
+    let (link_tx, link_rx) = mpsc::channel::<Link>(4096);
     if !next_is_self {
         tokio::spawn(link_task(node.clone(), next.addr, next.node, link_rx, shell.clone()));
     }
@@ -222,7 +222,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                     Action::Send(f) if next_is_self => pending.push(Input::Frame(f)),
                     Action::Send(mut f) => {
                         f.sent_us = shoal_net::wall_us();
-                        if link_tx.send(f).await.is_err() {
+                        if link_tx.send(Link::Frame(f)).await.is_err() {
                             tracing::error!("the link task has stopped");
                         }
                     }
@@ -251,6 +251,11 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                     Action::Submit(job) => {
                         submitted.push_back((Instant::now(), is_decode(&job, info.n_embd)));
                         let _ = work_tx.send(Work::Forward(job));
+                    }
+                    Action::RenewLink => {
+                        if !next_is_self && link_tx.send(Link::Renew).await.is_err() {
+                            tracing::error!("the link task has stopped");
+                        }
                     }
                     Action::Free(s) => {
                         shell.frees_pending.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
@@ -425,6 +430,14 @@ fn is_decode(job: &Job, n_embd: u32) -> bool {
     }
 }
 
+/// What the event loop hands the link task.
+enum Link {
+    /// A frame for the next node.
+    Frame(Frame),
+    /// The next node restarted: its old connection is dead, connect again.
+    Renew,
+}
+
 /// Sends frames to the next node over one ordered stream, reconnecting with jittered
 /// exponential backoff (from 5 ms up to 1 s) when the link is down — including at
 /// startup, when the next node may not be listening yet.
@@ -432,17 +445,26 @@ async fn link_task(
     node: Arc<Node>,
     addr: std::net::SocketAddr,
     peer: NodeId,
-    mut frames: mpsc::Receiver<Frame>,
+    mut frames: mpsc::Receiver<Link>,
     counters: Arc<ShellCounters>,
 ) {
     let mut stream: Option<quinn::SendStream> = None;
+    let mut connection: Option<quinn::Connection> = None;
     let mut pending: Option<Vec<u8>> = None;
     let mut backoff = Duration::from_millis(5);
     loop {
         let bytes = match pending.take() {
             Some(b) => b,
             None => match frames.recv().await {
-                Some(f) => length_prefixed(&f),
+                Some(Link::Frame(f)) => length_prefixed(&f),
+                Some(Link::Renew) => {
+                    if let Some(c) = connection.take() {
+                        tracing::info!(%addr, "the next node restarted; connecting again");
+                        c.close(0u32.into(), b"you restarted");
+                    }
+                    stream = None;
+                    continue;
+                }
                 None => return,
             },
         };
@@ -451,6 +473,7 @@ async fn link_task(
                 Ok(conn) => match conn.open_uni().await {
                     Ok(s) => {
                         tokio::spawn(read_refusals(conn.clone(), counters.clone()));
+                        connection = Some(conn);
                         backoff = Duration::from_millis(5);
                         stream = Some(s);
                         counters.link_connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

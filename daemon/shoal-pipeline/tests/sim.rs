@@ -158,6 +158,7 @@ fn simulate(
                         push(&mut queue, at, Ev::Done(node, life[node], job, out));
                     }
                     Action::Free(s) => stages[node].free_session(SessionId(s)),
+                    Action::RenewLink => {}
                 }
             }
         }
@@ -259,6 +260,8 @@ struct Ring {
     events: Vec<(ClientId, GenEvent)>,
     black_hole: Option<usize>,
     crash_loop: Option<usize>,
+    /// Nodes that asked to renew their link to the next node, in order.
+    renewed: Vec<usize>,
 }
 
 impl Ring {
@@ -274,6 +277,7 @@ impl Ring {
             events: Vec::new(),
             black_hole: None,
             crash_loop: None,
+            renewed: Vec::new(),
         }
     }
 
@@ -322,6 +326,7 @@ impl Ring {
                         self.queue.push_back((node, Input::Done(job, out)));
                     }
                     Action::Free(s) => self.stages[node].free_session(SessionId(s)),
+                    Action::RenewLink => self.renewed.push(node),
                     Action::Reply(c, e) => self.events.push((c, e)),
                 }
             }
@@ -396,6 +401,8 @@ fn a_restarted_coordinator_frees_its_old_sessions_at_its_first_open() {
     let (want, _) = reference(&ranges, &prompt, 20);
     assert_eq!(ring.tokens(9), want);
     assert_eq!(ring.cores[2].counters.orphans_freed, 4);
+    // The tail renews its connection to the coordinator (the old one is dead).
+    assert_eq!(ring.renewed, [2]);
     for k in 0..3 {
         assert_eq!(ring.cores[k].session_count(), 0, "stage {k} after the generation");
     }
