@@ -16,7 +16,17 @@
 //!   broken connection) answers `Lost`, and the coordinator replays the session from
 //!   position 0 *in its original shapes* (prompt chunks of C, then one token per step),
 //!   so every stage's numbers, and so the output, stay bit-identical.
-//! - No progress for `max_wait` fails the generation with a clear error.
+//! - A generation that makes no progress fails with a clear error after a bound: no
+//!   answer from the ring for `max_wait`, or `max_replays` replays in a row without a
+//!   new token (a stage in a crash loop), naming the stage when it is known.
+//!
+//! Sessions are freed on every stage:
+//! - when the generation closes (the Close travels the ring);
+//! - at once when a restarted coordinator's first Open arrives: session ids carry the
+//!   coordinator's *incarnation* (its start time, see [`session_id`]) and a stage frees
+//!   every session of an older incarnation when it sees an Open of a newer one, so the
+//!   stage's slots are free for the new coordinator;
+//! - after `session_idle` without a frame (a coordinator that died for good).
 
 use crate::protocol::{GenEvent, GenerateRequest, Report};
 use shoal_net::frame::FLAG_SAMPLE;
@@ -40,6 +50,9 @@ pub enum Input {
     Done(Job, Result<StepOutput, String>),
     /// A client asks for a generation (coordinator only).
     Generate(GenerateRequest, ClientId),
+    /// The client is gone or does not read its events: end its generation (coordinator
+    /// only) and free its session along the ring.
+    Cancel(ClientId),
     /// Time passes.
     Tick,
 }
@@ -65,6 +78,10 @@ pub enum Action {
     Free(u64),
     /// Tell a client something.
     Reply(ClientId, GenEvent),
+    /// The connection to the next node is stale: drop it and connect again. The tail
+    /// says so when the coordinator restarted: its old connection would swallow frames
+    /// until QUIC's idle timeout noticed the peer is gone.
+    RenewLink,
 }
 
 /// One step for the stage.
@@ -99,10 +116,18 @@ impl JobInput {
 pub struct RetryPolicy {
     /// A step's token is late after max(this, 8 × the recent step time).
     pub min_timeout: Duration,
-    /// Without any progress for this long the generation fails.
+    /// The generation fails when the ring has answered nothing for this long: no token
+    /// of the current epoch came back and the coordinator's own stage finished no step
+    /// it had not finished before (re-drives and replays do not count). Default 60 s.
     pub max_wait: Duration,
+    /// The generation fails after this many replays in a row without a new token: a
+    /// stage that keeps losing the session (a crash loop) cannot hold it forever.
+    /// Default 8.
+    pub max_replays: u32,
     /// A stage forgets a session it has not heard of for this long (its coordinator
-    /// died or gave up); longer than `max_wait`, so no live generation is cut.
+    /// died for good or gave up); longer than `max_wait`, so no live generation is cut.
+    /// A restarted coordinator does not wait for this: its first Open frees the
+    /// sessions of its previous incarnation at once. Default 120 s.
     pub session_idle: Duration,
 }
 
@@ -110,10 +135,37 @@ impl Default for RetryPolicy {
     fn default() -> Self {
         Self {
             min_timeout: Duration::from_millis(1500),
-            max_wait: Duration::from_secs(300),
-            session_idle: Duration::from_secs(900),
+            max_wait: Duration::from_secs(60),
+            max_replays: 8,
+            session_idle: Duration::from_secs(120),
         }
     }
+}
+
+/// Bits of a session id that count the coordinator's sessions; the bits above hold
+/// its incarnation.
+pub const SESSION_COUNTER_BITS: u32 = 24;
+/// Bits of an incarnation (ms since 2020-01-01 fit in 40 bits until 2054; comparisons
+/// wrap, so later years keep working).
+pub const INCARNATION_BITS: u32 = 64 - SESSION_COUNTER_BITS;
+const INCARNATION_MASK: u64 = (1 << INCARNATION_BITS) - 1;
+const COUNTER_MASK: u64 = (1 << SESSION_COUNTER_BITS) - 1;
+
+/// A session id: the coordinator's incarnation above, its session counter below.
+pub fn session_id(incarnation: u64, counter: u64) -> u64 {
+    (incarnation & INCARNATION_MASK) << SESSION_COUNTER_BITS | counter & COUNTER_MASK
+}
+
+/// The incarnation of the coordinator that opened `session`.
+pub fn incarnation_of(session: u64) -> u64 {
+    session >> SESSION_COUNTER_BITS
+}
+
+/// Whether incarnation `a` started after `b` (serial-number arithmetic over
+/// [`INCARNATION_BITS`], so the comparison survives the wrap).
+pub fn is_newer(a: u64, b: u64) -> bool {
+    let d = a.wrapping_sub(b) & INCARNATION_MASK;
+    d != 0 && d < 1 << (INCARNATION_BITS - 1)
 }
 
 /// Static facts about the node.
@@ -183,6 +235,13 @@ struct Driver {
     /// Re-drives and replays so far (for logs and counters).
     redrives: u32,
     replays: u32,
+    /// Replays since the last new token (bounded by `max_replays`).
+    replays_in_row: u32,
+    /// The stage that last said it lost the session (from its Lost frame), if known.
+    lost_at: Option<usize>,
+    /// Highest step the coordinator's own stage has finished: finishing a higher one
+    /// (a prompt chunk on its first pass) is progress, recomputing one is not.
+    head_done: Option<u32>,
     /// All tokens are in, but the tail lost its digest: the session is being replayed
     /// up to its last step, after which it closes again.
     replaying_finished: bool,
@@ -199,6 +258,18 @@ pub struct Counters {
     pub replays: u64,
     pub lost_reported: u64,
     pub cached_tokens_resent: u64,
+    /// Generations ended because their client went away or stopped reading (coordinator).
+    #[serde(default)]
+    pub cancelled: u64,
+    /// Generations failed by the no-progress bounds (`max_wait`, `max_replays`).
+    #[serde(default)]
+    pub gave_up: u64,
+    /// Sessions freed because a newer coordinator incarnation opened one (stages).
+    #[serde(default)]
+    pub orphans_freed: u64,
+    /// Sessions freed after `session_idle` without a frame (stages).
+    #[serde(default)]
+    pub idle_freed: u64,
 }
 
 /// One node's protocol state.
@@ -207,7 +278,12 @@ pub struct NodeCore {
     sessions: HashMap<u64, Session>,
     /// Final digests of recently closed sessions (tail), to answer a repeated Close.
     closed: VecDeque<(u64, String)>,
+    /// This coordinator's incarnation (the high bits of its session ids).
+    incarnation: u64,
+    /// Counter of the sessions it opened (the low bits).
     next_session: u64,
+    /// Stages: the newest coordinator incarnation an Open has come from.
+    newest_incarnation: Option<u64>,
     /// When each session was last heard of (frames, finished steps).
     last_seen: HashMap<u64, Instant>,
     /// Public counters.
@@ -215,13 +291,17 @@ pub struct NodeCore {
 }
 
 impl NodeCore {
-    /// A node with no sessions. `session_base` seeds the session ids it hands out.
-    pub fn new(cfg: CoreConfig, session_base: u64) -> Self {
+    /// A node with no sessions. `incarnation` tells this coordinator's start from any
+    /// earlier one: a value that grows from start to start (the shell uses the wall
+    /// clock in ms; see [`is_newer`]). Only the coordinator's is used.
+    pub fn new(cfg: CoreConfig, incarnation: u64) -> Self {
         Self {
             cfg,
             sessions: HashMap::new(),
             closed: VecDeque::new(),
-            next_session: session_base,
+            incarnation: incarnation & INCARNATION_MASK,
+            next_session: 0,
+            newest_incarnation: None,
             last_seen: HashMap::new(),
             counters: Counters::default(),
         }
@@ -245,6 +325,7 @@ impl NodeCore {
         let mut out = Vec::new();
         match input {
             Input::Generate(req, client) => self.start(req, client, now, &mut out),
+            Input::Cancel(client) => self.cancel(client, &mut out),
             Input::Frame(f) => {
                 self.counters.frames_in += 1;
                 self.last_seen.insert(f.session, now);
@@ -283,8 +364,12 @@ impl NodeCore {
         if let Err(m) = req.validate(self.cfg.n_ctx) {
             return fail(m, out);
         }
-        self.next_session += 1;
-        let session = self.next_session;
+        // Skip 0 in the counter (session 0 marks frames about no session).
+        self.next_session = (self.next_session + 1) & COUNTER_MASK;
+        if self.next_session == 0 {
+            self.next_session = 1;
+        }
+        let session = session_id(self.incarnation, self.next_session);
         let prompt_steps = req.prompt.len().div_ceil(self.cfg.chunk as usize) as u32;
         let driver = Driver {
             client,
@@ -304,6 +389,9 @@ impl NodeCore {
             last_token: None,
             redrives: 0,
             replays: 0,
+            replays_in_row: 0,
+            lost_at: None,
+            head_done: None,
             replaying_finished: false,
         };
         self.sessions.insert(
@@ -362,7 +450,13 @@ impl NodeCore {
         let Some(&token) = f.token_ids().first() else { return };
         let chunk = self.cfg.chunk;
         let Some(s) = self.sessions.get_mut(&f.session) else { return };
+        let current_epoch = f.epoch == s.epoch;
         let Some(d) = s.driver.as_mut() else { return };
+        if current_epoch {
+            // The ring answers in the current epoch (during a replay: the replayed
+            // steps coming back one by one), so the time bound restarts.
+            d.progress_at = now;
+        }
         if d.closing || f.step != d.awaiting {
             // A token of an earlier step (re-sent during a replay) or a late duplicate.
             if let Some(i) = f.step.checked_sub(d.prompt_steps - 1).map(|i| i as usize) {
@@ -389,6 +483,7 @@ impl NodeCore {
         d.first_token.get_or_insert(now);
         d.last_token = Some(now);
         d.progress_at = now;
+        d.replays_in_row = 0;
         d.tokens.push(token);
         out.push(Action::Reply(d.client, GenEvent::Token(token)));
         if d.tokens.len() >= d.max_new || d.stop.contains(&token) {
@@ -412,7 +507,7 @@ impl NodeCore {
             // One-stage ring: the coordinator is the tail.
             let ack = self.tail_close(close, out);
             if ack.kind == FrameKind::Lost {
-                self.replay(ack.session, now, out);
+                self.on_lost(ack, now, out);
             } else {
                 self.finish(ack, now, out);
             }
@@ -445,6 +540,24 @@ impl NodeCore {
         out.push(Action::Reply(d.client, GenEvent::Done(report)));
     }
 
+    /// The client of a generation is gone or does not read: end it without a reply and
+    /// free its session here and along the ring.
+    fn cancel(&mut self, client: ClientId, out: &mut Vec<Action>) {
+        let found = self
+            .sessions
+            .iter()
+            .find(|(_, s)| s.driver.as_ref().is_some_and(|d| d.client == client))
+            .map(|(&id, _)| id);
+        let Some(session) = found else { return };
+        let Some(s) = self.sessions.remove(&session) else { return };
+        self.counters.cancelled += 1;
+        tracing::info!(session, client, "generation cancelled: its client is gone or does not read");
+        out.push(Action::Free(session));
+        if !self.is_tail() {
+            out.push(Action::Send(Frame::message(FrameKind::Close, session, 0, s.epoch, Vec::new())));
+        }
+    }
+
     fn fail(&mut self, session: u64, message: String, out: &mut Vec<Action>) {
         let Some(mut s) = self.sessions.remove(&session) else { return };
         out.push(Action::Free(session));
@@ -472,9 +585,10 @@ impl NodeCore {
             .map(|(&id, _)| id)
             .collect();
         for id in expired {
-            tracing::info!(session = id, "session idle too long; freed");
+            tracing::info!(session = id, "session idle too long (its coordinator is gone); freed");
             self.sessions.remove(&id);
             self.last_seen.remove(&id);
+            self.counters.idle_freed += 1;
             out.push(Action::Free(id));
         }
         let max_wait = self.cfg.retry.max_wait;
@@ -483,12 +597,16 @@ impl NodeCore {
             .iter()
             .filter_map(|(&id, s)| {
                 let d = s.driver.as_ref()?;
-                (now >= d.deadline).then(|| (id, now.saturating_duration_since(d.progress_at) >= max_wait, d.closing))
+                let give_up = now.saturating_duration_since(d.progress_at) >= max_wait;
+                // The bound holds even while the backed-off deadline lies further out.
+                (now >= d.deadline || give_up).then_some((id, give_up, d.closing))
             })
             .collect();
         for (session, give_up, closing) in late {
             if give_up {
-                self.fail(session, format!("no progress for {} s: a stage is unreachable", max_wait.as_secs()), out);
+                let message = self.no_progress_message(session, max_wait);
+                self.counters.gave_up += 1;
+                self.fail(session, message, out);
                 continue;
             }
             let min = self.cfg.retry.min_timeout;
@@ -512,14 +630,66 @@ impl NodeCore {
         }
     }
 
+    /// Why a generation that made no progress for `max_wait` fails, naming the stage
+    /// when the coordinator knows it.
+    fn no_progress_message(&self, session: u64, max_wait: Duration) -> String {
+        let n = self.cfg.n_stages;
+        let Some(d) = self.sessions.get(&session).and_then(|s| s.driver.as_ref()) else {
+            return format!("no progress for {} s", max_wait.as_secs());
+        };
+        let step = d.awaiting;
+        let secs = max_wait.as_secs();
+        match d.lost_at {
+            _ if n == 1 => format!("no progress for {secs} s at step {step}: stage 0 does not answer"),
+            Some(k) => format!(
+                "no progress for {secs} s at step {step}: stage {k} lost the session and the ring has not answered \
+                 since ({} re-drives)",
+                d.redrives
+            ),
+            None => format!(
+                "no progress for {secs} s at step {step}: no answer from stages 1-{} (one is down, unreachable or \
+                 stuck; {} re-drives)",
+                n - 1,
+                d.redrives
+            ),
+        }
+    }
+
     fn prompt_steps(&self, session: u64) -> u32 {
         self.sessions.get(&session).and_then(|s| s.driver.as_ref()).map_or(0, |d| d.prompt_steps)
     }
 
-    /// A stage lost the session's positions: replay everything from position 0.
+    /// A Lost frame reached the coordinator: replay, unless it is about an epoch that is
+    /// already being replayed or re-driven (one loss makes one Lost per step in flight).
+    fn on_lost(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
+        let Some(s) = self.sessions.get_mut(&f.session) else { return };
+        if f.epoch < s.epoch {
+            self.counters.stale_dropped += 1;
+            return;
+        }
+        let stage = std::str::from_utf8(&f.payload).ok().and_then(|t| t.parse::<usize>().ok());
+        if let Some(d) = s.driver.as_mut() {
+            d.lost_at = stage.or(d.lost_at);
+        }
+        self.replay(f.session, now, out);
+    }
+
+    /// A stage lost the session's positions: replay everything from position 0, unless
+    /// it has been replayed `max_replays` times in a row without a new token.
     fn replay(&mut self, session: u64, now: Instant, out: &mut Vec<Action>) {
+        let max_replays = self.cfg.retry.max_replays;
         let Some(s) = self.sessions.get_mut(&session) else { return };
         let Some(d) = s.driver.as_mut() else { return };
+        if d.replays_in_row >= max_replays {
+            let who = d.lost_at.map_or("a stage".to_string(), |k| format!("stage {k}"));
+            let message = format!(
+                "{who} keeps losing the session: {} replays in a row without a new token (is it restarting?)",
+                d.replays_in_row
+            );
+            self.counters.gave_up += 1;
+            return self.fail(session, message, out);
+        }
+        d.replays_in_row += 1;
         if d.closing {
             // The tail lost the session after the last token (so its digest too):
             // replay up to the last step, then close again.
@@ -528,7 +698,6 @@ impl NodeCore {
         }
         s.epoch += 1;
         d.replays += 1;
-        d.progress_at = now;
         self.counters.replays += 1;
         tracing::info!(
             session,
@@ -557,7 +726,7 @@ impl NodeCore {
                 }
                 out.push(Action::Send(f));
             }
-            FrameKind::Lost if self.is_coordinator() => self.replay(f.session, now, out),
+            FrameKind::Lost if self.is_coordinator() => self.on_lost(f, now, out),
             FrameKind::Error if self.is_coordinator() => {
                 let m = String::from_utf8_lossy(&f.payload).into_owned();
                 self.fail(f.session, m, out);
@@ -577,6 +746,7 @@ impl NodeCore {
                 return self.send_to_coordinator(error_frame(&f, format!("bad session parameters: {e}")), now, out)
             }
         };
+        self.adopt_incarnation(incarnation_of(f.session), out);
         let current = self.sessions.get(&f.session).map(|s| s.epoch);
         if current.is_some_and(|e| f.epoch < e) {
             self.counters.stale_dropped += 1;
@@ -597,6 +767,36 @@ impl NodeCore {
                 s.last_step = None;
             }
             out.push(Action::Send(f));
+        }
+    }
+
+    /// Stages: an Open from a newer coordinator incarnation means the coordinator
+    /// restarted, and nobody drives the sessions of the older ones any more: free them
+    /// now, so their slots serve the new coordinator at once. An Open from an older
+    /// incarnation (a coordinator whose clock stepped back) changes nothing; the idle
+    /// expiry frees what is left then.
+    fn adopt_incarnation(&mut self, incarnation: u64, out: &mut Vec<Action>) {
+        if self.newest_incarnation.is_some_and(|n| n == incarnation || !is_newer(incarnation, n)) {
+            return;
+        }
+        let restarted = self.newest_incarnation.replace(incarnation).is_some();
+        if restarted && self.is_tail() {
+            out.push(Action::RenewLink);
+        }
+        let orphans: Vec<u64> = self.sessions.keys().copied().filter(|&id| incarnation_of(id) != incarnation).collect();
+        if orphans.is_empty() {
+            return;
+        }
+        tracing::info!(
+            freed = orphans.len(),
+            incarnation,
+            "the coordinator restarted: freed the sessions of its previous incarnation"
+        );
+        for id in orphans {
+            self.sessions.remove(&id);
+            self.last_seen.remove(&id);
+            self.counters.orphans_freed += 1;
+            out.push(Action::Free(id));
         }
     }
 
@@ -643,11 +843,7 @@ impl NodeCore {
         let Some(s) = self.sessions.get_mut(&f.session) else {
             // Restarted, or the Open was lost with a broken connection.
             self.counters.lost_reported += 1;
-            return self.send_to_coordinator(
-                Frame::message(FrameKind::Lost, f.session, f.step, f.epoch, Vec::new()),
-                now,
-                out,
-            );
+            return self.send_to_coordinator(self.lost_frame(f.session, f.step, f.epoch), now, out);
         };
         if f.epoch < s.epoch {
             self.counters.stale_dropped += 1;
@@ -681,6 +877,16 @@ impl NodeCore {
             self.counters.stale_dropped += 1;
             return;
         }
+        if matches!(result, Ok(StepOutput::Hidden(_) | StepOutput::Logits(_))) {
+            if let Some(d) = self.sessions.get_mut(&job.session).and_then(|s| s.driver.as_mut()) {
+                // The coordinator's own stage got further than ever (a prompt chunk on
+                // its first pass): progress, while the rest of the ring catches up.
+                if d.head_done.is_none_or(|h| job.step > h) {
+                    d.head_done = Some(job.step);
+                    d.progress_at = now;
+                }
+            }
+        }
         match result {
             Err(e) => {
                 let f = Frame::message(
@@ -694,7 +900,7 @@ impl NodeCore {
             }
             Ok(StepOutput::Gap) => {
                 self.counters.lost_reported += 1;
-                let f = Frame::message(FrameKind::Lost, job.session, job.step, job.epoch, Vec::new());
+                let f = self.lost_frame(job.session, job.step, job.epoch);
                 self.send_to_coordinator(f, now, out);
             }
             Ok(StepOutput::Hidden(h)) => {
@@ -709,7 +915,7 @@ impl NodeCore {
                 }
                 let Some(tail) = self.sessions.get_mut(&job.session).and_then(|s| s.tail.as_mut()) else {
                     self.counters.lost_reported += 1;
-                    let f = Frame::message(FrameKind::Lost, job.session, job.step, job.epoch, Vec::new());
+                    let f = self.lost_frame(job.session, job.step, job.epoch);
                     return self.send_to_coordinator(f, now, out);
                 };
                 let token = match tail.sampled.get(&job.step) {
@@ -747,7 +953,7 @@ impl NodeCore {
                 // Restarted since: the digest is gone, and only a replay can rebuild it.
                 None => {
                     self.counters.lost_reported += 1;
-                    return Frame::message(FrameKind::Lost, f.session, f.step, f.epoch, Vec::new());
+                    return self.lost_frame(f.session, f.step, f.epoch);
                 }
             },
         };
@@ -755,6 +961,14 @@ impl NodeCore {
             out.push(Action::Free(f.session));
         }
         Frame::message(FrameKind::Close, f.session, f.step, f.epoch, digest.into_bytes())
+    }
+}
+
+impl NodeCore {
+    /// "This stage lacks the positions before `step`", signed with the stage's index so
+    /// the coordinator can name a stage that keeps losing sessions.
+    fn lost_frame(&self, session: u64, step: u32, epoch: u32) -> Frame {
+        Frame::message(FrameKind::Lost, session, step, epoch, self.cfg.index.to_string().into_bytes())
     }
 }
 
@@ -789,6 +1003,16 @@ mod tests {
     }
 
     #[test]
+    fn incarnations_compare_across_the_wrap() {
+        assert!(is_newer(2, 1) && !is_newer(1, 2) && !is_newer(5, 5));
+        let last = (1u64 << INCARNATION_BITS) - 1;
+        assert!(is_newer(0, last) && !is_newer(last, 0));
+        assert_eq!(incarnation_of(session_id(123, 45)), 123);
+        // The counter cannot spill into the incarnation.
+        assert_eq!(session_id(7, 1 << SESSION_COUNTER_BITS | 3), session_id(7, 3));
+    }
+
+    #[test]
     fn abandoned_sessions_are_freed_on_stages() {
         let t0 = Instant::now();
         let mut c = core(1);
@@ -798,7 +1022,7 @@ mod tests {
         assert_eq!(c.session_count(), 1);
         assert!(c.handle(Input::Tick, t0 + Duration::from_secs(60)).is_empty());
         assert_eq!(c.session_count(), 1);
-        let out = c.handle(Input::Tick, t0 + Duration::from_secs(901));
+        let out = c.handle(Input::Tick, t0 + Duration::from_secs(121));
         assert!(matches!(out.as_slice(), [Action::Free(7)]), "{out:?}");
         assert_eq!(c.session_count(), 0);
     }

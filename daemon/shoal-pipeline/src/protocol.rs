@@ -99,6 +99,10 @@ pub struct NodeStatus {
     /// Mean time a decode step spends handing over to the stage thread and back, ms.
     #[serde(default)]
     pub decode_handoff_ms: f64,
+    /// Control clients disconnected because they did not read their events (their
+    /// generations were cancelled; see `Counters::cancelled`).
+    #[serde(default)]
+    pub slow_clients_dropped: u64,
     /// Whether keep-alive is on (the node spins between tokens while generating).
     #[serde(default)]
     pub keepalive: bool,

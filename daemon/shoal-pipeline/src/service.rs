@@ -57,9 +57,31 @@ enum Work {
 /// Everything the shell feeds the core, plus client registration.
 enum Event {
     Input(Input),
-    Generate(GenerateRequest, mpsc::Sender<GenEvent>),
+    Generate(GenerateRequest, Client),
     Status(tokio::sync::oneshot::Sender<NodeStatus>),
 }
+
+/// A control client waiting for its generation's events, as the event loop holds it.
+struct Client {
+    /// Its events, to the task that writes them to its stream. Bounded, and only ever
+    /// `try_send`: the event loop never waits for a client.
+    events: mpsc::Sender<GenEvent>,
+    /// Sending on it makes that task reset the stream (the client is cut off).
+    cut: tokio::sync::oneshot::Sender<()>,
+}
+
+/// Events queued per control client. A client that lets this many pile up (its stream
+/// is full: it does not read) is disconnected and its generation cancelled. A reading
+/// client's writer drains its queue whenever the event loop waits or yields: the loop
+/// yields after a turn that left a queue half full, and a turn adds at most
+/// [`INLINE_BUDGET`] + 1 events to a queue, so a client that reads never gets near this.
+const CLIENT_QUEUE: usize = 128;
+
+/// Decode steps run inline per turn of the event loop. In a one-stage ring a whole
+/// generation could otherwise run inside one turn, starving the clients' writers (and
+/// every other task on the thread); past this, steps go to the stage thread and the
+/// loop waits for them like for any other event.
+const INLINE_BUDGET: u32 = 16;
 
 /// Counters kept outside the core (by the link and reader tasks).
 #[derive(Default)]
@@ -74,6 +96,9 @@ struct ShellCounters {
     link_connects: std::sync::atomic::AtomicU64,
     malformed_frames: std::sync::atomic::AtomicU64,
     refused_by_next: std::sync::atomic::AtomicU64,
+    /// Frees handed to the stage thread and not yet done: a decode step runs inline only
+    /// when none is pending, so a slot freed for it is free when it runs.
+    frees_pending: std::sync::atomic::AtomicUsize,
 }
 
 /// Serve `cfg`'s stage on `node` until the endpoint closes.
@@ -96,7 +121,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
 
     let next = placement.next(index).clone();
     let next_is_self = next.node == node.id();
-    let (link_tx, link_rx) = mpsc::channel::<Frame>(4096);
+    let (link_tx, link_rx) = mpsc::channel::<Link>(4096);
     if !next_is_self {
         tokio::spawn(link_task(node.clone(), next.addr, next.node, link_rx, shell.clone()));
     }
@@ -127,8 +152,9 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
         samplers,
         retry,
     };
-    let mut core = NodeCore::new(core_cfg, u64::from(rand_u32()) << 32);
-    let mut clients: HashMap<ClientId, mpsc::Sender<GenEvent>> = HashMap::new();
+    let mut core = NodeCore::new(core_cfg, incarnation_now());
+    let mut clients: HashMap<ClientId, Client> = HashMap::new();
+    let mut slow_clients_dropped = 0u64;
     let mut next_client: ClientId = 0;
     let mut hops = crate::latency::HopLatencies::default();
     // When each job still with the stage thread was handed over (it works in order).
@@ -152,9 +178,9 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                 Input::Done(job, out)
             }
             Event::Input(i) => i,
-            Event::Generate(req, tx) => {
+            Event::Generate(req, client) => {
                 next_client += 1;
-                clients.insert(next_client, tx);
+                clients.insert(next_client, client);
                 Input::Generate(req, next_client)
             }
             Event::Status(reply) => {
@@ -172,6 +198,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                     decode_compute_ms: shell.decode_ns.load(Relaxed) as f64
                         / 1e6
                         / shell.decode_steps.load(Relaxed).max(1) as f64,
+                    slow_clients_dropped,
                     keepalive: awake.is_some(),
                     keepalive_spinning: awake.as_ref().is_some_and(KeepAwake::spinning),
                     decode_handoff_ms: shell
@@ -185,13 +212,17 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
             }
         };
         let mut pending = vec![input];
+        let mut inline_runs = 0u32;
+        // A client's queue is half full: let its writer run before the next turn (with
+        // a fast stage the next event is always ready and the loop would not wait).
+        let mut let_writers_run = false;
         while let Some(input) = pending.pop() {
             for action in core.handle(input, Instant::now()) {
                 match action {
                     Action::Send(f) if next_is_self => pending.push(Input::Frame(f)),
                     Action::Send(mut f) => {
                         f.sent_us = shoal_net::wall_us();
-                        if link_tx.send(f).await.is_err() {
+                        if link_tx.send(Link::Frame(f)).await.is_err() {
                             tracing::error!("the link task has stopped");
                         }
                     }
@@ -200,7 +231,13 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                     // stage thread and being woken by it again (each wake-up is 0.1-0.5 ms
                     // on a loaded or virtual machine), and nothing else is due meanwhile
                     // (the pipeline is in lock-step for this session).
-                    Action::Submit(job) if submitted.is_empty() && is_decode(&job, info.n_embd) => {
+                    Action::Submit(job)
+                        if submitted.is_empty()
+                            && inline_runs < INLINE_BUDGET
+                            && shell.frees_pending.load(std::sync::atomic::Ordering::Acquire) == 0
+                            && is_decode(&job, info.n_embd) =>
+                    {
+                        inline_runs += 1;
                         let t0 = Instant::now();
                         let out = match stage.lock() {
                             Ok(mut s) => run_job(s.as_mut(), &job, &shell),
@@ -215,20 +252,54 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
                         submitted.push_back((Instant::now(), is_decode(&job, info.n_embd)));
                         let _ = work_tx.send(Work::Forward(job));
                     }
-                    Action::Free(s) => {
-                        let _ = work_tx.send(Work::Free(s));
-                    }
-                    Action::Reply(client, ev) => {
-                        let end = !matches!(ev, GenEvent::Token(_));
-                        if let Some(tx) = clients.get(&client) {
-                            let _ = tx.send(ev).await;
+                    Action::RenewLink => {
+                        if !next_is_self && link_tx.send(Link::Renew).await.is_err() {
+                            tracing::error!("the link task has stopped");
                         }
-                        if end {
-                            clients.remove(&client);
+                    }
+                    Action::Free(s) => {
+                        shell.frees_pending.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                        if work_tx.send(Work::Free(s)).is_err() {
+                            shell.frees_pending.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                        }
+                    }
+                    Action::Reply(id, ev) => {
+                        let end = !matches!(ev, GenEvent::Token(_));
+                        let Some(client) = clients.get(&id) else { continue };
+                        // Never wait here: one client that does not read would stall
+                        // every other generation on this coordinator.
+                        match client.events.try_send(ev) {
+                            Ok(()) if end => {
+                                clients.remove(&id);
+                            }
+                            Ok(()) => let_writers_run |= client.events.capacity() < CLIENT_QUEUE / 2,
+                            Err(mpsc::error::TrySendError::Full(_)) => {
+                                slow_clients_dropped += 1;
+                                tracing::warn!(
+                                    client = id,
+                                    queued = CLIENT_QUEUE,
+                                    "a control client does not read its events; disconnected, its generation \
+                                     cancelled and its session freed"
+                                );
+                                if let Some(c) = clients.remove(&id) {
+                                    let _ = c.cut.send(());
+                                }
+                                pending.push(Input::Cancel(id));
+                            }
+                            Err(mpsc::error::TrySendError::Closed(_)) => {
+                                tracing::info!(client = id, "a control client went away; its generation cancelled");
+                                clients.remove(&id);
+                                if !end {
+                                    pending.push(Input::Cancel(id));
+                                }
+                            }
                         }
                     }
                 }
             }
+        }
+        if let_writers_run {
+            tokio::task::yield_now().await;
         }
     }
     Ok(())
@@ -315,7 +386,10 @@ fn stage_thread(
         // A poisoned lock means a forward panicked; the stage may be inconsistent.
         let Ok(mut stage) = stage.lock() else { return };
         match w {
-            Work::Free(s) => stage.free_session(SessionId(s)),
+            Work::Free(s) => {
+                stage.free_session(SessionId(s));
+                stats.frees_pending.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            }
             Work::Forward(job) => {
                 let out = run_job(stage.as_mut(), &job, stats);
                 drop(stage);
@@ -356,6 +430,14 @@ fn is_decode(job: &Job, n_embd: u32) -> bool {
     }
 }
 
+/// What the event loop hands the link task.
+enum Link {
+    /// A frame for the next node.
+    Frame(Frame),
+    /// The next node restarted: its old connection is dead, connect again.
+    Renew,
+}
+
 /// Sends frames to the next node over one ordered stream, reconnecting with jittered
 /// exponential backoff (from 5 ms up to 1 s) when the link is down — including at
 /// startup, when the next node may not be listening yet.
@@ -363,17 +445,26 @@ async fn link_task(
     node: Arc<Node>,
     addr: std::net::SocketAddr,
     peer: NodeId,
-    mut frames: mpsc::Receiver<Frame>,
+    mut frames: mpsc::Receiver<Link>,
     counters: Arc<ShellCounters>,
 ) {
     let mut stream: Option<quinn::SendStream> = None;
+    let mut connection: Option<quinn::Connection> = None;
     let mut pending: Option<Vec<u8>> = None;
     let mut backoff = Duration::from_millis(5);
     loop {
         let bytes = match pending.take() {
             Some(b) => b,
             None => match frames.recv().await {
-                Some(f) => length_prefixed(&f),
+                Some(Link::Frame(f)) => length_prefixed(&f),
+                Some(Link::Renew) => {
+                    if let Some(c) = connection.take() {
+                        tracing::info!(%addr, "the next node restarted; connecting again");
+                        c.close(0u32.into(), b"you restarted");
+                    }
+                    stream = None;
+                    continue;
+                }
                 None => return,
             },
         };
@@ -382,6 +473,7 @@ async fn link_task(
                 Ok(conn) => match conn.open_uni().await {
                     Ok(s) => {
                         tokio::spawn(read_refusals(conn.clone(), counters.clone()));
+                        connection = Some(conn);
                         backoff = Duration::from_millis(5);
                         stream = Some(s);
                         counters.link_connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -547,27 +639,58 @@ async fn serve_control(conn: quinn::Connection, events: mpsc::Sender<Event>) {
                     return;
                 }
             };
-            let (tx, mut rx) = mpsc::channel(64);
-            if events.send(Event::Generate(req, tx)).await.is_err() {
+            let (tx, mut rx) = mpsc::channel(CLIENT_QUEUE);
+            let (cut_tx, cut) = tokio::sync::oneshot::channel();
+            if events.send(Event::Generate(req, Client { events: tx, cut: cut_tx })).await.is_err() {
                 return;
             }
-            while let Some(ev) = rx.recv().await {
-                let end = !matches!(ev, GenEvent::Token(_));
-                if send.write_all(&reply(ev)).await.is_err() {
-                    return;
+            let writing = async {
+                while let Some(ev) = rx.recv().await {
+                    let end = !matches!(ev, GenEvent::Token(_));
+                    if send.write_all(&reply(ev)).await.is_err() {
+                        return false;
+                    }
+                    if end {
+                        return true;
+                    }
                 }
-                if end {
-                    break;
+                // The event loop dropped this client (its generation was cancelled).
+                false
+            };
+            // Cut off by the event loop (the client did not read; writing is stuck on
+            // its full stream), or the writing ended. A dropped `cut` (the client left
+            // the event loop's table normally) does not match and is not a cut.
+            let finished = tokio::select! {
+                done = writing => Some(done),
+                Ok(()) = cut => None,
+            };
+            match finished {
+                Some(true) => {
+                    let _ = send.flush().await;
+                    let _ = send.finish();
+                    let _ = send.stopped().await;
+                }
+                Some(false) => {}
+                None => {
+                    let _ = send.reset(CUT_OFF.into());
                 }
             }
-            let _ = send.flush().await;
-            let _ = send.finish();
-            let _ = send.stopped().await;
         });
     }
 }
 
-/// A little randomness for session ids and jitter, without a crate: std's hasher is
+/// Stream error code for a control client cut off because it did not read.
+const CUT_OFF: u32 = 2;
+
+/// This coordinator's incarnation: its start time, ms since 2020-01-01 UTC (it grows
+/// from start to start unless the clock steps back; see `core::is_newer`).
+fn incarnation_now() -> u64 {
+    const Y2020_MS: u128 = 1_577_836_800_000;
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    ms.saturating_sub(Y2020_MS) as u64
+}
+
+/// A little randomness for jitter, without a crate: std's hasher is
 /// randomly keyed per process.
 fn rand_u32() -> u32 {
     use std::hash::{BuildHasher, Hasher};

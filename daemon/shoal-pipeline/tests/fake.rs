@@ -1,6 +1,7 @@
 //! The pipeline on a deterministic fake engine, three nodes on 127.0.0.1 in one
 //! process: the tokens and logits digest equal those of the same stages run in order
-//! in-process; a stage refuses what it cannot run and the client gets the error.
+//! in-process; a stage refuses what it cannot run and the client gets the error; a
+//! client that stops reading is cut off without slowing anyone else.
 
 use shoal_net::{Identity, Node, TransportOptions, TrustedKeys};
 use shoal_pipeline::{generate, serve, GenerateRequest, Placement, SamplerFactory, ServiceConfig, StagePlace};
@@ -19,10 +20,21 @@ async fn start_full(
     ranges: &[LayerRange],
     keepalive: Option<std::time::Duration>,
 ) -> (Placement, Node, Vec<Arc<Identity>>) {
+    start_custom(ranges, keepalive, 256, &[]).await
+}
+
+/// [`start_full`] with `n_ctx` positions per session, also trusting the `extra` keys.
+async fn start_custom(
+    ranges: &[LayerRange],
+    keepalive: Option<std::time::Duration>,
+    n_ctx: u32,
+    extra: &[shoal_net::NodeId],
+) -> (Placement, Node, Vec<Arc<Identity>>) {
     let ids: Vec<Arc<Identity>> = ranges.iter().map(|_| Arc::new(Identity::generate().unwrap())).collect();
     let client = Identity::generate().unwrap();
     let mut trusted: Vec<_> = ids.iter().map(|i| i.id()).collect();
     trusted.push(client.id());
+    trusted.extend_from_slice(extra);
     let nodes: Vec<Arc<Node>> = ids
         .iter()
         .map(|i| {
@@ -54,7 +66,7 @@ async fn start_full(
         let cfg = ServiceConfig {
             placement: placement.clone(),
             index: i,
-            stage: Box::new(FakeStage::new(ranges[i])),
+            stage: Box::new(FakeStage::with_context(ranges[i], n_ctx)),
             samplers: samplers.clone(),
             dtype: shoal_net::Dtype::F32,
             retry: shoal_pipeline::RetryPolicy::default(),
@@ -254,4 +266,140 @@ async fn injected_bad_frames_do_not_disturb_a_session() {
     assert!(st.counters.lost_reported >= 200, "{st:?}");
     let coordinator = shoal_pipeline::status(&client, &placement.stages[0]).await.unwrap();
     assert_eq!(coordinator.sessions, 0, "finished sessions are freed: {coordinator:?}");
+}
+
+/// A control client with a QUIC stack of its own whose stream receive window is 64
+/// bytes: what the coordinator writes to it blocks after a few events unless it reads,
+/// as with any client that stops reading (a default window would take ~100k events).
+mod raw_client {
+    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
+    use rustls::{DigitallySignedStruct, SignatureScheme};
+    use shoal_net::NodeId;
+    use std::sync::Arc;
+
+    /// Accepts whichever coordinator answers: this test is about the coordinator.
+    #[derive(Debug)]
+    struct AnyServer;
+    impl ServerCertVerifier for AnyServer {
+        fn verify_server_cert(
+            &self,
+            _: &CertificateDer<'_>,
+            _: &[CertificateDer<'_>],
+            _: &ServerName<'_>,
+            _: &[u8],
+            _: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            Ok(ServerCertVerified::assertion())
+        }
+        fn verify_tls12_signature(
+            &self,
+            _: &[u8],
+            _: &CertificateDer<'_>,
+            _: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            Ok(HandshakeSignatureValid::assertion())
+        }
+        fn verify_tls13_signature(
+            &self,
+            _: &[u8],
+            _: &CertificateDer<'_>,
+            _: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            Ok(HandshakeSignatureValid::assertion())
+        }
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            vec![SignatureScheme::ED25519]
+        }
+    }
+
+    /// A client key (to be trusted by the nodes) and an endpoint presenting it.
+    pub fn tiny_window_client() -> (NodeId, quinn::Endpoint) {
+        let kp = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
+        let id = NodeId(kp.public_key_raw().try_into().unwrap());
+        let cert = rcgen::CertificateParams::new(vec!["shoal".to_string()]).unwrap().self_signed(&kp).unwrap();
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(kp.serialize_der()));
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AnyServer))
+            .with_client_auth_cert(vec![cert.der().clone()], key)
+            .unwrap();
+        tls.alpn_protocols = vec![shoal_net::alpn::CONTROL.to_vec()];
+        let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+        let mut config = quinn::ClientConfig::new(Arc::new(quic));
+        let mut transport = quinn::TransportConfig::default();
+        transport.stream_receive_window(quinn::VarInt::from_u32(64));
+        config.transport_config(Arc::new(transport));
+        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        endpoint.set_default_client_config(config);
+        (id, endpoint)
+    }
+}
+
+/// Client A asks for a long generation and never reads its stream; client B generates
+/// meanwhile. The coordinator must never wait for A: B completes with exactly its
+/// tokens, A is cut off (its stream reset) and its session freed on every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_cannot_stall_other_generations() {
+    use std::time::Duration;
+    let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];
+    let (a_id, a_endpoint) = raw_client::tiny_window_client();
+    let (placement, client, _) = start_custom(&ranges, None, 2048, &[a_id]).await;
+    let coordinator = &placement.stages[0];
+
+    // A: 1,500 tokens asked for, none read.
+    let a_conn = a_endpoint.connect(coordinator.addr, "shoal").unwrap().await.unwrap();
+    let (mut a_send, mut a_recv) = a_conn.open_bi().await.unwrap();
+    let body = serde_json::to_vec(&shoal_pipeline::ControlRequest::Generate(request(&[1, 2, 3, 4], 1500))).unwrap();
+    a_send.write_all(&body).await.unwrap();
+    a_send.finish().unwrap();
+
+    // B: a generation that outlasts the point where A's queue is full.
+    let prompt: Vec<TokenId> = (0..9).map(|i| (i * 4 % 50) as TokenId).collect();
+    let mut streamed = Vec::new();
+    let b_request = request(&prompt, 300);
+    let b = generate(&client, coordinator, &b_request, |t| streamed.push(t));
+    // A generous bound: this guards a deadlock, not a speed.
+    let report = tokio::time::timeout(Duration::from_secs(120), b)
+        .await
+        .expect("B's generation stalled behind a client that does not read")
+        .unwrap();
+    let (want, digest) = reference(&ranges, &prompt, 300);
+    assert_eq!((report.tokens, report.logits_digest), (want.clone(), digest));
+    assert_eq!(streamed, want, "B missed tokens");
+
+    // A was cut off: its stream is reset, not finished with a result.
+    let read = tokio::time::timeout(Duration::from_secs(60), a_recv.read_to_end(1 << 20)).await;
+    assert!(matches!(read, Ok(Err(_))), "A's stream was not reset: {read:?}");
+    let st = shoal_pipeline::status(&client, coordinator).await.unwrap();
+    assert_eq!((st.slow_clients_dropped, st.counters.cancelled), (1, 1), "{st:?}");
+    // Its session is freed along the ring (the Close travels it).
+    for place in &placement.stages {
+        let mut st = shoal_pipeline::status(&client, place).await.unwrap();
+        for _ in 0..100 {
+            if st.sessions == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            st = shoal_pipeline::status(&client, place).await.unwrap();
+        }
+        assert_eq!(st.sessions, 0, "a node still holds A's session: {st:?}");
+    }
+}
+
+/// In a one-stage ring every decode step runs inline on the node's thread; a long
+/// generation must still let its client's writer drain its queue, so a client that
+/// reads is never taken for one that does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_generation_on_one_node_does_not_cut_off_its_reading_client() {
+    let ranges = [LayerRange::new(0, 6)];
+    let (placement, client, _) = start_custom(&ranges, None, 2048, &[]).await;
+    let prompt: Vec<TokenId> = (0..5).collect();
+    let report = generate(&client, &placement.stages[0], &request(&prompt, 1000), |_| {}).await.unwrap();
+    assert_eq!((report.tokens, report.logits_digest), reference(&ranges, &prompt, 1000));
+    let st = shoal_pipeline::status(&client, &placement.stages[0]).await.unwrap();
+    assert_eq!(st.slow_clients_dropped, 0, "{st:?}");
 }

@@ -4,11 +4,18 @@
 //! their KV and sessions). Over hundreds of seeds and thousands of steps, every
 //! generation completes with exactly the reference tokens — none missing, none
 //! duplicated — and the reference logits digest.
+//!
+//! Scenario tests on a lossless ring (`Ring`) check the bounds: a restarted
+//! coordinator's first Open frees its previous incarnation's sessions on every stage, a
+//! stage that never answers or keeps losing the session fails the generation after the
+//! bound, and a cancelled generation is freed along the ring.
 
 mod common;
 use common::*;
 use shoal_net::{Dtype, Frame};
-use shoal_pipeline::core::{Action, CoreConfig, Input, JobInput, NodeCore, RetryPolicy, SamplerFactory, StepOutput};
+use shoal_pipeline::core::{
+    session_id, Action, ClientId, CoreConfig, Input, JobInput, NodeCore, RetryPolicy, SamplerFactory, StepOutput,
+};
 use shoal_pipeline::{GenEvent, GenerateRequest};
 use shoal_types::{LayerRange, SessionId, Stage, StageError, StageInput, StageOutput, TokenId, TokenSampler};
 use std::collections::{BTreeMap, VecDeque};
@@ -61,6 +68,9 @@ fn config(index: usize, n: usize) -> CoreConfig {
         retry: RetryPolicy {
             min_timeout: Duration::from_millis(200),
             max_wait: Duration::from_secs(600),
+            // Random restarts can hit a replay again and again; this test is about
+            // exactness, the bound has tests of its own.
+            max_replays: 1000,
             session_idle: Duration::from_secs(1800),
         },
     }
@@ -148,6 +158,7 @@ fn simulate(
                         push(&mut queue, at, Ev::Done(node, life[node], job, out));
                     }
                     Action::Free(s) => stages[node].free_session(SessionId(s)),
+                    Action::RenewLink => {}
                 }
             }
         }
@@ -234,4 +245,245 @@ fn faults_never_change_the_output() {
     // The faults really happened and were recovered from.
     assert!(total_recoveries > 1000, "only {total_recoveries} recoveries: the faults are not exercising anything");
     eprintln!("{total_steps} steps, {total_recoveries} node restarts + re-drives + replays, all outputs exact");
+}
+
+/// The fault-free ring the scenario tests run on: frames are delivered and jobs run
+/// instantly, in order; only ticks move the virtual clock. A node can be made a black
+/// hole (frames to it vanish) or crash-looping (it restarts before every frame).
+struct Ring {
+    ranges: Vec<LayerRange>,
+    cores: Vec<NodeCore>,
+    stages: Vec<FakeStage>,
+    t0: Instant,
+    now: Duration,
+    queue: VecDeque<(usize, Input)>,
+    events: Vec<(ClientId, GenEvent)>,
+    black_hole: Option<usize>,
+    crash_loop: Option<usize>,
+    /// Nodes that asked to renew their link to the next node, in order.
+    renewed: Vec<usize>,
+}
+
+impl Ring {
+    fn new(ranges: &[LayerRange], incarnation: u64) -> Ring {
+        let n = ranges.len();
+        Ring {
+            ranges: ranges.to_vec(),
+            cores: (0..n).map(|i| NodeCore::new(ring_config(i, n), incarnation)).collect(),
+            stages: ranges.iter().map(|r| FakeStage::new(*r)).collect(),
+            t0: Instant::now(),
+            now: Duration::ZERO,
+            queue: VecDeque::new(),
+            events: Vec::new(),
+            black_hole: None,
+            crash_loop: None,
+            renewed: Vec::new(),
+        }
+    }
+
+    fn generate(&mut self, client: ClientId, prompt: &[TokenId], max_new: u32) {
+        let req = GenerateRequest { prompt: prompt.to_vec(), max_new, stop: vec![], sampling: serde_json::json!({}) };
+        self.queue.push_back((0, Input::Generate(req, client)));
+    }
+
+    /// The node restarts: its core (with `incarnation`) and stage are new, what was
+    /// queued for it is lost.
+    fn restart(&mut self, node: usize, incarnation: u64) {
+        let n = self.ranges.len();
+        self.cores[node] = NodeCore::new(ring_config(node, n), incarnation);
+        self.stages[node] = FakeStage::new(self.ranges[node]);
+        self.queue.retain(|(to, _)| *to != node);
+    }
+
+    /// Handle queued inputs, at most `budget` of them.
+    fn run(&mut self, budget: usize) {
+        let n = self.ranges.len();
+        for _ in 0..budget {
+            let Some((node, input)) = self.queue.pop_front() else { return };
+            for a in self.cores[node].handle(input, self.t0 + self.now) {
+                match a {
+                    Action::Send(f) => {
+                        let to = (node + 1) % n;
+                        if self.black_hole == Some(to) {
+                            continue;
+                        }
+                        if self.crash_loop == Some(to) {
+                            self.restart(to, 0);
+                        }
+                        self.queue.push_back((to, Input::Frame(f)));
+                    }
+                    Action::Submit(job) => {
+                        let input = match &job.input {
+                            JobInput::Tokens(t) => StageInput::Tokens(t),
+                            JobInput::Hidden(h) => StageInput::Hidden(h),
+                        };
+                        let out = match self.stages[node].forward(SessionId(job.session), job.first_pos, input) {
+                            Ok(StageOutput::Hidden(h)) => Ok(StepOutput::Hidden(h)),
+                            Ok(StageOutput::Logits(l)) => Ok(StepOutput::Logits(l)),
+                            Err(StageError::PositionGap { .. }) => Ok(StepOutput::Gap),
+                            Err(e) => Err(e.to_string()),
+                        };
+                        self.queue.push_back((node, Input::Done(job, out)));
+                    }
+                    Action::Free(s) => self.stages[node].free_session(SessionId(s)),
+                    Action::RenewLink => self.renewed.push(node),
+                    Action::Reply(c, e) => self.events.push((c, e)),
+                }
+            }
+        }
+    }
+
+    /// Run until nothing is queued (a generation that cannot finish stops when it waits
+    /// for a timeout).
+    fn settle(&mut self) {
+        self.run(1_000_000);
+        assert!(self.queue.is_empty(), "the ring does not settle");
+    }
+
+    /// Advance the virtual clock by one tick and handle what it causes.
+    fn tick(&mut self) {
+        self.now += Duration::from_millis(50);
+        for i in 0..self.ranges.len() {
+            self.queue.push_back((i, Input::Tick));
+        }
+        self.settle();
+    }
+
+    fn tokens(&self, client: ClientId) -> Vec<TokenId> {
+        let mine = self.events.iter().filter(|(c, _)| *c == client);
+        mine.filter_map(|(_, e)| match e {
+            GenEvent::Token(t) => Some(*t),
+            _ => None,
+        })
+        .collect()
+    }
+
+    fn outcome(&self, client: ClientId) -> Option<&GenEvent> {
+        self.events.iter().find(|(c, e)| *c == client && !matches!(e, GenEvent::Token(_))).map(|(_, e)| e)
+    }
+}
+
+/// The default policy (60 s without progress, 8 replays in a row), on the test model.
+fn ring_config(index: usize, n: usize) -> CoreConfig {
+    CoreConfig { retry: RetryPolicy::default(), ..config(index, n) }
+}
+
+/// The coordinator is killed while four generations fill every stage's four session
+/// slots, and starts again: the first Open of its new incarnation frees the old
+/// sessions on each stage as it passes, so the new generation runs at once (and
+/// exactly) instead of being refused for want of a slot until the old ones expire.
+#[test]
+fn a_restarted_coordinator_frees_its_old_sessions_at_its_first_open() {
+    let ranges = ranges3();
+    let mut ring = Ring::new(&ranges, 1);
+    let prompts: Vec<Vec<TokenId>> =
+        (0..4).map(|c| (0..7).map(|i| ((i * 3 + c * 11) % 50) as TokenId).collect()).collect();
+    for (c, p) in prompts.iter().enumerate() {
+        ring.generate(c as ClientId + 1, p, 100);
+    }
+    while (1..=4).any(|c| ring.tokens(c).len() < 3) {
+        ring.run(1);
+    }
+    // SIGKILL: what was in flight is lost with it.
+    ring.queue.clear();
+    ring.restart(0, 2);
+    for k in [1, 2] {
+        assert_eq!(ring.cores[k].session_count(), 4, "stage {k} holds the dead coordinator's sessions");
+    }
+    let prompt: Vec<TokenId> = (0..9).collect();
+    ring.generate(9, &prompt, 20);
+    // Input 1: the new coordinator sends its Open; input 2: stage 1 handles it.
+    ring.run(2);
+    assert_eq!(ring.cores[1].session_count(), 1, "stage 1 kept sessions of the previous incarnation");
+    assert_eq!(ring.cores[1].counters.orphans_freed, 4);
+    ring.settle();
+    assert_eq!(ring.outcome(9).map(|e| matches!(e, GenEvent::Done(_))), Some(true), "{:?}", ring.outcome(9));
+    let (want, _) = reference(&ranges, &prompt, 20);
+    assert_eq!(ring.tokens(9), want);
+    assert_eq!(ring.cores[2].counters.orphans_freed, 4);
+    // The tail renews its connection to the coordinator (the old one is dead).
+    assert_eq!(ring.renewed, [2]);
+    for k in 0..3 {
+        assert_eq!(ring.cores[k].session_count(), 0, "stage {k} after the generation");
+    }
+    // A late Open of the previous incarnation frees nothing of the new one's.
+    ring.generate(10, &prompt, 50);
+    ring.run(2);
+    assert_eq!(ring.cores[1].session_count(), 1);
+    let late = Frame::message(shoal_net::FrameKind::Open, session_id(1, 77), 0, 0, b"{}".to_vec());
+    let out = ring.cores[1].handle(Input::Frame(late), ring.t0);
+    assert!(!out.iter().any(|a| matches!(a, Action::Free(_))), "{out:?}");
+    assert_eq!(ring.cores[1].session_count(), 2);
+}
+
+/// Stage 1 stops answering (its frames vanish) after a few tokens: the coordinator
+/// re-drives, then fails the generation when the ring has answered nothing for 60 s of
+/// virtual time, with an error that says so and names the stages it waits for.
+#[test]
+fn a_stage_that_never_answers_fails_the_generation_after_max_wait() {
+    let ranges = ranges3();
+    let mut ring = Ring::new(&ranges, 1);
+    ring.generate(1, &(0..6).collect::<Vec<_>>(), 100);
+    while ring.tokens(1).len() < 5 {
+        ring.run(1);
+    }
+    ring.black_hole = Some(1);
+    ring.queue.retain(|(to, _)| *to != 1);
+    ring.settle();
+    let stopped = ring.now;
+    while ring.outcome(1).is_none() {
+        ring.tick();
+        assert!(ring.now - stopped < Duration::from_secs(600), "no failure after 10 virtual minutes");
+    }
+    let Some(GenEvent::Error(e)) = ring.outcome(1) else { panic!("{:?}", ring.outcome(1)) };
+    assert!(e.contains("no progress for 60 s") && e.contains("stages 1-2"), "{e}");
+    // Failed at the first tick after the bound (ticks are 50 ms apart).
+    let waited = ring.now - stopped;
+    assert!(waited >= Duration::from_secs(60) && waited < Duration::from_millis(60_050), "{waited:?}");
+    let c = &ring.cores[0].counters;
+    assert!(c.redrives >= 1 && c.gave_up == 1, "{c:?}");
+    assert_eq!(ring.cores[0].session_count(), 0);
+}
+
+/// Stage 1 restarts before every frame it gets (a crash loop): each replay is lost
+/// again, and after 8 replays in a row without a new token the generation fails with an
+/// error naming stage 1, at once (the Lost frames carry the stage), not after minutes.
+#[test]
+fn a_stage_in_a_crash_loop_fails_the_generation_naming_it() {
+    let ranges = ranges3();
+    let mut ring = Ring::new(&ranges, 1);
+    ring.generate(1, &(0..6).collect::<Vec<_>>(), 100);
+    while ring.tokens(1).len() < 5 {
+        ring.run(1);
+    }
+    ring.crash_loop = Some(1);
+    ring.settle();
+    let Some(GenEvent::Error(e)) = ring.outcome(1) else { panic!("{:?}", ring.outcome(1)) };
+    assert!(e.contains("stage 1 keeps losing the session") && e.contains("8 replays in a row"), "{e}");
+    let c = &ring.cores[0].counters;
+    assert_eq!((c.replays, c.gave_up), (8, 1), "{c:?}");
+    assert_eq!(ring.now, Duration::ZERO, "it took no waiting");
+}
+
+/// A generation whose client is gone is cancelled: its session is freed on every node
+/// and the other generation goes on, exact.
+#[test]
+fn a_cancelled_generation_is_freed_along_the_ring() {
+    let ranges = ranges3();
+    let mut ring = Ring::new(&ranges, 1);
+    let (a, b): (Vec<TokenId>, Vec<TokenId>) = ((0..5).collect(), (10..17).collect());
+    ring.generate(1, &a, 200);
+    ring.generate(2, &b, 30);
+    while ring.tokens(1).len() < 4 {
+        ring.run(1);
+    }
+    ring.queue.push_back((0, Input::Cancel(1)));
+    ring.settle();
+    assert_eq!(ring.outcome(1), None, "a cancelled client gets no reply");
+    assert_eq!(ring.outcome(2).map(|e| matches!(e, GenEvent::Done(_))), Some(true));
+    assert_eq!(ring.tokens(2), reference(&ranges, &b, 30).0);
+    assert_eq!(ring.cores[0].counters.cancelled, 1);
+    for k in 0..3 {
+        assert_eq!(ring.cores[k].session_count(), 0, "stage {k} still holds a session");
+    }
 }

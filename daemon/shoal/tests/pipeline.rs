@@ -1,5 +1,6 @@
 //! Stages in separate processes over real QUIC on loopback: `shoal serve` ×3 and
-//! `shoal generate` give the same tokens and logits digest as `shoal run` unsplit.
+//! `shoal generate` give the same tokens and logits digest as `shoal run` unsplit;
+//! a restarted stage or coordinator is served again at once.
 
 mod common;
 use common::*;
@@ -59,9 +60,16 @@ fn wait_serving(c: &mut Child) -> Vec<String> {
 /// Start one `shoal serve` per split range and wait until each says it is serving.
 /// `stages.0[k]` runs stage `n − 1 − k` (they start tail first).
 fn start(dir: &Path, model: &Path, splits: &[[u32; 2]], chunk: u32) -> (PathBuf, Stages) {
+    start_sessions(dir, model, splits, chunk, 2)
+}
+
+/// [`start`] with `sessions` session slots per stage.
+fn start_sessions(dir: &Path, model: &Path, splits: &[[u32; 2]], chunk: u32, sessions: u32) -> (PathBuf, Stages) {
     let client = key(&dir.join("client"));
-    let mut toml =
-        format!("model = {:?}\nchunk = {chunk}\ncontext = 1024\nsessions = 2\nclients = [\"{client}\"]\n", model);
+    let mut toml = format!(
+        "model = {:?}\nchunk = {chunk}\ncontext = 1024\nsessions = {sessions}\nclients = [\"{client}\"]\n",
+        model
+    );
     for (i, r) in splits.iter().enumerate() {
         let node = key(&dir.join(format!("node{i}")));
         toml += &format!(
@@ -222,4 +230,87 @@ fn smollm2_survives_a_middle_stage_restart() {
 #[test]
 fn gemma3_survives_a_middle_stage_restart() {
     restart_middle("gemma-3-270m-q4_k_m.gguf", &[[0, 6], [6, 12], [12, 18]]);
+}
+
+/// `shoal generate --progress` for `n` tokens, its progress lines readable.
+fn spawn_generate(
+    dir: &Path,
+    placement: &Path,
+    n: u32,
+) -> (Child, std::io::Lines<BufReader<std::process::ChildStderr>>) {
+    let mut gen = shoal()
+        .args(["generate", "--progress", "--placement"])
+        .arg(placement)
+        .arg("--data-dir")
+        .arg(dir.join("client"))
+        .args(["--prompt", PROMPT, "--raw", "-n", &n.to_string(), "--ignore-eos", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let progress = BufReader::new(gen.stderr.take().unwrap()).lines();
+    (gen, progress)
+}
+
+/// SIGKILL the coordinator while 4 generations fill every stage's 4 session slots, and
+/// start it again: the other stages free the dead coordinator's sessions when its new
+/// incarnation's first Open reaches them, so a new generation starts at once (the
+/// issue's bound: within 30 s of the restart) instead of being refused for want of a
+/// slot until the old sessions expire.
+#[test]
+fn a_restarted_coordinator_serves_again_at_once() {
+    let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let dir = tempfile::tempdir().unwrap();
+    let (placement, mut stages) = start_sessions(dir.path(), &m, &[[0, 10], [10, 20], [20, 30]], 32, 4);
+    let mut gens: Vec<_> = (0..4).map(|_| spawn_generate(dir.path(), &placement, 600)).collect();
+    for (gen, progress) in &mut gens {
+        let started = progress.by_ref().map(|l| l.unwrap()).any(|l| l == "token 5");
+        assert!(started, "a generation ended before its 5th token: {:?}", gen.try_wait());
+    }
+    // stages.0 = [tail, middle, head]: the head is the coordinator.
+    let head = &mut stages.0[2];
+    head.kill().unwrap();
+    head.wait().unwrap();
+    for (mut gen, _) in gens {
+        let _ = gen.kill();
+        let _ = gen.wait();
+    }
+    let restarted = Instant::now();
+    let mut again = serve_cmd(dir.path(), &placement, 0).spawn().unwrap();
+    wait_serving(&mut again);
+    stages.0[2] = again;
+    let serving = restarted.elapsed();
+    let (gen, mut progress) = spawn_generate(dir.path(), &placement, 8);
+    let mut log = Vec::new();
+    let first = progress.by_ref().map(|l| l.unwrap()).find(|l| {
+        log.push(l.clone());
+        l == "token 1"
+    });
+    let started = restarted.elapsed();
+    log.extend(progress.map(|l| l.unwrap()));
+    let out = gen.wait_with_output().unwrap();
+    assert!(first.is_some() && out.status.success(), "the restarted coordinator could not serve: {log:?}");
+    eprintln!(
+        "restarted coordinator: serving after {:.1} s, first token after {:.1} s",
+        serving.as_secs_f64(),
+        started.as_secs_f64()
+    );
+    assert!(started < Duration::from_secs(30), "a new generation started only after {started:?}");
+    let g: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(g["tokens"].as_array().unwrap().len(), 8);
+    // Both other stages freed the 4 sessions of the dead incarnation, and hold none now.
+    let st = json(
+        shoal()
+            .args(["status", "--json", "--placement"])
+            .arg(&placement)
+            .arg("--data-dir")
+            .arg(dir.path().join("client"))
+            .output()
+            .unwrap(),
+    );
+    let nodes = st.as_array().unwrap();
+    for k in [1, 2] {
+        assert_eq!(nodes[k]["counters"]["orphans_freed"], 4, "stage {k}: {st}");
+        assert_eq!(nodes[k]["sessions"], 0, "stage {k}: {st}");
+    }
 }

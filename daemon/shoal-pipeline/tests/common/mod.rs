@@ -22,13 +22,18 @@ pub struct FakeStage {
 
 impl FakeStage {
     pub fn new(layers: LayerRange) -> Self {
+        Self::with_context(layers, 256)
+    }
+
+    /// A stage whose sessions hold `n_ctx` positions.
+    pub fn with_context(layers: LayerRange, n_ctx: u32) -> Self {
         let info = StageInfo {
             layers,
             n_layer_total: N_LAYER,
             n_embd: N_EMBD,
             n_vocab: N_VOCAB,
             chunk: CHUNK,
-            n_ctx_per_session: 256,
+            n_ctx_per_session: n_ctx,
             max_sessions: 4,
         };
         Self { info, seen: HashMap::new() }
@@ -52,6 +57,11 @@ impl Stage for FakeStage {
             }
             StageInput::Hidden(h) => h.chunks(N_EMBD as usize).map(<[f32]>::to_vec).collect(),
         };
+        // Like the engine: a fixed number of session slots, taken by a session's first
+        // step and given back only by `free_session`.
+        if !self.seen.contains_key(&session) && self.seen.len() >= self.info.max_sessions as usize {
+            return Err(StageError::NoFreeSession { max: self.info.max_sessions });
+        }
         let seen = self.seen.entry(session).or_default();
         if first_pos as usize > seen.len() {
             return Err(StageError::PositionGap { session, first_pos, have: seen.len() as u32 });
