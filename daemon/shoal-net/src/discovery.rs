@@ -242,6 +242,14 @@ impl Advert {
         Ok(Advert { node, protocol, cluster, port, join_port, ram_available, vram_free, devices, role, version })
     }
 
+    /// Decode a TXT record as it arrives on the wire (RDATA: length-prefixed
+    /// `key=value` strings, as mdns-sd parses them) and the SRV `port`: the same path a
+    /// resolved service takes ([`Advert::from_txt`] after checking values are UTF-8).
+    /// Public for the fuzz target (`daemon/fuzz`), which feeds it arbitrary bytes.
+    pub fn from_txt_record(record: &[u8], port: u16) -> Result<Advert, TxtError> {
+        txt_strings(&TxtProperties::from(record)).and_then(|p| Advert::from_txt(&p, port))
+    }
+
     /// Worth re-registering? The node, protocol, cluster, role, ports, device summary or
     /// version changed, or RAM or VRAM changed by more than 10% of `self`'s value or by
     /// more than 512 MiB (either is enough).
