@@ -66,7 +66,7 @@ props = [("id", A), ("pv", "1"), ("cl", CL), ("jp", "7102"), ("ram", "8000000000
          ("vram", "0"), ("dev", "8c/31G"), ("role", "pc"), ("ver", "0.1.0")]
 rdata = b"".join(bytes([len(f"{k}={v}")]) + f"{k}={v}".encode() for k, v in props)
 write("txt", "advert", struct.pack(">H", 7101) + rdata)
-props[2] = ("cl", "-")
+props[2] = ("cl", "unpaired")
 rdata = b"".join(bytes([len(f"{k}={v}")]) + f"{k}={v}".encode() for k, v in props)
 write("txt", "unpaired", struct.pack(">H", 7101) + rdata)
 

@@ -26,7 +26,7 @@ fn kept_fuzz_inputs_parse_or_are_refused() {
     for (_path, data) in kept_inputs("gguf") {
         // As the fuzz target: the whole file, and a file longer than what was read.
         for len in [data.len() as u64, data.len() as u64 + 4096] {
-            if let Ok(g) = shoal_gguf::Gguf::parse(&data, len, Path::new("fuzz.gguf")) {
+            if let Ok(g) = shoal_gguf::Gguf::parse(data.as_slice(), len, Path::new("fuzz.gguf")) {
                 let _ = shoal_gguf::ModelMeta::from_gguf(&g);
                 let mut out = Vec::new();
                 let _ = shoal_gguf::write_header(&mut out, &g.metadata, &g.tensors, g.alignment);

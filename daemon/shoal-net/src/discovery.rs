@@ -691,6 +691,23 @@ mod tests {
     }
 
     #[test]
+    fn txt_record_bytes_decode_like_a_resolved_service() {
+        let a = advert();
+        let mut record = Vec::new();
+        for (k, v) in a.to_txt() {
+            let prop = format!("{k}={v}");
+            record.push(u8::try_from(prop.len()).expect("a property is at most 255 bytes"));
+            record.extend_from_slice(prop.as_bytes());
+        }
+        assert_eq!(Advert::from_txt_record(&record, 7400).unwrap(), a);
+        // A value that is not UTF-8 names its field, as for a resolved service.
+        let mut bad = b"\x05pv=\xff\xfe".to_vec();
+        bad.extend_from_slice(&record);
+        assert_eq!(Advert::from_txt_record(&bad, 7400).unwrap_err().field(), "pv");
+        assert_eq!(Advert::from_txt_record(b"", 7400).unwrap_err(), TxtError::Missing { field: "id" });
+    }
+
+    #[test]
     fn unknown_keys_are_ignored_and_the_first_duplicate_wins() {
         let a = advert();
         let mut txt = a.to_txt();
