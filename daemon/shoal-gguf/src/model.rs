@@ -115,7 +115,13 @@ impl ModelMeta {
         let n_ctx_train = key_u32("context_length")?;
         let n_head = key_u32("attention.head_count")?;
         let n_head_kv = key_u32("attention.head_count_kv").unwrap_or(n_head);
-        let n_ff = key_u32("feed_forward_length").unwrap_or(4 * n_embd);
+        // Without a stated feed-forward length, the usual 4·n_embd (which must fit).
+        let n_ff = match key_u32("feed_forward_length") {
+            Ok(n_ff) => n_ff,
+            Err(_) => n_embd
+                .checked_mul(4)
+                .ok_or_else(|| bad(format!("absurd sizes: n_embd {n_embd} and no feed_forward_length")))?,
+        };
         if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || n_layer > 4096 {
             return Err(bad(format!("absurd sizes: {n_layer} layers, n_embd {n_embd}, {n_head}/{n_head_kv} heads")));
         }

@@ -18,6 +18,10 @@ fn kept_inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
     }
     assert!(out.iter().any(|(p, _)| p.components().any(|c| c.as_os_str() == "seeds")), "no seeds for {target}");
     out.sort();
+    // Shown with a failing test's output: which inputs were replayed, in order.
+    for (path, _) in &out {
+        eprintln!("replaying {}", path.display());
+    }
     out
 }
 
