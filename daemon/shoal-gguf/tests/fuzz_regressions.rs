@@ -18,16 +18,14 @@ fn kept_inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
     }
     assert!(out.iter().any(|(p, _)| p.components().any(|c| c.as_os_str() == "seeds")), "no seeds for {target}");
     out.sort();
-    // Shown with a failing test's output: which inputs were replayed, in order.
-    for (path, _) in &out {
-        eprintln!("replaying {}", path.display());
-    }
     out
 }
 
 #[test]
 fn kept_fuzz_inputs_parse_or_are_refused() {
-    for (_path, data) in kept_inputs("gguf") {
+    for (path, data) in kept_inputs("gguf") {
+        // Shown with a failing test's output: the input that failed is the last one.
+        eprintln!("replaying {}", path.display());
         // As the fuzz target: the whole file, and a file longer than what was read.
         for len in [data.len() as u64, data.len() as u64 + 4096] {
             if let Ok(g) = shoal_gguf::Gguf::parse(data.as_slice(), len, Path::new("fuzz.gguf")) {

@@ -24,10 +24,6 @@ fn kept_inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
     }
     assert!(out.iter().any(|(p, _)| p.components().any(|c| c.as_os_str() == "seeds")), "no seeds for {target}");
     out.sort();
-    // Shown with a failing test's output: which inputs were replayed, in order.
-    for (path, _) in &out {
-        eprintln!("replaying {}", path.display());
-    }
     out
 }
 
@@ -50,6 +46,8 @@ fn decodes<T: Serialize + DeserializeOwned>(body: &[u8]) -> bool {
 #[test]
 fn kept_membership_inputs_decode_or_are_refused() {
     for (path, data) in kept_inputs("membership_msg") {
+        // Shown with a failing test's output: the input that failed is the last one.
+        eprintln!("replaying {}", path.display());
         let Some((&which, body)) = data.split_first() else { continue };
         let ok = match which % 6 {
             0 => decodes::<Msg>(body),
@@ -68,6 +66,8 @@ fn kept_pairing_inputs_are_answered_or_refused() {
     let code: PairingCode = "1234-5678".parse().expect("a well-formed code parses");
     let (joiner, member) = (NodeId([1; 32]), NodeId([2; 32]));
     for (path, data) in kept_inputs("pairing") {
+        // Shown with a failing test's output: the input that failed is the last one.
+        eprintln!("replaying {}", path.display());
         let Some((&which, rest)) = data.split_first() else { continue };
         match which % 3 {
             0 => {

@@ -19,10 +19,6 @@ fn kept_inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
     }
     assert!(out.iter().any(|(p, _)| p.components().any(|c| c.as_os_str() == "seeds")), "no seeds for {target}");
     out.sort();
-    // Shown with a failing test's output: which inputs were replayed, in order.
-    for (path, _) in &out {
-        eprintln!("replaying {}", path.display());
-    }
     out
 }
 
@@ -35,6 +31,8 @@ fn kept_frame_inputs_decode_or_are_refused() {
     // The fuzz target's limits.
     let limits = FrameLimits { n_embd: 8, max_tokens: 16, max_message: 4096 };
     for (path, data) in kept_inputs("frame") {
+        // Shown with a failing test's output: the input that failed is the last one.
+        eprintln!("replaying {}", path.display());
         match Frame::decode(&data, &limits) {
             Ok(f) => assert_eq!(f.encode(), data, "{} re-encodes differently", path.display()),
             Err(e) => assert!(!is_seed(&path), "seed {} does not decode: {e}", path.display()),
@@ -45,6 +43,8 @@ fn kept_frame_inputs_decode_or_are_refused() {
 #[test]
 fn kept_txt_inputs_decode_or_are_refused() {
     for (path, data) in kept_inputs("txt") {
+        // Shown with a failing test's output: the input that failed is the last one.
+        eprintln!("replaying {}", path.display());
         let Some((port, record)) = data.split_first_chunk::<2>() else { continue };
         let port = u16::from_be_bytes(*port);
         match Advert::from_txt_record(record, port) {

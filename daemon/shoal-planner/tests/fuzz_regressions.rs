@@ -19,10 +19,6 @@ fn kept_inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
     }
     assert!(out.iter().any(|(p, _)| p.components().any(|c| c.as_os_str() == "seeds")), "no seeds for {target}");
     out.sort();
-    // Shown with a failing test's output: which inputs were replayed, in order.
-    for (path, _) in &out {
-        eprintln!("replaying {}", path.display());
-    }
     out
 }
 
@@ -40,6 +36,8 @@ fn check(text: &str) -> bool {
 #[test]
 fn kept_fuzz_inputs_parse_or_are_refused() {
     for (path, bytes) in kept_inputs("profile") {
+        // Shown with a failing test's output: the input that failed is the last one.
+        eprintln!("replaying {}", path.display());
         let Ok(text) = std::str::from_utf8(&bytes) else { continue };
         let parsed = check(text);
         if path.components().any(|c| c.as_os_str() == "seeds") {
