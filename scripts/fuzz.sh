@@ -46,7 +46,9 @@ if (($# > 0)); then
 else
     mapfile -t targets < <(cargo +nightly fuzz list --fuzz-dir "$FUZZ")
 fi
-mkdir -p "$FUZZ/target/logs"
+# One log folder per run: two runs at once (say, CI and a long run) must not share logs.
+logs=$FUZZ/target/logs/$(date +%Y%m%d-%H%M%S)-$$
+mkdir -p "$logs"
 
 # The same flags for every target and every run length: 10 s is a timeout, a single
 # allocation or a resident size over 2 GiB is an out-of-memory finding.
@@ -56,7 +58,7 @@ printf '%-15s %12s %8s %7s %7s %8s %8s\n' target executions exec/s cov ft corpus
 for t in "${targets[@]}"; do
     corpus=$FUZZ/corpus/$t
     artifacts=$FUZZ/artifacts/$t
-    log=$FUZZ/target/logs/$t.log
+    log=$logs/$t.log
     mkdir -p "$corpus" "$artifacts"
     inputs=("$corpus" "$FUZZ/seeds/$t")
     [[ -d $FUZZ/regressions/$t ]] && inputs+=("$FUZZ/regressions/$t")
@@ -65,16 +67,16 @@ for t in "${targets[@]}"; do
     rc=$?
     crashes=$(($(find "$artifacts" -type f | wc -l) - before))
     # The last status line ("#N  DONE  cov: C ft: F corp: U/S ... exec/s: E").
-    status=$(grep -E '^#[0-9]+' "$log" | tail -n 1)
+    status=$(grep -aE '^#[0-9]+' "$log" | tail -n 1)
     field() { sed -nE "s/.*[[:space:]]$1:? ([^[:space:]]+).*/\\1/p" <<<"$status"; }
-    execs=$(sed -n 's/^stat::number_of_executed_units: //p' "$log")
-    rate=$(sed -n 's/^stat::average_exec_per_sec: //p' "$log")
+    execs=$(grep -a '^stat::number_of_executed_units:' "$log" | sed 's/.*: *//')
+    rate=$(grep -a '^stat::average_exec_per_sec:' "$log" | sed 's/.*: *//')
     printf '%-15s %12s %8s %7s %7s %8s %8s\n' "$t" "${execs:-${status%% *}}" "${rate:-$(field exec/s)}" \
         "$(field cov)" "$(field ft)" "$(field corp | cut -d/ -f1)" "$crashes"
     if ((rc != 0 || crashes > 0)); then
         failed+=("$t")
         echo "fuzz: $t failed (exit $rc); its log: $log; inputs: $artifacts/" >&2
-        grep -E '^(==[0-9]+==ERROR|thread .* panicked|SUMMARY)' "$log" | head -n 5 >&2
+        grep -aE '^(==[0-9]+==( ERROR|ERROR)|thread .* panicked|SUMMARY)' "$log" | head -n 5 >&2
     fi
 done
 end=$(date +%s)
