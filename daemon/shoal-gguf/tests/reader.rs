@@ -133,3 +133,17 @@ fn missing_file_names_the_path() {
     let e = Gguf::open(Path::new("/nonexistent/x.gguf")).unwrap_err();
     assert!(e.to_string().starts_with("/nonexistent/x.gguf: "));
 }
+
+#[test]
+fn huge_embedding_length_without_feed_forward_length_is_refused() {
+    // Found by the gguf fuzz target: the default n_ff (4·n_embd) overflowed its u32.
+    let mut g = parse(&synthetic_model(2, true)).unwrap();
+    for (key, value) in g.metadata.iter_mut() {
+        if key == "llama.embedding_length" {
+            *value = shoal_gguf::Value::U32(1 << 30);
+        }
+    }
+    assert!(!g.metadata.iter().any(|(k, _)| k == "llama.feed_forward_length"));
+    let e = shoal_gguf::ModelMeta::from_gguf(&g).unwrap_err();
+    assert!(e.to_string().contains("absurd sizes: n_embd 1073741824 and no feed_forward_length"), "{e}");
+}

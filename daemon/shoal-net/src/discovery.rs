@@ -242,6 +242,14 @@ impl Advert {
         Ok(Advert { node, protocol, cluster, port, join_port, ram_available, vram_free, devices, role, version })
     }
 
+    /// Decode a TXT record as it arrives on the wire (RDATA: length-prefixed
+    /// `key=value` strings, as mdns-sd parses them) and the SRV `port`: the same path a
+    /// resolved service takes ([`Advert::from_txt`] after checking values are UTF-8).
+    /// Public for the fuzz target (`daemon/fuzz`), which feeds it arbitrary bytes.
+    pub fn from_txt_record(record: &[u8], port: u16) -> Result<Advert, TxtError> {
+        txt_strings(&TxtProperties::from(record)).and_then(|p| Advert::from_txt(&p, port))
+    }
+
     /// Worth re-registering? The node, protocol, cluster, role, ports, device summary or
     /// version changed, or RAM or VRAM changed by more than 10% of `self`'s value or by
     /// more than 512 MiB (either is enough).
@@ -680,6 +688,23 @@ mod tests {
         let txt = unpaired.to_txt();
         assert!(txt.contains(&("cl".into(), "unpaired".into())));
         assert_eq!(Advert::from_txt(&txt, 7400).unwrap(), unpaired);
+    }
+
+    #[test]
+    fn txt_record_bytes_decode_like_a_resolved_service() {
+        let a = advert();
+        let mut record = Vec::new();
+        for (k, v) in a.to_txt() {
+            let prop = format!("{k}={v}");
+            record.push(u8::try_from(prop.len()).expect("a property is at most 255 bytes"));
+            record.extend_from_slice(prop.as_bytes());
+        }
+        assert_eq!(Advert::from_txt_record(&record, 7400).unwrap(), a);
+        // A value that is not UTF-8 names its field, as for a resolved service.
+        let mut bad = b"\x05pv=\xff\xfe".to_vec();
+        bad.extend_from_slice(&record);
+        assert_eq!(Advert::from_txt_record(&bad, 7400).unwrap_err().field(), "pv");
+        assert_eq!(Advert::from_txt_record(b"", 7400).unwrap_err(), TxtError::Missing { field: "id" });
     }
 
     #[test]

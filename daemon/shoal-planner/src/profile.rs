@@ -162,6 +162,9 @@ pub struct Profile {
     pub cluster: Cluster,
 }
 
+/// The most layers a `[model]` with sizes may have: the GGUF reader's limit too.
+pub const MAX_LAYERS: u32 = 4096;
+
 /// Why a profile was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
@@ -229,6 +232,20 @@ impl Profile {
                 if layers == 0 || n_embd == 0 || m.period == 0 {
                     return Err(ProfileError::Invalid("[model] layers, n_embd and period must be positive".into()));
                 }
+                // Bounded before `layer_bytes` is allocated (one u64 per layer): a
+                // four-digit text must not ask for 32 GiB.
+                if layers > MAX_LAYERS {
+                    return Err(ProfileError::Invalid(format!(
+                        "[model] layers = {layers} is over the limit of {MAX_LAYERS}"
+                    )));
+                }
+                // The default n_ff is 4·n_embd, which must fit its u32.
+                let n_ff = match m.n_ff {
+                    Some(n_ff) => n_ff,
+                    None => n_embd.checked_mul(4).ok_or_else(|| {
+                        ProfileError::Invalid(format!("[model] n_embd = {n_embd} is too large without `n_ff`"))
+                    })?,
+                };
                 ModelSpec::Given(ModelProfile {
                     layers,
                     layer_bytes: vec![need(m.layer_bytes, "layer_bytes")?; layers as usize],
@@ -238,7 +255,7 @@ impl Profile {
                     other_bytes: m.other_bytes,
                     n_embd,
                     n_vocab: m.n_vocab,
-                    n_ff: m.n_ff.unwrap_or(4 * n_embd),
+                    n_ff,
                     period: m.period,
                     kv_bytes_per_token_per_layer: need(m.kv_bytes_per_token_per_layer, "kv_bytes_per_token_per_layer")?,
                 })
@@ -287,6 +304,27 @@ ms_per_frame = 0.2
         assert_eq!(p.cluster.link("a", "a").ms_per_frame, 0.2);
         assert!(p.cluster.link("a", "b").assumed);
         assert_eq!(p.cluster.devices[0].prefill_ms(), 0.5);
+    }
+
+    #[test]
+    fn huge_layer_count_is_refused_before_allocating() {
+        // Parsing once allocated one u64 per layer: 4e9 layers asked for 32 GB.
+        let text = GOOD.replace("layers = 4\n", "layers = 4000000000\n");
+        let e = Profile::parse(&text).unwrap_err().to_string();
+        assert!(e.contains("over the limit of 4096"), "{e}");
+        let at_limit = GOOD.replace("layers = 4\n", &format!("layers = {MAX_LAYERS}\n"));
+        assert!(Profile::parse(&at_limit).is_ok());
+    }
+
+    #[test]
+    fn huge_n_embd_without_n_ff_is_refused() {
+        // The default n_ff, 4·n_embd, overflowed its u32.
+        let text = GOOD.replace("n_embd = 8\n", "n_embd = 1073741824\n");
+        let e = Profile::parse(&text).unwrap_err().to_string();
+        assert!(e.contains("n_embd = 1073741824 is too large"), "{e}");
+        let given = GOOD.replace("n_embd = 8\n", "n_embd = 1073741824\nn_ff = 7\n");
+        let ModelSpec::Given(m) = Profile::parse(&given).unwrap().model else { panic!("sizes were given") };
+        assert_eq!(m.n_ff, 7);
     }
 
     #[test]
