@@ -9,7 +9,8 @@
 #! Usage: scripts/fuzz.sh [SECONDS] [TARGET...]
 #! Needs a nightly toolchain; installs cargo-fuzz (pinned) into ~/.cargo/bin when
 #! missing. Where either cannot be had it says so and fails, or exits 0 when
-#! SHOAL_FUZZ_OPTIONAL=1.
+#! SHOAL_FUZZ_OPTIONAL=1. Builds go to SHOAL_FUZZ_TARGET (default daemon/fuzz/target);
+#! the test suite points it outside the repository so that later runs reuse the build.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-30}
@@ -17,6 +18,7 @@ shift || true
 [[ $secs =~ ^[0-9]+$ ]] || { echo "usage: scripts/fuzz.sh [SECONDS] [TARGET...]" >&2; exit 2; }
 CARGO_FUZZ_VERSION=0.13.2
 FUZZ=daemon/fuzz
+TARGET_DIR=${SHOAL_FUZZ_TARGET:-$FUZZ/target}
 export PATH="$HOME/.cargo/bin:$PATH"
 
 unavailable() {
@@ -38,16 +40,16 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
 fi
 
 start=$(date +%s)
-cargo +nightly fuzz build --fuzz-dir "$FUZZ" || { echo "fuzz: the targets do not build" >&2; exit 1; }
+cargo +nightly fuzz build --fuzz-dir "$FUZZ" --target-dir "$TARGET_DIR" || { echo "fuzz: the targets do not build" >&2; exit 1; }
 built=$(date +%s)
-bin_dir=$FUZZ/target/$(rustc +nightly -vV | sed -n 's/^host: //p')/release
+bin_dir=$TARGET_DIR/$(rustc +nightly -vV | sed -n 's/^host: //p')/release
 if (($# > 0)); then
     targets=("$@")
 else
     mapfile -t targets < <(cargo +nightly fuzz list --fuzz-dir "$FUZZ")
 fi
 # One log folder per run: two runs at once (say, CI and a long run) must not share logs.
-logs=$FUZZ/target/logs/$(date +%Y%m%d-%H%M%S)-$$
+logs=$TARGET_DIR/logs/$(date +%Y%m%d-%H%M%S)-$$
 mkdir -p "$logs"
 
 # The same flags for every target and every run length: 10 s is a timeout, a single

@@ -150,7 +150,7 @@ pub fn adoption(a: AdoptionArgs) -> Result<()> {
     c.kill(1, false)?;
     let owner_ip = c.net().addr(2);
     let targets = [SocketAddr::from((owner_ip, 47070)), SocketAddr::from((owner_ip, 47071))];
-    let mut flooder = c
+    let flooder = c
         .net()
         .command(0, c.exe())
         .args(["bench", "flood", "--count", &a.flood.to_string()])
