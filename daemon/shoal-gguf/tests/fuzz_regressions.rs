@@ -1,25 +1,8 @@
 //! Inputs of the `gguf` fuzz target (daemon/fuzz), replayed on stable: the seeds and
 //! every input a fuzz run found, each fixed at its root.
 
-use std::path::{Path, PathBuf};
-
-/// Every kept input of fuzz target `target`: its seeds (at least one) and the inputs
-/// its runs found (`daemon/fuzz/regressions/<target>/`, absent until one is found).
-fn kept_inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
-    let mut out = Vec::new();
-    for dir in ["seeds", "regressions"] {
-        let Ok(entries) = std::fs::read_dir(fuzz.join(dir).join(target)) else { continue };
-        for e in entries {
-            let path = e.expect("a readable directory entry").path();
-            let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            out.push((path, bytes));
-        }
-    }
-    assert!(out.iter().any(|(p, _)| p.components().any(|c| c.as_os_str() == "seeds")), "no seeds for {target}");
-    out.sort();
-    out
-}
+use shoal_testnet::fuzz_inputs::kept_inputs;
+use std::path::Path;
 
 #[test]
 fn kept_fuzz_inputs_parse_or_are_refused() {

@@ -5,6 +5,7 @@
 //! Needs root and iproute2; [`Net::new`] says why when it cannot.
 
 pub mod flood;
+pub mod fuzz_inputs;
 
 use std::ffi::OsStr;
 use std::net::Ipv4Addr;
