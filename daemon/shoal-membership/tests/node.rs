@@ -108,17 +108,17 @@ where
     }
 }
 
+/// A client endpoint on loopback holding `key`, trusting only `target`.
+fn client_of(key: Identity, target: NodeId) -> Node {
+    Node::bind("127.0.0.1:0".parse().unwrap(), Arc::new(key), TrustedKeys::new([target]), &TransportOptions::default())
+        .unwrap()
+}
+
 /// Whether a node holding `key` can open a membership connection to `target` and have
 /// it stay open (a refused key fails in the handshake or is closed right after).
 async fn can_connect(key: Identity, target: &ClusterStatus) -> bool {
     let addr: SocketAddr = target.addr.parse().unwrap();
-    let client = Node::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        Arc::new(key),
-        TrustedKeys::new([target.node]),
-        &TransportOptions::default(),
-    )
-    .unwrap();
+    let client = client_of(key, target.node);
     let Ok(conn) = client.connect(addr, target.node, alpn::MEMBERSHIP).await else { return false };
     tokio::time::timeout(Duration::from_secs(2), conn.closed()).await.is_err()
 }
@@ -257,13 +257,7 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
     assert_eq!(a.status().await.cluster, Some(cluster));
 
     // Garbage from a member on the membership protocol is logged and ignored.
-    let client = Node::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        Arc::new(key_of(&dirs[1])),
-        TrustedKeys::new([a.id]),
-        &TransportOptions::default(),
-    )
-    .unwrap();
+    let client = client_of(key_of(&dirs[1]), a.id);
     let conn = client.connect(sa.addr.parse().unwrap(), a.id, alpn::MEMBERSHIP).await.unwrap();
     for junk in [&b"\x00\x00\x00\x05hello"[..], b"\xff\xff\xff\xff", b"\x00\x00\x00\x02{}", b"\x00\x00", b""] {
         let mut s = conn.open_uni().await.unwrap();
@@ -342,13 +336,7 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
     }
 
     // A connection C holds open from before (an admin one) is closed when C is removed.
-    let c_client = Node::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        Arc::new(key_of(&dirs[2])),
-        TrustedKeys::new([a.id]),
-        &TransportOptions::default(),
-    )
-    .unwrap();
+    let c_client = client_of(key_of(&dirs[2]), a.id);
     let held = c_client.connect(sa.addr.parse().unwrap(), a.id, alpn::ADMIN).await.unwrap();
     // Removing C revokes its key everywhere: C is told and falls back to unpaired, and
     // its key no longer opens a connection to A.
@@ -389,13 +377,7 @@ async fn formed(nodes: &[&TestNode], want: usize) {
 
 /// Send one membership message to `target` with `key`, as a member would.
 async fn send_membership(key: Identity, target: &ClusterStatus, msg: &shoal_membership::Msg) {
-    let client = Node::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        Arc::new(key),
-        TrustedKeys::new([target.node]),
-        &TransportOptions::default(),
-    )
-    .unwrap();
+    let client = client_of(key, target.node);
     let conn = client.connect(target.addr.parse().unwrap(), target.node, alpn::MEMBERSHIP).await.unwrap();
     let mut s = conn.open_uni().await.unwrap();
     wire::write_msg(&mut s, msg).await.unwrap();
