@@ -239,9 +239,9 @@ pub fn nodes(c: NodesCommand) -> Result<()> {
             println!("{code}");
             eprintln!(
                 "give it to the new node: shoal serve --join-token {code}\n(or put it in the file {} of its data \
-                 directory; valid {} h, one node; it joins while this node runs)",
+                 directory; valid {}, one node; it joins while this node runs)",
                 node::JOIN_TOKEN_FILE,
-                valid_s / 3600
+                if valid_s >= 3600 { format!("{} h", valid_s / 3600) } else { format!("{} min", valid_s.div_ceil(60)) }
             );
         }
         AdminResponse::Code { code, valid_s } => {
