@@ -15,6 +15,20 @@ fn node(trusted: &[NodeId], id: Identity) -> Node {
     .unwrap()
 }
 
+/// A (server) and B (client) trusting each other, B connected to A over `control`:
+/// both endpoints, B's connection and A's side of it.
+async fn connected_pair() -> (Node, Node, quinn::Connection, shoal_net::endpoint::Accepted) {
+    let (a, b, _) = ids();
+    let (ia, ib) = (a.id(), b.id());
+    let na = node(&[ib], a);
+    let nb = node(&[ia], b);
+    let addr = na.local_addr().unwrap();
+    let (conn, acc) = tokio::join!(nb.connect(addr, ia, alpn::CONTROL), na.accept());
+    let (conn, acc) = (conn.unwrap(), acc.unwrap());
+    assert_eq!(acc.peer, ib);
+    (na, nb, conn, acc)
+}
+
 fn ids() -> (Identity, Identity, Identity) {
     (Identity::generate().unwrap(), Identity::generate().unwrap(), Identity::generate().unwrap())
 }
@@ -88,14 +102,8 @@ async fn unknown_keys_are_refused_in_the_handshake() {
 
 #[tokio::test]
 async fn revoked_keys_cannot_reconnect() {
-    let (a, b, _) = ids();
-    let (ia, ib) = (a.id(), b.id());
-    let na = node(&[ib], a);
-    let nb = node(&[ia], b);
-    let addr = na.local_addr().unwrap();
-    let (conn, acc) = tokio::join!(nb.connect(addr, ia, alpn::CONTROL), na.accept());
-    conn.unwrap();
-    assert_eq!(acc.unwrap().peer, ib);
+    let (na, nb, _conn, _acc) = connected_pair().await;
+    let (ia, ib) = (na.id(), nb.id());
     na.trusted().expect("a main endpoint").remove(&ib);
     assert_refused_by_server(&na, &nb, ia).await;
 }
@@ -104,13 +112,8 @@ async fn revoked_keys_cannot_reconnect() {
 /// already has, woken by the removal (not at the next poll of the set).
 #[tokio::test]
 async fn a_removed_key_loses_its_open_connections_at_once() {
-    let (a, b, _) = ids();
-    let (ia, ib) = (a.id(), b.id());
-    let na = node(&[ib], a);
-    let nb = node(&[ia], b);
-    let addr = na.local_addr().unwrap();
-    let (conn, acc) = tokio::join!(nb.connect(addr, ia, alpn::CONTROL), na.accept());
-    let (conn, acc) = (conn.unwrap(), acc.unwrap());
+    let (na, nb, conn, acc) = connected_pair().await;
+    let ib = nb.id();
     let trusted = na.trusted().expect("a main endpoint").clone();
     let watcher = tokio::spawn(shoal_net::close_when_revoked(acc.conn.clone(), acc.peer, trusted.clone()));
     // Still trusted: the connection carries data.
