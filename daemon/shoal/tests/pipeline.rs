@@ -205,15 +205,7 @@ fn restart_middle(file: &str, splits: &[[u32; 2]]) {
     assert_eq!(g["logits_digest"], r["logits_digest"], "{file}: logits changed across the restart");
     assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 60, "tokens missing or duplicated: {rest:?}");
     // The coordinator counted the recovery; every node answers status.
-    let st = json(
-        shoal()
-            .args(["status", "--json", "--placement"])
-            .arg(&placement)
-            .arg("--data-dir")
-            .arg(dir.path().join("client"))
-            .output()
-            .unwrap(),
-    );
+    let st = placement_status(&placement, &dir.path().join("client"));
     let nodes = st.as_array().unwrap();
     assert_eq!(nodes.len(), splits.len());
     assert!(nodes.iter().all(|n| n.get("error").is_none()), "{st}");
@@ -299,18 +291,23 @@ fn a_restarted_coordinator_serves_again_at_once() {
     let g: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(g["tokens"].as_array().unwrap().len(), 8);
     // Both other stages freed the 4 sessions of the dead incarnation, and hold none now.
-    let st = json(
-        shoal()
-            .args(["status", "--json", "--placement"])
-            .arg(&placement)
-            .arg("--data-dir")
-            .arg(dir.path().join("client"))
-            .output()
-            .unwrap(),
-    );
+    let st = placement_status(&placement, &dir.path().join("client"));
     let nodes = st.as_array().unwrap();
     for k in [1, 2] {
         assert_eq!(nodes[k]["counters"]["orphans_freed"], 4, "stage {k}: {st}");
         assert_eq!(nodes[k]["sessions"], 0, "stage {k}: {st}");
     }
+}
+
+/// `shoal status --json` of every node of `placement`, asked with the key in `client`.
+fn placement_status(placement: &std::path::Path, client: &std::path::Path) -> Value {
+    json(
+        shoal()
+            .args(["status", "--json", "--placement"])
+            .arg(placement)
+            .arg("--data-dir")
+            .arg(client)
+            .output()
+            .unwrap(),
+    )
 }
