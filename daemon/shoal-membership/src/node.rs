@@ -22,7 +22,7 @@ use shoal_net::discovery::{Advert, Discovery, DiscoveryEvent, InterfaceFilter};
 use shoal_net::{alpn, Identity, Node, TransportOptions, TrustedKeys};
 use shoal_store::{SledStore, Space, Store, StoreError, StoreExt};
 use shoal_types::{ClusterId, NodeId, NodeInventory, Role};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -379,6 +379,8 @@ pub async fn run(
         verifying: BTreeSet::new(),
         addrs: Arc::new(Mutex::new(HashMap::new())),
         hints: Arc::new(Mutex::new(HashMap::new())),
+        join_addrs: Arc::new(Mutex::new(HashMap::new())),
+        first_join_port: HashMap::new(),
         links: HashMap::new(),
         waiting: HashMap::new(),
         retry: Vec::new(),
@@ -459,6 +461,13 @@ struct Actor {
     /// task tries one when the known address fails, and keeps it once the handshake there
     /// proved the member's key.
     hints: Arc<Mutex<HashMap<NodeId, SocketAddr>>>,
+    /// Members' join endpoints where a handshake proved the member's key. Tried before
+    /// the latest advert's port, so a forged advert (another port or address) cannot
+    /// divert removal notices and membership checks once a member was reached there.
+    join_addrs: Arc<Mutex<HashMap<NodeId, SocketAddr>>>,
+    /// The join port of the first advert seen from each member: like `addrs`, a later
+    /// advert does not replace it, so a forger cannot hide it behind another port.
+    first_join_port: HashMap<NodeId, u16>,
     /// One sender task per member.
     links: HashMap<NodeId, mpsc::Sender<crate::core::Msg>>,
     /// Proposals waiting for their outcome, by request number.
@@ -1286,6 +1295,29 @@ impl Actor {
         Ok(())
     }
 
+    /// Where `node`'s join endpoint may be, best first: where a handshake proved its key
+    /// before; on the address its main endpoint was reached at, the port of its first
+    /// advert, then of its latest; then the latest advert's own address. A forged advert
+    /// only adds a candidate that fails its handshake; it never hides the real one.
+    fn join_candidates(&self, node: &NodeId) -> Vec<SocketAddr> {
+        let mut out: Vec<SocketAddr> = lock(&self.join_addrs).get(node).copied().into_iter().collect();
+        let main = lock(&self.addrs).get(node).copied();
+        if let (Some(main), Some(port)) = (main, self.first_join_port.get(node)) {
+            out.push(SocketAddr::new(main.ip(), *port));
+        }
+        if let Some((advert, ips)) = self.peers.get(node) {
+            if let Some(main) = main {
+                out.push(SocketAddr::new(main.ip(), advert.join_port));
+            }
+            if let Some(ip) = reachable(ips, self.main_addr) {
+                out.push(SocketAddr::new(*ip, advert.join_port));
+            }
+        }
+        let mut seen = HashSet::new();
+        out.retain(|a| seen.insert(*a));
+        out
+    }
+
     /// Ask the members (on their join endpoints) whether this node is still one of them;
     /// a majority of the membership without this node must say no.
     fn check_revocation(&mut self, from: NodeId, rounds: u32) {
@@ -1293,19 +1325,10 @@ impl Actor {
         let cluster = core.state().cluster;
         let others: Vec<NodeId> = core.state().members.keys().filter(|m| **m != self.me).copied().collect();
         let need = others.len() / 2 + 1;
-        let addrs = lock(&self.addrs);
-        let targets: Vec<(NodeId, SocketAddr)> = others
-            .iter()
-            .filter_map(|m| {
-                let (advert, ips) = self.peers.get(m)?;
-                // The advertised address, or the one the member was reached at.
-                let ip = reachable(ips, self.main_addr).copied().or_else(|| addrs.get(m).map(|a| a.ip()))?;
-                Some((*m, SocketAddr::new(ip, advert.join_port)))
-            })
-            .collect();
-        drop(addrs);
+        let targets: Vec<(NodeId, Vec<SocketAddr>)> =
+            others.iter().map(|m| (*m, self.join_candidates(m))).filter(|(_, a)| !a.is_empty()).collect();
         self.checking_revocation = true;
-        let (open, tx) = (self.open.clone(), self.tx.clone());
+        let (open, tx, proven) = (self.open.clone(), self.tx.clone(), self.join_addrs.clone());
         tokio::spawn(async move {
             let mut confirmed = false;
             // The members learn of a commit a beat after the leader: a few rounds.
@@ -1314,11 +1337,11 @@ impl Actor {
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
                 let mut asks = tokio::task::JoinSet::new();
-                for (node, addr) in targets.clone() {
-                    let open = open.clone();
+                for (node, addrs) in targets.clone() {
+                    let (open, proven) = (open.clone(), proven.clone());
                     asks.spawn(async move {
-                        let ask = join_request(&open, addr, node, &JoinRequest::AmIMember);
-                        tokio::time::timeout(Duration::from_secs(5), ask).await
+                        let ask = join_request_any(&open, &addrs, node, &JoinRequest::AmIMember, &proven);
+                        tokio::time::timeout(Duration::from_secs(10), ask).await
                     });
                 }
                 let mut no = 0;
@@ -1454,12 +1477,13 @@ impl Actor {
     /// Tell `node` on its join endpoint that it is no longer a member.
     fn tell_revoked(&self, node: NodeId) {
         let Some(core) = &self.core else { return };
-        let Some((advert, ips)) = self.peers.get(&node) else { return };
-        let Some(ip) = reachable(ips, self.main_addr) else { return };
-        let (open, addr, state) =
-            (self.open.clone(), SocketAddr::new(*ip, advert.join_port), Box::new(core.state().clone()));
+        let addrs = self.join_candidates(&node);
+        if addrs.is_empty() {
+            return;
+        }
+        let (open, state, proven) = (self.open.clone(), Box::new(core.state().clone()), self.join_addrs.clone());
         tokio::spawn(async move {
-            match join_request(&open, addr, node, &JoinRequest::Revoked { state }).await {
+            match join_request_any(&open, &addrs, node, &JoinRequest::Revoked { state }, &proven).await {
                 Ok(JoinResponse::Accepted) => tracing::info!(%node, "removed node told"),
                 Ok(other) => tracing::info!(%node, "removed node answered {other:?}"),
                 Err(e) => tracing::info!(%node, "could not tell the removed node: {e}"),
@@ -1596,6 +1620,8 @@ impl Actor {
                         }
                         Some(_) => {}
                     }
+                    drop(addrs);
+                    self.first_join_port.entry(advert.node).or_insert(advert.join_port);
                 } else if advert.cluster.is_none() && cluster.is_some() && !self.verifying.contains(&advert.node) {
                     let revoked = self.core.as_ref().is_some_and(|c| c.state().revoked.contains(&advert.node));
                     if !revoked && !self.pending.contains_key(&advert.node) {
@@ -1958,6 +1984,28 @@ async fn join_request(open: &Node, addr: SocketAddr, node: NodeId, req: &JoinReq
         .ok_or("the node closed the stream without answering")?;
     conn.close(0u32.into(), b"done");
     Ok(answer)
+}
+
+/// [`join_request`] to the first of `addrs` where the handshake proves `node`'s key;
+/// that address is remembered in `proven` for next time.
+async fn join_request_any(
+    open: &Node,
+    addrs: &[SocketAddr],
+    node: NodeId,
+    req: &JoinRequest,
+    proven: &Mutex<HashMap<NodeId, SocketAddr>>,
+) -> Result<JoinResponse, String> {
+    let mut last = String::from("no address known");
+    for addr in addrs {
+        match join_request(open, *addr, node, req).await {
+            Ok(answer) => {
+                lock(proven).insert(node, *addr);
+                return Ok(answer);
+            }
+            Err(e) => last = format!("{addr}: {e}"),
+        }
+    }
+    Err(last)
 }
 
 /// Pair with `code` (or a token), trying the members in `targets` until one holds an

@@ -449,7 +449,16 @@ async fn tokens_join_once_forged_notices_change_nothing_and_members_leave_or_res
     formed(&[&a, &b, &c], 3).await;
     let now_addr = a.status().await.members.iter().find(|m| m.node == b.id).and_then(|m| m.addr.clone());
     assert_eq!(now_addr, b_addr, "a forged advert replaced a member's address");
-    liar.shutdown();
+    // Forged adverts of A and C too, naming another join port: B's leave below asks
+    // them on their join endpoints, which the forgeries must not hide.
+    let liars: Vec<_> = [a.id, c.id]
+        .into_iter()
+        .map(|id| {
+            let advert = shoal_net::discovery::Advert::new(id, Some(cluster), Role::Hub, 9, 9, &inventory);
+            shoal_net::discovery::Discovery::start(advert, &InterfaceFilter::loopback()).unwrap().0
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
 
     // Forged notices from a member that is not the leader change nothing.
     let sa = a.status().await;
@@ -507,6 +516,10 @@ async fn tokens_join_once_forged_notices_change_nothing_and_members_leave_or_res
     assert_eq!(b.status().await.role, "unpaired");
     wait_for("B removed at A", 10, || async { (a.status().await.members.len() == 2).then_some(()) }).await;
     assert!(!can_connect(key_of(&dir("b")), &a.status().await).await, "a member that left still gets in");
+    liar.shutdown();
+    for l in liars {
+        l.shutdown();
+    }
 
     // C forgets the cluster at once (its owner's reset).
     match c.ask(AdminRequest::Reset).await {
