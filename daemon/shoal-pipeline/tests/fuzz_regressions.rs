@@ -23,3 +23,31 @@ fn kept_fuzz_inputs_parse_or_are_refused() {
         }
     }
 }
+
+/// The `control` target's inputs: two bytes of context size, then a control request as
+/// a client sends it. Seeds are valid requests; found inputs are refused or in bounds.
+#[test]
+fn kept_control_inputs_are_checked_or_refused() {
+    use shoal_pipeline::protocol::sampling_params;
+    use shoal_pipeline::ControlRequest;
+    for (path, bytes) in kept_inputs("control") {
+        eprintln!("replaying {}", path.display());
+        let Some((ctx, body)) = bytes.split_first_chunk::<2>() else { continue };
+        let n_ctx = u32::from(u16::from_le_bytes(*ctx));
+        let request = serde_json::from_slice::<ControlRequest>(body);
+        if let Ok(ControlRequest::Generate(req)) = &request {
+            if let Ok(params) = req.validate(n_ctx) {
+                assert!((0..=65536).contains(&params.repeat_last_n));
+                assert!(req.prompt.len() as u64 + u64::from(req.max_new) <= u64::from(n_ctx));
+            } else {
+                assert!(!shoal_testnet::fuzz_inputs::is_seed(&path), "seed {} refused", path.display());
+            }
+        }
+        if shoal_testnet::fuzz_inputs::is_seed(&path) {
+            assert!(request.is_ok(), "seed {} does not decode: {:?}", path.display(), request.err());
+        }
+        if let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) {
+            let _ = sampling_params(&value);
+        }
+    }
+}
