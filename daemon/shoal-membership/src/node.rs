@@ -19,7 +19,7 @@ use crate::wire::{
     PendingStatus, PublicInfo, WireError,
 };
 use shoal_net::discovery::{Advert, Discovery, DiscoveryEvent, InterfaceFilter};
-use shoal_net::{alpn, Identity, Node, TransportOptions, TrustedKeys};
+use shoal_net::{alpn, Identity, Node, Router, TransportOptions, TrustedKeys};
 use shoal_store::{SledStore, Space, Store, StoreError, StoreExt};
 use shoal_types::{ClusterId, NodeId, NodeInventory, Role};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -329,17 +329,57 @@ const TOKENS_KEY: &str = "join_tokens";
 /// How long a proposal is retried while there is no leader (ms).
 const PROPOSAL_MS: u64 = 30_000;
 
-/// Run a cluster node until `shutdown` completes.
+/// The node process's main endpoint, shared by membership and the other services
+/// (pipeline stages, shard transfer): one UDP port, protocols told apart by ALPN.
+#[derive(Clone)]
+pub struct SharedEndpoint {
+    /// The endpoint, bound with [`TrustedKeys`] `trusted`.
+    pub node: Arc<Node>,
+    /// The keys it accepts: membership keeps them equal to the cluster's members (plus
+    /// this node's own key, which the local CLI uses).
+    pub trusted: TrustedKeys,
+    /// Routes its connections; membership takes the membership, probe and admin ones.
+    pub router: Router,
+}
+
+impl SharedEndpoint {
+    /// Bind the main endpoint on `listen`, trusting only this node's own key until
+    /// membership adds the members.
+    pub fn bind(listen: SocketAddr, identity: Arc<Identity>, transport: &TransportOptions) -> Result<Self, NodeError> {
+        let trusted = TrustedKeys::new([identity.id()]);
+        let node = Arc::new(Node::bind(listen, identity, trusted.clone(), transport)?);
+        let router = Router::new(node.clone());
+        Ok(SharedEndpoint { node, trusted, router })
+    }
+}
+
+/// Run a cluster node until `shutdown` completes, on a main endpoint of its own.
 pub async fn run(
     cfg: NodeConfig,
     identity: Arc<Identity>,
     inventory: watch::Receiver<NodeInventory>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), NodeError> {
+    let shared = SharedEndpoint::bind(cfg.listen, identity.clone(), &cfg.transport)?;
+    let main = shared.node.clone();
+    let r = run_shared(cfg, identity, inventory, shared, shutdown).await;
+    main.close();
+    r
+}
+
+/// Run a cluster node until `shutdown` completes, on `shared` (whose listen address
+/// replaces `cfg.listen`). The caller closes the endpoint afterwards.
+pub async fn run_shared(
+    cfg: NodeConfig,
+    identity: Arc<Identity>,
+    inventory: watch::Receiver<NodeInventory>,
+    shared: SharedEndpoint,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), NodeError> {
     let store: Arc<dyn Store> = Arc::new(SledStore::open(&cfg.data_dir)?);
     let me = identity.id();
-    let trusted = TrustedKeys::new([me]);
-    let main = Arc::new(Node::bind(cfg.listen, identity.clone(), trusted.clone(), &cfg.transport)?);
+    let SharedEndpoint { node: main, trusted, router } = shared;
+    trusted.insert(me);
     let open = Arc::new(Node::bind_open(cfg.join_listen, identity.clone(), &cfg.transport)?);
     let main_addr = main.local_addr().map_err(|source| NodeError::Io { path: "main endpoint".into(), source })?;
     let join_addr = open.local_addr().map_err(|source| NodeError::Io { path: "join endpoint".into(), source })?;
@@ -409,10 +449,9 @@ pub async fn run(
     } else if actor.cfg.create == CreatePolicy::Now {
         actor.create()?;
     }
-    tokio::spawn(accept_main(main.clone(), tx.clone()));
+    tokio::spawn(accept_main(main.clone(), router, tx.clone()));
     tokio::spawn(accept_join(open.clone(), tx, public, me));
     let r = actor.run(rx, found, inventory, shutdown).await;
-    main.close();
     open.close();
     actor.discovery.shutdown();
     r
@@ -1822,9 +1861,17 @@ async fn link_task(
 /// Accept connections on the main endpoint: membership and link probes from members,
 /// admin from the owner's CLI (which holds this node's own key) and, limited, from
 /// members; anything else is closed.
-async fn accept_main(main: Arc<Node>, tx: mpsc::Sender<Input>) {
+async fn accept_main(main: Arc<Node>, router: Router, tx: mpsc::Sender<Input>) {
     let me = main.id();
-    while let Some(acc) = main.accept().await {
+    let (mut membership, mut probe, mut admin) =
+        (router.route(alpn::MEMBERSHIP), router.route(alpn::PROBE), router.route(alpn::ADMIN));
+    loop {
+        let acc = tokio::select! {
+            a = membership.accept() => a,
+            a = probe.accept() => a,
+            a = admin.accept() => a,
+        };
+        let Some(acc) = acc else { return };
         let tx = tx.clone();
         let addr = acc.conn.remote_address();
         if acc.peer != me {

@@ -10,6 +10,7 @@ pub mod frame;
 pub mod identity;
 pub mod impair;
 pub mod probe;
+pub mod router;
 pub mod tls;
 
 pub use discovery::{
@@ -20,4 +21,5 @@ pub use frame::{wall_us, Dtype, Frame, FrameError, FrameKind, FrameLimits};
 pub use identity::{Identity, IdentityError, NodeId};
 pub use impair::Impairment;
 pub use probe::{LinkMeasure, ProbeError, ProbeOptions};
+pub use router::{Incoming, Router};
 pub use tls::TrustedKeys;

@@ -18,7 +18,7 @@ pub use core::{Counters, RetryPolicy};
 pub use latency::{HopLatencies, HopLatency};
 pub use placement::{Placement, PlacementError, StagePlace};
 pub use protocol::{generate, status, ControlRequest, GenEvent, GenerateRequest, NodeStatus, Report};
-pub use service::{serve, SamplerFactory, ServiceConfig, KEEPALIVE_WINDOW};
+pub use service::{serve, serve_on, SamplerFactory, ServiceConfig, KEEPALIVE_WINDOW};
 
 /// Errors of the pipeline.
 #[derive(Debug, thiserror::Error)]

@@ -15,7 +15,7 @@
 //! layers = [0, 15]
 //! ```
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use shoal_net::NodeId;
 use shoal_types::LayerRange;
 use std::net::SocketAddr;
@@ -77,7 +77,9 @@ pub enum InvalidPlacement {
     TwoStagesOneNode(String),
 }
 
-#[derive(Deserialize)]
+/// The file's schema, both ways: parsed into a [`Placement`] by [`Placement::parse`],
+/// written from one by [`Placement::to_toml`].
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct RawPlacement {
     model: PathBuf,
@@ -92,7 +94,7 @@ struct RawPlacement {
     stage: Vec<RawStage>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct RawStage {
     node: String,
@@ -155,6 +157,30 @@ impl Placement {
         Ok(Placement { model, context: raw.context, chunk: raw.chunk, sessions: raw.sessions, stages, clients })
     }
 
+    /// The placement as file text, which [`Placement::parse`] reads back to an equal
+    /// placement (the model path as given: absolute, or relative to the file).
+    pub fn to_toml(&self) -> String {
+        let raw = RawPlacement {
+            model: self.model.clone(),
+            context: self.context,
+            chunk: self.chunk,
+            sessions: self.sessions,
+            clients: self.clients.iter().map(|c| c.to_string()).collect(),
+            stage: self
+                .stages
+                .iter()
+                .map(|s| RawStage {
+                    node: s.node.to_string(),
+                    addr: s.addr.to_string(),
+                    layers: [s.layers.start, s.layers.end],
+                })
+                .collect(),
+        };
+        // Invariant: plain strings and integers, and the stage table after the scalars,
+        // which is all TOML needs to serialise a struct.
+        toml::to_string(&raw).expect("a placement serialises as TOML")
+    }
+
     /// Every key the pipeline's nodes accept: the stage nodes and the clients.
     pub fn trusted(&self) -> Vec<NodeId> {
         self.stages.iter().map(|s| s.node).chain(self.clients.iter().copied()).collect()
@@ -207,6 +233,27 @@ mod tests {
         assert_eq!((p.chunk, p.context, p.n_layer()), (32, 2048, 30));
         assert_eq!(p.next(1).layers.start, 0);
         assert_eq!(p.stage_of(key('b').parse().unwrap()), Some(1));
+    }
+
+    #[test]
+    fn a_placement_writes_itself_and_reads_back_equal() {
+        let node = |c: char| key(c).parse::<NodeId>().unwrap();
+        let p = Placement {
+            model: PathBuf::from("/models/m \"odd\" name.gguf"),
+            context: 4096,
+            chunk: 64,
+            sessions: 2,
+            stages: vec![
+                StagePlace { node: node('a'), addr: "127.0.0.1:7101".parse().unwrap(), layers: LayerRange::new(0, 12) },
+                StagePlace { node: node('b'), addr: "[::1]:7102".parse().unwrap(), layers: LayerRange::new(12, 30) },
+            ],
+            clients: vec![node('c')],
+        };
+        let back = Placement::parse(&p.to_toml(), Path::new("/elsewhere/p.toml")).unwrap();
+        assert_eq!(back.model, p.model);
+        assert_eq!((back.context, back.chunk, back.sessions), (4096, 64, 2));
+        assert_eq!(back.stages, p.stages);
+        assert_eq!(back.clients, p.clients);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use crate::placement::Placement;
 use crate::protocol::{ControlRequest, GenEvent, GenerateRequest, NodeStatus, MAX_REQUEST};
 use crate::PipelineError;
 use shoal_net::frame::HEADER_LEN;
-use shoal_net::{alpn, Dtype, Frame, FrameKind, FrameLimits, Node, NodeId};
+use shoal_net::{alpn, Dtype, Frame, FrameKind, FrameLimits, Incoming, Node, NodeId, Router};
 use shoal_types::{SessionId, Stage, StageError, StageInput, StageOutput};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -103,6 +103,14 @@ struct ShellCounters {
 
 /// Serve `cfg`'s stage on `node` until the endpoint closes.
 pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineError> {
+    let router = Router::new(node.clone());
+    serve_on(node, &router, cfg).await
+}
+
+/// [`serve`] on an endpoint shared with other services: the stage takes the pipeline
+/// and control connections from `router`. Dropping the returned future stops the
+/// stage (its tasks end as their channels close); the endpoint stays open.
+pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> Result<(), PipelineError> {
     let ServiceConfig { placement, index, stage, samplers, dtype, retry, keepalive } = cfg;
     let info = stage.info().clone();
     let limits = FrameLimits { n_embd: info.n_embd, max_tokens: info.chunk, max_message: MAX_MESSAGE };
@@ -127,7 +135,8 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
     }
     let n = placement.stages.len();
     let prev = placement.prev(index).node;
-    tokio::spawn(accept_task(node.clone(), prev, limits, events_tx.clone(), shell.clone()));
+    let incoming = (router.route(alpn::PIPELINE), router.route(alpn::CONTROL));
+    tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone()));
     let ticker = events_tx.clone();
     tokio::spawn(async move {
         let mut t = tokio::time::interval(TICK);
@@ -501,13 +510,20 @@ async fn link_task(
 /// Accepts connections: pipeline frames only from the previous stage's node; control
 /// requests (coordinator only) from any trusted key.
 async fn accept_task(
-    node: Arc<Node>,
+    (mut pipeline, mut control): (Incoming, Incoming),
     prev: NodeId,
     limits: FrameLimits,
     events: mpsc::Sender<Event>,
     counters: Arc<ShellCounters>,
 ) {
-    while let Some(acc) = node.accept().await {
+    loop {
+        let acc = tokio::select! {
+            a = pipeline.accept() => a,
+            a = control.accept() => a,
+            // The stage stopped: give the protocols back (later connections are closed).
+            () = events.closed() => return,
+        };
+        let Some(acc) = acc else { return };
         let events = events.clone();
         if acc.alpn == alpn::PIPELINE {
             if acc.peer != prev {

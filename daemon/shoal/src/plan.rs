@@ -516,12 +516,7 @@ fn write_placement(
     port: u16,
 ) -> Result<()> {
     let model = std::fs::canonicalize(model).unwrap_or_else(|_| model.to_path_buf());
-    let mut toml = format!(
-        "# Written by `shoal plan`: {:.1} tok/s predicted. Every node needs the model at this path.\n\
-         model = {:?}\nchunk = {}\ncontext = {}\nsessions = {}\nclients = [\"{}\"]\n",
-        plan.predicted_tok_s, model, opts.sizing.chunk, opts.sizing.context, opts.sizing.sessions, st.node
-    );
-    let mut used = Vec::new();
+    let mut stages = Vec::new();
     for stage in &plan.stages {
         let m = st
             .members
@@ -537,16 +532,31 @@ fn write_placement(
         let ip = if addr.ip().is_unspecified() { std::net::IpAddr::from([127, 0, 0, 1]) } else { addr.ip() };
         // Several nodes on one address (a test on one machine) need a port each.
         let mut stage_addr = std::net::SocketAddr::new(ip, port);
-        while used.contains(&stage_addr) {
+        while stages.iter().any(|s: &shoal_pipeline::StagePlace| s.addr == stage_addr) {
             stage_addr.set_port(stage_addr.port() + 1);
         }
-        used.push(stage_addr);
-        toml += &format!(
-            "\n[[stage]]  # {}\nnode = \"{}\"\naddr = \"{}\"\nlayers = [{}, {}]\n",
-            stage.device, m.node, stage_addr, stage.first, stage.last
-        );
+        stages.push(shoal_pipeline::StagePlace {
+            node: m.node,
+            addr: stage_addr,
+            layers: shoal_types::LayerRange::new(stage.first, stage.last),
+        });
     }
-    std::fs::write(path, &toml).with_context(|| format!("writing {}", path.display()))?;
+    let placement = shoal_pipeline::Placement {
+        model,
+        context: opts.sizing.context,
+        chunk: opts.sizing.chunk,
+        sessions: opts.sizing.sessions,
+        stages,
+        clients: vec![st.node],
+    };
+    let devices: Vec<&str> = plan.stages.iter().map(|s| s.device.as_str()).collect();
+    let text = format!(
+        "# Written by `shoal plan`: {:.1} tok/s predicted on {}. Every node needs the model at this path.\n{}",
+        plan.predicted_tok_s,
+        devices.join(", "),
+        placement.to_toml()
+    );
+    std::fs::write(path, &text).with_context(|| format!("writing {}", path.display()))?;
     // What serve will read: check it now rather than on every node later.
     shoal_pipeline::Placement::load(path).with_context(|| format!("the written placement {}", path.display()))?;
     Ok(())
