@@ -5,6 +5,8 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+pub mod catalog;
+pub use catalog::{CatalogEntry, Holder};
 mod inventory;
 pub use inventory::{BadClusterId, BadNodeId, ClusterId, DeviceInventory, NodeId, NodeInventory, Role};
 pub mod sampling;
