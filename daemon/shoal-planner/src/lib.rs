@@ -7,9 +7,11 @@
 //! randomness. Profiles come from the store or a TOML file ([`profile`]); the binary
 //! reads them and hands the values in.
 
+mod exhaustive;
 pub mod model;
 pub mod plan;
 pub mod profile;
+mod search;
 
 pub use model::{ModelProfile, Sizing};
 pub use plan::{plan, predict, Options, Pin, Plan, PlanError, PlannedStage};

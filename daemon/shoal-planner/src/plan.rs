@@ -3,13 +3,22 @@
 //! Decode time per token is modelled as (DESIGN, "Placement model"):
 //! Σ over stages (its layers × the device's ms per layer) + the tail device's LM-head
 //! time + Σ over the hops a token crosses, including the tail → coordinator return
-//! (the link's time per frame + the receiving device's wake-up cost). For a fixed
-//! ordered chain of devices, the best layer counts follow greedily (every device at
-//! least one period, then the fastest devices filled up to their memory), so the
-//! planner enumerates chains, keeps one host's devices adjacent, and fills each.
+//! (the link's time per frame + the receiving device's wake-up cost). A stage's
+//! memory limit depends on its role only (stage 0 holds the embedding, the tail the
+//! LM head; a middle stage is bounded by the model's biggest units), so the best
+//! chain and split are found by a dynamic program over the layers placed so far, with
+//! one host's devices adjacent and boundaries on the architecture's period
+//! ([`crate::search`]); it scales to tens of devices. The exhaustive search it
+//! replaced (every ordered chain, each filled greedily) stays as the tests' oracle
+//! ([`plan_exhaustive`], [`considered`]).
+//!
+//! The explanation asks the search further questions: the best placement without a
+//! device (is it needed for memory?), with a device (what would using it cost?), and
+//! on each host alone (replicas).
 
 use crate::model::{ModelProfile, Sizing};
 use crate::profile::{Cluster, Device};
+use crate::search::{self, Constraint};
 use serde::Serialize;
 use shoal_types::LayerRange;
 use std::collections::BTreeMap;
@@ -130,61 +139,117 @@ pub fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / f64::from(1u32 << 30))
 }
 
-/// Devices enumerated at most (chains grow factorially).
-const MAX_DEVICES: usize = 9;
-
 /// Ordered devices and their layer boundaries: `bounds[i]..bounds[i+1]` on `chain[i]`.
 #[derive(Clone, Debug)]
-struct Candidate {
-    chain: Vec<usize>,
-    bounds: Vec<u32>,
-    decode_ms: f64,
-    hosts: usize,
+pub(crate) struct Candidate {
+    pub(crate) chain: Vec<usize>,
+    pub(crate) bounds: Vec<u32>,
+    pub(crate) decode_ms: f64,
+    pub(crate) hosts: usize,
 }
 
 /// The planner's view of one problem.
-struct Problem<'a> {
-    model: &'a ModelProfile,
-    devices: Vec<&'a Device>,
-    cluster: &'a Cluster,
-    opts: &'a Options,
+pub(crate) struct Problem<'a> {
+    pub(crate) model: &'a ModelProfile,
+    pub(crate) devices: Vec<&'a Device>,
+    pub(crate) cluster: &'a Cluster,
+    pub(crate) opts: &'a Options,
     /// Units of `period` layers (the last may be shorter).
-    units: u32,
+    pub(crate) units: u32,
+    /// Each device's capacity in units, by role: `caps[d][first as usize | (tail as usize) << 1]`.
+    caps: Vec<[u32; 4]>,
+    /// The hosts, in order of their first device.
+    pub(crate) hosts: Vec<&'a str>,
+    /// Each device's host (an index into `hosts`).
+    pub(crate) host_of: Vec<usize>,
+    /// Each host's devices, in cluster order.
+    pub(crate) host_devices: Vec<Vec<usize>>,
+    /// One-way ms per decode frame between hosts (`link_ms[a][a]`: within a host).
+    pub(crate) link_ms: Vec<Vec<f64>>,
 }
 
-impl Problem<'_> {
-    fn unit_range(&self, first_unit: u32, n: u32) -> LayerRange {
-        let p = self.model.period;
-        LayerRange { start: first_unit * p, end: ((first_unit + n) * p).min(self.model.layers) }
+impl<'a> Problem<'a> {
+    fn new(model: &'a ModelProfile, devices: Vec<&'a Device>, cluster: &'a Cluster, opts: &'a Options) -> Self {
+        let units = model.layers.div_ceil(model.period);
+        let mut hosts: Vec<&str> = Vec::new();
+        let mut host_of = Vec::with_capacity(devices.len());
+        let mut host_devices: Vec<Vec<usize>> = Vec::new();
+        for (d, dev) in devices.iter().enumerate() {
+            let h = match hosts.iter().position(|h| *h == dev.host) {
+                Some(h) => h,
+                None => {
+                    hosts.push(&dev.host);
+                    host_devices.push(Vec::new());
+                    hosts.len() - 1
+                }
+            };
+            host_of.push(h);
+            host_devices[h].push(d);
+        }
+        let link_ms = hosts.iter().map(|a| hosts.iter().map(|b| cluster.link(a, b).ms_per_frame).collect()).collect();
+        let mut p =
+            Problem { model, devices, cluster, opts, units, caps: Vec::new(), hosts, host_of, host_devices, link_ms };
+        p.caps = (0..p.devices.len())
+            .map(|d| std::array::from_fn(|role| p.compute_capacity(d, role & 1 != 0, role & 2 != 0)))
+            .collect();
+        p
     }
 
-    fn usable(&self, d: usize) -> u64 {
+    pub(crate) fn unit_range(&self, first_unit: u32, n: u32) -> LayerRange {
+        // In u64: `units × period` may pass u32::MAX by up to a period.
+        let (p, layers) = (u64::from(self.model.period), u64::from(self.model.layers));
+        let at = |u: u32| (u64::from(u) * p).min(layers) as u32;
+        LayerRange { start: at(first_unit), end: at(first_unit.saturating_add(n)) }
+    }
+
+    pub(crate) fn usable(&self, d: usize) -> u64 {
         self.devices[d].memory_bytes.saturating_sub(self.opts.reserve_bytes)
     }
 
     /// Most units device `d` can hold as stage 0 (`first`), the tail, or a middle
-    /// stage. Stage 0's and the tail's layers are known (the first or last units), so
-    /// their memory is exact; a middle stage's position depends on the stages before
-    /// it, so the biggest units bound it: a chain filled by counts never overflows.
-    fn capacity(&self, d: usize, first: bool, tail: bool) -> u32 {
+    /// stage (see [`Problem::compute_capacity`]).
+    pub(crate) fn capacity(&self, d: usize, first: bool, tail: bool) -> u32 {
+        self.caps[d][usize::from(first) | usize::from(tail) << 1]
+    }
+
+    /// Stage 0's and the tail's layers are known (the first or last units), so their
+    /// memory is exact; a middle stage's position depends on the stages before it, so
+    /// the biggest units bound it: a chain filled by counts never overflows. Sums
+    /// saturate: an absurd profile needs `u64::MAX` bytes and fits nowhere.
+    fn compute_capacity(&self, d: usize, first: bool, tail: bool) -> u32 {
         let m = self.model;
         let usable = self.usable(d);
-        let unit_bytes: Vec<u64> = m.layer_bytes.chunks(m.period as usize).map(|c| c.iter().sum()).collect();
-        let mut biggest = unit_bytes.clone();
-        biggest.sort_unstable_by(|a, b| b.cmp(a));
+        let sum = |bytes: &[u64]| bytes.iter().fold(0u64, |a, &b| a.saturating_add(b));
+        let fits =
+            |bytes: u64, r: LayerRange| m.memory_of(bytes, r.len(), first, tail, &self.opts.sizing).total() <= usable;
+        if first && tail {
+            // One stage holds everything, or nothing.
+            let r = self.unit_range(0, self.units);
+            return if fits(sum(&m.layer_bytes), r) { self.units } else { 0 };
+        }
+        let unit_bytes: Vec<u64> = m.layer_bytes.chunks(m.period as usize).map(sum).collect();
+        // Units in the order a stage of this role takes them: from the front (stage
+        // 0), from the back (the tail), or the biggest first (a middle stage).
+        let mut order: Vec<u32> = (0..self.units).collect();
+        if tail {
+            order.reverse();
+        } else if !first {
+            order.sort_by(|&a, &b| unit_bytes[b as usize].cmp(&unit_bytes[a as usize]).then(a.cmp(&b)));
+        }
+        let (mut bytes, mut layers) = (0u64, 0u32);
         let mut best = 0;
-        for n in 1..=self.units {
-            let (bytes, layers) = if first || tail {
-                let r = if first { self.unit_range(0, n) } else { self.unit_range(self.units - n, n) };
-                let r = if first && tail { self.unit_range(0, self.units) } else { r };
-                (m.layer_bytes[r.start as usize..r.end as usize].iter().sum(), r.end - r.start)
+        for (n, &u) in order.iter().enumerate() {
+            bytes = bytes.saturating_add(unit_bytes[u as usize]);
+            // A middle stage may hold n whole units wherever it sits: n periods of KV.
+            layers = if first || tail {
+                layers + self.unit_range(u, 1).len()
             } else {
-                (biggest[..n as usize].iter().sum(), (n * m.period).min(m.layers))
+                self.unit_range(0, n as u32 + 1).len()
             };
-            if m.memory_of(bytes, layers, first, tail, &self.opts.sizing).total() > usable {
+            if !fits(bytes, LayerRange { start: 0, end: layers }) {
                 break;
             }
-            best = n;
+            best = n as u32 + 1;
         }
         best
     }
@@ -244,121 +309,12 @@ impl Problem<'_> {
         ms / 1000.0
     }
 
-    /// Fill `chain` with layers: pinned devices get their pins, every other device at
-    /// least one unit, then the fastest devices as much as fits. `None` if impossible.
-    fn fill(&self, chain: &[usize], pins: &[(usize, u32, u32)]) -> Option<Vec<u32>> {
-        let k = chain.len();
-        let mut units = vec![0u32; k];
-        let mut fixed = vec![false; k];
-        // Segments of free positions between pinned ones, each with a unit total.
-        let mut segments: Vec<(Vec<usize>, u32)> = Vec::new();
-        let mut seg = Vec::new();
-        let mut seg_start = 0u32;
-        for (i, &d) in chain.iter().enumerate() {
-            if let Some(&(_, a, b)) = pins.iter().find(|p| p.0 == d) {
-                if a < seg_start {
-                    return None;
-                }
-                segments.push((std::mem::take(&mut seg), a - seg_start));
-                units[i] = b - a;
-                fixed[i] = true;
-                seg_start = b;
-            } else {
-                seg.push(i);
-            }
-        }
-        segments.push((seg, self.units - seg_start.min(self.units)));
-        if pins.iter().any(|p| !chain.contains(&p.0)) {
-            return None;
-        }
-        for (positions, total) in &segments {
-            if positions.is_empty() {
-                if *total != 0 {
-                    return None;
-                }
-                continue;
-            }
-            // Capacities depend on the position (stage 0 keeps the embedding, the tail
-            // the LM head).
-            let caps: Vec<u32> = positions.iter().map(|&i| self.capacity(chain[i], i == 0, i + 1 == k)).collect();
-            if caps.contains(&0) || (positions.len() as u32) > *total {
-                return None;
-            }
-            let mut left = total - positions.len() as u32;
-            for &i in positions {
-                units[i] = 1;
-            }
-            let mut by_speed: Vec<usize> = (0..positions.len()).collect();
-            by_speed.sort_by(|&a, &b| {
-                let (da, db) = (self.devices[chain[positions[a]]], self.devices[chain[positions[b]]]);
-                da.ms_per_layer.total_cmp(&db.ms_per_layer).then(a.cmp(&b))
-            });
-            for j in by_speed {
-                let add = left.min(caps[j] - 1);
-                units[positions[j]] += add;
-                left -= add;
-            }
-            if left > 0 {
-                return None;
-            }
-        }
-        // Pinned stages must fit too.
-        for (i, &d) in chain.iter().enumerate() {
-            if fixed[i] && units[i] > self.capacity(d, i == 0, i + 1 == k) {
-                return None;
-            }
-        }
-        let mut bounds = vec![0u32];
-        let mut at = 0;
-        for u in units {
-            at += u;
-            bounds.push(self.unit_range(0, at).end);
-        }
-        Some(bounds)
-    }
-
-    /// Every ordered chain with one host's devices adjacent, in a fixed order.
-    fn chains(&self) -> Vec<Vec<usize>> {
-        fn grow(p: &Problem<'_>, chain: &mut Vec<usize>, used: &mut Vec<bool>, out: &mut Vec<Vec<usize>>) {
-            if !chain.is_empty() {
-                out.push(chain.clone());
-            }
-            if chain.len() as u32 == p.units {
-                return;
-            }
-            for d in 0..p.devices.len() {
-                if used[d] {
-                    continue;
-                }
-                let host = &p.devices[d].host;
-                let last_host = chain.last().map(|&l| &p.devices[l].host);
-                // A host already in the chain must be the last one (its devices adjacent).
-                if last_host != Some(host) && chain.iter().any(|&c| &p.devices[c].host == host) {
-                    continue;
-                }
-                used[d] = true;
-                chain.push(d);
-                grow(p, chain, used, out);
-                chain.pop();
-                used[d] = false;
-            }
-        }
-        let mut out = Vec::new();
-        grow(self, &mut Vec::new(), &mut vec![false; self.devices.len()], &mut out);
-        out
-    }
-
-    fn candidates(&self, pins: &[(usize, u32, u32)]) -> Vec<Candidate> {
-        let mut out = Vec::new();
-        for chain in self.chains() {
-            if let Some(bounds) = self.fill(&chain, pins) {
-                let (decode_ms, _) = self.decode_ms(&chain, &bounds);
-                let mut hosts: Vec<&str> = chain.iter().map(|&d| self.devices[d].host.as_str()).collect();
-                hosts.dedup();
-                out.push(Candidate { chain, bounds, decode_ms, hosts: hosts.len() });
-            }
-        }
-        out
+    /// A chain with its boundaries (in layers), scored by the model.
+    pub(crate) fn candidate(&self, chain: Vec<usize>, bounds: Vec<u32>) -> Candidate {
+        let (decode_ms, _) = self.decode_ms(&chain, &bounds);
+        let mut hosts: Vec<usize> = chain.iter().map(|&d| self.host_of[d]).collect();
+        hosts.dedup();
+        Candidate { chain, bounds, decode_ms, hosts: hosts.len() }
     }
 
     fn stages(&self, chain: &[usize], bounds: &[u32]) -> Vec<PlannedStage> {
@@ -410,11 +366,61 @@ fn better(a: &Candidate, b: &Candidate) -> bool {
     (a.hosts, a.chain.len()) < (b.hosts, b.chain.len())
 }
 
-fn best_of<'c>(cands: impl IntoIterator<Item = &'c Candidate>) -> Option<&'c Candidate> {
-    cands.into_iter().fold(None, |best, c| match best {
-        Some(b) if !better(c, b) => Some(b),
-        _ => Some(c),
-    })
+/// `a` is to be chosen over `b`: [`better`], and on a full tie the chain that comes
+/// first in device order (the one the exhaustive search meets first), so that both
+/// searches pick the same chain among equals.
+pub(crate) fn preferred(a: &Candidate, b: &Candidate) -> bool {
+    better(a, b) || (!better(b, a) && (a.hosts, a.chain.len()) == (b.hosts, b.chain.len()) && a.chain < b.chain)
+}
+
+/// Resolved pins: (device index, first unit, end unit).
+type Pins = Vec<(usize, u32, u32)>;
+
+/// How the best placement under a constraint is found: the scalable search, or the
+/// exhaustive one kept as the tests' oracle. The explanation asks the same questions
+/// of either ("the best without d", "the best with d", "the best on host h").
+enum Search {
+    Dp,
+    /// Candidates by pins, computed once per pin set.
+    Exhaustive(std::cell::RefCell<Vec<(Pins, Vec<Candidate>)>>),
+}
+
+impl Search {
+    /// Whether anything fits under `c` (without pins).
+    fn fits(&self, p: &Problem<'_>, c: &Constraint) -> bool {
+        match self {
+            Search::Dp => search::fits(p, c),
+            Search::Exhaustive(_) => self.best(p, &[], c).is_some(),
+        }
+    }
+
+    fn best(&self, p: &Problem<'_>, pins: &[(usize, u32, u32)], c: &Constraint) -> Option<Candidate> {
+        match self {
+            Search::Dp => search::best(p, pins, c),
+            Search::Exhaustive(cache) => {
+                let mut cache = cache.borrow_mut();
+                let i = match cache.iter().position(|(k, _)| k == pins) {
+                    Some(i) => i,
+                    None => {
+                        cache.push((pins.to_vec(), p.candidates(pins)));
+                        cache.len() - 1
+                    }
+                };
+                let ok = |x: &&Candidate| {
+                    x.chain.iter().all(|&d| c.allowed[d]) && c.required.is_none_or(|r| x.chain.contains(&r))
+                };
+                cache[i]
+                    .1
+                    .iter()
+                    .filter(ok)
+                    .fold(None, |best: Option<&Candidate>, x| match best {
+                        Some(b) if !preferred(x, b) => Some(b),
+                        _ => Some(x),
+                    })
+                    .cloned()
+            }
+        }
+    }
 }
 
 fn problem<'a>(
@@ -426,7 +432,7 @@ fn problem<'a>(
     if model.layers == 0 || model.period == 0 || model.layer_bytes.len() != model.layers as usize {
         return Err(PlanError::Placement("the model profile is inconsistent (layers, period, layer_bytes)".into()));
     }
-    let mut devices: Vec<&Device> =
+    let devices: Vec<&Device> =
         cluster.devices.iter().filter(|d| !opts.exclude.iter().any(|e| e == &d.id || e == &d.host)).collect();
     for e in &opts.exclude {
         if cluster.devices.iter().any(|d| &d.id == e || &d.host == e) {
@@ -437,16 +443,7 @@ fn problem<'a>(
         let why = if cluster.devices.is_empty() { "" } else { " (all excluded)" };
         return Err(PlanError::NoDevices(why.into()));
     }
-    if devices.len() > MAX_DEVICES {
-        // Keep the devices with the most memory, then the fastest.
-        devices.sort_by(|a, b| b.memory_bytes.cmp(&a.memory_bytes).then(a.ms_per_layer.total_cmp(&b.ms_per_layer)));
-        for d in &devices[MAX_DEVICES..] {
-            notes.push(format!("{} not considered: only the {MAX_DEVICES} devices with the most memory are.", d.id));
-        }
-        devices.truncate(MAX_DEVICES);
-    }
-    let units = model.layers.div_ceil(model.period);
-    Ok((Problem { model, devices, cluster, opts, units }, notes))
+    Ok((Problem::new(model, devices, cluster, opts), notes))
 }
 
 /// Pins as (device index, first unit, end unit), validated.
@@ -492,12 +489,42 @@ fn resolve_pins(p: &Problem<'_>) -> Result<Vec<(usize, u32, u32)>, PlanError> {
 /// The fastest placement of `model` on `cluster` that fits, with its predictions and
 /// the reasons for it.
 pub fn plan(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<Plan, PlanError> {
+    plan_with(model, cluster, opts, &Search::Dp)
+}
+
+/// [`plan`] by the exhaustive search (every ordered chain, each filled greedily): the
+/// oracle the tests hold the scalable search to. Its cost grows factorially with the
+/// devices: for tests on small clusters only.
+#[doc(hidden)]
+pub fn plan_exhaustive(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<Plan, PlanError> {
+    plan_with(model, cluster, opts, &Search::Exhaustive(Default::default()))
+}
+
+fn plan_with(model: &ModelProfile, cluster: &Cluster, opts: &Options, search: &Search) -> Result<Plan, PlanError> {
     let (p, mut notes) = problem(model, cluster, opts)?;
     let pins = resolve_pins(&p)?;
-    let cands = p.candidates(&pins);
-    let Some(best) = best_of(&cands) else {
-        return Err(no_fit(&p, &pins));
+    let all = Constraint::all(p.devices.len());
+    let Some(mut best) = search.best(&p, &pins, &all) else {
+        return Err(no_fit(&p, &pins, search));
     };
+    // "The best placement with d" for each device left out. Past the hosts whose
+    // every order is searched, the search is a heuristic and the one with d may find
+    // a better placement than the first pass: then that one is the plan.
+    let with: Vec<Option<Candidate>> = loop {
+        let with: Vec<Option<Candidate>> = (0..p.devices.len())
+            .map(|d| {
+                if best.chain.contains(&d) {
+                    return None;
+                }
+                search.best(&p, &pins, &Constraint { required: Some(d), ..Constraint::all(p.devices.len()) })
+            })
+            .collect();
+        match with.iter().flatten().find(|w| better(w, &best)) {
+            Some(w) => best = w.clone(),
+            None => break with,
+        }
+    };
+    let best = &best;
     let mut plan = p.to_plan(best);
     let mut why = Vec::new();
     let best_devices: Vec<&str> = best.chain.iter().map(|&d| p.devices[d].id.as_str()).collect();
@@ -517,7 +544,6 @@ pub fn plan(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<P
                 ));
                 continue;
             }
-            let without = best_of(cands.iter().filter(|c| !c.chain.contains(&d)));
             let units = (best.bounds[i + 1] - best.bounds[i]).div_ceil(p.model.period);
             let full = units >= p.capacity(d, i == 0, i + 1 == best.chain.len());
             if full && !is_slowest(&p, &best.chain, d) && pins.is_empty() {
@@ -527,7 +553,13 @@ pub fn plan(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<P
                     best.bounds[i + 1] - best.bounds[i]
                 ));
             }
-            if without.is_none() && pins.is_empty() {
+            // Asked only when it can be said (no pins): a search per device.
+            let needed = pins.is_empty() && {
+                let mut without = Constraint::all(p.devices.len());
+                without.allowed[d] = false;
+                !search.fits(&p, &without)
+            };
+            if needed {
                 let n = best.bounds[i + 1] - best.bounds[i];
                 why.push(format!(
                     "{} is needed for memory: without it the model does not fit; it holds {n} layer(s){}.",
@@ -537,12 +569,12 @@ pub fn plan(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<P
             }
         }
     }
-    for d in 0..p.devices.len() {
+    for (d, with_d) in with.iter().enumerate() {
         if best.chain.contains(&d) {
             continue;
         }
         let id = &p.devices[d].id;
-        match best_of(cands.iter().filter(|c| c.chain.contains(&d))) {
+        match with_d {
             Some(w) => {
                 let cap = p.capacity(d, false, false);
                 why.push(format!(
@@ -580,8 +612,8 @@ pub fn plan(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<P
         let mut replicas: Vec<Replica> = hosts
             .iter()
             .filter_map(|h| {
-                let own = cands.iter().filter(|c| c.chain.iter().all(|&d| p.devices[d].host == *h));
-                best_of(own).map(|c| Replica {
+                let own = Constraint { allowed: p.devices.iter().map(|d| d.host == *h).collect(), required: None };
+                search.best(&p, &pins, &own).map(|c| Replica {
                     host: h.to_string(),
                     stages: p.stages(&c.chain, &c.bounds),
                     predicted_tok_s: 1000.0 / c.decode_ms,
@@ -624,10 +656,10 @@ fn is_slowest(p: &Problem<'_>, chain: &[usize], d: usize) -> bool {
 
 /// The error when nothing fits: how much memory is missing, from filling every device
 /// (in a chain of all of them) as full as it goes.
-fn no_fit(p: &Problem<'_>, pins: &[(usize, u32, u32)]) -> PlanError {
+fn no_fit(p: &Problem<'_>, pins: &[(usize, u32, u32)], search: &Search) -> PlanError {
     if !pins.is_empty() {
         // Would it fit without the pins?
-        if !p.candidates(&[]).is_empty() {
+        if search.best(p, &[], &Constraint::all(p.devices.len())).is_some() {
             let list: Vec<String> = p.opts.pins.iter().map(|x| format!("{} on {}", x.layers, x.device)).collect();
             return PlanError::Pin(format!(
                 "no placement honours the pins ({}): a pinned device lacks the memory, or the rest does not fit around them",
@@ -635,26 +667,27 @@ fn no_fit(p: &Problem<'_>, pins: &[(usize, u32, u32)]) -> PlanError {
             ));
         }
     }
+    // Sizes come from profiles: every sum and product saturates (an absurd profile
+    // reports u64::MAX missing rather than overflowing).
     let k = p.devices.len();
-    let mut held = 0u32;
-    for d in 0..k {
-        held += p.capacity(d, d == 0, d + 1 == k);
-    }
+    let held = (0..k).fold(0u32, |a, d| a.saturating_add(p.capacity(d, d == 0, d + 1 == k)));
     let missing_units = p.units.saturating_sub(held).max(1);
-    let unit_bytes = p.model.layer_bytes.iter().max().copied().unwrap_or(0) * u64::from(p.model.period)
-        + u64::from(p.opts.sizing.context)
-            * u64::from(p.opts.sizing.sessions)
-            * p.model.kv_bytes_per_token_per_layer
-            * u64::from(p.model.period);
-    let usable: u64 = (0..k).map(|d| p.usable(d)).sum();
+    let period = u64::from(p.model.period);
+    let unit_bytes = p.model.layer_bytes.iter().max().copied().unwrap_or(0).saturating_mul(period).saturating_add(
+        u64::from(p.opts.sizing.context)
+            .saturating_mul(u64::from(p.opts.sizing.sessions))
+            .saturating_mul(p.model.kv_bytes_per_token_per_layer)
+            .saturating_mul(period),
+    );
+    let usable = (0..k).fold(0u64, |a, d| a.saturating_add(p.usable(d)));
     PlanError::DoesNotFit {
-        missing_bytes: u64::from(missing_units) * unit_bytes,
+        missing_bytes: u64::from(missing_units).saturating_mul(unit_bytes),
         detail: format!(
             "{} device(s) with {} usable after a reserve of {} each hold about {} of {} layers",
             k,
             gib(usable),
             gib(p.opts.reserve_bytes),
-            (held * p.model.period).min(p.model.layers),
+            p.unit_range(0, held).end,
             p.model.layers
         ),
     }
@@ -712,10 +745,7 @@ pub fn predict(model: &ModelProfile, cluster: &Cluster, stages: &[Pin], opts: &O
     if chain.is_empty() || *bounds.last().unwrap_or(&0) != p.model.layers {
         return Err(PlanError::Placement(format!("the stages must end at the last layer ({})", p.model.layers)));
     }
-    let (decode_ms, _) = p.decode_ms(&chain, &bounds);
-    let mut hosts: Vec<&str> = chain.iter().map(|&d| p.devices[d].host.as_str()).collect();
-    hosts.dedup();
-    let c = Candidate { chain, bounds, decode_ms, hosts: hosts.len() };
+    let c = p.candidate(chain, bounds);
     let mut plan = p.to_plan(&c);
     for (s, &d) in plan.stages.iter().zip(&c.chain) {
         if s.memory_bytes > p.usable(d) {
@@ -734,8 +764,9 @@ pub fn predict(model: &ModelProfile, cluster: &Cluster, stages: &[Pin], opts: &O
     Ok(plan)
 }
 
-/// Every placement the planner considers, with its predicted decode ms per token;
-/// for tests that check the chosen plan against all of them.
+/// Every placement the exhaustive search considers (every ordered chain that fits,
+/// filled greedily), with its predicted decode ms per token; for tests that check
+/// the chosen plan against all of them. Factorial in the devices: small clusters only.
 #[doc(hidden)]
 pub fn considered(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Result<Vec<(Vec<Pin>, f64)>, PlanError> {
     let (p, _) = problem(model, cluster, opts)?;
@@ -755,4 +786,104 @@ pub fn considered(model: &ModelProfile, cluster: &Cluster, opts: &Options) -> Re
             (stages, c.decode_ms)
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::Link;
+
+    fn device(id: &str, host: &str, memory_bytes: u64, ms: f64) -> Device {
+        Device {
+            id: id.into(),
+            host: host.into(),
+            memory_bytes,
+            ms_per_layer: ms,
+            prefill_ms_per_layer_token: Some(ms),
+            head_ms: ms,
+            wake_ms: ms,
+            keepalive: false,
+            estimated: false,
+        }
+    }
+
+    /// Sizes at the edge of their types (what a profile or GGUF can claim) go through
+    /// every function without overflowing: capacities, the error's missing bytes,
+    /// unit ranges past u32, both searches, predictions.
+    #[test]
+    fn absurd_profiles_do_not_overflow() {
+        let huge = ModelProfile {
+            layers: 4096,
+            layer_bytes: vec![u64::MAX; 4096],
+            embed_bytes: u64::MAX,
+            head_bytes: u64::MAX,
+            tied_embeddings: false,
+            other_bytes: u64::MAX,
+            n_embd: u32::MAX,
+            n_vocab: u32::MAX,
+            n_ff: u32::MAX,
+            period: 1,
+            kv_bytes_per_token_per_layer: u64::MAX,
+        };
+        let cluster = Cluster {
+            devices: vec![
+                device("a/0", "a", u64::MAX, f64::MAX),
+                device("a/1", "a", u64::MAX, 0.0),
+                device("b/0", "b", u64::MAX, f64::MAX),
+            ],
+            links: vec![Link {
+                hosts: ["a".into(), "b".into()],
+                ms_per_frame: f64::MAX,
+                mbit_per_s: Some(f64::MIN_POSITIVE),
+            }],
+        };
+        let opts = Options {
+            sizing: Sizing { context: u32::MAX, sessions: u32::MAX, chunk: u32::MAX },
+            // With no reserve a u64::MAX device would "hold" a saturated u64::MAX.
+            reserve_bytes: 1,
+            prompt_tokens: u32::MAX,
+            ..Options::default()
+        };
+        for search in [plan, plan_exhaustive] {
+            match search(&huge, &cluster, &opts) {
+                Err(PlanError::DoesNotFit { missing_bytes, .. }) => assert_eq!(missing_bytes, u64::MAX),
+                other => panic!("an absurd model fits nowhere: {other:?}"),
+            }
+        }
+        // A period past the layers (one unit), and one whose multiples pass u32::MAX.
+        for period in [u32::MAX, u32::MAX / 3 + 1] {
+            let small = ModelProfile {
+                layers: 4096,
+                layer_bytes: vec![1; 4096],
+                period,
+                kv_bytes_per_token_per_layer: 1,
+                n_embd: 1,
+                n_vocab: 1,
+                n_ff: 1,
+                embed_bytes: 1,
+                head_bytes: 1,
+                other_bytes: 0,
+                ..huge.clone()
+            };
+            let opts = Options { sizing: Sizing { context: 1, sessions: 1, chunk: 1 }, ..opts.clone() };
+            for search in [plan, plan_exhaustive] {
+                let p = search(&small, &cluster, &opts).expect("one unit fits anywhere");
+                assert_eq!((p.stages.len(), p.stages[0].last), (1, 4096));
+            }
+        }
+        // Fits, with infinite times: predicted, not panicking.
+        let fits = ModelProfile { layer_bytes: vec![1; 4096], kv_bytes_per_token_per_layer: 1, ..huge.clone() };
+        let stages = parse_stages("0-2048:a/0,2048-4096:b/0").unwrap();
+        let p = predict(
+            &fits,
+            &cluster,
+            &stages,
+            &Options { sizing: Sizing { context: 1, sessions: 1, chunk: 1 }, ..opts },
+        )
+        .unwrap();
+        assert_eq!(p.stages.len(), 2);
+        // Pins at the end of the range.
+        let pinned = Options { pins: parse_stages("4095-4096:b/0").unwrap(), ..Options::default() };
+        assert!(matches!(plan(&huge, &cluster, &pinned), Err(PlanError::DoesNotFit { .. } | PlanError::Pin(_))));
+    }
 }
