@@ -298,7 +298,7 @@ fn check_magic(file: &mut File, path: &Path) -> Result<(), CatalogError> {
 
 /// Nanoseconds since the Unix epoch of the file's modification time; 0 when the
 /// platform has none or it lies before 1970 (then any touch still changes it).
-pub(crate) fn mtime_ns(meta: &Metadata) -> u64 {
+pub fn mtime_ns(meta: &Metadata) -> u64 {
     meta.modified()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())

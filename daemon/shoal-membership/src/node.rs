@@ -353,6 +353,58 @@ impl SharedEndpoint {
     }
 }
 
+/// What the other services of the node process see of membership.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct View {
+    /// The cluster state as adopted here (`None`: unpaired). A follower adopts the
+    /// leader's snapshot before a majority has stored it; the next one supersedes it.
+    pub state: Option<Arc<ClusterState>>,
+    /// Where each member's main endpoint was last reached (proven by a handshake).
+    pub addrs: BTreeMap<NodeId, SocketAddr>,
+    /// The leader this node knows of.
+    pub leader: Option<NodeId>,
+    /// The members that look alive from here (this node included).
+    pub alive: BTreeSet<NodeId>,
+}
+
+/// The node process's in-process way into membership: ask what the CLI can ask, and
+/// watch the [`View`].
+#[derive(Clone)]
+pub struct Handle {
+    tx: mpsc::Sender<Input>,
+    view: watch::Receiver<View>,
+}
+
+/// The actor's end of a [`Handle`], given to [`run_shared`].
+pub struct Inbox {
+    tx: mpsc::Sender<Input>,
+    rx: mpsc::Receiver<Input>,
+    view: watch::Sender<View>,
+}
+
+impl Handle {
+    /// A handle and the inbox the node (once running) serves it from.
+    pub fn new() -> (Handle, Inbox) {
+        let (tx, rx) = mpsc::channel(1024);
+        let (view_tx, view) = watch::channel(View::default());
+        (Handle { tx: tx.clone(), view }, Inbox { tx, rx, view: view_tx })
+    }
+
+    /// Ask as the node's owner (anything the CLI may ask).
+    pub async fn ask(&self, req: AdminRequest) -> AdminResponse {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Input::Admin(req, reply)).await.is_err() {
+            return AdminResponse::Error("the node is stopping".into());
+        }
+        rx.await.unwrap_or(AdminResponse::Error("the node is stopping".into()))
+    }
+
+    /// Membership as it changes.
+    pub fn view(&self) -> watch::Receiver<View> {
+        self.view.clone()
+    }
+}
+
 /// Run a cluster node until `shutdown` completes, on a main endpoint of its own.
 pub async fn run(
     cfg: NodeConfig,
@@ -362,7 +414,8 @@ pub async fn run(
 ) -> Result<(), NodeError> {
     let shared = SharedEndpoint::bind(cfg.listen, identity.clone(), &cfg.transport)?;
     let main = shared.node.clone();
-    let r = run_shared(cfg, identity, inventory, shared, shutdown).await;
+    let (_handle, inbox) = Handle::new();
+    let r = run_shared(cfg, identity, inventory, shared, inbox, shutdown).await;
     main.close();
     r
 }
@@ -374,6 +427,7 @@ pub async fn run_shared(
     identity: Arc<Identity>,
     inventory: watch::Receiver<NodeInventory>,
     shared: SharedEndpoint,
+    inbox: Inbox,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), NodeError> {
     let store: Arc<dyn Store> = Arc::new(SledStore::open(&cfg.data_dir)?);
@@ -389,7 +443,7 @@ pub async fn run_shared(
     let hard: HardState = store.get_json(Space::Election, "hard")?.unwrap_or_default();
     let advert = Advert::new(me, state.as_ref().map(|s| s.cluster), cfg.role, main_addr.port(), join_addr.port(), &inv);
     let (discovery, found) = Discovery::start(advert, &cfg.interfaces)?;
-    let (tx, rx) = mpsc::channel(1024);
+    let Inbox { tx, rx, view } = inbox;
     let public = Arc::new(Mutex::new(PublicInfo {
         node: me,
         cluster: None,
@@ -439,6 +493,7 @@ pub async fn run_shared(
         leave_now: false,
         probing: false,
         tx: tx.clone(),
+        view,
         main_addr,
         cfg,
     };
@@ -542,6 +597,8 @@ struct Actor {
     /// A link probe runs (one at a time: probes at once would time each other).
     probing: bool,
     /// Clone for tasks that report back.
+    /// What the node process's other services see (see [`View`]); sent when it changes.
+    view: watch::Sender<View>,
     tx: mpsc::Sender<Input>,
     main_addr: SocketAddr,
     cfg: NodeConfig,
@@ -570,7 +627,39 @@ impl Actor {
                     self.advertise();
                 }
             }
+            self.publish();
         }
+    }
+
+    /// Tell the other services of the process if what they see changed.
+    fn publish(&self) {
+        let core = self.core.as_ref();
+        let members: Vec<NodeId> = core.map(|c| c.state().members.keys().copied().collect()).unwrap_or_default();
+        let addrs = lock(&self.addrs);
+        let next = View {
+            state: None,
+            addrs: members.iter().filter_map(|m| Some((*m, *addrs.get(m)?))).collect(),
+            leader: core.and_then(|c| c.leader()),
+            alive: members
+                .iter()
+                .filter(|m| core.and_then(|c| c.liveness(m)) == Some(crate::core::Liveness::Alive))
+                .copied()
+                .collect(),
+        };
+        drop(addrs);
+        self.view.send_if_modified(|v| {
+            let version = core.map(|c| c.state().version);
+            let same_state = match (&v.state, core) {
+                (Some(s), Some(c)) => s.cluster == c.state().cluster && Some(s.version) == version,
+                (None, None) => true,
+                _ => false,
+            };
+            if same_state && v.addrs == next.addrs && v.leader == next.leader && v.alive == next.alive {
+                return false;
+            }
+            *v = View { state: if same_state { v.state.clone() } else { core.map(|c| Arc::new(c.state().clone())) }, ..next };
+            true
+        });
     }
 
     fn now(&self) -> u64 {
@@ -1007,6 +1096,13 @@ impl Actor {
                     return Ok(());
                 }
                 self.propose(Change::Put { key: key.clone(), value }, Waiter::Put { key, reply })?;
+            }
+            AdminRequest::Delete { key } => {
+                if self.core.is_none() {
+                    let _ = reply.send(AdminResponse::Error("this node is not in a cluster".into()));
+                    return Ok(());
+                }
+                self.propose(Change::Delete { key: key.clone() }, Waiter::Put { key, reply })?;
             }
             AdminRequest::Entries { prefix } => {
                 let entries = self
@@ -1567,7 +1663,7 @@ impl Actor {
             }
             (Waiter::Paired { node }, Ok(_)) => tracing::info!(%node, "paired node approved"),
             (Waiter::Put { key, reply }, Ok(version)) => {
-                let _ = reply.send(AdminResponse::Ok(format!("{key} stored in the cluster state {version}")));
+                let _ = reply.send(AdminResponse::Ok(format!("{key}: committed in the cluster state {version}")));
             }
             (Waiter::Approve { reply, .. } | Waiter::Remove { reply, .. } | Waiter::Put { reply, .. }, Err(e)) => {
                 let _ = reply.send(AdminResponse::Error(e.to_string()));

@@ -240,6 +240,11 @@ pub enum AdminRequest {
         /// Its value.
         value: serde_json::Value,
     },
+    /// Delete a named entry of the cluster state (absent: nothing to do).
+    Delete {
+        /// Entry name.
+        key: String,
+    },
     /// The entries of the cluster state whose names start with `prefix`.
     Entries {
         /// Name prefix ("" for all).

@@ -32,8 +32,11 @@ pub mod alpn {
     pub const ADMIN: &[u8] = b"shoal/admin/1";
     /// Link probes between members (frame latency and bandwidth for the planner).
     pub const PROBE: &[u8] = b"shoal/probe/1";
+    /// The node process's own requests (models, placements) from its owner's CLI and,
+    /// for reading, from members.
+    pub const NODE: &[u8] = b"shoal/node/1";
     /// Everything a node's main endpoint accepts (approved keys only).
-    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL, MEMBERSHIP, ADMIN, PROBE];
+    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL, MEMBERSHIP, ADMIN, PROBE, NODE];
     /// Joining: the only protocol of the open join endpoint, which accepts any key.
     pub const JOIN: &[u8] = b"shoal/join/1";
 }

@@ -131,7 +131,7 @@ pub struct NodeArg {
 pub struct DirArg {
     /// The node's data directory [default: ~/.local/share/shoal].
     #[arg(long)]
-    data_dir: Option<PathBuf>,
+    pub(crate) data_dir: Option<PathBuf>,
 }
 
 /// `shoal join`.
@@ -205,7 +205,7 @@ pub fn serve(dir: Option<PathBuf>, listen: Option<SocketAddr>, impair: Impairmen
                 return;
             }
         });
-        node::run(cfg, identity, rx, crate::pipeline::shutdown_signal()).await
+        shoal_node::run(cfg, identity, rx, crate::pipeline::shutdown_signal()).await
     })?;
     Ok(())
 }

@@ -6,6 +6,7 @@ mod calibrate;
 mod cluster;
 mod inventory;
 mod lab;
+mod models;
 mod pipeline;
 mod plan;
 mod run;
@@ -37,6 +38,9 @@ enum Command {
     /// Approve, remove or pair nodes of this node's cluster.
     #[command(subcommand)]
     Nodes(cluster::NodesCommand),
+    /// The cluster's model catalog: add (a path, URL or hf://), ls, rm, import.
+    #[command(subcommand)]
+    Models(models::ModelsCommand),
     /// Join a cluster: with a pairing code or a join token from one of its members, or
     /// (`--accept CLUSTER`) by taking an approval from that cluster.
     Join(cluster::JoinArgs),
@@ -78,6 +82,7 @@ fn main() -> std::process::ExitCode {
         Command::Key(a) => pipeline::key(a),
         Command::Status(a) => pipeline::status(a),
         Command::Nodes(c) => cluster::nodes(c),
+        Command::Models(c) => models::models(c),
         Command::Join(a) => cluster::join(a),
         Command::Leave(a) => cluster::leave(a),
         Command::Reset(a) => cluster::reset(a),

@@ -1,0 +1,225 @@
+//! The node protocol (ALPN `shoal/node/1`): what the owner's CLI (holding the node's own
+//! key) asks the node process, and what members may read. One request per stream, as
+//! length-prefixed JSON (the membership wire format); errors are typed so that a client
+//! (the CLI now, the HTTP API later) can act on them.
+
+use serde::{Deserialize, Serialize};
+use shoal_membership::wire::{read_msg, write_msg};
+use shoal_net::{alpn, Identity, Node, NodeId, TransportOptions, TrustedKeys};
+use shoal_types::CatalogEntry;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A request to the node process.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeRequest {
+    /// Add the GGUF at `path` (on the node's machine) to the cluster's catalog, used in
+    /// place. Adding a file another node already added makes this node a holder too.
+    ModelAdd {
+        /// Absolute path on the node.
+        path: String,
+        /// The catalog name (default: the file's name).
+        name: Option<String>,
+    },
+    /// The catalog, with the state of this node's copies.
+    ModelList,
+    /// Remove a model from the catalog (by name, or a prefix of its content hash).
+    ModelRemove {
+        /// Name or hash prefix.
+        model: String,
+    },
+    /// The models found in another program's store on this node's machine.
+    ModelScan {
+        /// Which store.
+        from: StoreKind,
+    },
+    /// Add models found in another program's store (all of them when `names` is empty).
+    ModelImport {
+        /// Which store.
+        from: StoreKind,
+        /// Names as [`NodeRequest::ModelScan`] lists them.
+        names: Vec<String>,
+    },
+}
+
+impl NodeRequest {
+    /// Whether a member other than the owner may ask this (reading only).
+    pub fn member_may(&self) -> bool {
+        matches!(self, NodeRequest::ModelList)
+    }
+
+    /// How long a client waits for the answer: hashing a 40 GB file takes minutes.
+    pub fn patience(&self) -> Duration {
+        match self {
+            NodeRequest::ModelAdd { .. } | NodeRequest::ModelImport { .. } => Duration::from_secs(3600),
+            _ => Duration::from_secs(30),
+        }
+    }
+}
+
+/// Another program's model store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// Ollama (`~/.ollama/models`, or the Linux service's).
+    Ollama,
+    /// LM Studio (`~/.lmstudio/models`).
+    Lmstudio,
+    /// The Hugging Face hub cache (`~/.cache/huggingface/hub`).
+    Hf,
+}
+
+/// The node's answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeResponse {
+    /// The entry as it now stands in the catalog.
+    Added(CatalogEntry),
+    /// The catalog.
+    Models(Vec<ModelRow>),
+    /// The entry removed.
+    Removed(CatalogEntry),
+    /// What a store holds.
+    Found {
+        /// Models that can be added: (name, path).
+        found: Vec<(String, String)>,
+        /// Files passed over: (path, why).
+        skipped: Vec<(String, String)>,
+    },
+    /// What an import did.
+    Imported {
+        /// Entries added (or joined as a holder).
+        added: Vec<CatalogEntry>,
+        /// Models refused: (name, why).
+        refused: Vec<(String, String)>,
+    },
+    /// The request failed.
+    Error(ApiError),
+}
+
+/// One catalog entry as a node lists it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelRow {
+    /// The entry.
+    pub entry: CatalogEntry,
+    /// This node's copy, if it holds one.
+    pub here: Option<CopyState>,
+}
+
+/// How this node's copy of a model looks (a quick size and time check; the full hash
+/// check runs before the file is used).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CopyState {
+    /// Same size and time as when added.
+    Unchanged,
+    /// Another size or time: it will be re-hashed, and refused if its bytes changed.
+    Changed,
+    /// The file is gone or unreadable.
+    Missing,
+}
+
+/// A failed request: what kind of failure (for a status code), and what to tell people.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    /// The kind.
+    pub kind: ErrorKind,
+    /// For people.
+    pub message: String,
+}
+
+/// Kinds of failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The request is malformed or names nothing sensible.
+    BadRequest,
+    /// Only the node's owner may ask that.
+    Forbidden,
+    /// No such model.
+    NotFound,
+    /// It clashes with what exists (a name taken by another model).
+    Conflict,
+    /// The file is not one Shoal can serve (not GGUF, truncated, unsupported).
+    Refused,
+    /// The cluster cannot do it now (no leader, not a member yet).
+    Unavailable,
+}
+
+impl ApiError {
+    /// An error of `kind` saying `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> ApiError {
+        ApiError { kind, message: message.into() }
+    }
+}
+
+/// Why a client request failed before an answer came.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The node's address file is missing or unreadable.
+    #[error("{path}: {source} (is `shoal serve` running with this data directory?)")]
+    NoNode {
+        /// The address file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The node did not answer.
+    #[error("the node at {addr} does not answer: {why}")]
+    Down {
+        /// Where it was asked.
+        addr: SocketAddr,
+        /// Why.
+        why: String,
+    },
+}
+
+/// Ask the node whose data directory is `data_dir` (on this machine), as its owner.
+pub async fn request(data_dir: &Path, identity: Arc<Identity>, req: &NodeRequest) -> Result<NodeResponse, ClientError> {
+    let path = data_dir.join(shoal_membership::node::ENDPOINT_FILE);
+    let no_node = |source| ClientError::NoNode { path: path.display().to_string(), source };
+    let text = std::fs::read_to_string(&path).map_err(no_node)?;
+    let mut addr: SocketAddr = text
+        .trim()
+        .parse()
+        .map_err(|_| no_node(std::io::Error::new(std::io::ErrorKind::InvalidData, "not an address")))?;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(if addr.is_ipv4() { IpAddr::from([127, 0, 0, 1]) } else { IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]) });
+    }
+    let me = identity.id();
+    request_at(addr, me, identity, req).await
+}
+
+/// Ask node `node` at `addr`, holding `identity` (its own key: anything; a member's: what
+/// [`NodeRequest::member_may`] allows).
+pub async fn request_at(
+    addr: SocketAddr,
+    node: NodeId,
+    identity: Arc<Identity>,
+    req: &NodeRequest,
+) -> Result<NodeResponse, ClientError> {
+    let down = |why: String| ClientError::Down { addr, why };
+    let any: SocketAddr = if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
+    let client = Node::bind(any, identity, TrustedKeys::new([node]), &TransportOptions::default())
+        .map_err(|e| down(e.to_string()))?;
+    let conn = tokio::time::timeout(Duration::from_secs(5), client.connect(addr, node, alpn::NODE))
+        .await
+        .map_err(|_| down("no answer within 5 s".into()))?
+        .map_err(|e| down(e.to_string()))?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| down(e.to_string()))?;
+    write_msg(&mut send, req).await.map_err(|e| down(e.to_string()))?;
+    let _ = send.finish();
+    let patience = req.patience();
+    let answer = tokio::time::timeout(patience, read_msg::<NodeResponse>(&mut recv))
+        .await
+        .map_err(|_| down(format!("no answer within {} s", patience.as_secs())))?
+        .map_err(|e| down(e.to_string()))?
+        .ok_or_else(|| down("the node closed the stream without answering".into()))?;
+    conn.close(0u32.into(), b"done");
+    client.close();
+    Ok(answer)
+}

@@ -1,0 +1,205 @@
+//! The model catalog as the node serves it: `models add/ls/rm/import` on typed
+//! [`CatalogEntry`] values kept in the cluster state under `catalog/<content hash>`.
+//! Files are described and hashed on a blocking thread (minutes for a 40 GB model);
+//! entries change only through the leader (a `Put` or `Delete` that a majority stores).
+
+use crate::api::{ApiError, CopyState, ErrorKind, ModelRow, NodeResponse, StoreKind};
+use shoal_catalog::{CatalogError, Described};
+use shoal_membership::node::{Handle, View};
+use shoal_membership::wire::{AdminRequest, AdminResponse};
+use shoal_net::NodeId;
+use shoal_types::{CatalogEntry, Holder};
+use std::path::{Path, PathBuf};
+
+/// The catalog entries of `view`'s state that parse (a malformed one, which no Shoal
+/// wrote, is skipped with a warning rather than failing every listing).
+pub fn entries(view: &View) -> Vec<CatalogEntry> {
+    let Some(state) = &view.state else { return Vec::new() };
+    state
+        .entries
+        .range(CatalogEntry::KEY_PREFIX.to_string()..)
+        .take_while(|(k, _)| k.starts_with(CatalogEntry::KEY_PREFIX))
+        .filter_map(|(k, v)| match serde_json::from_value::<CatalogEntry>(v.clone()) {
+            Ok(e) if e.key() == *k && e.validate().is_ok() => Some(e),
+            Ok(_) | Err(_) => {
+                tracing::warn!(key = %k, "a catalog entry that does not parse; skipped");
+                None
+            }
+        })
+        .collect()
+}
+
+/// The entry named `model` (its name, or a unique prefix of at least 8 hex digits of
+/// its content hash).
+pub fn find<'a>(entries: &'a [CatalogEntry], model: &str) -> Result<&'a CatalogEntry, ApiError> {
+    if let Some(e) = entries.iter().find(|e| e.name == model) {
+        return Ok(e);
+    }
+    let by_hash: Vec<&CatalogEntry> = if model.len() >= 8 && model.chars().all(|c| c.is_ascii_hexdigit()) {
+        entries.iter().filter(|e| e.content_hash.starts_with(&model.to_ascii_lowercase())).collect()
+    } else {
+        Vec::new()
+    };
+    match by_hash.as_slice() {
+        [one] => Ok(one),
+        [] => Err(ApiError::new(ErrorKind::NotFound, format!("no model {model:?} in the catalog (see `shoal models ls`)"))),
+        _ => Err(ApiError::new(ErrorKind::BadRequest, format!("{model:?} names several models; give more of the hash"))),
+    }
+}
+
+/// Describe and hash `path` on a blocking thread.
+async fn describe(path: PathBuf) -> Result<Described, ApiError> {
+    tokio::task::spawn_blocking(move || shoal_catalog::describe(&path))
+        .await
+        .map_err(|e| ApiError::new(ErrorKind::Unavailable, format!("describing the file failed: {e}")))?
+        .map_err(refused)
+}
+
+fn refused(e: CatalogError) -> ApiError {
+    let kind = match e {
+        CatalogError::Unreadable { .. } | CatalogError::NonUtf8Path { .. } => ErrorKind::BadRequest,
+        _ => ErrorKind::Refused,
+    };
+    ApiError::new(kind, e.to_string())
+}
+
+/// Add the file at `path` as `name` (default: the file's name), with `me` as a holder.
+pub async fn add(me: NodeId, membership: &Handle, path: &str, name: Option<String>) -> Result<CatalogEntry, ApiError> {
+    let path = Path::new(path);
+    if !path.is_absolute() {
+        return Err(ApiError::new(ErrorKind::BadRequest, format!("{}: give the node an absolute path", path.display())));
+    }
+    let described = describe(path.to_owned()).await?;
+    add_described(me, membership, described, name).await
+}
+
+/// Put `described` in the catalog as `name`: a new entry, or this node joining the
+/// holders of the entry with the same content.
+async fn add_described(
+    me: NodeId,
+    membership: &Handle,
+    described: Described,
+    name: Option<String>,
+) -> Result<CatalogEntry, ApiError> {
+    let view = membership.view().borrow().clone();
+    if view.state.is_none() {
+        return Err(ApiError::new(ErrorKind::Unavailable, "this node is not in a cluster yet"));
+    }
+    let all = entries(&view);
+    let Described { entry: mut fresh, holder } = described;
+    if let Some(name) = name {
+        fresh.name = name;
+    }
+    let mut entry = match all.iter().find(|e| e.content_hash == fresh.content_hash) {
+        // The same bytes are one entry, under the name they were first added with.
+        Some(existing) => existing.clone(),
+        None => {
+            if let Some(other) = all.iter().find(|e| e.name == fresh.name) {
+                return Err(ApiError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "the name {:?} is taken by another model ({}…); choose another with --name",
+                        fresh.name,
+                        &other.content_hash[..12]
+                    ),
+                ));
+            }
+            fresh
+        }
+    };
+    entry.holders.insert(me, holder);
+    entry.validate().map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+    let value = serde_json::to_value(&entry).map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+    commit(membership, AdminRequest::Put { key: entry.key(), value }).await?;
+    Ok(entry)
+}
+
+/// Remove `model` from the catalog.
+pub async fn remove(membership: &Handle, model: &str) -> Result<CatalogEntry, ApiError> {
+    let all = entries(&membership.view().borrow());
+    let entry = find(&all, model)?.clone();
+    commit(membership, AdminRequest::Delete { key: entry.key() }).await?;
+    Ok(entry)
+}
+
+/// The catalog, with a quick look at this node's copies.
+pub fn list(me: NodeId, view: &View) -> Vec<ModelRow> {
+    let mut rows: Vec<ModelRow> = entries(view)
+        .into_iter()
+        .map(|entry| {
+            let here = entry.holders.get(&me).map(copy_state);
+            ModelRow { entry, here }
+        })
+        .collect();
+    rows.sort_by(|a, b| a.entry.name.cmp(&b.entry.name));
+    rows
+}
+
+/// Size and time against the record; no hashing (listing must stay quick).
+fn copy_state(holder: &Holder) -> CopyState {
+    match std::fs::metadata(&holder.path) {
+        Ok(m) if m.len() == holder.size && shoal_catalog::mtime_ns(&m) == holder.mtime_ns => CopyState::Unchanged,
+        Ok(_) => CopyState::Changed,
+        Err(_) => CopyState::Missing,
+    }
+}
+
+/// What `from` holds on this machine.
+pub async fn scan(from: StoreKind) -> NodeResponse {
+    let scan = tokio::task::spawn_blocking(move || scan_store(from)).await.unwrap_or_default();
+    NodeResponse::Found {
+        found: scan.found.iter().map(|c| (c.name.clone(), c.path.display().to_string())).collect(),
+        skipped: scan.skipped.iter().map(|s| (s.path.display().to_string(), s.reason.to_string())).collect(),
+    }
+}
+
+fn scan_store(from: StoreKind) -> shoal_catalog::Scan {
+    let roots: Vec<PathBuf> = match from {
+        StoreKind::Ollama => shoal_catalog::ollama_roots(),
+        StoreKind::Lmstudio => shoal_catalog::lmstudio_roots(),
+        StoreKind::Hf => shoal_catalog::hf_cache_root().into_iter().collect(),
+    };
+    let mut all = shoal_catalog::Scan::default();
+    for root in roots {
+        let s = match from {
+            StoreKind::Ollama => shoal_catalog::scan_ollama(&root),
+            StoreKind::Lmstudio => shoal_catalog::scan_lmstudio(&root),
+            StoreKind::Hf => shoal_catalog::scan_hf_cache(&root),
+        };
+        all.found.extend(s.found);
+        all.skipped.extend(s.skipped);
+    }
+    all
+}
+
+/// Add the models of `from` named in `names` (all when empty), each under its scan name.
+pub async fn import(me: NodeId, membership: &Handle, from: StoreKind, names: &[String]) -> NodeResponse {
+    let scan = tokio::task::spawn_blocking(move || scan_store(from)).await.unwrap_or_default();
+    let mut added = Vec::new();
+    let mut refused = Vec::new();
+    for name in names {
+        if !scan.found.iter().any(|c| &c.name == name) {
+            refused.push((name.clone(), format!("not found in the {from:?} store (see `shoal models import --from`)")));
+        }
+    }
+    for c in scan.found.iter().filter(|c| names.is_empty() || names.contains(&c.name)) {
+        let result = match describe(c.path.clone()).await {
+            Ok(d) => add_described(me, membership, d, Some(c.name.clone())).await,
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(e) => added.push(e),
+            Err(e) => refused.push((c.name.clone(), e.message)),
+        }
+    }
+    NodeResponse::Imported { added, refused }
+}
+
+/// Ask membership for a change and wait until it is committed.
+async fn commit(membership: &Handle, req: AdminRequest) -> Result<(), ApiError> {
+    match membership.ask(req).await {
+        AdminResponse::Ok(_) => Ok(()),
+        AdminResponse::Error(e) => Err(ApiError::new(ErrorKind::Unavailable, e)),
+        other => Err(ApiError::new(ErrorKind::Unavailable, format!("unexpected answer from membership: {other:?}"))),
+    }
+}
