@@ -24,7 +24,7 @@ use std::time::Duration;
 pub mod alpn {
     /// Pipeline frames between stages.
     pub const PIPELINE: &[u8] = b"shoal/pipeline/1";
-    /// Control: status, placement, (later) shard transfer.
+    /// Control: status, placement.
     pub const CONTROL: &[u8] = b"shoal/control/1";
     /// Membership between approved members: beats, election, cluster state.
     pub const MEMBERSHIP: &[u8] = b"shoal/membership/1";
@@ -32,8 +32,11 @@ pub mod alpn {
     pub const ADMIN: &[u8] = b"shoal/admin/1";
     /// Link probes between members (frame latency and bandwidth for the planner).
     pub const PROBE: &[u8] = b"shoal/probe/1";
+    /// Shard transfer between members (`shoal-transfer`): a stage node fetches the
+    /// shard of its layers from a member that holds it or its source model.
+    pub const SHARD: &[u8] = b"shoal/shard/1";
     /// Everything a node's main endpoint accepts (approved keys only).
-    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL, MEMBERSHIP, ADMIN, PROBE];
+    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL, MEMBERSHIP, ADMIN, PROBE, SHARD];
     /// Joining: the only protocol of the open join endpoint, which accepts any key.
     pub const JOIN: &[u8] = b"shoal/join/1";
 }
