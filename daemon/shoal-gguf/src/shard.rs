@@ -4,6 +4,14 @@
 //! atomically renamed, then described by a manifest carrying its BLAKE3 hash; the cache
 //! uses a shard only after re-checking that hash, so a torn or corrupted file is
 //! rebuilt, never loaded.
+//!
+//! The manifest also carries one BLAKE3 hash per [`CHUNK_BYTES`] chunk, computed while
+//! the shard is written (never later, from a file that may since have rotted), so that
+//! a node receiving a shard from another can check each chunk as it arrives and resume
+//! at the first one it does not hold. Chunks of zeros (the holes of a middle stage)
+//! are flagged rather than hashed: they cost nothing to send or store. Shards fetched
+//! from other nodes live in a part of the cache keyed by the source's content hash
+//! ([`SourceHash`]), since the two nodes' paths to the model mean nothing to each other.
 
 use crate::file::{align, write_header, Gguf, TensorInfo};
 use crate::model::ModelMeta;
@@ -39,6 +47,98 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> ShardError + '_ {
     move |source| ShardError::Io { path: path.to_owned(), source }
 }
 
+/// The unit of transfer and verification of a shard: 1 MiB keeps the manifest of a
+/// 40 GB shard near 3 MB and the data re-sent after a cut small.
+pub const CHUNK_BYTES: u64 = 1 << 20;
+
+/// The content hash of a source model: BLAKE3 of the whole GGUF file. Together with a
+/// layer range and [`SHARD_FORMAT`] it names a shard across nodes (paths do not).
+/// Written as 64 hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub struct SourceHash(pub [u8; 32]);
+
+impl SourceHash {
+    /// Hash the whole file at `path` (streamed; the catalog keeps the result).
+    pub fn of_file(path: &Path) -> Result<SourceHash, ShardError> {
+        let file = File::open(path).map_err(io_err(path))?;
+        let mut h = blake3::Hasher::new();
+        h.update_reader(file).map_err(io_err(path))?;
+        Ok(SourceHash(*h.finalize().as_bytes()))
+    }
+
+    /// The hex form (64 digits).
+    pub fn to_hex(&self) -> String {
+        blake3::Hash::from_bytes(self.0).to_hex().to_string()
+    }
+}
+
+impl std::fmt::Display for SourceHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl std::fmt::Debug for SourceHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SourceHash({})", &self.to_hex()[..16])
+    }
+}
+
+impl std::str::FromStr for SourceHash {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        blake3::Hash::from_hex(s).map(|h| SourceHash(*h.as_bytes())).map_err(|_| format!("{s:?} is not a BLAKE3 hash"))
+    }
+}
+
+impl From<SourceHash> for String {
+    fn from(h: SourceHash) -> String {
+        h.to_hex()
+    }
+}
+
+impl TryFrom<String> for SourceHash {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+/// One chunk of a shard as its manifest records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum Chunk {
+    /// All zeros: sent as a marker, kept as a hole of a sparse file.
+    Hole,
+    /// BLAKE3 of the chunk's bytes.
+    Data(blake3::Hash),
+}
+
+impl From<Chunk> for String {
+    fn from(c: Chunk) -> String {
+        match c {
+            Chunk::Hole => "hole".to_string(),
+            Chunk::Data(h) => h.to_hex().to_string(),
+        }
+    }
+}
+
+impl TryFrom<String> for Chunk {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        if s == "hole" {
+            return Ok(Chunk::Hole);
+        }
+        blake3::Hash::from_hex(&s)
+            .map(Chunk::Data)
+            .map_err(|_| format!("chunk {s:?} is neither \"hole\" nor a BLAKE3 hash"))
+    }
+}
+
 /// Written next to a shard (`<shard>.json`) once the shard is complete and synced.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Manifest {
@@ -50,6 +150,65 @@ pub struct Manifest {
     pub bytes: u64,
     /// BLAKE3 of the whole file, hex.
     pub blake3: String,
+    /// The content hash of the source it was cut from, where the builder knew it
+    /// (shards built from a path alone do not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<SourceHash>,
+    /// Bytes per chunk ([`CHUNK_BYTES`]); 0 in manifests written before chunks existed.
+    #[serde(default)]
+    pub chunk_bytes: u64,
+    /// One entry per chunk, in file order; the last chunk may be short.
+    #[serde(default)]
+    pub chunks: Vec<Chunk>,
+}
+
+/// The most chunks a manifest may list: a 256 GiB shard at [`CHUNK_BYTES`]. Bounds
+/// what a manifest from another node can make us allocate.
+pub const MAX_CHUNKS: u64 = 1 << 18;
+
+impl Manifest {
+    /// The byte range `(offset, len)` of chunk `i`, if it exists.
+    pub fn chunk_span(&self, i: usize) -> Option<(u64, u64)> {
+        let offset = (i as u64).checked_mul(self.chunk_bytes)?;
+        if i >= self.chunks.len() || offset >= self.bytes {
+            return None;
+        }
+        Some((offset, self.chunk_bytes.min(self.bytes - offset)))
+    }
+
+    /// Bytes of the chunks that are not holes: what a transfer of the whole shard sends.
+    pub fn data_bytes(&self) -> u64 {
+        (0..self.chunks.len())
+            .filter(|&i| self.chunks[i] != Chunk::Hole)
+            .filter_map(|i| self.chunk_span(i))
+            .map(|(_, len)| len)
+            .sum()
+    }
+
+    /// Is it internally consistent, with chunk hashes (a manifest from another node, or
+    /// an old one without chunks, may not be)? `Err` says what is wrong.
+    pub fn check(&self) -> Result<(), String> {
+        if self.format != SHARD_FORMAT {
+            return Err(format!("shard format {} (this build writes {SHARD_FORMAT})", self.format));
+        }
+        if self.layers.is_empty() {
+            return Err(format!("empty layer range {}", self.layers));
+        }
+        if blake3::Hash::from_hex(&self.blake3).is_err() {
+            return Err("its file hash is not a BLAKE3 hash".into());
+        }
+        if self.chunk_bytes != CHUNK_BYTES {
+            return Err(format!("chunks of {} bytes (expected {CHUNK_BYTES})", self.chunk_bytes));
+        }
+        let n = self.bytes.div_ceil(self.chunk_bytes);
+        if n > MAX_CHUNKS {
+            return Err(format!("{} bytes is more than a shard may hold", self.bytes));
+        }
+        if self.chunks.len() as u64 != n {
+            return Err(format!("{} chunk entries for {} bytes (expected {n})", self.chunks.len(), self.bytes));
+        }
+        Ok(())
+    }
 }
 
 /// Which non-layer tensors a stage reads, and so which must hold real bytes; the
@@ -68,6 +227,18 @@ fn needs_tensor(name: &str, meta: &ModelMeta, range: LayerRange) -> bool {
 /// Write the shard for `range` of the source `src` (already parsed) to `dest`,
 /// atomically. Returns its manifest (also written to `<dest>.json`).
 pub fn write_shard(src: &Gguf, meta: &ModelMeta, range: LayerRange, dest: &Path) -> Result<Manifest, ShardError> {
+    write_shard_of(src, meta, range, dest, None)
+}
+
+/// [`write_shard`], recording `source` (the content hash of the file `src` was read
+/// from, which the caller vouches for) in the manifest.
+pub fn write_shard_of(
+    src: &Gguf,
+    meta: &ModelMeta,
+    range: LayerRange,
+    dest: &Path,
+    source: Option<SourceHash>,
+) -> Result<Manifest, ShardError> {
     let bad_range = |why: String| ShardError::BadRange { path: src.path.clone(), range, why };
     if range.is_empty() || range.end > meta.n_layer {
         return Err(bad_range(format!("the model has layers 0..{}", meta.n_layer)));
@@ -127,7 +298,9 @@ pub fn write_shard(src: &Gguf, meta: &ModelMeta, range: LayerRange, dest: &Path)
     let result = (|| {
         let file = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp).map_err(io_err(&tmp))?;
         let mut hasher = blake3::Hasher::new();
-        let mut out = HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: &mut hasher };
+        let mut chunks = Chunker::default();
+        let mut out =
+            HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: &mut hasher, chunks: &mut chunks };
         let header_len = write_header(&mut out, &metadata, &tensors, src.alignment).map_err(io_err(&tmp))?;
         let mut input = File::open(&src.path).map_err(io_err(&src.path))?;
         let mut buf = vec![0u8; 1 << 20];
@@ -159,6 +332,9 @@ pub fn write_shard(src: &Gguf, meta: &ModelMeta, range: LayerRange, dest: &Path)
             layers: range,
             bytes: total,
             blake3: hasher.finalize().to_hex().to_string(),
+            source,
+            chunk_bytes: CHUNK_BYTES,
+            chunks: chunks.finish(),
         })
     })();
     let manifest = match result {
@@ -251,9 +427,7 @@ impl ShardCache {
             return Ok(ShardFile { path: source.to_owned(), layers: range, built: false });
         }
         // Validate the range against the architecture before touching the disk.
-        let points: Vec<u32> = [range.start, range.end].into_iter().filter(|&p| p != 0 && p != meta.n_layer).collect();
-        split_ranges(meta.n_layer, &points, meta.layer_period(), meta.arch.name())
-            .map_err(|e| ShardError::BadRange { path: source.to_owned(), range, why: e.to_string() })?;
+        check_range(source, meta, range)?;
         let path = self.shard_path(source, range)?;
         if let Some(manifest) = read_manifest(&path) {
             if manifest.format == SHARD_FORMAT && manifest.layers == range && verify(&path, &manifest)? {
@@ -264,6 +438,88 @@ impl ShardCache {
         write_shard(src, meta, range, &path)?;
         Ok(ShardFile { path, layers: range, built: true })
     }
+}
+
+/// Shards keyed by content: what nodes exchange.
+impl ShardCache {
+    /// Where the shard of `range` of the source whose content hash is `source` lives
+    /// (whether or not it exists yet): `<dir>/blake3-<source>/layers-<a>-<b>.f<format>.gguf`.
+    pub fn content_path(&self, source: &SourceHash, range: LayerRange) -> PathBuf {
+        self.dir
+            .join(format!("blake3-{}", source.to_hex()))
+            .join(format!("layers-{}-{}.f{SHARD_FORMAT}.gguf", range.start, range.end))
+    }
+
+    /// The manifest of the content-keyed shard of `range` of `source` if one is there,
+    /// consistent, with chunk hashes, for this source and range, and the file has its
+    /// size. The file's hash is *not* checked (a whole read): a server streams the file
+    /// and its receiver checks every chunk; a local user calls [`ShardCache::cached`].
+    pub fn content_manifest(&self, source: &SourceHash, range: LayerRange) -> Option<Manifest> {
+        let path = self.content_path(source, range);
+        let m = read_manifest(&path)?;
+        let len = fs::metadata(&path).ok()?.len();
+        (m.check().is_ok() && m.layers == range && m.source == Some(*source) && len == m.bytes).then_some(m)
+    }
+
+    /// The content-keyed shard of `range` of `source`, if it is cached and its whole
+    /// file matches its manifest.
+    pub fn cached(&self, source: &SourceHash, range: LayerRange) -> Result<Option<(ShardFile, Manifest)>, ShardError> {
+        let Some(m) = self.content_manifest(source, range) else { return Ok(None) };
+        let path = self.content_path(source, range);
+        if !verify(&path, &m)? {
+            tracing::warn!(path = %path.display(), "cached shard failed verification");
+            return Ok(None);
+        }
+        Ok(Some((ShardFile { path, layers: range, built: false }, m)))
+    }
+
+    /// The content-keyed shard of `range` of the model at `model`, whose content hash
+    /// the caller vouches is `source`: reused when cached and verified, built otherwise.
+    /// Blocking (reads the source; runs for seconds on a large model).
+    pub fn build_for(
+        &self,
+        source: &SourceHash,
+        model: &Path,
+        range: LayerRange,
+    ) -> Result<(ShardFile, Manifest), ShardError> {
+        if let Some(hit) = self.cached(source, range)? {
+            return Ok(hit);
+        }
+        let (g, meta) = crate::open_model(model)?;
+        check_range(model, &meta, range)?;
+        let path = self.content_path(source, range);
+        let m = write_shard_of(&g, &meta, range, &path, Some(*source))?;
+        Ok((ShardFile { path, layers: range, built: true }, m))
+    }
+}
+
+/// Is `range` a part of the model that a shard can hold (inside it, on the period)?
+fn check_range(model: &Path, meta: &ModelMeta, range: LayerRange) -> Result<(), ShardError> {
+    if range == LayerRange::new(0, meta.n_layer) {
+        return Ok(());
+    }
+    let points: Vec<u32> = [range.start, range.end].into_iter().filter(|&p| p != 0 && p != meta.n_layer).collect();
+    split_ranges(meta.n_layer, &points, meta.layer_period(), meta.arch.name()).map_err(|e| ShardError::BadRange {
+        path: model.to_owned(),
+        range,
+        why: e.to_string(),
+    })?;
+    Ok(())
+}
+
+/// Make the complete, synced file `part` the shard at `dest` described by `manifest`,
+/// the way [`write_shard`] finishes one: any old manifest removed, the file renamed,
+/// then the manifest written (so a shard is never described before it is whole).
+/// The caller has checked the file against the manifest.
+pub fn install(part: &Path, dest: &Path, manifest: &Manifest) -> Result<(), ShardError> {
+    let dir = dest.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let _ = fs::remove_file(manifest_path(dest));
+    fs::rename(part, dest).map_err(io_err(dest))?;
+    let json = serde_json::to_vec_pretty(manifest).map_err(|e| io_err(dest)(io::Error::other(e)))?;
+    write_atomic(&manifest_path(dest), &json)?;
+    sync_dir(dir);
+    Ok(())
 }
 
 /// The manifest of the shard at `shard`, if it exists and parses.
@@ -299,11 +555,72 @@ fn sync_dir(dir: &Path) {
     }
 }
 
+/// Hashes a file's content chunk by chunk as it is written, flagging chunks of zeros.
+#[derive(Default)]
+struct Chunker {
+    current: blake3::Hasher,
+    /// Bytes of the current chunk so far.
+    filled: u64,
+    /// Every byte of the current chunk so far was zero.
+    zero: bool,
+    done: Vec<Chunk>,
+}
+
+impl Chunker {
+    fn update(&mut self, mut buf: &[u8]) {
+        while !buf.is_empty() {
+            if self.filled == 0 {
+                self.zero = true;
+            }
+            let k = (CHUNK_BYTES - self.filled).min(buf.len() as u64) as usize;
+            let (part, rest) = buf.split_at(k);
+            // `all` stops at the first non-zero byte: data chunks cost one compare.
+            self.zero = self.zero && part.iter().all(|&b| b == 0);
+            self.current.update(part);
+            self.filled += k as u64;
+            buf = rest;
+            if self.filled == CHUNK_BYTES {
+                self.close();
+            }
+        }
+    }
+
+    /// `n` zero bytes (a hole); whole chunks of them are recorded without hashing.
+    fn zeros(&mut self, mut n: u64) {
+        static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+        while n > 0 {
+            if self.filled == 0 && n >= CHUNK_BYTES {
+                self.done.push(Chunk::Hole);
+                n -= CHUNK_BYTES;
+                continue;
+            }
+            let k = n.min(ZEROS.len() as u64).min(CHUNK_BYTES - self.filled);
+            self.update(&ZEROS[..k as usize]);
+            n -= k;
+        }
+    }
+
+    fn close(&mut self) {
+        let chunk = if self.zero { Chunk::Hole } else { Chunk::Data(self.current.finalize()) };
+        self.done.push(chunk);
+        self.current.reset();
+        self.filled = 0;
+    }
+
+    fn finish(mut self) -> Vec<Chunk> {
+        if self.filled > 0 {
+            self.close();
+        }
+        self.done
+    }
+}
+
 /// Writes through to a file while hashing every byte of the file's final content,
-/// holes (zeros) included.
+/// holes (zeros) included, as a whole and per chunk.
 struct HashingWriter<'h> {
     inner: BufWriter<File>,
     hasher: &'h mut blake3::Hasher,
+    chunks: &'h mut Chunker,
 }
 
 impl HashingWriter<'_> {
@@ -330,6 +647,7 @@ impl HashingWriter<'_> {
             self.hasher.update(&zeros[..k]);
             left -= k as u64;
         }
+        self.chunks.zeros(n);
         Ok(())
     }
 
@@ -342,6 +660,7 @@ impl Write for HashingWriter<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = self.inner.write(buf)?;
         self.hasher.update(&buf[..n]);
+        self.chunks.update(&buf[..n]);
         Ok(n)
     }
 

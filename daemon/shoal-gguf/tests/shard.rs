@@ -172,3 +172,75 @@ fn middle_shard_of_a_real_model_is_sparse() {
     assert!(on_disk + meta.embd_bytes / 2 < md.len(), "shard of {} bytes uses {on_disk} on disk", md.len());
     assert_eq!(open_model(&dest).unwrap().1.n_layer, 10);
 }
+
+/// Every chunk the manifest lists matches the file: holes are zeros, data chunks hash
+/// to their entry; and the manifest describes itself consistently.
+fn assert_chunks_match(path: &std::path::Path, m: &shoal_gguf::Manifest) {
+    use shoal_gguf::Chunk;
+    m.check().unwrap();
+    let bytes = fs::read(path).unwrap();
+    assert_eq!(bytes.len() as u64, m.bytes);
+    for (i, c) in m.chunks.iter().enumerate() {
+        let (off, len) = m.chunk_span(i).unwrap();
+        let data = &bytes[off as usize..(off + len) as usize];
+        match c {
+            Chunk::Hole => assert!(data.iter().all(|&b| b == 0), "chunk {i} flagged as a hole holds data"),
+            Chunk::Data(h) => {
+                assert_eq!(blake3::hash(data), *h, "chunk {i} hash");
+                assert!(data.iter().any(|&b| b != 0), "chunk {i} is all zeros but not flagged as a hole");
+            }
+        }
+    }
+    assert!(m.chunk_span(m.chunks.len()).is_none());
+}
+
+#[test]
+fn manifest_records_chunk_hashes_and_holes_at_build_time() {
+    let src = real_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let (g, meta) = open_model(&src).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let hash = shoal_gguf::SourceHash::of_file(&src).unwrap();
+    let mid = dir.path().join("mid.gguf");
+    let m = shoal_gguf::shard::write_shard_of(&g, &meta, LayerRange::new(10, 20), &mid, Some(hash)).unwrap();
+    assert_eq!(m.source, Some(hash));
+    assert_eq!(read_manifest(&mid), Some(m.clone()));
+    assert_chunks_match(&mid, &m);
+    // The embedding hole spans whole chunks: they travel as markers.
+    assert!(m.data_bytes() + meta.embd_bytes / 2 < m.bytes, "data {} of {}", m.data_bytes(), m.bytes);
+
+    // A synthetic model smaller than one chunk: one data chunk, short.
+    let small = write(dir.path(), "m.gguf", &synthetic_model(6, false));
+    let (g, meta) = open_model(&small).unwrap();
+    let m = write_shard(&g, &meta, LayerRange::new(2, 4), &dir.path().join("s.gguf")).unwrap();
+    assert_eq!(m.chunks.len(), 1);
+    assert_chunks_match(&dir.path().join("s.gguf"), &m);
+}
+
+#[test]
+fn manifests_without_chunks_still_read_and_fail_the_check() {
+    let old = r#"{"format":1,"layers":{"start":2,"end":4},"bytes":10,"blake3":"00"}"#;
+    let m: shoal_gguf::Manifest = serde_json::from_str(old).unwrap();
+    assert!(m.chunks.is_empty() && m.source.is_none());
+    assert!(m.check().is_err());
+}
+
+#[test]
+fn content_keyed_cache_builds_once_and_reuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = write(dir.path(), "m.gguf", &synthetic_model(6, false));
+    let hash = shoal_gguf::SourceHash::of_file(&src).unwrap();
+    let cache = ShardCache::new(dir.path().join("cache"));
+    let r = LayerRange::new(2, 4);
+    assert!(cache.cached(&hash, r).unwrap().is_none());
+    let (a, m) = cache.build_for(&hash, &src, r).unwrap();
+    assert!(a.built);
+    assert_eq!(a.path, cache.content_path(&hash, r));
+    assert_eq!(cache.content_manifest(&hash, r), Some(m.clone()));
+    let (b, _) = cache.build_for(&hash, &src, r).unwrap();
+    assert!(!b.built);
+    // Another source hash does not match this shard.
+    assert!(cache.cached(&shoal_gguf::SourceHash([7; 32]), r).unwrap().is_none());
+    assert!(cache.build_for(&hash, &src, LayerRange::new(3, 9)).is_err());
+    // Hex round trip.
+    assert_eq!(hash.to_hex().parse::<shoal_gguf::SourceHash>().unwrap(), hash);
+}

@@ -24,7 +24,7 @@ use std::time::Duration;
 pub mod alpn {
     /// Pipeline frames between stages.
     pub const PIPELINE: &[u8] = b"shoal/pipeline/1";
-    /// Control: status, placement, (later) shard transfer.
+    /// Control: status, placement.
     pub const CONTROL: &[u8] = b"shoal/control/1";
     /// Membership between approved members: beats, election, cluster state.
     pub const MEMBERSHIP: &[u8] = b"shoal/membership/1";
@@ -35,8 +35,11 @@ pub mod alpn {
     /// The node process's own requests (models, placements) from its owner's CLI and,
     /// for reading, from members.
     pub const NODE: &[u8] = b"shoal/node/1";
+    /// Shard transfer between members (`shoal-transfer`): a stage node fetches the
+    /// shard of its layers from a member that holds it or its source model.
+    pub const SHARD: &[u8] = b"shoal/shard/1";
     /// Everything a node's main endpoint accepts (approved keys only).
-    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL, MEMBERSHIP, ADMIN, PROBE, NODE];
+    pub const ALL: &[&[u8]] = &[PIPELINE, CONTROL, MEMBERSHIP, ADMIN, PROBE, NODE, SHARD];
     /// Joining: the only protocol of the open join endpoint, which accepts any key.
     pub const JOIN: &[u8] = b"shoal/join/1";
 }
