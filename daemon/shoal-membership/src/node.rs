@@ -363,7 +363,7 @@ pub struct View {
     pub addrs: BTreeMap<NodeId, SocketAddr>,
     /// The leader this node knows of.
     pub leader: Option<NodeId>,
-    /// The members that look alive from here (this node included).
+    /// The members that are not down as seen from here (this node included).
     pub alive: BTreeSet<NodeId>,
 }
 
@@ -640,9 +640,11 @@ impl Actor {
             state: None,
             addrs: members.iter().filter_map(|m| Some((*m, *addrs.get(m)?))).collect(),
             leader: core.and_then(|c| c.leader()),
+            // Suspected members count: a few missed beats are not worth re-placing a
+            // model over; a member that stays silent goes down within seconds.
             alive: members
                 .iter()
-                .filter(|m| core.and_then(|c| c.liveness(m)) == Some(crate::core::Liveness::Alive))
+                .filter(|m| core.and_then(|c| c.liveness(m)) != Some(crate::core::Liveness::Down))
                 .copied()
                 .collect(),
         };

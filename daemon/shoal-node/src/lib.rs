@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod models;
+pub mod schedule;
 
 use api::{ApiError, ErrorKind, NodeRequest, NodeResponse};
 use shoal_membership::node::{self as membership, Handle, NodeConfig, SharedEndpoint};

@@ -9,6 +9,8 @@ pub mod catalog;
 pub use catalog::{CatalogEntry, Holder};
 mod inventory;
 pub use inventory::{BadClusterId, BadNodeId, ClusterId, DeviceInventory, NodeId, NodeInventory, Role};
+pub mod placement;
+pub use placement::{LoadSpec, ModelPlacement, Offer, PlacedStage};
 pub mod sampling;
 pub use sampling::{validate_generation, GenerationError, SamplingParams};
 

@@ -1,0 +1,381 @@
+//! The leader's scheduler: cluster state in, placement changes out. Pure (no I/O, no
+//! clock), so it is tested like the election core; the node runs it on the leader
+//! whenever membership or the loads change, and commits what it returns.
+//!
+//! Rules:
+//! - A model the owner asked to load (`load/<hash>`) gets a placement on live members
+//!   that hold enough memory (each member's offer), planned by `shoal-planner`.
+//! - A working placement is kept: a re-plan never interrupts a generation for speed. It
+//!   is replaced only when one of its nodes is down (or excluded, or gone), or the load
+//!   asks for another context.
+//! - One model per node: a node running a stage of one model is not planned for another.
+//! - A model that does not fit gets a placement without stages and an error saying why;
+//!   it is planned again as members come back.
+//! - A placement whose load was removed (`unload`) is deleted.
+
+use shoal_planner::{Cluster, Device, ModelProfile, Options, Sizing};
+use shoal_types::{CatalogEntry, LoadSpec, ModelPlacement, NodeId, PlacedStage};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Prefill chunk size C of placed models (DESIGN point 10: 128 loses ≤ 5% against 512).
+pub const CHUNK: u32 = 128;
+
+/// Memory bandwidth assumed for a member whose speed was not measured (DDR4 dual channel).
+const ASSUMED_GB_PER_S: f64 = 20.0;
+
+/// A member as the scheduler sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemberFacts {
+    /// Its key.
+    pub id: NodeId,
+    /// Its name (host names in plans and explanations).
+    pub name: String,
+    /// Whether it looks alive from the leader.
+    pub alive: bool,
+    /// Memory it offers to models, bytes.
+    pub offer_bytes: u64,
+}
+
+/// What the scheduler decides from.
+#[derive(Clone, Debug, Default)]
+pub struct Inputs {
+    /// What the owner asked to keep loaded.
+    pub loads: Vec<LoadSpec>,
+    /// The catalog, by content hash.
+    pub catalog: BTreeMap<String, CatalogEntry>,
+    /// Planner profiles of the catalog's models, by content hash.
+    pub profiles: BTreeMap<String, ModelProfile>,
+    /// The placements committed now, by content hash.
+    pub placements: BTreeMap<String, ModelPlacement>,
+    /// The members.
+    pub members: Vec<MemberFacts>,
+}
+
+/// A change to commit.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// Set `placement/<model>`.
+    Place(ModelPlacement),
+    /// Delete `placement/<model>` (the model was unloaded).
+    Remove(String),
+}
+
+/// The changes that bring the placements in line with the loads and the members.
+pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
+    let mut out = Vec::new();
+    let loads: BTreeMap<&str, &LoadSpec> = inputs.loads.iter().map(|l| (l.model.as_str(), l)).collect();
+    for model in inputs.placements.keys() {
+        if !loads.contains_key(model.as_str()) {
+            out.push(Decision::Remove(model.clone()));
+        }
+    }
+    let alive: BTreeSet<NodeId> = inputs.members.iter().filter(|m| m.alive).map(|m| m.id).collect();
+    // Nodes held by placements that stay: first every kept one, so that a model being
+    // re-placed cannot take a node another model keeps.
+    let mut busy: BTreeMap<NodeId, &str> = BTreeMap::new();
+    let mut keep = BTreeSet::new();
+    for (model, load) in &loads {
+        if let Some(p) = inputs.placements.get(*model) {
+            if still_good(inputs, p, load, &alive) {
+                keep.insert(*model);
+                for s in &p.stages {
+                    busy.insert(s.node, model);
+                }
+            }
+        }
+    }
+    for (model, load) in &loads {
+        if keep.contains(model) {
+            continue;
+        }
+        let previous = inputs.placements.get(*model);
+        let next = place(inputs, load, &alive, &busy, previous.map_or(0, |p| p.generation) + 1);
+        if let Some(p) = previous {
+            // An unchanged refusal is not committed again (nothing would change but
+            // the generation).
+            if p.stages.is_empty() && next.stages.is_empty() && p.error == next.error {
+                continue;
+            }
+        }
+        for s in &next.stages {
+            busy.insert(s.node, model);
+        }
+        out.push(Decision::Place(next));
+    }
+    out
+}
+
+/// Whether placement `p` still serves `load`: valid for the model, the same sizing,
+/// every stage on a live member that is not excluded.
+fn still_good(inputs: &Inputs, p: &ModelPlacement, load: &LoadSpec, alive: &BTreeSet<NodeId>) -> bool {
+    let Some(entry) = inputs.catalog.get(&load.model) else { return false };
+    p.is_valid(entry.n_layer)
+        && p.context == load.context
+        && p.sessions == load.sessions
+        && p.stages.iter().all(|s| alive.contains(&s.node) && !load.exclude.contains(&s.node))
+}
+
+/// A new placement of `load` (or one without stages, saying why not).
+fn place(
+    inputs: &Inputs,
+    load: &LoadSpec,
+    alive: &BTreeSet<NodeId>,
+    busy: &BTreeMap<NodeId, &str>,
+    generation: u64,
+) -> ModelPlacement {
+    let mut placement = ModelPlacement {
+        model: load.model.clone(),
+        generation,
+        context: load.context,
+        sessions: load.sessions,
+        chunk: CHUNK.min(load.context.max(1)),
+        stages: Vec::new(),
+        predicted_tok_s: 0.0,
+        explanation: Vec::new(),
+        error: None,
+    };
+    let fail = |mut p: ModelPlacement, why: String| {
+        p.error = Some(why);
+        p
+    };
+    let (Some(entry), Some(profile)) = (inputs.catalog.get(&load.model), inputs.profiles.get(&load.model)) else {
+        return fail(placement, "the model is not in the catalog (or its description is missing)".into());
+    };
+    if !entry.holders.keys().any(|h| alive.contains(h)) {
+        return fail(placement, format!("no live member holds {} (its holders are down)", entry.name));
+    }
+    let candidates: Vec<&MemberFacts> = inputs
+        .members
+        .iter()
+        .filter(|m| m.alive && !load.exclude.contains(&m.id) && !busy.contains_key(&m.id))
+        .collect();
+    if candidates.is_empty() {
+        return fail(placement, "no live member is free to run it (excluded, or running another model)".into());
+    }
+    let hosts = host_names(&candidates);
+    let devices = candidates.iter().zip(&hosts).map(|(m, host)| estimated_cpu(host.clone(), m.offer_bytes, profile)).collect();
+    let cluster = Cluster { devices, links: Vec::new() };
+    let opts = Options {
+        sizing: Sizing { context: load.context, sessions: load.sessions, chunk: placement.chunk },
+        // The offer is what the node gives to models; its own reserve is outside it.
+        reserve_bytes: 0,
+        ..Options::default()
+    };
+    match shoal_planner::plan(profile, &cluster, &opts) {
+        Ok(plan) => {
+            for s in &plan.stages {
+                let Some(i) = hosts.iter().position(|h| *h == s.host) else {
+                    return fail(placement, format!("the planner named an unknown host {}", s.host));
+                };
+                placement.stages.push(PlacedStage {
+                    node: candidates[i].id,
+                    layers: shoal_types::LayerRange::new(s.first, s.last),
+                    memory_bytes: s.memory_bytes,
+                });
+            }
+            placement.predicted_tok_s = plan.predicted_tok_s;
+            placement.explanation = plan.explanation;
+            placement
+        }
+        Err(e) => fail(placement, e.to_string()),
+    }
+}
+
+/// Host names for the planner: member names, with an id prefix where two members
+/// share a name.
+fn host_names(members: &[&MemberFacts]) -> Vec<String> {
+    members
+        .iter()
+        .map(|m| {
+            if members.iter().filter(|o| o.name == m.name).count() > 1 {
+                format!("{}-{}", m.name, &m.id.to_string()[..6])
+            } else {
+                m.name.clone()
+            }
+        })
+        .collect()
+}
+
+/// A member's CPU as a planner device with `memory` bytes, its speed estimated from an
+/// assumed memory bandwidth (each token reads every weight once). Measured profiles
+/// replace the estimate once members calibrate (not yet wired here).
+fn estimated_cpu(host: String, memory: u64, model: &ModelProfile) -> Device {
+    let total: u64 = model.layer_bytes.iter().fold(0u64, |a, &b| a.saturating_add(b));
+    let avg_layer = total as f64 / f64::from(model.layers.max(1));
+    Device {
+        id: format!("{host}/cpu"),
+        host,
+        memory_bytes: memory,
+        ms_per_layer: avg_layer / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
+        prefill_ms_per_layer_token: None,
+        head_ms: model.head_bytes as f64 / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
+        wake_ms: 0.0,
+        keepalive: false,
+        estimated: true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_types::Holder;
+
+    const MB: u64 = 1 << 20;
+
+    fn id(n: u8) -> NodeId {
+        NodeId([n; 32])
+    }
+
+    fn hash(n: u8) -> String {
+        format!("{n:02x}").repeat(32)
+    }
+
+    /// A 30-layer model of 3 MiB per layer (about 100 MiB), held by node 1.
+    fn model(n: u8) -> (CatalogEntry, ModelProfile) {
+        let entry = CatalogEntry {
+            name: format!("m{n}"),
+            content_hash: hash(n),
+            size: 100 * MB,
+            arch: "llama".into(),
+            n_layer: 30,
+            context_length: 8192,
+            quantisation: "Q4_1".into(),
+            layer_period: 1,
+            holders: [(id(1), Holder { path: "/m.gguf".into(), size: 100 * MB, mtime_ns: 1 })].into(),
+        };
+        let profile = ModelProfile {
+            layers: 30,
+            layer_bytes: vec![3 * MB; 30],
+            embed_bytes: 8 * MB,
+            head_bytes: 8 * MB,
+            tied_embeddings: true,
+            other_bytes: 0,
+            n_embd: 576,
+            n_vocab: 49152,
+            n_ff: 1536,
+            period: 1,
+            kv_bytes_per_token_per_layer: 1024,
+        };
+        (entry, profile)
+    }
+
+    fn member(n: u8, offer: u64) -> MemberFacts {
+        MemberFacts { id: id(n), name: format!("n{n}"), alive: true, offer_bytes: offer }
+    }
+
+    fn inputs(offers: &[u64]) -> Inputs {
+        let (entry, profile) = model(1);
+        Inputs {
+            loads: vec![LoadSpec { model: hash(1), context: 256, sessions: 1, exclude: vec![] }],
+            catalog: [(hash(1), entry)].into(),
+            profiles: [(hash(1), profile)].into(),
+            placements: BTreeMap::new(),
+            members: offers.iter().enumerate().map(|(i, o)| member(i as u8 + 1, *o)).collect(),
+        }
+    }
+
+    /// Apply `decisions` to `inputs`' placements, as the commit would.
+    fn commit(inputs: &mut Inputs, decisions: Vec<Decision>) {
+        for d in decisions {
+            match d {
+                Decision::Place(p) => {
+                    inputs.placements.insert(p.model.clone(), p);
+                }
+                Decision::Remove(m) => {
+                    inputs.placements.remove(&m);
+                }
+            }
+        }
+    }
+
+    /// Schedule and commit once.
+    fn step(inputs: &mut Inputs) {
+        let d = schedule(inputs);
+        commit(inputs, d);
+    }
+
+    fn placed(inputs: &Inputs) -> &ModelPlacement {
+        &inputs.placements[&hash(1)]
+    }
+
+    #[test]
+    fn a_model_too_big_for_each_member_is_split_over_them_and_then_kept() {
+        // About 100 MiB of weights plus buffers; 60 MiB each: no one or two hold it.
+        let mut i = inputs(&[90 * MB, 90 * MB, 90 * MB]);
+        let d = schedule(&i);
+        assert_eq!(d.len(), 1);
+        commit(&mut i, d);
+        let p = placed(&i);
+        assert_eq!(p.error, None, "{:?}", p.explanation);
+        assert_eq!(p.stages.len(), 3, "{:?}", p.stages);
+        assert!(p.is_valid(30));
+        assert_eq!(p.generation, 1);
+        assert!(p.stages.iter().all(|s| s.memory_bytes <= 90 * MB));
+        // Nothing changed: nothing to do (no re-plan, no new generation).
+        assert!(schedule(&i).is_empty());
+    }
+
+    #[test]
+    fn a_down_stage_node_is_replaced_by_a_spare_and_a_newer_generation() {
+        let mut i = inputs(&[90 * MB, 90 * MB, 90 * MB, 90 * MB]);
+        step(&mut i);
+        let before = placed(&i).clone();
+        let victim = before.stages[before.stages.len() / 2].node;
+        i.members.iter_mut().find(|m| m.id == victim).unwrap().alive = false;
+        step(&mut i);
+        let after = placed(&i);
+        assert_eq!(after.generation, 2);
+        assert!(after.is_valid(30));
+        assert!(after.stages.iter().all(|s| s.node != victim), "{:?}", after.stages);
+        // A member coming back does not interrupt the working placement.
+        i.members.iter_mut().find(|m| m.id == victim).unwrap().alive = true;
+        assert!(schedule(&i).is_empty());
+    }
+
+    #[test]
+    fn a_model_that_no_longer_fits_says_why_and_comes_back_with_its_members() {
+        let mut i = inputs(&[90 * MB, 90 * MB, 90 * MB]);
+        step(&mut i);
+        i.members[2].alive = false;
+        step(&mut i);
+        let p = placed(&i).clone();
+        assert!(p.stages.is_empty());
+        assert!(p.error.as_deref().is_some_and(|e| e.contains("does not fit")), "{:?}", p.error);
+        // The same refusal is not committed again and again.
+        assert!(schedule(&i).is_empty());
+        i.members[2].alive = true;
+        step(&mut i);
+        assert_eq!(placed(&i).stages.len(), 3);
+        assert!(placed(&i).generation > p.generation);
+    }
+
+    #[test]
+    fn excluded_nodes_and_down_holders_are_respected() {
+        let mut i = inputs(&[200 * MB, 200 * MB]);
+        i.loads[0].exclude = vec![id(1)];
+        step(&mut i);
+        assert_eq!(placed(&i).stages.iter().map(|s| s.node).collect::<Vec<_>>(), vec![id(2)]);
+        // The only holder (node 1) down: no placement, and the reason.
+        i.members[0].alive = false;
+        i.loads[0].exclude.clear();
+        i.placements.clear();
+        step(&mut i);
+        assert!(placed(&i).error.as_deref().is_some_and(|e| e.contains("holds")), "{:?}", placed(&i).error);
+    }
+
+    #[test]
+    fn two_models_never_share_a_node_and_unloading_removes_the_placement() {
+        let mut i = inputs(&[200 * MB, 200 * MB]);
+        let (entry, profile) = model(2);
+        i.catalog.insert(hash(2), entry);
+        i.profiles.insert(hash(2), profile);
+        i.loads.push(LoadSpec { model: hash(2), context: 256, sessions: 1, exclude: vec![] });
+        step(&mut i);
+        let a: Vec<NodeId> = i.placements[&hash(1)].stages.iter().map(|s| s.node).collect();
+        let b: Vec<NodeId> = i.placements[&hash(2)].stages.iter().map(|s| s.node).collect();
+        assert_eq!((a.len(), b.len()), (1, 1));
+        assert_ne!(a, b);
+        i.loads.retain(|l| l.model != hash(2));
+        assert_eq!(schedule(&i), vec![Decision::Remove(hash(2))]);
+    }
+}
