@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 use shoal_membership::wire::{read_msg, write_msg};
 use shoal_net::{alpn, Identity, Node, NodeId, TransportOptions, TrustedKeys};
-use shoal_types::CatalogEntry;
+use shoal_types::{CatalogEntry, ModelPlacement};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
@@ -43,18 +43,52 @@ pub enum NodeRequest {
         /// Names as [`NodeRequest::ModelScan`] lists them.
         names: Vec<String>,
     },
+    /// Keep a model loaded: the leader places it and the chosen nodes run its stages.
+    ModelLoad {
+        /// Name or hash prefix.
+        model: String,
+        /// Positions per session.
+        context: u32,
+        /// Sessions held at once.
+        sessions: u32,
+        /// Node ids (or 8+ hex prefixes) the model must not use.
+        exclude: Vec<String>,
+    },
+    /// Stop running a model (every stage frees its memory).
+    ModelUnload {
+        /// Name or hash prefix.
+        model: String,
+    },
+    /// Where a model is (or would be) placed, with the planner's reasons.
+    ModelPlan {
+        /// Name or hash prefix.
+        model: String,
+    },
+    /// Run a generation on a loaded model, wherever its coordinator runs. The answer
+    /// is a stream: [`NodeResponse::Token`] for each token, then
+    /// [`NodeResponse::Generated`] (or an error).
+    Generate {
+        /// Name or hash prefix.
+        model: String,
+        /// The request as the coordinator takes it (the client tokenized the prompt).
+        request: shoal_pipeline::GenerateRequest,
+    },
+    /// The stages this node runs, and their state.
+    Stages,
 }
 
 impl NodeRequest {
     /// Whether a member other than the owner may ask this (reading only).
     pub fn member_may(&self) -> bool {
-        matches!(self, NodeRequest::ModelList)
+        matches!(self, NodeRequest::ModelList | NodeRequest::ModelPlan { .. } | NodeRequest::Stages)
     }
 
     /// How long a client waits for the answer: hashing a 40 GB file takes minutes.
     pub fn patience(&self) -> Duration {
         match self {
             NodeRequest::ModelAdd { .. } | NodeRequest::ModelImport { .. } => Duration::from_secs(3600),
+            // Between two tokens (a long prompt's prefill on slow machines included).
+            NodeRequest::Generate { .. } => Duration::from_secs(600),
             _ => Duration::from_secs(30),
         }
     }
@@ -96,8 +130,65 @@ pub enum NodeResponse {
         /// Models refused: (name, why).
         refused: Vec<(String, String)>,
     },
+    /// The placement of a model (committed, or what the planner would do now).
+    Placement {
+        /// The catalog entry.
+        entry: CatalogEntry,
+        /// The placement.
+        placement: ModelPlacement,
+        /// Whether it is committed (false: only a proposal, `models load` commits it).
+        committed: bool,
+    },
+    /// A load or unload was committed; the placement follows (see `models plan`).
+    Ok(String),
+    /// One generated token.
+    Token(shoal_types::TokenId),
+    /// The generation's end.
+    Generated(shoal_pipeline::Report),
+    /// The stages this node runs.
+    Stages(Vec<StageStatus>),
     /// The request failed.
     Error(ApiError),
+}
+
+/// One stage a node runs (or is preparing).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StageStatus {
+    /// The model's content hash.
+    pub model: String,
+    /// The placement generation it serves.
+    pub generation: u64,
+    /// Its layers.
+    pub layers: shoal_types::LayerRange,
+    /// Where it stands.
+    pub state: StageState,
+    /// How the shard came: from the cache, built from a local copy, or from a holder.
+    pub shard_origin: Option<String>,
+    /// Bytes of shard data received over the network.
+    pub shard_bytes_received: u64,
+    /// Memory the planner predicted for it, bytes.
+    pub predicted_bytes: u64,
+    /// Memory it holds once loaded (llama.cpp's buffers), bytes.
+    pub loaded_bytes: Option<u64>,
+}
+
+/// A stage's progress.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageState {
+    /// Getting its shard (chunks done of all).
+    Fetching {
+        /// Chunks received and verified.
+        done: u64,
+        /// Chunks in all.
+        of: u64,
+    },
+    /// Loading the shard into the engine.
+    Loading,
+    /// Serving.
+    Running,
+    /// It could not start.
+    Failed(String),
 }
 
 /// One catalog entry as a node lists it.
@@ -180,6 +271,49 @@ pub enum ClientError {
 
 /// Ask the node whose data directory is `data_dir` (on this machine), as its owner.
 pub async fn request(data_dir: &Path, identity: Arc<Identity>, req: &NodeRequest) -> Result<NodeResponse, ClientError> {
+    let addr = endpoint_of(data_dir)?;
+    let me = identity.id();
+    request_at(addr, me, identity, req).await
+}
+
+/// [`request`] for an answer that is a stream ([`NodeRequest::Generate`]): every
+/// message goes to `on_message` until a final one, which is returned.
+pub async fn request_stream(
+    data_dir: &Path,
+    identity: Arc<Identity>,
+    req: &NodeRequest,
+    on_message: &mut (dyn FnMut(&NodeResponse) + Send),
+) -> Result<NodeResponse, ClientError> {
+    let addr = endpoint_of(data_dir)?;
+    let node = identity.id();
+    let down = |why: String| ClientError::Down { addr, why };
+    let client = client_for(addr, node, identity).map_err(|e| down(e.to_string()))?;
+    let conn = tokio::time::timeout(Duration::from_secs(5), client.connect(addr, node, alpn::NODE))
+        .await
+        .map_err(|_| down("no answer within 5 s".into()))?
+        .map_err(|e| down(e.to_string()))?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| down(e.to_string()))?;
+    write_msg(&mut send, req).await.map_err(|e| down(e.to_string()))?;
+    let _ = send.finish();
+    let patience = req.patience();
+    loop {
+        let msg = tokio::time::timeout(patience, read_msg::<NodeResponse>(&mut recv))
+            .await
+            .map_err(|_| down(format!("nothing within {} s", patience.as_secs())))?
+            .map_err(|e| down(e.to_string()))?
+            .ok_or_else(|| down("the node closed the stream without a final answer".into()))?;
+        if matches!(msg, NodeResponse::Token(_)) {
+            on_message(&msg);
+            continue;
+        }
+        conn.close(0u32.into(), b"done");
+        client.close();
+        return Ok(msg);
+    }
+}
+
+/// The local node's address, from its data directory.
+fn endpoint_of(data_dir: &Path) -> Result<SocketAddr, ClientError> {
     let path = data_dir.join(shoal_membership::node::ENDPOINT_FILE);
     let no_node = |source| ClientError::NoNode { path: path.display().to_string(), source };
     let text = std::fs::read_to_string(&path).map_err(no_node)?;
@@ -190,8 +324,13 @@ pub async fn request(data_dir: &Path, identity: Arc<Identity>, req: &NodeRequest
     if addr.ip().is_unspecified() {
         addr.set_ip(if addr.is_ipv4() { IpAddr::from([127, 0, 0, 1]) } else { IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]) });
     }
-    let me = identity.id();
-    request_at(addr, me, identity, req).await
+    Ok(addr)
+}
+
+/// A client endpoint of `addr`'s family trusting only `node`.
+fn client_for(addr: SocketAddr, node: NodeId, identity: Arc<Identity>) -> Result<Node, shoal_net::NetError> {
+    let any: SocketAddr = if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
+    Node::bind(any, identity, TrustedKeys::new([node]), &TransportOptions::default())
 }
 
 /// Ask node `node` at `addr`, holding `identity` (its own key: anything; a member's: what
@@ -203,9 +342,7 @@ pub async fn request_at(
     req: &NodeRequest,
 ) -> Result<NodeResponse, ClientError> {
     let down = |why: String| ClientError::Down { addr, why };
-    let any: SocketAddr = if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
-    let client = Node::bind(any, identity, TrustedKeys::new([node]), &TransportOptions::default())
-        .map_err(|e| down(e.to_string()))?;
+    let client = client_for(addr, node, identity).map_err(|e| down(e.to_string()))?;
     let conn = tokio::time::timeout(Duration::from_secs(5), client.connect(addr, node, alpn::NODE))
         .await
         .map_err(|_| down("no answer within 5 s".into()))?

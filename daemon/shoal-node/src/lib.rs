@@ -10,12 +10,17 @@
 
 pub mod api;
 pub mod models;
+pub mod runtime;
 pub mod schedule;
 
 use api::{ApiError, ErrorKind, NodeRequest, NodeResponse};
 use shoal_membership::node::{self as membership, Handle, NodeConfig, SharedEndpoint};
 use shoal_membership::wire::{read_msg, write_msg};
+use runtime::{Engine, Runtime};
+use shoal_gguf::ShardCache;
 use shoal_net::{alpn, Identity, Incoming, NodeId, TrustedKeys};
+use std::path::PathBuf;
+use std::sync::Mutex;
 use shoal_types::NodeInventory;
 use std::future::Future;
 use std::sync::Arc;
@@ -29,21 +34,66 @@ pub enum NodeError {
     Membership(#[from] membership::NodeError),
 }
 
+/// What the node process runs besides membership.
+#[derive(Clone, Default)]
+pub struct Options {
+    /// The engine stages run on; `None`: this node runs no stages.
+    pub engine: Option<Arc<dyn Engine>>,
+    /// Memory offered to models (`--max-memory`); default: what is free at start less
+    /// a reserve for the system.
+    pub max_memory: Option<u64>,
+    /// Where shards are kept [default: `<data dir>/shards`].
+    pub shard_dir: Option<PathBuf>,
+}
+
+/// Memory left to the system when the offer is not given.
+pub const RESERVE_BYTES: u64 = 512 << 20;
+
 /// Run the node process until `shutdown` completes.
 pub async fn run(
     cfg: NodeConfig,
+    options: Options,
     identity: Arc<Identity>,
     inventory: watch::Receiver<NodeInventory>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), NodeError> {
     let shared = SharedEndpoint::bind(cfg.listen, identity.clone(), &cfg.transport)?;
     let (handle, inbox) = Handle::new();
-    let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, trusted: shared.trusted.clone() });
-    tokio::spawn(serve_api(shared.router.route(alpn::NODE), ctx));
+    let free = inventory.borrow().ram_available_bytes;
+    let rt = Arc::new(Runtime {
+        me: identity.id(),
+        node: shared.node.clone(),
+        router: shared.router.clone(),
+        membership: handle.clone(),
+        cache: ShardCache::new(options.shard_dir.clone().unwrap_or_else(|| cfg.data_dir.join("shards"))),
+        engine: options.engine.clone(),
+        offer_bytes: options.max_memory.unwrap_or(free.saturating_sub(RESERVE_BYTES)),
+        stage: Mutex::new(None),
+    });
+    let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, trusted: shared.trusted.clone(), rt: rt.clone() });
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(serve_api(shared.router.route(alpn::NODE), ctx));
+    tasks.spawn(serve_shards(shared.router.route(alpn::SHARD), rt.clone(), shared.trusted.clone()));
+    tasks.spawn(runtime::lead(rt.clone()));
+    tasks.spawn(runtime::offer(rt.clone()));
+    tasks.spawn(runtime::supervise(rt.clone()));
     let main = shared.node.clone();
     let r = membership::run_shared(cfg, identity, inventory, shared, inbox, shutdown).await;
+    // Stages stop with their tasks (and free their memory) before the endpoint closes.
+    tasks.shutdown().await;
     main.close();
     Ok(r?)
+}
+
+/// Serve shards to members that fetch them.
+async fn serve_shards(mut incoming: Incoming, rt: Arc<Runtime>, trusted: TrustedKeys) {
+    let sources = Arc::new(runtime::LiveSources::new(rt.clone()));
+    let server = shoal_transfer::Server::new(rt.cache.clone(), sources, shoal_transfer::ServerOptions::default());
+    while let Some(acc) = incoming.accept().await {
+        tokio::spawn(shoal_net::close_when_revoked(acc.conn.clone(), acc.peer, trusted.clone()));
+        let server = server.clone();
+        tokio::spawn(async move { server.serve(acc.conn).await });
+    }
 }
 
 /// What the node protocol's handlers need.
@@ -54,6 +104,8 @@ struct Ctx {
     membership: Handle,
     /// Members' keys (a removed member's connections close at once).
     trusted: TrustedKeys,
+    /// Placement, stages, generation.
+    rt: Arc<Runtime>,
 }
 
 /// Serve the node protocol: one request per stream.
@@ -73,6 +125,9 @@ async fn serve_api(mut incoming: Incoming, ctx: Arc<Ctx>) {
                             ErrorKind::Forbidden,
                             "only this node's owner may ask that",
                         )),
+                        Ok(Some(NodeRequest::Generate { model, request })) => {
+                            generate(&ctx, &model, request, &mut send).await
+                        }
                         Ok(Some(req)) => handle(&ctx, req).await,
                         Ok(None) => return,
                         Err(e) => NodeResponse::Error(ApiError::new(ErrorKind::BadRequest, format!("bad request: {e}"))),
@@ -92,6 +147,46 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
         NodeRequest::ModelRemove { model } => models::remove(&ctx.membership, &model).await.map(NodeResponse::Removed),
         NodeRequest::ModelScan { from } => Ok(models::scan(from).await),
         NodeRequest::ModelImport { from, names } => Ok(models::import(ctx.me, &ctx.membership, from, &names).await),
+        NodeRequest::ModelLoad { model, context, sessions, exclude } => {
+            runtime::load(&ctx.rt, &model, context, sessions, &exclude).await.map(NodeResponse::Ok)
+        }
+        NodeRequest::ModelUnload { model } => runtime::unload(&ctx.rt, &model).await.map(NodeResponse::Ok),
+        NodeRequest::ModelPlan { model } => runtime::plan_of(&ctx.rt, &model),
+        NodeRequest::Stages => Ok(NodeResponse::Stages(ctx.rt.stage.lock().map(|s| s.iter().cloned().collect()).unwrap_or_default())),
+        NodeRequest::Generate { .. } => Err(ApiError::new(ErrorKind::BadRequest, "a generation streams its answer")),
     };
     result.unwrap_or_else(NodeResponse::Error)
+}
+
+/// Forward a generation to the model's coordinator, streaming each token back; the
+/// returned message is the last one (the report, or the error).
+async fn generate(
+    ctx: &Ctx,
+    model: &str,
+    request: shoal_pipeline::GenerateRequest,
+    send: &mut quinn::SendStream,
+) -> NodeResponse {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let rt = ctx.rt.clone();
+    let model = model.to_string();
+    let run = tokio::spawn(async move {
+        // Tokens are few (one per step) and the stream drains them as they come: an
+        // unbounded channel cannot grow past the generation's length.
+        runtime::generate(&rt, &model, &request, |t| {
+            let _ = tx.send(t);
+        })
+        .await
+    });
+    while let Some(t) = rx.recv().await {
+        if write_msg(send, &NodeResponse::Token(t)).await.is_err() {
+            // The client went away: stop the generation (its session is freed).
+            run.abort();
+            return NodeResponse::Error(ApiError::new(ErrorKind::Unavailable, "the client went away"));
+        }
+    }
+    match run.await {
+        Ok(Ok(report)) => NodeResponse::Generated(report),
+        Ok(Err(e)) => NodeResponse::Error(e),
+        Err(e) => NodeResponse::Error(ApiError::new(ErrorKind::Unavailable, e.to_string())),
+    }
 }

@@ -8,6 +8,7 @@ use shoal_catalog::{CatalogError, Described};
 use shoal_membership::node::{Handle, View};
 use shoal_membership::wire::{AdminRequest, AdminResponse};
 use shoal_net::NodeId;
+use shoal_planner::ModelProfile;
 use shoal_types::{CatalogEntry, Holder};
 use std::path::{Path, PathBuf};
 
@@ -47,12 +48,17 @@ pub fn find<'a>(entries: &'a [CatalogEntry], model: &str) -> Result<&'a CatalogE
     }
 }
 
-/// Describe and hash `path` on a blocking thread.
-async fn describe(path: PathBuf) -> Result<Described, ApiError> {
-    tokio::task::spawn_blocking(move || shoal_catalog::describe(&path))
-        .await
-        .map_err(|e| ApiError::new(ErrorKind::Unavailable, format!("describing the file failed: {e}")))?
-        .map_err(refused)
+/// Describe and hash `path` on a blocking thread; with the planner's profile of it.
+async fn describe(path: PathBuf) -> Result<(Described, ModelProfile), ApiError> {
+    tokio::task::spawn_blocking(move || {
+        let described = shoal_catalog::describe(&path).map_err(refused)?;
+        // describe() validated the file: the header reads again.
+        let profile = crate::runtime::profile_of(&path)
+            .ok_or_else(|| ApiError::new(ErrorKind::Refused, format!("{}: no planner profile", path.display())))?;
+        Ok((described, profile))
+    })
+    .await
+    .map_err(|e| ApiError::new(ErrorKind::Unavailable, format!("describing the file failed: {e}")))?
 }
 
 fn refused(e: CatalogError) -> ApiError {
@@ -69,8 +75,8 @@ pub async fn add(me: NodeId, membership: &Handle, path: &str, name: Option<Strin
     if !path.is_absolute() {
         return Err(ApiError::new(ErrorKind::BadRequest, format!("{}: give the node an absolute path", path.display())));
     }
-    let described = describe(path.to_owned()).await?;
-    add_described(me, membership, described, name).await
+    let (described, profile) = describe(path.to_owned()).await?;
+    add_described(me, membership, described, profile, name).await
 }
 
 /// Put `described` in the catalog as `name`: a new entry, or this node joining the
@@ -79,6 +85,7 @@ async fn add_described(
     me: NodeId,
     membership: &Handle,
     described: Described,
+    profile: ModelProfile,
     name: Option<String>,
 ) -> Result<CatalogEntry, ApiError> {
     let view = membership.view().borrow().clone();
@@ -109,16 +116,29 @@ async fn add_described(
     };
     entry.holders.insert(me, holder);
     entry.validate().map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+    // The planner's profile first: a catalog entry is loadable once it exists.
+    let profile_key = format!("{}{}", crate::runtime::PROFILE_PREFIX, entry.content_hash);
+    if !view.state.as_ref().is_some_and(|s| s.entries.contains_key(&profile_key)) {
+        let value = serde_json::to_value(&profile).map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+        commit(membership, AdminRequest::Put { key: profile_key, value }).await?;
+    }
     let value = serde_json::to_value(&entry).map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
     commit(membership, AdminRequest::Put { key: entry.key(), value }).await?;
     Ok(entry)
 }
 
-/// Remove `model` from the catalog.
+/// Remove `model` from the catalog (refused while it is loaded).
 pub async fn remove(membership: &Handle, model: &str) -> Result<CatalogEntry, ApiError> {
-    let all = entries(&membership.view().borrow());
+    let view = membership.view().borrow().clone();
+    let all = entries(&view);
     let entry = find(&all, model)?.clone();
+    let load_key = format!("{}{}", shoal_types::LoadSpec::KEY_PREFIX, entry.content_hash);
+    if view.state.as_ref().is_some_and(|s| s.entries.contains_key(&load_key)) {
+        return Err(ApiError::new(ErrorKind::Conflict, format!("{} is loaded: `shoal models unload` it first", entry.name)));
+    }
     commit(membership, AdminRequest::Delete { key: entry.key() }).await?;
+    let profile_key = format!("{}{}", crate::runtime::PROFILE_PREFIX, entry.content_hash);
+    commit(membership, AdminRequest::Delete { key: profile_key }).await?;
     Ok(entry)
 }
 
@@ -184,7 +204,7 @@ pub async fn import(me: NodeId, membership: &Handle, from: StoreKind, names: &[S
     }
     for c in scan.found.iter().filter(|c| names.is_empty() || names.contains(&c.name)) {
         let result = match describe(c.path.clone()).await {
-            Ok(d) => add_described(me, membership, d, Some(c.name.clone())).await,
+            Ok((d, profile)) => add_described(me, membership, d, profile, Some(c.name.clone())).await,
             Err(e) => Err(e),
         };
         match result {

@@ -52,7 +52,7 @@ fn start(dir: &Path, name: &str, create: CreatePolicy) -> TestNode {
     let id = identity.id();
     let task = tokio::spawn(async move {
         let _keep = keep;
-        shoal_node::run(cfg, identity, rx, async {
+        shoal_node::run(cfg, Default::default(), identity, rx, async {
             let _ = stopped.await;
         })
         .await

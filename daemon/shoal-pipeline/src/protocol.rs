@@ -12,7 +12,7 @@ use shoal_types::{SamplingParams, TokenId};
 pub const MAX_REQUEST: usize = 1 << 20;
 
 /// Ask the coordinator for a generation.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GenerateRequest {
     /// Prompt token ids (the client tokenizes: every node holds the model's vocabulary).
     pub prompt: Vec<TokenId>,

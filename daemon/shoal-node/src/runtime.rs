@@ -1,0 +1,485 @@
+//! What makes the cluster run models by itself:
+//! - on the leader, a loop that runs the pure [`schedule`](crate::schedule) whenever
+//!   membership or the loads change, and commits its decisions;
+//! - on every node, a supervisor that reconciles the committed placements with the
+//!   stage it runs: it obtains the shard of its layers (from its cache, cut from its own
+//!   copy of the model, or fetched from a member that holds one), loads it through the
+//!   [`Engine`] the binary provides, and serves it on the shared endpoint;
+//! - the shard server other nodes fetch from, and the forwarding of generations to a
+//!   model's coordinator.
+
+use crate::api::{ApiError, ErrorKind, NodeResponse, StageState, StageStatus};
+use crate::models;
+use crate::schedule::{self, Decision, Inputs, MemberFacts};
+use shoal_gguf::{ShardCache, SourceHash};
+use shoal_membership::node::{Handle, View};
+use shoal_membership::wire::{AdminRequest, AdminResponse};
+use shoal_net::{Dtype, Node, NodeId, Router};
+use shoal_pipeline::{GenerateRequest, Placement, Report, RetryPolicy, SamplerFactory, ServiceConfig, StagePlace};
+use shoal_planner::ModelProfile;
+use shoal_types::{CatalogEntry, LayerRange, LoadSpec, ModelPlacement, Offer, Stage};
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Key prefix of the planner profiles of catalog models (`model-profile/<hash>`),
+/// written by the node that adds a model, so the leader plans without the file.
+pub const PROFILE_PREFIX: &str = "model-profile/";
+
+/// How a stage's context is sized (from the placement).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageSizing {
+    /// Positions per session.
+    pub context: u32,
+    /// Sessions held at once.
+    pub sessions: u32,
+    /// Prefill chunk size C.
+    pub chunk: u32,
+}
+
+/// The inference engine, provided by the binary (llama.cpp) or a test (a fake one):
+/// this crate never links llama.cpp.
+pub trait Engine: Send + Sync {
+    /// Load the stage of `layers` (of a model of `n_layer` blocks) from the shard at
+    /// `shard`. Blocking: called on a blocking thread.
+    fn load(&self, shard: &Path, layers: LayerRange, n_layer: u32, sizing: StageSizing) -> Result<Box<dyn Stage>, String>;
+    /// Samplers for the tail.
+    fn samplers(&self) -> SamplerFactory;
+}
+
+/// What the runtime's tasks share.
+pub struct Runtime {
+    /// This node.
+    pub me: NodeId,
+    /// The shared endpoint.
+    pub node: Arc<Node>,
+    /// Its router (stages take the pipeline and control protocols from it).
+    pub router: Router,
+    /// The way into membership.
+    pub membership: Handle,
+    /// Shards kept on this node.
+    pub cache: ShardCache,
+    /// The engine; `None`: this node runs no stages (it still places and forwards).
+    pub engine: Option<Arc<dyn Engine>>,
+    /// Memory this node offers to models.
+    pub offer_bytes: u64,
+    /// The stage this node runs, as `Stages` reports it.
+    pub stage: Mutex<Option<StageStatus>>,
+}
+
+impl Runtime {
+    fn view(&self) -> View {
+        self.membership.view().borrow().clone()
+    }
+
+    /// This node's own address as peers dial it (the endpoint's, with loopback for an
+    /// unspecified IP: peers learn the real one from the handshake).
+    fn own_addr(&self) -> Option<SocketAddr> {
+        let mut a = self.node.local_addr().ok()?;
+        if a.ip().is_unspecified() {
+            a.set_ip(if a.is_ipv4() { IpAddr::from([127, 0, 0, 1]) } else { IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]) });
+        }
+        Some(a)
+    }
+
+    fn addr_of(&self, view: &View, node: NodeId) -> Option<SocketAddr> {
+        if node == self.me {
+            self.own_addr()
+        } else {
+            view.addrs.get(&node).copied()
+        }
+    }
+}
+
+/// Typed entries of the state under `prefix` (malformed ones skipped).
+fn typed<T: serde::de::DeserializeOwned>(view: &View, prefix: &str) -> BTreeMap<String, T> {
+    let Some(state) = &view.state else { return BTreeMap::new() };
+    state
+        .entries
+        .range(prefix.to_string()..)
+        .take_while(|(k, _)| k.starts_with(prefix))
+        .filter_map(|(k, v)| Some((k[prefix.len()..].to_string(), serde_json::from_value(v.clone()).ok()?)))
+        .collect()
+}
+
+/// The committed placements.
+pub fn placements(view: &View) -> BTreeMap<String, ModelPlacement> {
+    typed(view, ModelPlacement::KEY_PREFIX)
+}
+
+/// The scheduler's inputs as `view` holds them.
+fn inputs(view: &View) -> Inputs {
+    let offers: BTreeMap<String, Offer> = typed(view, Offer::KEY_PREFIX);
+    let members = view
+        .state
+        .as_ref()
+        .map(|s| {
+            s.members
+                .values()
+                .map(|m| MemberFacts {
+                    id: m.id,
+                    name: m.name.clone(),
+                    alive: view.alive.contains(&m.id),
+                    offer_bytes: offers.get(&m.id.to_string()).map_or(m.memory_bytes, |o| o.memory_bytes),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Inputs {
+        loads: typed::<LoadSpec>(view, LoadSpec::KEY_PREFIX).into_values().collect(),
+        catalog: models::entries(view).into_iter().map(|e| (e.content_hash.clone(), e)).collect(),
+        profiles: typed(view, PROFILE_PREFIX),
+        placements: placements(view),
+        members,
+    }
+}
+
+/// On the leader: schedule whenever the view changes, and commit the decisions.
+pub async fn lead(rt: Arc<Runtime>) {
+    let mut view = rt.membership.view();
+    loop {
+        let v = view.borrow_and_update().clone();
+        if v.leader == Some(rt.me) && v.state.is_some() {
+            for decision in schedule::schedule(&inputs(&v)) {
+                let req = match &decision {
+                    Decision::Place(p) => {
+                        tracing::info!(model = %p.model, generation = p.generation, stages = p.stages.len(), error = ?p.error, "placing");
+                        match serde_json::to_value(p) {
+                            Ok(value) => AdminRequest::Put { key: p.key(), value },
+                            Err(_) => continue,
+                        }
+                    }
+                    Decision::Remove(model) => AdminRequest::Delete { key: format!("{}{model}", ModelPlacement::KEY_PREFIX) },
+                };
+                if let AdminResponse::Error(e) = rt.membership.ask(req).await {
+                    tracing::warn!("committing a placement failed: {e}");
+                }
+            }
+        }
+        if view.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Publish this node's offer once it is a member (and whenever it differs).
+pub async fn offer(rt: Arc<Runtime>) {
+    let mut view = rt.membership.view();
+    loop {
+        let v = view.borrow_and_update().clone();
+        if let Some(state) = &v.state {
+            let key = Offer::key(&rt.me);
+            let current = state.entries.get(&key).and_then(|v| serde_json::from_value::<Offer>(v.clone()).ok());
+            if current.map(|o| o.memory_bytes) != Some(rt.offer_bytes) && v.leader.is_some() {
+                let value = serde_json::json!(Offer { memory_bytes: rt.offer_bytes });
+                if let AdminResponse::Error(e) = rt.membership.ask(AdminRequest::Put { key, value }).await {
+                    tracing::info!("publishing this node's memory offer: {e} (retrying)");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            }
+        }
+        if view.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The stage this node should run: (model, placement, index).
+fn wanted(rt: &Runtime, view: &View) -> Option<(CatalogEntry, ModelPlacement, usize)> {
+    let catalog = models::entries(view);
+    placements(view).into_values().find_map(|p| {
+        let i = p.stage_of(rt.me)?;
+        let entry = catalog.iter().find(|e| e.content_hash == p.model)?;
+        p.is_valid(entry.n_layer).then(|| (entry.clone(), p, i))
+    })
+}
+
+/// On every node: run the stage the committed placements give it, and only that one.
+pub async fn supervise(rt: Arc<Runtime>) {
+    let mut view = rt.membership.view();
+    let mut running: Option<((String, u64), tokio::task::JoinHandle<()>)> = None;
+    loop {
+        let v = view.borrow_and_update().clone();
+        let want = wanted(&rt, &v);
+        let key = want.as_ref().map(|(_, p, _)| (p.model.clone(), p.generation));
+        if running.as_ref().map(|(k, _)| k) != key.as_ref() {
+            if let Some((k, task)) = running.take() {
+                tracing::info!(model = %k.0, generation = k.1, "stopping the stage");
+                // Dropping the service future stops the stage; its memory goes with it.
+                task.abort();
+                let _ = task.await;
+                *lock(&rt.stage) = None;
+            }
+            if let (Some((entry, placement, index)), Some(k)) = (want, key) {
+                if rt.engine.is_some() {
+                    let rt2 = rt.clone();
+                    let task = tokio::spawn(async move { run_stage(rt2, entry, placement, index).await });
+                    running = Some((k, task));
+                }
+            }
+        }
+        if view.changed().await.is_err() {
+            if let Some((_, task)) = running {
+                task.abort();
+            }
+            return;
+        }
+    }
+}
+
+/// Obtain, load and serve one stage; the state shows in `Stages` (and failures there).
+async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacement, index: usize) {
+    let stage = &placement.stages[index];
+    let mut status = StageStatus {
+        model: placement.model.clone(),
+        generation: placement.generation,
+        layers: stage.layers,
+        state: StageState::Fetching { done: 0, of: 0 },
+        shard_origin: None,
+        shard_bytes_received: 0,
+        predicted_bytes: stage.memory_bytes,
+        loaded_bytes: None,
+    };
+    *lock(&rt.stage) = Some(status.clone());
+    let fail = |rt: &Runtime, mut status: StageStatus, why: String| {
+        tracing::warn!(model = %status.model, "the stage could not start: {why}");
+        status.state = StageState::Failed(why);
+        *lock(&rt.stage) = Some(status);
+    };
+    let Some(engine) = rt.engine.clone() else { return };
+    let source: SourceHash = match entry.content_hash.parse() {
+        Ok(s) => s,
+        Err(_) => return fail(&rt, status, "the catalog entry's hash is malformed".into()),
+    };
+    // The shard: cached, cut from this node's own copy, or fetched from a holder.
+    let view = rt.view();
+    let sources = CatalogSources::of(&rt, &view);
+    let holders: Vec<shoal_transfer::Holder> = entry
+        .holders
+        .keys()
+        .filter(|h| **h != rt.me && view.alive.contains(h))
+        .filter_map(|h| Some(shoal_transfer::Holder { peer: *h, addr: view.addrs.get(h).copied()? }))
+        .collect();
+    let progress_rt = rt.clone();
+    let mut progress = move |p: &shoal_transfer::Progress| {
+        if let Some(s) = lock(&progress_rt.stage).as_mut() {
+            s.state = StageState::Fetching { done: p.chunks_done, of: p.chunks };
+            s.shard_bytes_received = p.data_bytes;
+        }
+    };
+    let obtained =
+        match shoal_transfer::obtain(&rt.node, &sources, &holders, source, stage.layers, &rt.cache, &mut progress).await
+        {
+            Ok(o) => o,
+            Err(e) => return fail(&rt, status, format!("getting the shard of layers {}: {e}", stage.layers)),
+        };
+    status.shard_origin = Some(match obtained.origin {
+        shoal_transfer::Origin::Cache => "cache".to_string(),
+        shoal_transfer::Origin::Built => "built from this node's copy".to_string(),
+        shoal_transfer::Origin::Holder(h) => format!("fetched from {}", &h.to_string()[..12]),
+    });
+    status.shard_bytes_received = obtained.stats.data_bytes;
+    status.state = StageState::Loading;
+    *lock(&rt.stage) = Some(status.clone());
+    let sizing = StageSizing { context: placement.context, sessions: placement.sessions, chunk: placement.chunk };
+    let (path, layers, n_layer) = (obtained.file.path.clone(), stage.layers, entry.n_layer);
+    let loaded = {
+        let engine = engine.clone();
+        tokio::task::spawn_blocking(move || engine.load(&path, layers, n_layer, sizing)).await
+    };
+    let loaded = match loaded {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return fail(&rt, status, format!("loading the stage: {e}")),
+        Err(e) => return fail(&rt, status, format!("loading the stage: {e}")),
+    };
+    let memory = loaded.memory();
+    status.loaded_bytes = Some(memory.weights + memory.kv + memory.compute);
+    // Every stage's address, as this node reaches it.
+    let mut stages = Vec::new();
+    for s in &placement.stages {
+        let addr = loop {
+            if let Some(a) = rt.addr_of(&rt.view(), s.node) {
+                break a;
+            }
+            // A member not reached yet: its link comes up within a beat or two.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        stages.push(StagePlace { node: s.node, addr, layers: s.layers });
+    }
+    let pipeline = Placement {
+        model: obtained.file.path.clone(),
+        context: placement.context,
+        chunk: placement.chunk,
+        sessions: placement.sessions,
+        stages,
+        clients: Vec::new(),
+    };
+    let cfg = ServiceConfig {
+        placement: pipeline,
+        index,
+        stage: loaded,
+        samplers: engine.samplers(),
+        dtype: Dtype::F32,
+        retry: RetryPolicy::default(),
+        keepalive: None,
+    };
+    status.state = StageState::Running;
+    *lock(&rt.stage) = Some(status.clone());
+    tracing::info!(model = %entry.name, layers = %layers, "stage running");
+    if let Err(e) = shoal_pipeline::serve_on(rt.node.clone(), &rt.router, cfg).await {
+        fail(&rt, status, format!("the stage stopped: {e}"));
+    }
+}
+
+/// The models this node holds, for the shard server and local shard builds: a copy is
+/// offered only while its size and time are those it was added with (a file changed
+/// since is refused, never served).
+struct CatalogSources {
+    paths: BTreeMap<String, PathBuf>,
+}
+
+impl CatalogSources {
+    fn of(rt: &Runtime, view: &View) -> CatalogSources {
+        let paths = models::entries(view)
+            .into_iter()
+            .filter_map(|e| {
+                let holder = e.holders.get(&rt.me)?;
+                let meta = std::fs::metadata(&holder.path).ok()?;
+                let same = meta.len() == holder.size && shoal_catalog::mtime_ns(&meta) == holder.mtime_ns;
+                if !same {
+                    tracing::warn!(model = %e.name, path = %holder.path, "the file changed since it was added; not used");
+                    return None;
+                }
+                Some((e.content_hash, PathBuf::from(&holder.path)))
+            })
+            .collect();
+        CatalogSources { paths }
+    }
+}
+
+impl shoal_transfer::Sources for CatalogSources {
+    fn model_path(&self, source: &SourceHash) -> Option<PathBuf> {
+        self.paths.get(&source.to_hex()).cloned()
+    }
+}
+
+/// The shard server's view of what this node holds, refreshed from membership.
+pub struct LiveSources {
+    rt: Arc<Runtime>,
+}
+
+impl LiveSources {
+    /// Sources that follow the catalog as it changes.
+    pub fn new(rt: Arc<Runtime>) -> LiveSources {
+        LiveSources { rt }
+    }
+}
+
+impl shoal_transfer::Sources for LiveSources {
+    fn model_path(&self, source: &SourceHash) -> Option<PathBuf> {
+        CatalogSources::of(&self.rt, &self.rt.view()).model_path(source)
+    }
+}
+
+/// Run `request` on `model`'s coordinator, passing each token to `on_token`.
+pub async fn generate(
+    rt: &Runtime,
+    model: &str,
+    request: &GenerateRequest,
+    on_token: impl FnMut(shoal_types::TokenId),
+) -> Result<Report, ApiError> {
+    let view = rt.view();
+    let catalog = models::entries(&view);
+    let entry = models::find(&catalog, model)?;
+    let Some(p) = placements(&view).remove(&entry.content_hash) else {
+        return Err(ApiError::new(ErrorKind::Unavailable, format!("{} is not loaded (shoal models load)", entry.name)));
+    };
+    if let Some(e) = &p.error {
+        return Err(ApiError::new(ErrorKind::Unavailable, format!("{} cannot be placed now: {e}", entry.name)));
+    }
+    let first = p.stages.first().ok_or_else(|| ApiError::new(ErrorKind::Unavailable, "the placement has no stages"))?;
+    let addr = rt
+        .addr_of(&view, first.node)
+        .ok_or_else(|| ApiError::new(ErrorKind::Unavailable, "the coordinator's address is not known yet"))?;
+    let place = StagePlace { node: first.node, addr, layers: first.layers };
+    shoal_pipeline::generate(&rt.node, &place, request, on_token)
+        .await
+        .map_err(|e| ApiError::new(ErrorKind::Unavailable, e.to_string()))
+}
+
+/// The placement of `model`: committed, or what the scheduler would do now.
+pub fn plan_of(rt: &Runtime, model: &str) -> Result<NodeResponse, ApiError> {
+    let view = rt.view();
+    let catalog = models::entries(&view);
+    let entry = models::find(&catalog, model)?.clone();
+    if let Some(p) = placements(&view).remove(&entry.content_hash) {
+        return Ok(NodeResponse::Placement { entry, placement: p, committed: true });
+    }
+    let mut i = inputs(&view);
+    let load = LoadSpec { model: entry.content_hash.clone(), context: 4096.min(entry.context_length.max(1)), sessions: 1, exclude: vec![] };
+    i.loads = vec![load];
+    i.placements.clear();
+    match schedule::schedule(&i).into_iter().next() {
+        Some(Decision::Place(p)) => Ok(NodeResponse::Placement { entry, placement: p, committed: false }),
+        _ => Err(ApiError::new(ErrorKind::Unavailable, "the scheduler proposed nothing")),
+    }
+}
+
+/// Keep `model` loaded with this sizing.
+pub async fn load(rt: &Runtime, model: &str, context: u32, sessions: u32, exclude: &[String]) -> Result<String, ApiError> {
+    let view = rt.view();
+    let catalog = models::entries(&view);
+    let entry = models::find(&catalog, model)?;
+    if context == 0 || sessions == 0 || context < 16 {
+        return Err(ApiError::new(ErrorKind::BadRequest, "context must be at least 16 and sessions at least 1"));
+    }
+    let members: Vec<NodeId> = view.state.as_ref().map(|s| s.members.keys().copied().collect()).unwrap_or_default();
+    let mut ids = Vec::new();
+    for x in exclude {
+        let found: Vec<&NodeId> = members.iter().filter(|m| m.to_string().starts_with(&x.to_ascii_lowercase())).collect();
+        match found.as_slice() {
+            [one] if x.len() >= 8 => ids.push(**one),
+            _ => return Err(ApiError::new(ErrorKind::BadRequest, format!("{x:?} names no single member (give 8+ hex digits of its id)"))),
+        }
+    }
+    if !view.state.as_ref().is_some_and(|s| s.entries.contains_key(&format!("{PROFILE_PREFIX}{}", entry.content_hash))) {
+        return Err(ApiError::new(ErrorKind::Unavailable, "the model's description is missing; add it again"));
+    }
+    let spec = LoadSpec { model: entry.content_hash.clone(), context, sessions, exclude: ids };
+    let value = serde_json::to_value(&spec).map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+    match rt.membership.ask(AdminRequest::Put { key: spec.key(), value }).await {
+        AdminResponse::Ok(_) => Ok(format!("{} loading: the leader places it (see `shoal models plan {}`)", entry.name, entry.name)),
+        AdminResponse::Error(e) => Err(ApiError::new(ErrorKind::Unavailable, e)),
+        other => Err(ApiError::new(ErrorKind::Unavailable, format!("{other:?}"))),
+    }
+}
+
+/// Stop running `model`.
+pub async fn unload(rt: &Runtime, model: &str) -> Result<String, ApiError> {
+    let view = rt.view();
+    let catalog = models::entries(&view);
+    let entry = models::find(&catalog, model)?;
+    match rt.membership.ask(AdminRequest::Delete { key: format!("{}{}", LoadSpec::KEY_PREFIX, entry.content_hash) }).await {
+        AdminResponse::Ok(_) => Ok(format!("{} unloading: its stages stop and free their memory", entry.name)),
+        AdminResponse::Error(e) => Err(ApiError::new(ErrorKind::Unavailable, e)),
+        other => Err(ApiError::new(ErrorKind::Unavailable, format!("{other:?}"))),
+    }
+}
+
+/// The planner profile of the model at `path`, for `model-profile/<hash>`.
+pub fn profile_of(path: &Path) -> Option<ModelProfile> {
+    let (_, meta) = shoal_gguf::open_model(path).ok()?;
+    Some(ModelProfile::from_meta(&meta))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A poisoned lock only means a holder panicked between plain field updates.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Watch a view (re-exported for tests).
+pub type ViewRx = watch::Receiver<View>;

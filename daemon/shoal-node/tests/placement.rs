@@ -1,0 +1,430 @@
+//! Four node processes in this process on 127.0.0.1 (real QUIC, real mDNS on `lo`, the
+//! real test model and real shard transfers; a fake engine computes, so that the test
+//! needs no llama.cpp): a model added on one node and loaded is placed by the leader
+//! over three nodes whose offers force the split, the nodes without the file receive
+//! only their shards, a generation through any node runs, a stopped stage node is
+//! replaced by the spare, and unloading stops every stage.
+
+use shoal_membership::node::{self, CreatePolicy, NodeConfig};
+use shoal_membership::wire::{AdminRequest, AdminResponse, ClusterStatus};
+use shoal_membership::Config;
+use shoal_net::discovery::InterfaceFilter;
+use shoal_net::{Identity, TransportOptions};
+use shoal_node::api::{self, NodeRequest, NodeResponse, StageState, StageStatus};
+use shoal_node::runtime::{Engine, StageSizing};
+use shoal_pipeline::{GenerateRequest, SamplerFactory};
+use shoal_types::{
+    LayerRange, ModelPlacement, NodeId, NodeInventory, Role, SessionId, Stage, StageError, StageInfo, StageInput,
+    StageMemory, StageOutput, TokenId, TokenSampler,
+};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const N_EMBD: u32 = 8;
+const N_VOCAB: u32 = 50;
+/// Memory each node offers: the model (about 100 MB, and about 50 MB of buffers per
+/// stage) fits on no one or two of them.
+const OFFER: u64 = 90 << 20;
+
+// ---- a fake engine: deterministic arithmetic that depends on the layers and history ----
+
+struct FakeStage {
+    info: StageInfo,
+    seen: HashMap<SessionId, Vec<f32>>,
+}
+
+impl Stage for FakeStage {
+    fn info(&self) -> &StageInfo {
+        &self.info
+    }
+
+    fn forward(&mut self, session: SessionId, first_pos: u32, input: StageInput<'_>) -> Result<StageOutput, StageError> {
+        let rows: Vec<Vec<f32>> = match input {
+            StageInput::Tokens(t) => {
+                t.iter().map(|&t| (0..N_EMBD).map(|j| (t as f32 + j as f32) * 0.01).collect()).collect()
+            }
+            StageInput::Hidden(h) => h.chunks(N_EMBD as usize).map(<[f32]>::to_vec).collect(),
+        };
+        let seen = self.seen.entry(session).or_default();
+        if first_pos as usize > seen.len() {
+            return Err(StageError::PositionGap { session, first_pos, have: seen.len() as u32 });
+        }
+        seen.truncate(first_pos as usize);
+        let mut out = Vec::new();
+        for row in rows {
+            let history: f32 = seen.iter().sum::<f32>() * 1e-3;
+            let next: Vec<f32> = row
+                .iter()
+                .enumerate()
+                .map(|(j, v)| (v * 1.1 + self.info.layers.start as f32 * 0.1 + history + j as f32 * 1e-4).sin())
+                .collect();
+            seen.push(next.iter().sum());
+            out.extend(next);
+        }
+        if self.info.is_tail() {
+            let last = &out[out.len() - N_EMBD as usize..];
+            let logits = (0..N_VOCAB)
+                .map(|i| last.iter().enumerate().map(|(j, v)| (v * (i + j as u32) as f32).cos()).sum())
+                .collect();
+            Ok(StageOutput::Logits(logits))
+        } else {
+            Ok(StageOutput::Hidden(out))
+        }
+    }
+
+    fn free_session(&mut self, session: SessionId) {
+        self.seen.remove(&session);
+    }
+
+    fn memory(&self) -> StageMemory {
+        StageMemory::default()
+    }
+}
+
+struct Greedy;
+impl TokenSampler for Greedy {
+    fn sample(&mut self, logits: &[f32]) -> TokenId {
+        logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as TokenId)
+    }
+}
+
+/// Loads a fake stage, after checking that the shard it was given is a real shard of
+/// exactly its layers (what arrived over the network is what the placement asked for).
+struct FakeEngine;
+
+impl Engine for FakeEngine {
+    fn load(&self, shard: &Path, layers: LayerRange, n_layer: u32, s: StageSizing) -> Result<Box<dyn Stage>, String> {
+        let (g, meta) = shoal_gguf::open_model(shard).map_err(|e| e.to_string())?;
+        let source = g.get(shoal_gguf::shard::KEY_SOURCE_LAYERS).map(|v| format!("{v:?}"));
+        if meta.n_layer != layers.len() {
+            return Err(format!("shard of {} layers for a stage of {layers}: {source:?}", meta.n_layer));
+        }
+        let info = StageInfo {
+            layers,
+            n_layer_total: n_layer,
+            n_embd: N_EMBD,
+            n_vocab: N_VOCAB,
+            chunk: s.chunk,
+            n_ctx_per_session: s.context,
+            max_sessions: s.sessions,
+        };
+        Ok(Box::new(FakeStage { info, seen: HashMap::new() }))
+    }
+
+    fn samplers(&self) -> SamplerFactory {
+        Arc::new(|_: &serde_json::Value| Ok(Box::new(Greedy) as Box<dyn TokenSampler>))
+    }
+}
+
+/// The same fake stages run in order in-process, on the canonical schedule.
+fn reference(ranges: &[LayerRange], n_layer: u32, chunk: u32, prompt: &[TokenId], max_new: usize) -> Vec<TokenId> {
+    let sizing = StageSizing { context: 256, sessions: 1, chunk };
+    let mut stages: Vec<Box<dyn Stage>> = ranges
+        .iter()
+        .map(|r| {
+            let info = StageInfo {
+                layers: *r,
+                n_layer_total: n_layer,
+                n_embd: N_EMBD,
+                n_vocab: N_VOCAB,
+                chunk: sizing.chunk,
+                n_ctx_per_session: sizing.context,
+                max_sessions: 1,
+            };
+            Box::new(FakeStage { info, seen: HashMap::new() }) as Box<dyn Stage>
+        })
+        .collect();
+    let s = SessionId(1);
+    let mut step = |first_pos: u32, tokens: &[TokenId]| {
+        let mut out = stages[0].forward(s, first_pos, StageInput::Tokens(tokens)).unwrap();
+        for st in stages.iter_mut().skip(1) {
+            let StageOutput::Hidden(h) = out else { unreachable!() };
+            out = st.forward(s, first_pos, StageInput::Hidden(&h)).unwrap();
+        }
+        let StageOutput::Logits(l) = out else { unreachable!() };
+        l
+    };
+    let mut pos = 0;
+    let mut logits = Vec::new();
+    for c in prompt.chunks(chunk as usize) {
+        logits = step(pos, c);
+        pos += c.len() as u32;
+    }
+    let mut tokens = Vec::new();
+    loop {
+        let t = Greedy.sample(&logits);
+        tokens.push(t);
+        if tokens.len() == max_new {
+            return tokens;
+        }
+        logits = step(pos, &[t]);
+        pos += 1;
+    }
+}
+
+// ---- nodes ----
+
+struct TestNode {
+    dir: PathBuf,
+    id: NodeId,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), shoal_node::NodeError>>,
+}
+
+fn start(dir: &Path, name: &str, create: CreatePolicy) -> TestNode {
+    let identity = Arc::new(Identity::load_or_create(dir).unwrap());
+    let cfg = NodeConfig {
+        data_dir: dir.to_path_buf(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        join_listen: "127.0.0.1:0".parse().unwrap(),
+        name: name.into(),
+        role: Role::Pc,
+        interfaces: InterfaceFilter::loopback(),
+        create,
+        accept: None,
+        join_token: None,
+        timing: Config::default(),
+        transport: TransportOptions::default(),
+        calibrator: None,
+    };
+    let options = shoal_node::Options { engine: Some(Arc::new(FakeEngine)), max_memory: Some(OFFER), shard_dir: None };
+    let inventory = NodeInventory { ram_total_bytes: 8 << 30, ram_available_bytes: 4 << 30, ..Default::default() };
+    let (keep, rx) = tokio::sync::watch::channel(inventory);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let id = identity.id();
+    let task = tokio::spawn(async move {
+        let _keep = keep;
+        shoal_node::run(cfg, options, identity, rx, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    TestNode { dir: dir.to_path_buf(), id, stop: Some(stop), task }
+}
+
+impl TestNode {
+    fn identity(&self) -> Arc<Identity> {
+        Arc::new(Identity::load_or_create(&self.dir).unwrap())
+    }
+
+    async fn admin(&self, req: AdminRequest) -> AdminResponse {
+        let t0 = Instant::now();
+        loop {
+            match node::admin(&self.dir, self.identity(), &req).await {
+                Ok(answer) => return answer,
+                Err(_) if t0.elapsed() < Duration::from_secs(10) => tokio::time::sleep(Duration::from_millis(100)).await,
+                Err(e) => panic!("admin request: {e}"),
+            }
+        }
+    }
+
+    async fn status(&self) -> ClusterStatus {
+        match self.admin(AdminRequest::Status).await {
+            AdminResponse::Status(s) => *s,
+            other => panic!("status: {other:?}"),
+        }
+    }
+
+    async fn ask(&self, req: NodeRequest) -> NodeResponse {
+        api::request(&self.dir, self.identity(), &req).await.expect("the node answers")
+    }
+
+    async fn stages(&self) -> Vec<StageStatus> {
+        match self.ask(NodeRequest::Stages).await {
+            NodeResponse::Stages(s) => s,
+            other => panic!("stages: {other:?}"),
+        }
+    }
+
+    async fn generate(&self, request: GenerateRequest) -> Result<Vec<TokenId>, String> {
+        let mut tokens = Vec::new();
+        let req = NodeRequest::Generate { model: SMOL.into(), request };
+        let last = api::request_stream(&self.dir, self.identity(), &req, &mut |m| {
+            if let NodeResponse::Token(t) = m {
+                tokens.push(*t);
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        match last {
+            NodeResponse::Generated(report) => {
+                assert_eq!(report.tokens, tokens, "the streamed tokens are the report's");
+                Ok(tokens)
+            }
+            other => Err(format!("{other:?}")),
+        }
+    }
+
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+async fn wait_for<T, F, Fut>(what: &str, secs: u64, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}: not within {secs} s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn join(a: &TestNode, x: &TestNode) {
+    wait_for("joined with a code", 40, || async {
+        let AdminResponse::Code { code, .. } = a.admin(AdminRequest::Pair).await else { return None };
+        match x.admin(AdminRequest::Join { code }).await {
+            AdminResponse::Ok(_) => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+}
+
+/// The committed placement of the model, once it has stages.
+async fn placement(n: &TestNode, not_generation: u64) -> ModelPlacement {
+    wait_for("a placement", 30, || async {
+        match n.ask(NodeRequest::ModelPlan { model: SMOL.into() }).await {
+            NodeResponse::Placement { placement, committed: true, .. }
+                if !placement.stages.is_empty() && placement.generation != not_generation =>
+            {
+                Some(placement)
+            }
+            _ => None,
+        }
+    })
+    .await
+}
+
+/// Every stage of `p` running on its node.
+async fn running(nodes: &[&TestNode], p: &ModelPlacement) -> HashMap<NodeId, StageStatus> {
+    let mut out = HashMap::new();
+    for s in &p.stages {
+        let n = nodes.iter().find(|n| n.id == s.node).expect("a stage on a test node");
+        let st = wait_for("the stage running", 60, || async {
+            let st = n.stages().await.into_iter().find(|st| st.generation == p.generation)?;
+            assert!(!matches!(st.state, StageState::Failed(_)), "{st:?}");
+            (st.state == StageState::Running).then_some(st)
+        })
+        .await;
+        assert_eq!(st.layers, s.layers);
+        out.insert(s.node, st);
+    }
+    out
+}
+
+fn request(max_new: u32) -> GenerateRequest {
+    GenerateRequest { prompt: (1..40).collect(), max_new, stop: vec![], sampling: serde_json::json!({}) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_replaced() {
+    let model = shoal_gguf::models_dir().join(SMOL);
+    assert!(model.exists(), "{} missing: scripts/test.sh fetches it", model.display());
+    let model_bytes = std::fs::metadata(&model).unwrap().len();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let a = start(&dir("a"), "a", CreatePolicy::Now);
+    wait_for("A's cluster", 10, || async { a.status().await.cluster }).await;
+    let others: Vec<TestNode> =
+        ["b", "c", "d"].iter().map(|n| start(&dir(n), n, CreatePolicy::Never)).collect();
+    for x in &others {
+        join(&a, x).await;
+    }
+    let nodes: Vec<&TestNode> = std::iter::once(&a).chain(others.iter()).collect();
+    wait_for("four members", 30, || async { (a.status().await.members.len() == 4).then_some(()) }).await;
+
+    // The model is added on A only, and loaded.
+    match a.ask(NodeRequest::ModelAdd { path: model.display().to_string(), name: None }).await {
+        NodeResponse::Added(e) => assert_eq!(e.holders.len(), 1),
+        other => panic!("add: {other:?}"),
+    }
+    let load = NodeRequest::ModelLoad { model: SMOL.into(), context: 256, sessions: 1, exclude: vec![] };
+    match others[2].ask(load).await {
+        NodeResponse::Ok(text) => assert!(text.contains("loading"), "{text}"),
+        other => panic!("load: {other:?}"),
+    }
+    let p = placement(&a, 0).await;
+    assert_eq!(p.stages.len(), 3, "the offers force a split in three: {p:?}");
+    assert!(p.is_valid(30));
+    let stages = running(&nodes, &p).await;
+    // Nodes without the file received their shard, which is far smaller than the model;
+    // a stage on A was cut from A's own copy.
+    for (node, st) in &stages {
+        if *node == a.id {
+            assert_eq!(st.shard_origin.as_deref(), Some("built from this node's copy"));
+            assert_eq!(st.shard_bytes_received, 0);
+        } else {
+            assert!(st.shard_origin.as_deref().is_some_and(|o| o.starts_with("fetched from")), "{st:?}");
+            assert!(st.shard_bytes_received > 0 && st.shard_bytes_received < model_bytes * 2 / 3, "{st:?}");
+        }
+    }
+
+    // A generation through any node (here one that may run no stage) equals the same
+    // stages run in order in-process.
+    let ranges: Vec<LayerRange> = p.stages.iter().map(|s| s.layers).collect();
+    let want = reference(&ranges, 30, p.chunk, &request(12).prompt, 12);
+    for n in &nodes {
+        assert_eq!(n.generate(request(12)).await.unwrap(), want, "through {}", n.dir.display());
+    }
+
+    // A stage's node stops (the middle one unless that is A, which holds the only copy
+    // of the file, or the leader): the leader places the model anew with the spare.
+    let leader = a.status().await.leader.unwrap();
+    let victim = [1, 0, 2]
+        .iter()
+        .map(|&i| p.stages[i].node)
+        .find(|n| *n != a.id && *n != leader)
+        .expect("three stages on four nodes: one is neither A nor the leader");
+    drop(nodes);
+    let (gone, rest): (Vec<TestNode>, Vec<TestNode>) = others.into_iter().partition(|n| n.id == victim);
+    let keep: Vec<&TestNode> = std::iter::once(&a).chain(rest.iter()).collect();
+    for g in gone {
+        g.stop().await;
+    }
+    let q = wait_for("a new placement without the stopped node", 40, || async {
+        match keep[0].ask(NodeRequest::ModelPlan { model: SMOL.into() }).await {
+            NodeResponse::Placement { placement, committed: true, .. }
+                if placement.generation > p.generation && !placement.stages.is_empty() =>
+            {
+                Some(placement)
+            }
+            _ => None,
+        }
+    })
+    .await;
+    assert!(q.stages.iter().all(|s| s.node != victim), "{q:?}");
+    running(&keep, &q).await;
+    let ranges: Vec<LayerRange> = q.stages.iter().map(|s| s.layers).collect();
+    let want = reference(&ranges, 30, q.chunk, &request(8).prompt, 8);
+    assert_eq!(keep[0].generate(request(8)).await.unwrap(), want);
+
+    // Unloaded: every stage stops.
+    match keep[0].ask(NodeRequest::ModelUnload { model: SMOL.into() }).await {
+        NodeResponse::Ok(_) => {}
+        other => panic!("unload: {other:?}"),
+    }
+    for n in &keep {
+        wait_for("stages stopped", 20, || async { n.stages().await.is_empty().then_some(()) }).await;
+    }
+    let e = keep[0].generate(request(4)).await.unwrap_err();
+    assert!(e.contains("not loaded"), "{e}");
+
+    drop(keep);
+    for n in rest {
+        n.stop().await;
+    }
+    a.stop().await;
+}
