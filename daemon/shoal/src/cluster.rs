@@ -62,6 +62,41 @@ pub struct ClusterArgs {
     /// also read from the file `join-token` in the data directory.
     #[arg(long, value_name = "TOKEN")]
     join_token: Option<String>,
+    /// Memory this node offers to models (the leader places within it), e.g. 12G,
+    /// 512M [default: what is free at start, less 512 MiB].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    max_memory: Option<u64>,
+}
+
+/// A size in bytes: a number with an optional K, M, G or T suffix (powers of 1024).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("{s:?}: use a number with K, M, G or T")),
+            };
+            (&t[..i], shift)
+        }
+        _ => (t, 0),
+    };
+    let n: u64 = num.trim().parse().map_err(|_| format!("{s:?}: use a number with K, M, G or T"))?;
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// How the node runs the stages the leader gives it.
+#[derive(Debug, Clone)]
+pub struct StageArgs {
+    /// CPU threads per stage.
+    pub threads: u32,
+    /// Layers offloaded to a GPU.
+    pub gpu_layers: u32,
+    /// Where shards are kept.
+    pub cache: Option<PathBuf>,
 }
 
 /// `shoal nodes`.
@@ -150,7 +185,13 @@ pub struct JoinArgs {
 }
 
 /// Run a cluster node until Ctrl-C or SIGTERM.
-pub fn serve(dir: Option<PathBuf>, listen: Option<SocketAddr>, impair: Impairment, args: ClusterArgs) -> Result<()> {
+pub fn serve(
+    dir: Option<PathBuf>,
+    listen: Option<SocketAddr>,
+    impair: Impairment,
+    args: ClusterArgs,
+    stage: StageArgs,
+) -> Result<()> {
     let data_dir = data_dir(&dir);
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let identity = Arc::new(Identity::load_or_create(&data_dir)?);
@@ -205,7 +246,12 @@ pub fn serve(dir: Option<PathBuf>, listen: Option<SocketAddr>, impair: Impairmen
                 return;
             }
         });
-        shoal_node::run(cfg, identity, rx, crate::pipeline::shutdown_signal()).await
+        let options = shoal_node::Options {
+            engine: Some(Arc::new(crate::engine::LlamaEngine { threads: stage.threads, gpu_layers: stage.gpu_layers })),
+            max_memory: args.max_memory,
+            shard_dir: stage.cache,
+        };
+        shoal_node::run(cfg, options, identity, rx, crate::pipeline::shutdown_signal()).await
     })?;
     Ok(())
 }
@@ -307,6 +353,12 @@ pub fn reset(a: ResetArgs) -> Result<()> {
     Ok(())
 }
 
+/// The local node's view of its cluster.
+pub fn status_of(dir: &Option<PathBuf>) -> Result<Box<shoal_membership::wire::ClusterStatus>> {
+    let AdminResponse::Status(st) = ask(dir, AdminRequest::Status)? else { bail!("unexpected answer to status") };
+    Ok(st)
+}
+
 /// `shoal status` of the cluster the local node belongs to.
 pub fn status(dir: &Option<PathBuf>, json: bool) -> Result<()> {
     let AdminResponse::Status(st) = ask(dir, AdminRequest::Status)? else { bail!("unexpected answer to status") };
@@ -393,4 +445,19 @@ fn print_status(st: &ClusterStatus) {
 /// sequences could rewrite the screen or the title), at most 64 characters.
 fn shown(text: &str) -> String {
     text.chars().filter(|c| !c.is_control()).take(64).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_take_binary_suffixes_and_refuse_nonsense() {
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("1000"), Ok(1000));
+        assert!(parse_size("12X").is_err());
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
 }

@@ -4,6 +4,7 @@
 mod bench;
 mod calibrate;
 mod cluster;
+mod engine;
 mod inventory;
 mod lab;
 mod models;

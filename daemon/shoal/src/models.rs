@@ -7,6 +7,7 @@ use crate::pipeline::{data_dir, runtime};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use shoal_node::api::{self, CopyState, NodeRequest, NodeResponse, StoreKind};
+use shoal_engine::Observer;
 use shoal_planner::plan::gib;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -25,6 +26,46 @@ pub enum ModelsCommand {
     /// Find models in Ollama's, LM Studio's or the Hugging Face cache's store on this
     /// machine; with names (or `--all`), add them (used in place).
     Import(ImportArgs),
+    /// Keep a model loaded: the leader places its layers on the members, which fetch
+    /// their shards and start their stages.
+    Load(LoadArgs),
+    /// Stop running a model: every stage frees its memory.
+    Unload(RmArgs),
+    /// Where a model is placed (or would be), and why.
+    Plan(PlanArgs),
+}
+
+/// `shoal models load`.
+#[derive(Args, Debug)]
+pub struct LoadArgs {
+    /// Name or hash prefix.
+    model: String,
+    /// Positions per session.
+    #[arg(long, default_value_t = 4096)]
+    context: u32,
+    /// Sessions held at once.
+    #[arg(long, default_value_t = 1)]
+    sessions: u32,
+    /// A member (8+ hex digits of its id) the model must not use (repeatable).
+    #[arg(long)]
+    exclude: Vec<String>,
+    /// Wait until every stage runs.
+    #[arg(long)]
+    wait: bool,
+    #[command(flatten)]
+    dir: DirArg,
+}
+
+/// `shoal models plan`.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Name or hash prefix.
+    model: String,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    dir: DirArg,
 }
 
 /// `shoal models add`.
@@ -99,7 +140,211 @@ pub fn models(c: ModelsCommand) -> Result<()> {
             Ok(())
         }
         ModelsCommand::Import(a) => import(a),
+        ModelsCommand::Load(a) => load(a),
+        ModelsCommand::Unload(a) => {
+            let NodeResponse::Ok(text) = ask(&a.dir, NodeRequest::ModelUnload { model: a.model })? else {
+                bail!("unexpected answer");
+            };
+            println!("{text}");
+            Ok(())
+        }
+        ModelsCommand::Plan(a) => plan(a),
     }
+}
+
+fn load(a: LoadArgs) -> Result<()> {
+    let req = NodeRequest::ModelLoad {
+        model: a.model.clone(),
+        context: a.context,
+        sessions: a.sessions,
+        exclude: a.exclude.clone(),
+    };
+    let NodeResponse::Ok(text) = ask(&a.dir, req)? else { bail!("unexpected answer") };
+    println!("{text}");
+    if !a.wait {
+        return Ok(());
+    }
+    // Until the placement is committed and each stage's node says it runs.
+    let t0 = std::time::Instant::now();
+    loop {
+        if t0.elapsed() > std::time::Duration::from_secs(1800) {
+            bail!("not every stage runs after 30 minutes (see `shoal models plan {}`)", a.model);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let NodeResponse::Placement { placement, committed: true, .. } =
+            ask(&a.dir, NodeRequest::ModelPlan { model: a.model.clone() })?
+        else {
+            continue;
+        };
+        if let Some(e) = &placement.error {
+            bail!("the model cannot be placed: {e}");
+        }
+        if stages_running(&a.dir, &placement)? {
+            println!("ready: {} stage(s), generation {}", placement.stages.len(), placement.generation);
+            return Ok(());
+        }
+    }
+}
+
+/// Whether every stage of `p` runs (asking each stage's node, as a fellow member).
+fn stages_running(dir: &DirArg, p: &shoal_types::ModelPlacement) -> Result<bool> {
+    let data_dir = data_dir(&dir.data_dir);
+    let identity = Arc::new(shoal_net::Identity::load_or_create(&data_dir)?);
+    let status = crate::cluster::status_of(&dir.data_dir)?;
+    runtime()?.block_on(async {
+        for s in &p.stages {
+            let addr = if s.node == status.node {
+                status.addr.clone()
+            } else {
+                match status.members.iter().find(|m| m.node == s.node).and_then(|m| m.addr.clone()) {
+                    Some(a) => a,
+                    None => return Ok(false),
+                }
+            };
+            let Ok(mut addr) = addr.parse::<std::net::SocketAddr>() else { return Ok(false) };
+            if addr.ip().is_unspecified() {
+                addr.set_ip(std::net::IpAddr::from([127, 0, 0, 1]));
+            }
+            let answer = api::request_at(addr, s.node, identity.clone(), &NodeRequest::Stages).await;
+            let Ok(NodeResponse::Stages(stages)) = answer else { return Ok(false) };
+            let running = stages.iter().any(|st| {
+                st.generation == p.generation && st.model == p.model && st.state == api::StageState::Running
+            });
+            if let Some(api::StageStatus { state: api::StageState::Failed(why), .. }) =
+                stages.iter().find(|st| st.generation == p.generation)
+            {
+                bail!("the stage on {} failed: {why}", &s.node.to_string()[..12]);
+            }
+            if !running {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })
+}
+
+fn plan(a: PlanArgs) -> Result<()> {
+    let NodeResponse::Placement { entry, placement, committed } =
+        ask(&a.dir, NodeRequest::ModelPlan { model: a.model })?
+    else {
+        bail!("unexpected answer");
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"committed": committed, "placement": placement}))?);
+        return Ok(());
+    }
+    println!(
+        "{} ({} layers): {}",
+        entry.name,
+        entry.n_layer,
+        if committed {
+            format!("placed, generation {}", placement.generation)
+        } else {
+            "not loaded; this is what `shoal models load` would do now".to_string()
+        }
+    );
+    if let Some(e) = &placement.error {
+        println!("cannot be placed: {e}");
+    }
+    for (i, s) in placement.stages.iter().enumerate() {
+        println!("  stage {i}: layers {:>7} on {}  ({} predicted)", s.layers.to_string(), &s.node.to_string()[..12], gib(s.memory_bytes));
+    }
+    if !placement.stages.is_empty() {
+        println!("  predicted {:.1} tok/s", placement.predicted_tok_s);
+    }
+    for line in &placement.explanation {
+        println!("- {line}");
+    }
+    Ok(())
+}
+
+/// `shoal generate --model`: tokenize here with the model's vocabulary (this node's
+/// copy of the model, or any shard of it in this node's cache), and let the local node
+/// forward the request to the coordinator.
+pub fn generate(model: String, dir: &Option<PathBuf>, progress: bool, t: &crate::run::TextArgs) -> Result<()> {
+    let dir_arg = DirArg { data_dir: dir.clone() };
+    let rows = match ask(&dir_arg, NodeRequest::ModelList)? {
+        NodeResponse::Models(rows) => rows,
+        other => bail!("unexpected answer: {other:?}"),
+    };
+    let row = rows
+        .iter()
+        .find(|r| r.entry.name == model || (model.len() >= 8 && r.entry.content_hash.starts_with(&model)))
+        .with_context(|| format!("no model {model:?} in the catalog (see `shoal models ls`)"))?;
+    let vocab_file = vocab_file(dir, row)?;
+    let vocab = shoal_engine::Vocab::load(&vocab_file)?;
+    let prompt = t.prompt_tokens(&vocab)?;
+    let sampling = t.sampling();
+    let request = shoal_pipeline::GenerateRequest {
+        prompt: prompt.clone(),
+        max_new: u32::try_from(t.max_tokens).unwrap_or(u32::MAX),
+        stop: if t.ignore_eos { Vec::new() } else { vocab.eog_tokens() },
+        sampling: serde_json::to_value(sampling)?,
+    };
+    let data_dir = data_dir(dir);
+    let identity = Arc::new(shoal_net::Identity::load_or_create(&data_dir)?);
+    let mut out = crate::run::Printer::new(&vocab, !t.json, false);
+    let mut count = 0;
+    let req = NodeRequest::Generate { model: row.entry.content_hash.clone(), request };
+    let last = runtime()?.block_on(api::request_stream(&data_dir, identity, &req, &mut |m| {
+        if let NodeResponse::Token(tok) = m {
+            out.token(*tok);
+            count += 1;
+            if progress {
+                eprintln!("token {count}");
+            }
+        }
+    }))?;
+    let report = match last {
+        NodeResponse::Generated(r) => r,
+        NodeResponse::Error(e) => bail!("{e}"),
+        other => bail!("unexpected answer: {other:?}"),
+    };
+    let tail = out.finish();
+    if t.json {
+        let r = crate::run::RunReport {
+            tokens: report.tokens,
+            text: out.text.clone(),
+            stages: Vec::new(),
+            prompt_tokens: prompt.len(),
+            tok_per_s: report.tok_per_s,
+            prefill_s: report.prefill_s,
+            decode_s: report.decode_s,
+            logits_digest: report.logits_digest,
+            chunk: 0,
+            memory: None,
+            stage_ms: None,
+            peak_rss_bytes: None,
+        };
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("{tail}");
+        eprintln!("[shoal] {} tokens, {:.1} tok/s decode, prefill {:.2} s", report.tokens.len(), report.tok_per_s, report.prefill_s);
+    }
+    Ok(())
+}
+
+/// A file holding `row`'s vocabulary on this machine: the model itself where this node
+/// holds it, else a shard of it in this node's cache (every shard keeps the metadata).
+fn vocab_file(dir: &Option<PathBuf>, row: &api::ModelRow) -> Result<PathBuf> {
+    if row.here == Some(CopyState::Unchanged) {
+        if let Some(h) = row.entry.holders.values().find(|h| Path::new(&h.path).exists()) {
+            return Ok(PathBuf::from(&h.path));
+        }
+    }
+    let shards = data_dir(dir).join("shards").join(format!("blake3-{}", row.entry.content_hash));
+    if let Ok(entries) = std::fs::read_dir(&shards) {
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "gguf") {
+                return Ok(p);
+            }
+        }
+    }
+    bail!(
+        "this node holds neither {} nor a shard of it, so it cannot tokenize the prompt;          run the command on a node that does (one that runs a stage of it, or `shoal models add` it here)",
+        row.entry.name
+    )
 }
 
 /// Ask the local node; an error answer becomes an error.

@@ -93,10 +93,15 @@ impl KeepAlive {
 
 /// `shoal generate`.
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["model", "placement"])))]
 pub struct GenerateArgs {
-    /// The placement file of the running pipeline.
+    /// A model the cluster has loaded (name or hash prefix): the local node forwards
+    /// the generation to its coordinator.
     #[arg(long)]
-    placement: PathBuf,
+    model: Option<String>,
+    /// Instead: the placement file of a pipeline started by hand (lab).
+    #[arg(long)]
+    placement: Option<PathBuf>,
     /// Data directory whose key identifies this client; the key must be a stage node's
     /// or listed under `clients` in the placement [default: ~/.local/share/shoal].
     #[arg(long)]
@@ -156,7 +161,8 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     let Some(placement_file) = a.placement.clone() else {
-        return crate::cluster::serve(a.data_dir, a.listen, a.impair, a.cluster);
+        let stage = crate::cluster::StageArgs { threads: a.threads, gpu_layers: a.gpu_layers, cache: a.cache.clone() };
+        return crate::cluster::serve(a.data_dir, a.listen, a.impair, a.cluster, stage);
     };
     let placement = Placement::load(&placement_file)?;
     let dir = data_dir(&a.data_dir);
@@ -247,7 +253,10 @@ pub(crate) async fn shutdown_signal() {
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    let placement = Placement::load(&a.placement)?;
+    let Some(placement_file) = &a.placement else {
+        return crate::models::generate(a.model.clone().unwrap_or_default(), &a.data_dir, a.progress, &a.text);
+    };
+    let placement = Placement::load(placement_file)?;
     let t = &a.text;
     let vocab = Vocab::load(&placement.model)?;
     let prompt = t.prompt_tokens(&vocab)?;
