@@ -385,30 +385,78 @@ impl shoal_transfer::Sources for LiveSources {
     }
 }
 
-/// Run `request` on `model`'s coordinator, passing each token to `on_token`.
+/// How long a generation waits for the cluster to serve its model again after an
+/// interruption (a stage's node lost, the model re-placed) before it fails.
+pub const RESUME_WINDOW: Duration = Duration::from_secs(90);
+
+/// Run `request` on `model`'s coordinator, passing each token to `on_token`. When the
+/// generation is cut (a stage's node dies, the leader re-places the model, the
+/// coordinator goes), it is resumed on the placement that follows, with the tokens made
+/// so far replayed in their original shapes: the client sees a pause, and the answer
+/// of an uninterrupted run. This node keeps the prompt and the tokens, so the
+/// generation survives any node but this one.
 pub async fn generate(
     rt: &Runtime,
     model: &str,
     request: &GenerateRequest,
-    on_token: impl FnMut(shoal_types::TokenId),
+    mut on_token: impl FnMut(shoal_types::TokenId),
 ) -> Result<Report, ApiError> {
-    let view = rt.view();
-    let catalog = models::entries(&view);
-    let entry = models::find(&catalog, model)?;
-    let Some(p) = placements(&view).remove(&entry.content_hash) else {
-        return Err(ApiError::new(ErrorKind::Unavailable, format!("{} is not loaded (shoal models load)", entry.name)));
+    let mut view_rx = rt.membership.view();
+    let hash = {
+        let view = view_rx.borrow().clone();
+        let catalog = models::entries(&view);
+        models::find(&catalog, model)?.content_hash.clone()
     };
-    if let Some(e) = &p.error {
-        return Err(ApiError::new(ErrorKind::Unavailable, format!("{} cannot be placed now: {e}", entry.name)));
+    let mut made = request.resume.clone();
+    let mut progress_at = tokio::time::Instant::now();
+    let mut checked = false;
+    loop {
+        let view = view_rx.borrow_and_update().clone();
+        let name = models::entries(&view).into_iter().find(|e| e.content_hash == hash).map(|e| e.name);
+        let Some(name) = name else {
+            return Err(ApiError::new(ErrorKind::NotFound, "the model was removed from the catalog"));
+        };
+        let Some(p) = placements(&view).remove(&hash) else {
+            return Err(ApiError::new(ErrorKind::Unavailable, format!("{name} is not loaded (shoal models load)")));
+        };
+        let interrupted = made.len() > request.resume.len();
+        let attempt = match (&p.error, p.stages.first(), p.stages.first().and_then(|s| rt.addr_of(&view, s.node))) {
+            (None, Some(first), Some(addr)) => {
+                if !checked {
+                    // Refusals (bad parameters, a prompt over the context) come back now,
+                    // never as a retry.
+                    request.validate(p.context).map_err(|e| ApiError::new(ErrorKind::BadRequest, e))?;
+                    checked = true;
+                }
+                let place = StagePlace { node: first.node, addr, layers: first.layers };
+                let req = GenerateRequest { resume: made.clone(), ..request.clone() };
+                let r = shoal_pipeline::generate(&rt.node, &place, &req, |t| {
+                    made.push(t);
+                    progress_at = tokio::time::Instant::now();
+                    on_token(t);
+                })
+                .await;
+                match r {
+                    Ok(report) => return Ok(report),
+                    Err(e) => e.to_string(),
+                }
+            }
+            (Some(e), _, _) if !interrupted => {
+                return Err(ApiError::new(ErrorKind::Unavailable, format!("{name} cannot be placed now: {e}")));
+            }
+            (Some(e), _, _) => e.clone(),
+            _ => "the coordinator's address is not known yet".to_string(),
+        };
+        if progress_at.elapsed() > RESUME_WINDOW {
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                format!("{name}: no progress for {} s: {attempt}", RESUME_WINDOW.as_secs()),
+            ));
+        }
+        tracing::info!(model = %name, made = made.len(), "generation interrupted ({attempt}); resuming");
+        // The next placement, or a moment for the stages of this one to come up.
+        let _ = tokio::time::timeout(Duration::from_millis(500), view_rx.changed()).await;
     }
-    let first = p.stages.first().ok_or_else(|| ApiError::new(ErrorKind::Unavailable, "the placement has no stages"))?;
-    let addr = rt
-        .addr_of(&view, first.node)
-        .ok_or_else(|| ApiError::new(ErrorKind::Unavailable, "the coordinator's address is not known yet"))?;
-    let place = StagePlace { node: first.node, addr, layers: first.layers };
-    shoal_pipeline::generate(&rt.node, &place, request, on_token)
-        .await
-        .map_err(|e| ApiError::new(ErrorKind::Unavailable, e.to_string()))
 }
 
 /// The placement of `model`: committed, or what the scheduler would do now.

@@ -34,8 +34,14 @@ const OFFER: u64 = 90 << 20;
 
 struct FakeStage {
     info: StageInfo,
-    seen: HashMap<SessionId, Vec<f32>>,
+    /// Per session, per layer of this stage: the sum of that layer's output at each
+    /// position so far (its "KV cache"). Every layer keeps its own, so the numbers do
+    /// not depend on where the model is split, as with the real engine.
+    seen: HashMap<SessionId, Vec<Vec<f32>>>,
 }
+
+/// Time a fake stage takes per step, so that a generation lasts long enough to be cut.
+const STEP: Duration = Duration::from_millis(2);
 
 impl Stage for FakeStage {
     fn info(&self) -> &StageInfo {
@@ -43,27 +49,34 @@ impl Stage for FakeStage {
     }
 
     fn forward(&mut self, session: SessionId, first_pos: u32, input: StageInput<'_>) -> Result<StageOutput, StageError> {
+        std::thread::sleep(STEP);
         let rows: Vec<Vec<f32>> = match input {
             StageInput::Tokens(t) => {
                 t.iter().map(|&t| (0..N_EMBD).map(|j| (t as f32 + j as f32) * 0.01).collect()).collect()
             }
             StageInput::Hidden(h) => h.chunks(N_EMBD as usize).map(<[f32]>::to_vec).collect(),
         };
-        let seen = self.seen.entry(session).or_default();
-        if first_pos as usize > seen.len() {
-            return Err(StageError::PositionGap { session, first_pos, have: seen.len() as u32 });
+        let layers = self.info.layers;
+        let seen = self.seen.entry(session).or_insert_with(|| vec![Vec::new(); layers.len() as usize]);
+        if first_pos as usize > seen[0].len() {
+            return Err(StageError::PositionGap { session, first_pos, have: seen[0].len() as u32 });
         }
-        seen.truncate(first_pos as usize);
+        for l in seen.iter_mut() {
+            l.truncate(first_pos as usize);
+        }
         let mut out = Vec::new();
         for row in rows {
-            let history: f32 = seen.iter().sum::<f32>() * 1e-3;
-            let next: Vec<f32> = row
-                .iter()
-                .enumerate()
-                .map(|(j, v)| (v * 1.1 + self.info.layers.start as f32 * 0.1 + history + j as f32 * 1e-4).sin())
-                .collect();
-            seen.push(next.iter().sum());
-            out.extend(next);
+            let mut x = row;
+            for (k, layer) in (layers.start..layers.end).enumerate() {
+                let history: f32 = seen[k].iter().sum::<f32>() * 1e-3;
+                x = x
+                    .iter()
+                    .enumerate()
+                    .map(|(j, v)| (v * 1.1 + layer as f32 * 0.01 + history + j as f32 * 1e-4).sin())
+                    .collect();
+                seen[k].push(x.iter().sum());
+            }
+            out.extend(x);
         }
         if self.info.is_tail() {
             let last = &out[out.len() - N_EMBD as usize..];
@@ -120,9 +133,10 @@ impl Engine for FakeEngine {
     }
 }
 
-/// The same fake stages run in order in-process, on the canonical schedule.
+/// The fake stages of `ranges` run in order in-process, on the canonical schedule (any
+/// split of the layers gives the same tokens).
 fn reference(ranges: &[LayerRange], n_layer: u32, chunk: u32, prompt: &[TokenId], max_new: usize) -> Vec<TokenId> {
-    let sizing = StageSizing { context: 256, sessions: 1, chunk };
+    let sizing = StageSizing { context: 512, sessions: 1, chunk };
     let mut stages: Vec<Box<dyn Stage>> = ranges
         .iter()
         .map(|r| {
@@ -259,6 +273,34 @@ impl TestNode {
         }
     }
 
+    /// A generation through this node whose streamed tokens are counted in `count`.
+    fn generate_counted(
+        &self,
+        request: GenerateRequest,
+        count: Arc<std::sync::atomic::AtomicUsize>,
+    ) -> tokio::task::JoinHandle<Result<Vec<TokenId>, String>> {
+        let (dir, identity) = (self.dir.clone(), self.identity());
+        tokio::spawn(async move {
+            let mut tokens = Vec::new();
+            let req = NodeRequest::Generate { model: SMOL.into(), request };
+            let last = api::request_stream(&dir, identity, &req, &mut |m| {
+                if let NodeResponse::Token(t) = m {
+                    tokens.push(*t);
+                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            match last {
+                NodeResponse::Generated(report) => {
+                    assert_eq!(report.tokens, tokens, "the streamed tokens are the report's");
+                    Ok(tokens)
+                }
+                other => Err(format!("{other:?}")),
+            }
+        })
+    }
+
     async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
@@ -326,7 +368,7 @@ async fn running(nodes: &[&TestNode], p: &ModelPlacement) -> HashMap<NodeId, Sta
 }
 
 fn request(max_new: u32) -> GenerateRequest {
-    GenerateRequest { prompt: (1..40).collect(), max_new, stop: vec![], sampling: serde_json::json!({}) }
+    GenerateRequest { prompt: (1..40).collect(), max_new, stop: vec![], sampling: serde_json::json!({}), resume: vec![] }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -351,7 +393,7 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
         NodeResponse::Added(e) => assert_eq!(e.holders.len(), 1),
         other => panic!("add: {other:?}"),
     }
-    let load = NodeRequest::ModelLoad { model: SMOL.into(), context: 256, sessions: 1, exclude: vec![] };
+    let load = NodeRequest::ModelLoad { model: SMOL.into(), context: 512, sessions: 1, exclude: vec![] };
     match others[2].ask(load).await {
         NodeResponse::Ok(text) => assert!(text.contains("loading"), "{text}"),
         other => panic!("load: {other:?}"),
@@ -391,9 +433,23 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     drop(nodes);
     let (gone, rest): (Vec<TestNode>, Vec<TestNode>) = others.into_iter().partition(|n| n.id == victim);
     let keep: Vec<&TestNode> = std::iter::once(&a).chain(rest.iter()).collect();
+    // It stops in the middle of a long generation through A, which goes on on the next
+    // placement and ends as an uninterrupted run would.
+    let long = 300;
+    let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let running_gen = a.generate_counted(request(long), count.clone());
+    wait_for("the generation under way", 30, || async {
+        (count.load(std::sync::atomic::Ordering::SeqCst) >= 30).then_some(())
+    })
+    .await;
     for g in gone {
         g.stop().await;
     }
+    let at_stop = count.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(at_stop < long as usize, "the generation ended before the node stopped; make it longer");
+    let tokens = running_gen.await.unwrap().expect("the generation survives the lost stage");
+    let unsplit = reference(&[LayerRange::new(0, 30)], 30, p.chunk, &request(long).prompt, long as usize);
+    assert_eq!(tokens, unsplit, "the resumed generation differs from an uninterrupted run");
     let q = wait_for("a new placement without the stopped node", 40, || async {
         match keep[0].ask(NodeRequest::ModelPlan { model: SMOL.into() }).await {
             NodeResponse::Placement { placement, committed: true, .. }

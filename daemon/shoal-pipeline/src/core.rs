@@ -371,14 +371,18 @@ impl NodeCore {
         }
         let session = session_id(self.incarnation, self.next_session);
         let prompt_steps = req.prompt.len().div_ceil(self.cfg.chunk as usize) as u32;
+        // A resumed generation starts as a replay would: every step up to the one after
+        // the tokens it already has, in their original shapes (validate bounded them
+        // below max_new, so the step count fits the context).
+        let resumed = req.resume.len() as u32;
         let driver = Driver {
             client,
             prompt: req.prompt,
             max_new: req.max_new as usize,
             stop: req.stop,
-            tokens: Vec::new(),
+            tokens: req.resume,
             prompt_steps,
-            awaiting: prompt_steps - 1,
+            awaiting: prompt_steps - 1 + resumed,
             closing: false,
             sent_at: now,
             deadline: now,
@@ -1042,7 +1046,7 @@ mod tests {
     }
 
     fn request(prompt_len: usize, max_new: u32, sampling: serde_json::Value) -> GenerateRequest {
-        GenerateRequest { prompt: vec![1; prompt_len], max_new, stop: vec![], sampling }
+        GenerateRequest { prompt: vec![1; prompt_len], max_new, stop: vec![], sampling, resume: vec![] }
     }
 
     /// The coordinator's answer to a request it refuses: one error to the client, and

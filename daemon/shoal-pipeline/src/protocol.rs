@@ -23,6 +23,12 @@ pub struct GenerateRequest {
     /// Sampling parameters ([`SamplingParams`] as a JSON object), checked by the
     /// coordinator and again by the tail, then handed to the tail's sampler factory.
     pub sampling: serde_json::Value,
+    /// Tokens this generation already produced (on a placement that is gone): the
+    /// coordinator replays them in their original shapes, one per step after the
+    /// prompt's chunks, checks that they come out again, and streams only what follows.
+    /// The answer is then the one an uninterrupted run gives (DESIGN point 10).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resume: Vec<TokenId>,
 }
 
 impl GenerateRequest {
@@ -32,6 +38,16 @@ impl GenerateRequest {
     pub fn validate(&self, n_ctx: u32) -> Result<SamplingParams, String> {
         let params = sampling_params(&self.sampling).map_err(|e| format!("bad sampling parameters: {e}"))?;
         shoal_types::validate_generation(&params, self.prompt.len(), self.max_new, n_ctx).map_err(|e| e.to_string())?;
+        if self.resume.len() >= self.max_new as usize {
+            return Err(format!(
+                "a resumed generation must have tokens left to make: {} of max {} made",
+                self.resume.len(),
+                self.max_new
+            ));
+        }
+        if self.resume.iter().any(|t| self.stop.contains(t)) {
+            return Err("a resumed generation cannot hold a stop token: it would have ended there".into());
+        }
         Ok(params)
     }
 }

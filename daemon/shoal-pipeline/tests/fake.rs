@@ -90,7 +90,7 @@ async fn start(ranges: &[LayerRange]) -> (Placement, Node) {
 }
 
 fn request(prompt: &[TokenId], max_new: u32) -> GenerateRequest {
-    GenerateRequest { prompt: prompt.to_vec(), max_new, stop: vec![], sampling: serde_json::json!({}) }
+    GenerateRequest { prompt: prompt.to_vec(), max_new, stop: vec![], sampling: serde_json::json!({}), resume: vec![] }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -402,4 +402,30 @@ async fn a_long_generation_on_one_node_does_not_cut_off_its_reading_client() {
     assert_eq!((report.tokens, report.logits_digest), reference(&ranges, &prompt, 1000));
     let st = shoal_pipeline::status(&client, &placement.stages[0]).await.unwrap();
     assert_eq!(st.slow_clients_dropped, 0, "{st:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_generation_streams_only_what_follows_and_ends_as_the_uninterrupted_one() {
+    let ranges = [LayerRange::new(0, 3), LayerRange::new(3, 6)];
+    let (placement, client) = start(&ranges).await;
+    let prompt: Vec<TokenId> = (0..11).map(|i| (i * 7 % 50) as TokenId).collect();
+    let (want, digest) = reference(&ranges, &prompt, 30);
+    // The first 12 tokens were made before (on a placement that is gone).
+    let mut req = request(&prompt, 30);
+    req.resume = want[..12].to_vec();
+    let mut streamed = Vec::new();
+    let report = generate(&client, &placement.stages[0], &req, |t| streamed.push(t)).await.unwrap();
+    assert_eq!(streamed, want[12..], "only the tokens after the resumed ones are streamed");
+    assert_eq!(report.tokens, want);
+    assert_eq!(report.logits_digest, digest, "the tail's digest covers every step, as uninterrupted");
+    // A resume that leaves nothing to make, or holds a stop token, is refused.
+    let mut done = request(&prompt, 12);
+    done.resume = want[..12].to_vec();
+    let e = generate(&client, &placement.stages[0], &done, |_| {}).await.unwrap_err().to_string();
+    assert!(e.contains("tokens left to make"), "{e}");
+    let mut stopped = request(&prompt, 30);
+    stopped.resume = want[..3].to_vec();
+    stopped.stop = vec![want[1]];
+    let e = generate(&client, &placement.stages[0], &stopped, |_| {}).await.unwrap_err().to_string();
+    assert!(e.contains("stop token"), "{e}");
 }

@@ -280,6 +280,7 @@ pub fn generate(model: String, dir: &Option<PathBuf>, progress: bool, t: &crate:
         max_new: u32::try_from(t.max_tokens).unwrap_or(u32::MAX),
         stop: if t.ignore_eos { Vec::new() } else { vocab.eog_tokens() },
         sampling: serde_json::to_value(sampling)?,
+        resume: Vec::new(),
     };
     let data_dir = data_dir(dir);
     let identity = Arc::new(shoal_net::Identity::load_or_create(&data_dir)?);

@@ -272,6 +272,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         max_new: max_new as u32,
         stop: if t.ignore_eos { Vec::new() } else { vocab.eog_tokens() },
         sampling: serde_json::to_value(sampling)?,
+        resume: Vec::new(),
     };
     let dir = data_dir(&a.data_dir);
     let identity = Arc::new(Identity::load_or_create(&dir)?);

@@ -454,6 +454,7 @@ fn probe_frames(placement: &std::path::Path, client: &std::path::Path, n_embd: u
         max_new: 1,
         stop: Vec::new(),
         sampling: serde_json::json!({}),
+        resume: Vec::new(),
     };
     crate::pipeline::runtime()?.block_on(async {
         let node = crate::pipeline::client_node(&placement, identity)?;
