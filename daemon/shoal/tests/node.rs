@@ -2,7 +2,9 @@
 //! llama.cpp): three plain `shoal serve` nodes, each offering little memory; the model
 //! is added on the first only and loaded from the third; the leader splits it over all
 //! three, the other two receive only their shards, and `shoal generate --model` through
-//! two different nodes gives the tokens and logits digest of `shoal run` unsplit.
+//! two different nodes gives the tokens and logits digest of `shoal run` unsplit; a
+//! stage's node SIGKILLed during a 300-token generation (a middle stage, then a
+//! coordinator) is replaced by a spare and the answer does not change.
 
 mod common;
 use common::*;
@@ -15,15 +17,36 @@ use std::time::{Duration, Instant};
 
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
-/// Kills the node processes when the test ends, passed or failed.
-struct Nodes(Vec<Child>);
+/// The node processes by name; killed when the test ends, passed or failed.
+struct Nodes(Vec<(&'static str, Child)>);
 
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
+impl Nodes {
+    /// SIGKILL one node.
+    fn kill(&mut self, name: &str) {
+        if let Some(i) = self.0.iter().position(|(n, _)| *n == name) {
+            let (_, mut c) = self.0.remove(i);
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// The names of the nodes still running.
+    fn alive(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.0.iter().map(|(n, _)| *n)
+    }
+
+    fn kill_all(&mut self) {
+        for (_, c) in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.0.clear();
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        self.kill_all();
     }
 }
 
@@ -77,20 +100,7 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     let model_bytes = std::fs::metadata(&model).unwrap().len();
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
-    let mut nodes = Nodes(vec![serve(&dir("a"), "a", true)]);
-    wait_for("A's cluster", 30, || status(&dir("a")).filter(|s| !s["cluster"].is_null()));
-    for n in ["b", "c"] {
-        nodes.0.push(serve(&dir(n), n, false));
-        wait_for("the node up", 30, || status(&dir(n)));
-        wait_for(&format!("{n} joined"), 60, || {
-            let code = run_ok(&["nodes", "pair"], &dir("a"));
-            let out = shoal().args(["join", code.trim(), "--data-dir"]).arg(dir(n)).output().unwrap();
-            out.status.success().then_some(())
-        });
-    }
-    wait_for("three members", 30, || {
-        status(&dir("a")).filter(|s| s["members"].as_array().is_some_and(|m| m.len() == 3))
-    });
+    let mut nodes = start_cluster(&dir, &["a", "b", "c"]);
 
     // Added on A only; loaded from C (which holds no copy).
     let added = run_ok(&["models", "add", model.to_str().unwrap()], &dir("a"));
@@ -113,9 +123,7 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     // Through A (which holds the model) and B (which holds only its shard): the same
     // tokens and logits as the unsplit run.
     let args = ["--prompt", PROMPT, "-n", "24", "--json"];
-    let r = json(
-        shoal().args(["run", "--model"]).arg(&model).args(["--chunk", "128", "--ctx", "512"]).args(args).output().unwrap(),
-    );
+    let r = unsplit(&model, &args);
     for n in ["a", "b"] {
         let g = json(shoal().args(["generate", "--model", SMOL]).args(args).arg("--data-dir").arg(dir(n)).output().unwrap());
         assert_eq!(g["tokens"].as_array().unwrap().len(), 24);
@@ -128,4 +136,105 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     for n in ["a", "b", "c"] {
         wait_for("stage stopped", 30, || stages(&dir(n)).is_empty().then_some(()));
     }
+    nodes.kill_all();
+}
+
+#[test]
+fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change() {
+    let model = model(SMOL);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
+    // Three stages (the offers force it) and two spares: one for each node killed.
+    let names = ["a", "b", "c", "d", "e"];
+    let mut nodes = start_cluster(&dir, &names);
+    run_ok(&["models", "add", model.to_str().unwrap()], &dir("a"));
+    let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--wait"], &dir("a"));
+    assert!(loaded.contains("ready: 3 stage(s)"), "{loaded}");
+    let args = ["--prompt", PROMPT, "-n", "300", "--ignore-eos", "--json"];
+    let r = unsplit(&model, &args);
+    let id_of = |n: &str| key(&dir(n));
+    // The middle stage's node, and then the (new) coordinator's, unless it is A: A holds
+    // the only copy of the model and is where the generation is asked.
+    for round in 0..2 {
+        let plan = placement(&dir("a"));
+        let stages: Vec<String> =
+            plan["stages"].as_array().unwrap().iter().map(|s| s["node"].as_str().unwrap().to_string()).collect();
+        let pick = if round == 0 { [1, 0, 2] } else { [0, 1, 2] };
+        let Some(victim) = pick
+            .iter()
+            .map(|&i| stages[i].clone())
+            .find(|id| *id != id_of("a") && nodes.alive().any(|n| id_of(n) == *id))
+        else {
+            panic!("no stage to kill in {stages:?}");
+        };
+        let victim_name = names.iter().copied().find(|n| id_of(n) == victim).unwrap();
+        let mut gen = shoal()
+            .args(["generate", "--model", SMOL, "--progress"])
+            .args(args)
+            .arg("--data-dir")
+            .arg(dir("a"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Kill the victim once 40 tokens came.
+        let stderr = gen.stderr.take().unwrap();
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
+        let mut seen = 0;
+        for line in lines.by_ref() {
+            if line.unwrap().starts_with("token ") {
+                seen += 1;
+                if seen == 40 {
+                    break;
+                }
+            }
+        }
+        assert_eq!(seen, 40, "the generation did not get under way");
+        let killed_at = Instant::now();
+        nodes.kill(victim_name);
+        let rest: Vec<String> = lines.map_while(Result::ok).collect();
+        let out = gen.wait_with_output().unwrap();
+        assert!(out.status.success(), "round {round}: the generation failed: {rest:?}");
+        eprintln!("round {round}: {victim_name} killed; the generation ended {:.1} s later", killed_at.elapsed().as_secs_f64());
+        let g: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(g["tokens"].as_array().unwrap().len(), 300);
+        assert_eq!(g["tokens"], r["tokens"], "round {round} ({victim_name} killed): tokens differ from the unsplit run");
+        assert_eq!(g["logits_digest"], r["logits_digest"], "round {round}: logits differ from the unsplit run");
+        assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 260, "tokens missing or repeated");
+        let after = placement(&dir("a"));
+        assert!(after["generation"].as_u64() > plan["generation"].as_u64(), "not re-placed: {after}");
+    }
+    nodes.kill_all();
+}
+
+/// `shoal run` unsplit, as JSON.
+fn unsplit(model: &Path, args: &[&str]) -> Value {
+    json(shoal().args(["run", "--model"]).arg(model).args(["--chunk", "128", "--ctx", "512"]).args(args).output().unwrap())
+}
+
+/// The committed placement of the test model, as `models plan --json` prints it.
+fn placement(dir: &Path) -> Value {
+    let v: Value = serde_json::from_str(&run_ok(&["models", "plan", SMOL, "--json"], dir)).unwrap();
+    assert_eq!(v["committed"], true, "{v}");
+    v["placement"].clone()
+}
+
+/// Start `names[0]` creating a cluster and the others joining it with codes.
+fn start_cluster(dir: &dyn Fn(&str) -> PathBuf, names: &[&'static str]) -> Nodes {
+    let mut nodes = Nodes(Vec::new());
+    nodes.0.push((names[0], serve(&dir(names[0]), names[0], true)));
+    wait_for("the first node's cluster", 30, || status(&dir(names[0])).filter(|s| !s["cluster"].is_null()));
+    for n in &names[1..] {
+        nodes.0.push((n, serve(&dir(n), n, false)));
+        wait_for("the node up", 30, || status(&dir(n)));
+        wait_for(&format!("{n} joined"), 60, || {
+            let code = run_ok(&["nodes", "pair"], &dir(names[0]));
+            let out = shoal().args(["join", code.trim(), "--data-dir"]).arg(dir(n)).output().unwrap();
+            out.status.success().then_some(())
+        });
+    }
+    wait_for("every member", 30, || {
+        status(&dir(names[0])).filter(|s| s["members"].as_array().is_some_and(|m| m.len() == names.len()))
+    });
+    nodes
 }
