@@ -11,7 +11,9 @@ pub mod describe;
 pub mod download;
 pub mod scan;
 
-pub use describe::{check_unchanged, describe, describe_with_progress, hash_file, mtime_ns, CatalogError, Described, Verified};
+pub use describe::{
+    check_unchanged, describe, describe_with_progress, hash_file, mtime_ns, CatalogError, Described, Verified,
+};
 pub use download::{download, resolve_url, DownloadError, Downloaded, Progress, Resolved};
 pub use scan::{
     hf_cache_root, lmstudio_roots, ollama_roots, scan_hf_cache, scan_lmstudio, scan_ollama, Candidate, Scan,

@@ -659,7 +659,10 @@ impl Actor {
             if same_state && v.addrs == next.addrs && v.leader == next.leader && v.alive == next.alive {
                 return false;
             }
-            *v = View { state: if same_state { v.state.clone() } else { core.map(|c| Arc::new(c.state().clone())) }, ..next };
+            *v = View {
+                state: if same_state { v.state.clone() } else { core.map(|c| Arc::new(c.state().clone())) },
+                ..next
+            };
             true
         });
     }

@@ -322,7 +322,11 @@ fn endpoint_of(data_dir: &Path) -> Result<SocketAddr, ClientError> {
         .parse()
         .map_err(|_| no_node(std::io::Error::new(std::io::ErrorKind::InvalidData, "not an address")))?;
     if addr.ip().is_unspecified() {
-        addr.set_ip(if addr.is_ipv4() { IpAddr::from([127, 0, 0, 1]) } else { IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]) });
+        addr.set_ip(if addr.is_ipv4() {
+            IpAddr::from([127, 0, 0, 1])
+        } else {
+            IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1])
+        });
     }
     Ok(addr)
 }

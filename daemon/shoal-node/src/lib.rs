@@ -14,16 +14,16 @@ pub mod runtime;
 pub mod schedule;
 
 use api::{ApiError, ErrorKind, NodeRequest, NodeResponse};
-use shoal_membership::node::{self as membership, Handle, NodeConfig, SharedEndpoint};
-use shoal_membership::wire::{read_msg, write_msg};
 use runtime::{Engine, Runtime};
 use shoal_gguf::ShardCache;
+use shoal_membership::node::{self as membership, Handle, NodeConfig, SharedEndpoint};
+use shoal_membership::wire::{read_msg, write_msg};
 use shoal_net::{alpn, Identity, Incoming, NodeId, TrustedKeys};
-use std::path::PathBuf;
-use std::sync::Mutex;
 use shoal_types::NodeInventory;
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::Mutex;
 use tokio::sync::watch;
 
 /// Why the node process stopped.
@@ -130,7 +130,9 @@ async fn serve_api(mut incoming: Incoming, ctx: Arc<Ctx>) {
                         }
                         Ok(Some(req)) => handle(&ctx, req).await,
                         Ok(None) => return,
-                        Err(e) => NodeResponse::Error(ApiError::new(ErrorKind::BadRequest, format!("bad request: {e}"))),
+                        Err(e) => {
+                            NodeResponse::Error(ApiError::new(ErrorKind::BadRequest, format!("bad request: {e}")))
+                        }
                     };
                     let _ = write_msg(&mut send, &answer).await;
                     let _ = send.finish();
@@ -142,7 +144,9 @@ async fn serve_api(mut incoming: Incoming, ctx: Arc<Ctx>) {
 
 async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
     let result = match req {
-        NodeRequest::ModelAdd { path, name } => models::add(ctx.me, &ctx.membership, &path, name).await.map(NodeResponse::Added),
+        NodeRequest::ModelAdd { path, name } => {
+            models::add(ctx.me, &ctx.membership, &path, name).await.map(NodeResponse::Added)
+        }
         NodeRequest::ModelList => Ok(NodeResponse::Models(models::list(ctx.me, &ctx.membership.view().borrow()))),
         NodeRequest::ModelRemove { model } => models::remove(&ctx.membership, &model).await.map(NodeResponse::Removed),
         NodeRequest::ModelScan { from } => Ok(models::scan(from).await),
@@ -152,7 +156,9 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
         }
         NodeRequest::ModelUnload { model } => runtime::unload(&ctx.rt, &model).await.map(NodeResponse::Ok),
         NodeRequest::ModelPlan { model } => runtime::plan_of(&ctx.rt, &model),
-        NodeRequest::Stages => Ok(NodeResponse::Stages(ctx.rt.stage.lock().map(|s| s.iter().cloned().collect()).unwrap_or_default())),
+        NodeRequest::Stages => {
+            Ok(NodeResponse::Stages(ctx.rt.stage.lock().map(|s| s.iter().cloned().collect()).unwrap_or_default()))
+        }
         NodeRequest::Generate { .. } => Err(ApiError::new(ErrorKind::BadRequest, "a generation streams its answer")),
     };
     result.unwrap_or_else(NodeResponse::Error)

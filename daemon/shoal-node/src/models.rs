@@ -43,8 +43,13 @@ pub fn find<'a>(entries: &'a [CatalogEntry], model: &str) -> Result<&'a CatalogE
     };
     match by_hash.as_slice() {
         [one] => Ok(one),
-        [] => Err(ApiError::new(ErrorKind::NotFound, format!("no model {model:?} in the catalog (see `shoal models ls`)"))),
-        _ => Err(ApiError::new(ErrorKind::BadRequest, format!("{model:?} names several models; give more of the hash"))),
+        [] => Err(ApiError::new(
+            ErrorKind::NotFound,
+            format!("no model {model:?} in the catalog (see `shoal models ls`)"),
+        )),
+        _ => {
+            Err(ApiError::new(ErrorKind::BadRequest, format!("{model:?} names several models; give more of the hash")))
+        }
     }
 }
 
@@ -73,7 +78,10 @@ fn refused(e: CatalogError) -> ApiError {
 pub async fn add(me: NodeId, membership: &Handle, path: &str, name: Option<String>) -> Result<CatalogEntry, ApiError> {
     let path = Path::new(path);
     if !path.is_absolute() {
-        return Err(ApiError::new(ErrorKind::BadRequest, format!("{}: give the node an absolute path", path.display())));
+        return Err(ApiError::new(
+            ErrorKind::BadRequest,
+            format!("{}: give the node an absolute path", path.display()),
+        ));
     }
     let (described, profile) = describe(path.to_owned()).await?;
     add_described(me, membership, described, profile, name).await
@@ -134,7 +142,10 @@ pub async fn remove(membership: &Handle, model: &str) -> Result<CatalogEntry, Ap
     let entry = find(&all, model)?.clone();
     let load_key = format!("{}{}", shoal_types::LoadSpec::KEY_PREFIX, entry.content_hash);
     if view.state.as_ref().is_some_and(|s| s.entries.contains_key(&load_key)) {
-        return Err(ApiError::new(ErrorKind::Conflict, format!("{} is loaded: `shoal models unload` it first", entry.name)));
+        return Err(ApiError::new(
+            ErrorKind::Conflict,
+            format!("{} is loaded: `shoal models unload` it first", entry.name),
+        ));
     }
     commit(membership, AdminRequest::Delete { key: entry.key() }).await?;
     let profile_key = format!("{}{}", crate::runtime::PROFILE_PREFIX, entry.content_hash);

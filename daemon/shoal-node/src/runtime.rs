@@ -45,7 +45,13 @@ pub struct StageSizing {
 pub trait Engine: Send + Sync {
     /// Load the stage of `layers` (of a model of `n_layer` blocks) from the shard at
     /// `shard`. Blocking: called on a blocking thread.
-    fn load(&self, shard: &Path, layers: LayerRange, n_layer: u32, sizing: StageSizing) -> Result<Box<dyn Stage>, String>;
+    fn load(
+        &self,
+        shard: &Path,
+        layers: LayerRange,
+        n_layer: u32,
+        sizing: StageSizing,
+    ) -> Result<Box<dyn Stage>, String>;
     /// Samplers for the tail.
     fn samplers(&self) -> SamplerFactory;
 }
@@ -80,7 +86,11 @@ impl Runtime {
     fn own_addr(&self) -> Option<SocketAddr> {
         let mut a = self.node.local_addr().ok()?;
         if a.ip().is_unspecified() {
-            a.set_ip(if a.is_ipv4() { IpAddr::from([127, 0, 0, 1]) } else { IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]) });
+            a.set_ip(if a.is_ipv4() {
+                IpAddr::from([127, 0, 0, 1])
+            } else {
+                IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1])
+            });
         }
         Some(a)
     }
@@ -152,7 +162,9 @@ pub async fn lead(rt: Arc<Runtime>) {
                             Err(_) => continue,
                         }
                     }
-                    Decision::Remove(model) => AdminRequest::Delete { key: format!("{}{model}", ModelPlacement::KEY_PREFIX) },
+                    Decision::Remove(model) => {
+                        AdminRequest::Delete { key: format!("{}{model}", ModelPlacement::KEY_PREFIX) }
+                    }
                 };
                 if let AdminResponse::Error(e) = rt.membership.ask(req).await {
                     tracing::warn!("committing a placement failed: {e}");
@@ -271,12 +283,20 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
             s.shard_bytes_received = p.data_bytes;
         }
     };
-    let obtained =
-        match shoal_transfer::obtain(&rt.node, &sources, &holders, source, stage.layers, &rt.cache, &mut progress).await
-        {
-            Ok(o) => o,
-            Err(e) => return fail(&rt, status, format!("getting the shard of layers {}: {e}", stage.layers)),
-        };
+    let obtained = match shoal_transfer::obtain(
+        &rt.node,
+        &sources,
+        &holders,
+        source,
+        stage.layers,
+        &rt.cache,
+        &mut progress,
+    )
+    .await
+    {
+        Ok(o) => o,
+        Err(e) => return fail(&rt, status, format!("getting the shard of layers {}: {e}", stage.layers)),
+    };
     status.shard_origin = Some(match obtained.origin {
         shoal_transfer::Origin::Cache => "cache".to_string(),
         shoal_transfer::Origin::Built => "built from this node's copy".to_string(),
@@ -468,7 +488,12 @@ pub fn plan_of(rt: &Runtime, model: &str) -> Result<NodeResponse, ApiError> {
         return Ok(NodeResponse::Placement { entry, placement: p, committed: true });
     }
     let mut i = inputs(&view);
-    let load = LoadSpec { model: entry.content_hash.clone(), context: 4096.min(entry.context_length.max(1)), sessions: 1, exclude: vec![] };
+    let load = LoadSpec {
+        model: entry.content_hash.clone(),
+        context: 4096.min(entry.context_length.max(1)),
+        sessions: 1,
+        exclude: vec![],
+    };
     i.loads = vec![load];
     i.placements.clear();
     match schedule::schedule(&i).into_iter().next() {
@@ -478,7 +503,13 @@ pub fn plan_of(rt: &Runtime, model: &str) -> Result<NodeResponse, ApiError> {
 }
 
 /// Keep `model` loaded with this sizing.
-pub async fn load(rt: &Runtime, model: &str, context: u32, sessions: u32, exclude: &[String]) -> Result<String, ApiError> {
+pub async fn load(
+    rt: &Runtime,
+    model: &str,
+    context: u32,
+    sessions: u32,
+    exclude: &[String],
+) -> Result<String, ApiError> {
     let view = rt.view();
     let catalog = models::entries(&view);
     let entry = models::find(&catalog, model)?;
@@ -488,19 +519,28 @@ pub async fn load(rt: &Runtime, model: &str, context: u32, sessions: u32, exclud
     let members: Vec<NodeId> = view.state.as_ref().map(|s| s.members.keys().copied().collect()).unwrap_or_default();
     let mut ids = Vec::new();
     for x in exclude {
-        let found: Vec<&NodeId> = members.iter().filter(|m| m.to_string().starts_with(&x.to_ascii_lowercase())).collect();
+        let found: Vec<&NodeId> =
+            members.iter().filter(|m| m.to_string().starts_with(&x.to_ascii_lowercase())).collect();
         match found.as_slice() {
             [one] if x.len() >= 8 => ids.push(**one),
-            _ => return Err(ApiError::new(ErrorKind::BadRequest, format!("{x:?} names no single member (give 8+ hex digits of its id)"))),
+            _ => {
+                return Err(ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("{x:?} names no single member (give 8+ hex digits of its id)"),
+                ))
+            }
         }
     }
-    if !view.state.as_ref().is_some_and(|s| s.entries.contains_key(&format!("{PROFILE_PREFIX}{}", entry.content_hash))) {
+    if !view.state.as_ref().is_some_and(|s| s.entries.contains_key(&format!("{PROFILE_PREFIX}{}", entry.content_hash)))
+    {
         return Err(ApiError::new(ErrorKind::Unavailable, "the model's description is missing; add it again"));
     }
     let spec = LoadSpec { model: entry.content_hash.clone(), context, sessions, exclude: ids };
     let value = serde_json::to_value(&spec).map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
     match rt.membership.ask(AdminRequest::Put { key: spec.key(), value }).await {
-        AdminResponse::Ok(_) => Ok(format!("{} loading: the leader places it (see `shoal models plan {}`)", entry.name, entry.name)),
+        AdminResponse::Ok(_) => {
+            Ok(format!("{} loading: the leader places it (see `shoal models plan {}`)", entry.name, entry.name))
+        }
         AdminResponse::Error(e) => Err(ApiError::new(ErrorKind::Unavailable, e)),
         other => Err(ApiError::new(ErrorKind::Unavailable, format!("{other:?}"))),
     }
@@ -511,7 +551,11 @@ pub async fn unload(rt: &Runtime, model: &str) -> Result<String, ApiError> {
     let view = rt.view();
     let catalog = models::entries(&view);
     let entry = models::find(&catalog, model)?;
-    match rt.membership.ask(AdminRequest::Delete { key: format!("{}{}", LoadSpec::KEY_PREFIX, entry.content_hash) }).await {
+    match rt
+        .membership
+        .ask(AdminRequest::Delete { key: format!("{}{}", LoadSpec::KEY_PREFIX, entry.content_hash) })
+        .await
+    {
         AdminResponse::Ok(_) => Ok(format!("{} unloading: its stages stop and free their memory", entry.name)),
         AdminResponse::Error(e) => Err(ApiError::new(ErrorKind::Unavailable, e)),
         other => Err(ApiError::new(ErrorKind::Unavailable, format!("{other:?}"))),

@@ -153,7 +153,8 @@ fn place(
         return fail(placement, "no live member is free to run it (excluded, or running another model)".into());
     }
     let hosts = host_names(&candidates);
-    let devices = candidates.iter().zip(&hosts).map(|(m, host)| estimated_cpu(host.clone(), m.offer_bytes, profile)).collect();
+    let devices =
+        candidates.iter().zip(&hosts).map(|(m, host)| estimated_cpu(host.clone(), m.offer_bytes, profile)).collect();
     let cluster = Cluster { devices, links: Vec::new() };
     let opts = Options {
         sizing: Sizing { context: load.context, sessions: load.sessions, chunk: placement.chunk },

@@ -70,7 +70,9 @@ impl TestNode {
         loop {
             match node::admin(&self.dir, self.identity(), &req).await {
                 Ok(answer) => return answer,
-                Err(_) if t0.elapsed() < Duration::from_secs(10) => tokio::time::sleep(Duration::from_millis(100)).await,
+                Err(_) if t0.elapsed() < Duration::from_secs(10) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
                 Err(e) => panic!("admin request: {e}"),
             }
         }

@@ -48,7 +48,12 @@ impl Stage for FakeStage {
         &self.info
     }
 
-    fn forward(&mut self, session: SessionId, first_pos: u32, input: StageInput<'_>) -> Result<StageOutput, StageError> {
+    fn forward(
+        &mut self,
+        session: SessionId,
+        first_pos: u32,
+        input: StageInput<'_>,
+    ) -> Result<StageOutput, StageError> {
         std::thread::sleep(STEP);
         let rows: Vec<Vec<f32>> = match input {
             StageInput::Tokens(t) => {
@@ -230,7 +235,9 @@ impl TestNode {
         loop {
             match node::admin(&self.dir, self.identity(), &req).await {
                 Ok(answer) => return answer,
-                Err(_) if t0.elapsed() < Duration::from_secs(10) => tokio::time::sleep(Duration::from_millis(100)).await,
+                Err(_) if t0.elapsed() < Duration::from_secs(10) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
                 Err(e) => panic!("admin request: {e}"),
             }
         }
@@ -368,7 +375,13 @@ async fn running(nodes: &[&TestNode], p: &ModelPlacement) -> HashMap<NodeId, Sta
 }
 
 fn request(max_new: u32) -> GenerateRequest {
-    GenerateRequest { prompt: (1..40).collect(), max_new, stop: vec![], sampling: serde_json::json!({}), resume: vec![] }
+    GenerateRequest {
+        prompt: (1..40).collect(),
+        max_new,
+        stop: vec![],
+        sampling: serde_json::json!({}),
+        resume: vec![],
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -380,8 +393,7 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     let dir = |n: &str| tmp.path().join(n);
     let a = start(&dir("a"), "a", CreatePolicy::Now);
     wait_for("A's cluster", 10, || async { a.status().await.cluster }).await;
-    let others: Vec<TestNode> =
-        ["b", "c", "d"].iter().map(|n| start(&dir(n), n, CreatePolicy::Never)).collect();
+    let others: Vec<TestNode> = ["b", "c", "d"].iter().map(|n| start(&dir(n), n, CreatePolicy::Never)).collect();
     for x in &others {
         join(&a, x).await;
     }

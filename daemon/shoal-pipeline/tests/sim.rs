@@ -106,7 +106,13 @@ fn simulate(
     let mut streamed = Vec::new();
     let mut result = None;
     let mut recoveries = 0;
-    let req = GenerateRequest { prompt: prompt.to_vec(), max_new, stop: vec![], sampling: serde_json::json!({}), resume: vec![] };
+    let req = GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_new,
+        stop: vec![],
+        sampling: serde_json::json!({}),
+        resume: vec![],
+    };
     let mut inputs: VecDeque<(usize, Input)> = VecDeque::from([(0, Input::Generate(req, 1))]);
     let mut next_tick = Duration::ZERO;
     let mut steps = 0;
@@ -282,7 +288,13 @@ impl Ring {
     }
 
     fn generate(&mut self, client: ClientId, prompt: &[TokenId], max_new: u32) {
-        let req = GenerateRequest { prompt: prompt.to_vec(), max_new, stop: vec![], sampling: serde_json::json!({}), resume: vec![] };
+        let req = GenerateRequest {
+            prompt: prompt.to_vec(),
+            max_new,
+            stop: vec![],
+            sampling: serde_json::json!({}),
+            resume: vec![],
+        };
         self.queue.push_back((0, Input::Generate(req, client)));
     }
 

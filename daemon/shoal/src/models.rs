@@ -6,8 +6,8 @@ use crate::cluster::DirArg;
 use crate::pipeline::{data_dir, runtime};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use shoal_node::api::{self, CopyState, NodeRequest, NodeResponse, StoreKind};
 use shoal_engine::Observer;
+use shoal_node::api::{self, CopyState, NodeRequest, NodeResponse, StoreKind};
 use shoal_planner::plan::gib;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -207,9 +207,9 @@ fn stages_running(dir: &DirArg, p: &shoal_types::ModelPlacement) -> Result<bool>
             }
             let answer = api::request_at(addr, s.node, identity.clone(), &NodeRequest::Stages).await;
             let Ok(NodeResponse::Stages(stages)) = answer else { return Ok(false) };
-            let running = stages.iter().any(|st| {
-                st.generation == p.generation && st.model == p.model && st.state == api::StageState::Running
-            });
+            let running = stages
+                .iter()
+                .any(|st| st.generation == p.generation && st.model == p.model && st.state == api::StageState::Running);
             if let Some(api::StageStatus { state: api::StageState::Failed(why), .. }) =
                 stages.iter().find(|st| st.generation == p.generation)
             {
@@ -230,7 +230,10 @@ fn plan(a: PlanArgs) -> Result<()> {
         bail!("unexpected answer");
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"committed": committed, "placement": placement}))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"committed": committed, "placement": placement}))?
+        );
         return Ok(());
     }
     println!(
@@ -247,7 +250,12 @@ fn plan(a: PlanArgs) -> Result<()> {
         println!("cannot be placed: {e}");
     }
     for (i, s) in placement.stages.iter().enumerate() {
-        println!("  stage {i}: layers {:>7} on {}  ({} predicted)", s.layers.to_string(), &s.node.to_string()[..12], gib(s.memory_bytes));
+        println!(
+            "  stage {i}: layers {:>7} on {}  ({} predicted)",
+            s.layers.to_string(),
+            &s.node.to_string()[..12],
+            gib(s.memory_bytes)
+        );
     }
     if !placement.stages.is_empty() {
         println!("  predicted {:.1} tok/s", placement.predicted_tok_s);
@@ -320,7 +328,12 @@ pub fn generate(model: String, dir: &Option<PathBuf>, progress: bool, t: &crate:
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!("{tail}");
-        eprintln!("[shoal] {} tokens, {:.1} tok/s decode, prefill {:.2} s", report.tokens.len(), report.tok_per_s, report.prefill_s);
+        eprintln!(
+            "[shoal] {} tokens, {:.1} tok/s decode, prefill {:.2} s",
+            report.tokens.len(),
+            report.tok_per_s,
+            report.prefill_s
+        );
     }
     Ok(())
 }
@@ -399,7 +412,9 @@ fn download(url: &str, dest: &Path) -> Result<PathBuf> {
         }
         last = std::time::Instant::now();
         match p.total {
-            Some(t) if t > 0 => eprint!("\r[shoal] {} of {} ({:.0}%)   ", gib(p.done), gib(t), p.done as f64 * 100.0 / t as f64),
+            Some(t) if t > 0 => {
+                eprint!("\r[shoal] {} of {} ({:.0}%)   ", gib(p.done), gib(t), p.done as f64 * 100.0 / t as f64)
+            }
             _ => eprint!("\r[shoal] {}   ", gib(p.done)),
         }
         let _ = std::io::stderr().flush();
@@ -424,7 +439,10 @@ fn ls(a: LsArgs) -> Result<()> {
         println!("the catalog is empty: add a model with `shoal models add PATH`");
         return Ok(());
     }
-    println!("{:<40} {:<10} {:>6} {:<8} {:>10} {:>8}  {:<13} here", "name", "arch", "layers", "quant", "size", "holders", "hash");
+    println!(
+        "{:<40} {:<10} {:>6} {:<8} {:>10} {:>8}  {:<13} here",
+        "name", "arch", "layers", "quant", "size", "holders", "hash"
+    );
     for r in rows {
         let e = &r.entry;
         let here = match r.here {
@@ -462,7 +480,10 @@ fn import(a: ImportArgs) -> Result<()> {
             eprintln!("skipped {path}: {why}");
         }
         if !found.is_empty() {
-            println!("add with: shoal models import --from {} NAME… (or --all)", format!("{:?}", a.from).to_lowercase());
+            println!(
+                "add with: shoal models import --from {} NAME… (or --all)",
+                format!("{:?}", a.from).to_lowercase()
+            );
         }
         return Ok(());
     }

@@ -125,7 +125,9 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     let args = ["--prompt", PROMPT, "-n", "24", "--json"];
     let r = unsplit(&model, &args);
     for n in ["a", "b"] {
-        let g = json(shoal().args(["generate", "--model", SMOL]).args(args).arg("--data-dir").arg(dir(n)).output().unwrap());
+        let g = json(
+            shoal().args(["generate", "--model", SMOL]).args(args).arg("--data-dir").arg(dir(n)).output().unwrap(),
+        );
         assert_eq!(g["tokens"].as_array().unwrap().len(), 24);
         assert_eq!(g["tokens"], r["tokens"], "through {n}: tokens differ from the unsplit run");
         assert_eq!(g["logits_digest"], r["logits_digest"], "through {n}: logits differ from the unsplit run");
@@ -195,10 +197,16 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
         let rest: Vec<String> = lines.map_while(Result::ok).collect();
         let out = gen.wait_with_output().unwrap();
         assert!(out.status.success(), "round {round}: the generation failed: {rest:?}");
-        eprintln!("round {round}: {victim_name} killed; the generation ended {:.1} s later", killed_at.elapsed().as_secs_f64());
+        eprintln!(
+            "round {round}: {victim_name} killed; the generation ended {:.1} s later",
+            killed_at.elapsed().as_secs_f64()
+        );
         let g: Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(g["tokens"].as_array().unwrap().len(), 300);
-        assert_eq!(g["tokens"], r["tokens"], "round {round} ({victim_name} killed): tokens differ from the unsplit run");
+        assert_eq!(
+            g["tokens"], r["tokens"],
+            "round {round} ({victim_name} killed): tokens differ from the unsplit run"
+        );
         assert_eq!(g["logits_digest"], r["logits_digest"], "round {round}: logits differ from the unsplit run");
         assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 260, "tokens missing or repeated");
         let after = placement(&dir("a"));
@@ -209,7 +217,15 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
 
 /// `shoal run` unsplit, as JSON.
 fn unsplit(model: &Path, args: &[&str]) -> Value {
-    json(shoal().args(["run", "--model"]).arg(model).args(["--chunk", "128", "--ctx", "512"]).args(args).output().unwrap())
+    json(
+        shoal()
+            .args(["run", "--model"])
+            .arg(model)
+            .args(["--chunk", "128", "--ctx", "512"])
+            .args(args)
+            .output()
+            .unwrap(),
+    )
 }
 
 /// The committed placement of the test model, as `models plan --json` prints it.
