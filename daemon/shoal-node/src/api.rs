@@ -198,6 +198,9 @@ pub struct ModelRow {
     pub entry: CatalogEntry,
     /// This node's copy, if it holds one.
     pub here: Option<CopyState>,
+    /// Where it runs, when it is loaded.
+    #[serde(default)]
+    pub placement: Option<ModelPlacement>,
 }
 
 /// How this node's copy of a model looks (a quick size and time check; the full hash

@@ -155,11 +155,13 @@ pub async fn remove(membership: &Handle, model: &str) -> Result<CatalogEntry, Ap
 
 /// The catalog, with a quick look at this node's copies.
 pub fn list(me: NodeId, view: &View) -> Vec<ModelRow> {
+    let mut placements = crate::runtime::placements(view);
     let mut rows: Vec<ModelRow> = entries(view)
         .into_iter()
         .map(|entry| {
             let here = entry.holders.get(&me).map(copy_state);
-            ModelRow { entry, here }
+            let placement = placements.remove(&entry.content_hash);
+            ModelRow { entry, here, placement }
         })
         .collect();
     rows.sort_by(|a, b| a.entry.name.cmp(&b.entry.name));

@@ -186,40 +186,50 @@ fn load(a: LoadArgs) -> Result<()> {
     }
 }
 
-/// Whether every stage of `p` runs (asking each stage's node, as a fellow member).
+/// Whether every stage of `p` runs; an error if one failed.
 fn stages_running(dir: &DirArg, p: &shoal_types::ModelPlacement) -> Result<bool> {
+    let mut all = true;
+    for (s, st) in p.stages.iter().zip(stage_states(dir, p)?) {
+        match st.map(|st| st.state) {
+            Some(api::StageState::Running) => {}
+            Some(api::StageState::Failed(why)) => bail!("the stage on {} failed: {why}", &s.node.to_string()[..12]),
+            _ => all = false,
+        }
+    }
+    Ok(all)
+}
+
+/// What each stage's node says of its stage of `p` (asked as a fellow member; `None`
+/// where the node does not answer or runs another generation of the placement).
+fn stage_states(dir: &DirArg, p: &shoal_types::ModelPlacement) -> Result<Vec<Option<api::StageStatus>>> {
     let data_dir = data_dir(&dir.data_dir);
     let identity = Arc::new(shoal_net::Identity::load_or_create(&data_dir)?);
     let status = crate::cluster::status_of(&dir.data_dir)?;
     runtime()?.block_on(async {
+        let mut out = Vec::new();
         for s in &p.stages {
             let addr = if s.node == status.node {
-                status.addr.clone()
+                Some(status.addr.clone())
             } else {
-                match status.members.iter().find(|m| m.node == s.node).and_then(|m| m.addr.clone()) {
-                    Some(a) => a,
-                    None => return Ok(false),
-                }
+                status.members.iter().find(|m| m.node == s.node).and_then(|m| m.addr.clone())
             };
-            let Ok(mut addr) = addr.parse::<std::net::SocketAddr>() else { return Ok(false) };
+            let Some(mut addr) = addr.and_then(|a| a.parse::<std::net::SocketAddr>().ok()) else {
+                out.push(None);
+                continue;
+            };
             if addr.ip().is_unspecified() {
                 addr.set_ip(std::net::IpAddr::from([127, 0, 0, 1]));
             }
-            let answer = api::request_at(addr, s.node, identity.clone(), &NodeRequest::Stages).await;
-            let Ok(NodeResponse::Stages(stages)) = answer else { return Ok(false) };
-            let running = stages
-                .iter()
-                .any(|st| st.generation == p.generation && st.model == p.model && st.state == api::StageState::Running);
-            if let Some(api::StageStatus { state: api::StageState::Failed(why), .. }) =
-                stages.iter().find(|st| st.generation == p.generation)
-            {
-                bail!("the stage on {} failed: {why}", &s.node.to_string()[..12]);
-            }
-            if !running {
-                return Ok(false);
-            }
+            let ask = api::request_at(addr, s.node, identity.clone(), &NodeRequest::Stages);
+            let answer = tokio::time::timeout(std::time::Duration::from_secs(5), ask).await;
+            out.push(match answer {
+                Ok(Ok(NodeResponse::Stages(stages))) => {
+                    stages.into_iter().find(|st| st.generation == p.generation && st.model == p.model)
+                }
+                _ => None,
+            });
         }
-        Ok(true)
+        Ok(out)
     })
 }
 
@@ -249,9 +259,25 @@ fn plan(a: PlanArgs) -> Result<()> {
     if let Some(e) = &placement.error {
         println!("cannot be placed: {e}");
     }
-    for (i, s) in placement.stages.iter().enumerate() {
+    let states = if committed { stage_states(&a.dir, &placement)? } else { vec![None; placement.stages.len()] };
+    for (i, (s, st)) in placement.stages.iter().zip(states).enumerate() {
+        let state = match st {
+            None if committed => "not answering".to_string(),
+            None => String::new(),
+            Some(st) => {
+                let shard = st.shard_origin.map(|o| format!(", shard {o}")).unwrap_or_default();
+                match st.state {
+                    api::StageState::Fetching { done, of } => {
+                        format!("fetching its shard: {done}/{of} chunks, {}", gib(st.shard_bytes_received))
+                    }
+                    api::StageState::Loading => format!("loading{shard}"),
+                    api::StageState::Running => format!("running{shard}"),
+                    api::StageState::Failed(why) => format!("FAILED: {why}"),
+                }
+            }
+        };
         println!(
-            "  stage {i}: layers {:>7} on {}  ({} predicted)",
+            "  stage {i}: layers {:>7} on {}  ({} predicted)  {state}",
             s.layers.to_string(),
             &s.node.to_string()[..12],
             gib(s.memory_bytes)
@@ -440,19 +466,24 @@ fn ls(a: LsArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<40} {:<10} {:>6} {:<8} {:>10} {:>8}  {:<13} here",
-        "name", "arch", "layers", "quant", "size", "holders", "hash"
+        "{:<40} {:<10} {:>6} {:<8} {:>10} {:>8}  {:<13} {:<12} here",
+        "name", "arch", "layers", "quant", "size", "holders", "hash", "loaded"
     );
     for r in rows {
         let e = &r.entry;
         let here = match r.here {
             None => "-",
             Some(CopyState::Unchanged) => "yes",
-            Some(CopyState::Changed) => "CHANGED on disk (re-hashed before use; refused if its bytes differ)",
+            Some(CopyState::Changed) => "CHANGED on disk since added: not served (add it again)",
             Some(CopyState::Missing) => "MISSING on disk",
         };
+        let loaded = match &r.placement {
+            None => "-".to_string(),
+            Some(p) if p.error.is_some() => "cannot place".to_string(),
+            Some(p) => format!("{} stage(s)", p.stages.len()),
+        };
         println!(
-            "{:<40} {:<10} {:>6} {:<8} {:>10} {:>8}  {:<13} {here}",
+            "{:<40} {:<10} {:>6} {:<8} {:>10} {:>8}  {:<13} {loaded:<12} {here}",
             e.name,
             e.arch,
             e.n_layer,

@@ -108,6 +108,13 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--wait"], &dir("c"));
     assert!(loaded.contains("ready: 3 stage(s)"), "{loaded}");
 
+    // Where it runs, as people see it.
+    let plan = run_ok(&["models", "plan", SMOL], &dir("b"));
+    assert_eq!(plan.matches("running, shard").count(), 3, "{plan}");
+    assert!(plan.contains("shard built from this node's copy") && plan.contains("shard fetched from"), "{plan}");
+    let ls = run_ok(&["models", "ls"], &dir("b"));
+    assert!(ls.contains("3 stage(s)"), "{ls}");
+
     // B and C received their shards: far less than the model; A cut its own.
     for n in ["a", "b", "c"] {
         let s = stages(&dir(n));
