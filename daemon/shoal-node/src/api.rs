@@ -166,6 +166,12 @@ pub struct StageStatus {
     pub shard_origin: Option<String>,
     /// Bytes of shard data received over the network.
     pub shard_bytes_received: u64,
+    /// Seconds it took to have the shard (cache check, local cut or transfer).
+    #[serde(default)]
+    pub shard_seconds: f64,
+    /// Seconds it took to load the shard into the engine.
+    #[serde(default)]
+    pub load_seconds: f64,
     /// Memory the planner predicted for it, bytes.
     pub predicted_bytes: u64,
     /// Memory it holds once loaded (llama.cpp's buffers), bytes.

@@ -144,6 +144,7 @@ fn inputs(view: &View) -> Inputs {
         profiles: typed(view, PROFILE_PREFIX),
         placements: placements(view),
         members,
+        index: view.state.as_ref().map_or(0, |s| s.version.index),
     }
 }
 
@@ -253,6 +254,8 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         state: StageState::Fetching { done: 0, of: 0 },
         shard_origin: None,
         shard_bytes_received: 0,
+        shard_seconds: 0.0,
+        load_seconds: 0.0,
         predicted_bytes: stage.memory_bytes,
         loaded_bytes: None,
     };
@@ -283,6 +286,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
             s.shard_bytes_received = p.data_bytes;
         }
     };
+    let started = std::time::Instant::now();
     let obtained = match shoal_transfer::obtain(
         &rt.node,
         &sources,
@@ -303,7 +307,9 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         shoal_transfer::Origin::Holder(h) => format!("fetched from {}", &h.to_string()[..12]),
     });
     status.shard_bytes_received = obtained.stats.data_bytes;
+    status.shard_seconds = started.elapsed().as_secs_f64();
     status.state = StageState::Loading;
+    let loading = std::time::Instant::now();
     *lock(&rt.stage) = Some(status.clone());
     let sizing = StageSizing { context: placement.context, sessions: placement.sessions, chunk: placement.chunk };
     let (path, layers, n_layer) = (obtained.file.path.clone(), stage.layers, entry.n_layer);
@@ -316,6 +322,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         Ok(Err(e)) => return fail(&rt, status, format!("loading the stage: {e}")),
         Err(e) => return fail(&rt, status, format!("loading the stage: {e}")),
     };
+    status.load_seconds = loading.elapsed().as_secs_f64();
     let memory = loaded.memory();
     status.loaded_bytes = Some(memory.weights + memory.kv + memory.compute);
     // Every stage's address, as this node reaches it.
@@ -441,6 +448,11 @@ pub async fn generate(
         };
         let interrupted = made.len() > request.resume.len();
         let attempt = match (&p.error, p.stages.first(), p.stages.first().and_then(|s| rt.addr_of(&view, s.node))) {
+            (None, Some(_), Some(_)) if !stages_ready(rt, &view, &p).await => {
+                // A new placement's stages are still fetching or loading: frames sent
+                // now would be lost and wait out a re-drive timeout.
+                "the placement's stages are starting".to_string()
+            }
             (None, Some(first), Some(addr)) => {
                 if !checked {
                     // Refusals (bad parameters, a prompt over the context) come back now,
@@ -477,6 +489,37 @@ pub async fn generate(
         // The next placement, or a moment for the stages of this one to come up.
         let _ = tokio::time::timeout(Duration::from_millis(500), view_rx.changed()).await;
     }
+}
+
+/// Whether every stage of `p` runs (asking each stage's node over the node protocol,
+/// as a fellow member; this node's own stage directly).
+async fn stages_ready(rt: &Runtime, view: &View, p: &ModelPlacement) -> bool {
+    for s in &p.stages {
+        let status = if s.node == rt.me {
+            lock(&rt.stage).clone()
+        } else {
+            let Some(addr) = view.addrs.get(&s.node).copied() else { return false };
+            let ask = async {
+                let conn = rt.node.connect(addr, s.node, shoal_net::alpn::NODE).await.ok()?;
+                let (mut send, mut recv) = conn.open_bi().await.ok()?;
+                shoal_membership::wire::write_msg(&mut send, &crate::api::NodeRequest::Stages).await.ok()?;
+                let _ = send.finish();
+                let answer = shoal_membership::wire::read_msg::<NodeResponse>(&mut recv).await.ok()??;
+                conn.close(0u32.into(), b"done");
+                match answer {
+                    NodeResponse::Stages(st) => st.into_iter().next(),
+                    _ => None,
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(2), ask).await.ok().flatten()
+        };
+        let running = status
+            .is_some_and(|st| st.model == p.model && st.generation == p.generation && st.state == StageState::Running);
+        if !running {
+            return false;
+        }
+    }
+    true
 }
 
 /// The placement of `model`: committed, or what the scheduler would do now.

@@ -49,6 +49,10 @@ pub struct Inputs {
     pub placements: BTreeMap<String, ModelPlacement>,
     /// The members.
     pub members: Vec<MemberFacts>,
+    /// The cluster state's change index now. New placements take a generation above
+    /// it, so a generation is never used twice for a model, even after an unload
+    /// (a node that missed the unload must not keep serving an old stage as the new).
+    pub index: u64,
 }
 
 /// A change to commit.
@@ -89,7 +93,8 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
             continue;
         }
         let previous = inputs.placements.get(*model);
-        let next = place(inputs, load, &alive, &busy, previous.map_or(0, |p| p.generation) + 1);
+        let generation = previous.map_or(0, |p| p.generation).max(inputs.index) + 1;
+        let next = place(inputs, load, &alive, &busy, generation);
         if let Some(p) = previous {
             // An unchanged refusal is not committed again (nothing would change but
             // the generation).
@@ -272,6 +277,7 @@ mod tests {
             profiles: [(hash(1), profile)].into(),
             placements: BTreeMap::new(),
             members: offers.iter().enumerate().map(|(i, o)| member(i as u8 + 1, *o)).collect(),
+            index: 0,
         }
     }
 
@@ -313,6 +319,15 @@ mod tests {
         assert_eq!(p.generation, 1);
         assert!(p.stages.iter().all(|s| s.memory_bytes <= 90 * MB));
         // Nothing changed: nothing to do (no re-plan, no new generation).
+        assert!(schedule(&i).is_empty());
+        // Unloaded and loaded again later: a generation never seen before.
+        i.loads.clear();
+        step(&mut i);
+        assert!(i.placements.is_empty());
+        i.loads = inputs(&[]).loads;
+        i.index = 7;
+        step(&mut i);
+        assert_eq!(placed(&i).generation, 8);
         assert!(schedule(&i).is_empty());
     }
 

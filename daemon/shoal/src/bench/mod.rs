@@ -14,6 +14,7 @@ mod adoption;
 mod cluster;
 mod keepalive;
 mod live;
+mod node;
 mod plan;
 mod reconnect;
 
@@ -43,6 +44,13 @@ pub enum BenchCommand {
     /// a fresh node (it stays out), its owner lets it in with a code and with a token,
     /// and a member restarts through a flood of spoofed QUIC handshakes.
     Adoption(adoption::AdoptionArgs),
+    /// The one-daemon flow on loopback: time from `models load` to ready, cold
+    /// (shards travel) and warm (cache); transfer throughput against the link;
+    /// predicted vs allocated memory per stage.
+    Load(node::LoadArgs),
+    /// A stage's node SIGKILLed during a generation, round after round: time from the
+    /// kill to the next token, tokens replayed, and whether the answer changed.
+    Replace(node::ReplaceArgs),
     /// Lab tool: send spoofed QUIC Initial packets (loopback or namespace hosts only).
     #[command(hide = true)]
     Flood(adoption::FloodArgs),
@@ -119,6 +127,8 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Flood(a) => adoption::flood(a),
         BenchCommand::Keepalive(a) => keepalive::keepalive(a),
         BenchCommand::LivePlan(a) => live::live_plan(a),
+        BenchCommand::Load(a) => node::load(a),
+        BenchCommand::Replace(a) => node::replace(a),
     }
 }
 
