@@ -295,6 +295,18 @@ pub async fn request_stream(
 ) -> Result<NodeResponse, ClientError> {
     let addr = endpoint_of(data_dir)?;
     let node = identity.id();
+    exchange(addr, node, identity, req, on_message).await
+}
+
+/// One request to node `node` at `addr`: streamed [`NodeResponse::Token`]s go to
+/// `on_message`; the first other message is the answer.
+async fn exchange(
+    addr: SocketAddr,
+    node: NodeId,
+    identity: Arc<Identity>,
+    req: &NodeRequest,
+    on_message: &mut (dyn FnMut(&NodeResponse) + Send),
+) -> Result<NodeResponse, ClientError> {
     let down = |why: String| ClientError::Down { addr, why };
     let client = client_for(addr, node, identity).map_err(|e| down(e.to_string()))?;
     let conn = tokio::time::timeout(Duration::from_secs(5), client.connect(addr, node, alpn::NODE))
@@ -308,9 +320,9 @@ pub async fn request_stream(
     loop {
         let msg = tokio::time::timeout(patience, read_msg::<NodeResponse>(&mut recv))
             .await
-            .map_err(|_| down(format!("nothing within {} s", patience.as_secs())))?
+            .map_err(|_| down(format!("no answer within {} s", patience.as_secs())))?
             .map_err(|e| down(e.to_string()))?
-            .ok_or_else(|| down("the node closed the stream without a final answer".into()))?;
+            .ok_or_else(|| down("the node closed the stream without answering".into()))?;
         if matches!(msg, NodeResponse::Token(_)) {
             on_message(&msg);
             continue;
@@ -354,22 +366,5 @@ pub async fn request_at(
     identity: Arc<Identity>,
     req: &NodeRequest,
 ) -> Result<NodeResponse, ClientError> {
-    let down = |why: String| ClientError::Down { addr, why };
-    let client = client_for(addr, node, identity).map_err(|e| down(e.to_string()))?;
-    let conn = tokio::time::timeout(Duration::from_secs(5), client.connect(addr, node, alpn::NODE))
-        .await
-        .map_err(|_| down("no answer within 5 s".into()))?
-        .map_err(|e| down(e.to_string()))?;
-    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| down(e.to_string()))?;
-    write_msg(&mut send, req).await.map_err(|e| down(e.to_string()))?;
-    let _ = send.finish();
-    let patience = req.patience();
-    let answer = tokio::time::timeout(patience, read_msg::<NodeResponse>(&mut recv))
-        .await
-        .map_err(|_| down(format!("no answer within {} s", patience.as_secs())))?
-        .map_err(|e| down(e.to_string()))?
-        .ok_or_else(|| down("the node closed the stream without answering".into()))?;
-    conn.close(0u32.into(), b"done");
-    client.close();
-    Ok(answer)
+    exchange(addr, node, identity, req, &mut |_| {}).await
 }

@@ -20,9 +20,6 @@ use std::collections::{BTreeMap, BTreeSet};
 /// Prefill chunk size C of placed models (DESIGN point 10: 128 loses ≤ 5% against 512).
 pub const CHUNK: u32 = 128;
 
-/// Memory bandwidth assumed for a member whose speed was not measured (DDR4 dual channel).
-const ASSUMED_GB_PER_S: f64 = 20.0;
-
 /// A member as the scheduler sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemberFacts {
@@ -158,8 +155,11 @@ fn place(
         return fail(placement, "no live member is free to run it (excluded, or running another model)".into());
     }
     let hosts = host_names(&candidates);
-    let devices =
-        candidates.iter().zip(&hosts).map(|(m, host)| estimated_cpu(host.clone(), m.offer_bytes, profile)).collect();
+    let devices = candidates
+        .iter()
+        .zip(&hosts)
+        .map(|(m, host)| Device::estimated_cpu(host.clone(), m.offer_bytes, profile))
+        .collect();
     let cluster = Cluster { devices, links: Vec::new() };
     let opts = Options {
         sizing: Sizing { context: load.context, sessions: load.sessions, chunk: placement.chunk },
@@ -200,25 +200,6 @@ fn host_names(members: &[&MemberFacts]) -> Vec<String> {
             }
         })
         .collect()
-}
-
-/// A member's CPU as a planner device with `memory` bytes, its speed estimated from an
-/// assumed memory bandwidth (each token reads every weight once). Measured profiles
-/// replace the estimate once members calibrate (not yet wired here).
-fn estimated_cpu(host: String, memory: u64, model: &ModelProfile) -> Device {
-    let total: u64 = model.layer_bytes.iter().fold(0u64, |a, &b| a.saturating_add(b));
-    let avg_layer = total as f64 / f64::from(model.layers.max(1));
-    Device {
-        id: format!("{host}/cpu"),
-        host,
-        memory_bytes: memory,
-        ms_per_layer: avg_layer / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
-        prefill_ms_per_layer_token: None,
-        head_ms: model.head_bytes as f64 / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
-        wake_ms: 0.0,
-        keepalive: false,
-        estimated: true,
-    }
 }
 
 #[cfg(test)]

@@ -3,121 +3,12 @@
 //! files are refused with the reason, a file changed after adding is noticed, only the
 //! owner changes the catalog, and models are imported from an Ollama-style store.
 
-use shoal_membership::node::{self, CreatePolicy, NodeConfig};
-use shoal_membership::wire::{AdminRequest, AdminResponse, ClusterStatus};
-use shoal_membership::Config;
-use shoal_net::discovery::InterfaceFilter;
-use shoal_net::{Identity, TransportOptions};
+mod common;
+use common::*;
+use shoal_membership::node::CreatePolicy;
+use shoal_membership::wire::{AdminRequest, AdminResponse};
 use shoal_node::api::{self, CopyState, ErrorKind, NodeRequest, NodeResponse, StoreKind};
-use shoal_types::{NodeId, NodeInventory, Role};
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
-
-const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-fn real_model() -> PathBuf {
-    let p = shoal_gguf::models_dir().join(SMOL);
-    assert!(p.exists(), "{} missing: scripts/test.sh fetches it", p.display());
-    p
-}
-
-struct TestNode {
-    dir: PathBuf,
-    id: NodeId,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), shoal_node::NodeError>>,
-}
-
-fn start(dir: &Path, name: &str, create: CreatePolicy) -> TestNode {
-    let identity = Arc::new(Identity::load_or_create(dir).unwrap());
-    let cfg = NodeConfig {
-        data_dir: dir.to_path_buf(),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        join_listen: "127.0.0.1:0".parse().unwrap(),
-        name: name.into(),
-        role: Role::Pc,
-        interfaces: InterfaceFilter::loopback(),
-        create,
-        accept: None,
-        join_token: None,
-        timing: Config::default(),
-        transport: TransportOptions::default(),
-        calibrator: None,
-    };
-    let inventory = NodeInventory { ram_total_bytes: 8 << 30, ram_available_bytes: 4 << 30, ..Default::default() };
-    let (keep, rx) = tokio::sync::watch::channel(inventory);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let id = identity.id();
-    let task = tokio::spawn(async move {
-        let _keep = keep;
-        shoal_node::run(cfg, Default::default(), identity, rx, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
-    TestNode { dir: dir.to_path_buf(), id, stop: Some(stop), task }
-}
-
-impl TestNode {
-    fn identity(&self) -> Arc<Identity> {
-        Arc::new(Identity::load_or_create(&self.dir).unwrap())
-    }
-
-    async fn admin(&self, req: AdminRequest) -> AdminResponse {
-        let t0 = Instant::now();
-        loop {
-            match node::admin(&self.dir, self.identity(), &req).await {
-                Ok(answer) => return answer,
-                Err(_) if t0.elapsed() < Duration::from_secs(10) => {
-                    tokio::time::sleep(Duration::from_millis(100)).await
-                }
-                Err(e) => panic!("admin request: {e}"),
-            }
-        }
-    }
-
-    async fn status(&self) -> ClusterStatus {
-        match self.admin(AdminRequest::Status).await {
-            AdminResponse::Status(s) => *s,
-            other => panic!("status: {other:?}"),
-        }
-    }
-
-    async fn ask(&self, req: NodeRequest) -> NodeResponse {
-        api::request(&self.dir, self.identity(), &req).await.expect("the node answers")
-    }
-
-    async fn models(&self) -> Vec<api::ModelRow> {
-        match self.ask(NodeRequest::ModelList).await {
-            NodeResponse::Models(rows) => rows,
-            other => panic!("models: {other:?}"),
-        }
-    }
-
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        self.task.await.unwrap().unwrap();
-    }
-}
-
-async fn wait_for<T, F, Fut>(what: &str, secs: u64, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}: not within {secs} s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+use std::path::Path;
 
 fn add(path: &Path, name: Option<&str>) -> NodeRequest {
     NodeRequest::ModelAdd { path: path.display().to_string(), name: name.map(str::to_string) }
@@ -143,10 +34,10 @@ fn altered_copy(dest: &Path) {
 async fn models_added_on_one_node_are_seen_on_all_and_bad_or_changed_files_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| tmp.path().join(n);
-    let a = start(&dir("a"), "a", CreatePolicy::Now);
+    let a = start(&dir("a"), "a", CreatePolicy::Now, Default::default());
     wait_for("A's cluster", 10, || async { a.status().await.cluster }).await;
     // B joins with a code made on A.
-    let b = start(&dir("b"), "b", CreatePolicy::Never);
+    let b = start(&dir("b"), "b", CreatePolicy::Never, Default::default());
     let code = match a.admin(AdminRequest::Pair).await {
         AdminResponse::Code { code, .. } => code,
         other => panic!("pair: {other:?}"),

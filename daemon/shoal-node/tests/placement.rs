@@ -5,25 +5,21 @@
 //! only their shards, a generation through any node runs, a stopped stage node is
 //! replaced by the spare, and unloading stops every stage.
 
-use shoal_membership::node::{self, CreatePolicy, NodeConfig};
-use shoal_membership::wire::{AdminRequest, AdminResponse, ClusterStatus};
-use shoal_membership::Config;
-use shoal_net::discovery::InterfaceFilter;
-use shoal_net::{Identity, TransportOptions};
-use shoal_node::api::{self, NodeRequest, NodeResponse, StageState, StageStatus};
+mod common;
+use common::*;
+use shoal_membership::node::CreatePolicy;
+use shoal_node::api::{NodeRequest, NodeResponse, StageState, StageStatus};
 use shoal_node::runtime::{Engine, StageSizing};
 use shoal_pipeline::{GenerateRequest, SamplerFactory};
 use shoal_types::{
-    LayerRange, ModelPlacement, NodeId, NodeInventory, Role, SessionId, Stage, StageError, StageInfo, StageInput,
-    StageMemory, StageOutput, TokenId, TokenSampler,
+    LayerRange, ModelPlacement, NodeId, SessionId, Stage, StageError, StageInfo, StageInput, StageMemory, StageOutput,
+    TokenId, TokenSampler,
 };
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
+use std::time::Duration;
 
-const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const N_EMBD: u32 = 8;
 const N_VOCAB: u32 = 50;
 /// Memory each node offers: the model (about 100 MB, and about 50 MB of buffers per
@@ -138,6 +134,11 @@ impl Engine for FakeEngine {
     }
 }
 
+/// A node's options here: the fake engine, and a small memory offer.
+fn options() -> shoal_node::Options {
+    shoal_node::Options { engine: Some(Arc::new(FakeEngine)), max_memory: Some(OFFER), shard_dir: None }
+}
+
 /// The fake stages of `ranges` run in order in-process, on the canonical schedule (any
 /// split of the layers gives the same tokens).
 fn reference(ranges: &[LayerRange], n_layer: u32, chunk: u32, prompt: &[TokenId], max_new: usize) -> Vec<TokenId> {
@@ -183,163 +184,6 @@ fn reference(ranges: &[LayerRange], n_layer: u32, chunk: u32, prompt: &[TokenId]
         logits = step(pos, &[t]);
         pos += 1;
     }
-}
-
-// ---- nodes ----
-
-struct TestNode {
-    dir: PathBuf,
-    id: NodeId,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), shoal_node::NodeError>>,
-}
-
-fn start(dir: &Path, name: &str, create: CreatePolicy) -> TestNode {
-    let identity = Arc::new(Identity::load_or_create(dir).unwrap());
-    let cfg = NodeConfig {
-        data_dir: dir.to_path_buf(),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        join_listen: "127.0.0.1:0".parse().unwrap(),
-        name: name.into(),
-        role: Role::Pc,
-        interfaces: InterfaceFilter::loopback(),
-        create,
-        accept: None,
-        join_token: None,
-        timing: Config::default(),
-        transport: TransportOptions::default(),
-        calibrator: None,
-    };
-    let options = shoal_node::Options { engine: Some(Arc::new(FakeEngine)), max_memory: Some(OFFER), shard_dir: None };
-    let inventory = NodeInventory { ram_total_bytes: 8 << 30, ram_available_bytes: 4 << 30, ..Default::default() };
-    let (keep, rx) = tokio::sync::watch::channel(inventory);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let id = identity.id();
-    let task = tokio::spawn(async move {
-        let _keep = keep;
-        shoal_node::run(cfg, options, identity, rx, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
-    TestNode { dir: dir.to_path_buf(), id, stop: Some(stop), task }
-}
-
-impl TestNode {
-    fn identity(&self) -> Arc<Identity> {
-        Arc::new(Identity::load_or_create(&self.dir).unwrap())
-    }
-
-    async fn admin(&self, req: AdminRequest) -> AdminResponse {
-        let t0 = Instant::now();
-        loop {
-            match node::admin(&self.dir, self.identity(), &req).await {
-                Ok(answer) => return answer,
-                Err(_) if t0.elapsed() < Duration::from_secs(10) => {
-                    tokio::time::sleep(Duration::from_millis(100)).await
-                }
-                Err(e) => panic!("admin request: {e}"),
-            }
-        }
-    }
-
-    async fn status(&self) -> ClusterStatus {
-        match self.admin(AdminRequest::Status).await {
-            AdminResponse::Status(s) => *s,
-            other => panic!("status: {other:?}"),
-        }
-    }
-
-    async fn ask(&self, req: NodeRequest) -> NodeResponse {
-        api::request(&self.dir, self.identity(), &req).await.expect("the node answers")
-    }
-
-    async fn stages(&self) -> Vec<StageStatus> {
-        match self.ask(NodeRequest::Stages).await {
-            NodeResponse::Stages(s) => s,
-            other => panic!("stages: {other:?}"),
-        }
-    }
-
-    async fn generate(&self, request: GenerateRequest) -> Result<Vec<TokenId>, String> {
-        let mut tokens = Vec::new();
-        let req = NodeRequest::Generate { model: SMOL.into(), request };
-        let last = api::request_stream(&self.dir, self.identity(), &req, &mut |m| {
-            if let NodeResponse::Token(t) = m {
-                tokens.push(*t);
-            }
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-        match last {
-            NodeResponse::Generated(report) => {
-                assert_eq!(report.tokens, tokens, "the streamed tokens are the report's");
-                Ok(tokens)
-            }
-            other => Err(format!("{other:?}")),
-        }
-    }
-
-    /// A generation through this node whose streamed tokens are counted in `count`.
-    fn generate_counted(
-        &self,
-        request: GenerateRequest,
-        count: Arc<std::sync::atomic::AtomicUsize>,
-    ) -> tokio::task::JoinHandle<Result<Vec<TokenId>, String>> {
-        let (dir, identity) = (self.dir.clone(), self.identity());
-        tokio::spawn(async move {
-            let mut tokens = Vec::new();
-            let req = NodeRequest::Generate { model: SMOL.into(), request };
-            let last = api::request_stream(&dir, identity, &req, &mut |m| {
-                if let NodeResponse::Token(t) = m {
-                    tokens.push(*t);
-                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                }
-            })
-            .await
-            .map_err(|e| e.to_string())?;
-            match last {
-                NodeResponse::Generated(report) => {
-                    assert_eq!(report.tokens, tokens, "the streamed tokens are the report's");
-                    Ok(tokens)
-                }
-                other => Err(format!("{other:?}")),
-            }
-        })
-    }
-
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        self.task.await.unwrap().unwrap();
-    }
-}
-
-async fn wait_for<T, F, Fut>(what: &str, secs: u64, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}: not within {secs} s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-async fn join(a: &TestNode, x: &TestNode) {
-    wait_for("joined with a code", 40, || async {
-        let AdminResponse::Code { code, .. } = a.admin(AdminRequest::Pair).await else { return None };
-        match x.admin(AdminRequest::Join { code }).await {
-            AdminResponse::Ok(_) => Some(()),
-            _ => None,
-        }
-    })
-    .await;
 }
 
 /// The committed placement of the model, once it has stages.
@@ -391,9 +235,10 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     let model_bytes = std::fs::metadata(&model).unwrap().len();
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| tmp.path().join(n);
-    let a = start(&dir("a"), "a", CreatePolicy::Now);
+    let a = start(&dir("a"), "a", CreatePolicy::Now, options());
     wait_for("A's cluster", 10, || async { a.status().await.cluster }).await;
-    let others: Vec<TestNode> = ["b", "c", "d"].iter().map(|n| start(&dir(n), n, CreatePolicy::Never)).collect();
+    let others: Vec<TestNode> =
+        ["b", "c", "d"].iter().map(|n| start(&dir(n), n, CreatePolicy::Never, options())).collect();
     for x in &others {
         join(&a, x).await;
     }

@@ -43,7 +43,29 @@ pub struct Device {
     pub estimated: bool,
 }
 
+/// Memory bandwidth assumed for a CPU whose speed was not measured (DDR4 dual channel).
+pub const ASSUMED_GB_PER_S: f64 = 20.0;
+
 impl Device {
+    /// A machine's CPU with `memory` bytes for `model`, its speed estimated from
+    /// [`ASSUMED_GB_PER_S`] (each token reads every weight once): the planner's device
+    /// for a member that has not measured itself.
+    pub fn estimated_cpu(host: String, memory: u64, model: &ModelProfile) -> Device {
+        let total = model.layer_bytes.iter().fold(0u64, |a, &b| a.saturating_add(b));
+        let avg_layer = total as f64 / f64::from(model.layers.max(1));
+        Device {
+            id: format!("{host}/cpu"),
+            host,
+            memory_bytes: memory,
+            ms_per_layer: avg_layer / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
+            prefill_ms_per_layer_token: None,
+            head_ms: model.head_bytes as f64 / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
+            wake_ms: 0.0,
+            keepalive: false,
+            estimated: true,
+        }
+    }
+
     /// Prefill time of one layer per token, ms.
     pub fn prefill_ms(&self) -> f64 {
         self.prefill_ms_per_layer_token.unwrap_or(self.ms_per_layer / 2.0)

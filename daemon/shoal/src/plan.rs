@@ -75,9 +75,6 @@ pub struct PlanArgs {
     json: bool,
 }
 
-/// Memory bandwidth assumed for this machine's CPU when nothing was measured (dual-channel DDR4).
-const ASSUMED_GB_PER_S: f64 = 20.0;
-
 /// Where the plan's devices came from.
 enum Source {
     Profile,
@@ -421,7 +418,7 @@ fn cluster_of(
         if m.state != shoal_membership::Liveness::Alive {
             continue;
         }
-        let mut cpu = estimated_cpu(host_name(st, m), ram, model);
+        let mut cpu = Device::estimated_cpu(host_name(st, m), ram, model);
         let key = crate::calibrate::profile_key(&m.node, model_path);
         if let Some(p) =
             entries.get(&key).and_then(|v| serde_json::from_value::<crate::calibrate::MeasuredProfile>(v.clone()).ok())
@@ -567,24 +564,7 @@ fn write_placement(
 fn this_machine(model: &ModelProfile) -> Cluster {
     let inv = crate::inventory::collect();
     let host = if inv.hostname.is_empty() { "this-host".to_string() } else { inv.hostname.clone() };
-    Cluster { devices: vec![estimated_cpu(host, inv.ram_available_bytes, model)], links: Vec::new() }
-}
-
-/// A CPU device with `memory` bytes, its speed estimated from an assumed memory
-/// bandwidth (each token reads every weight once).
-fn estimated_cpu(host: String, memory: u64, model: &ModelProfile) -> Device {
-    let avg_layer = model.layer_bytes.iter().sum::<u64>() as f64 / f64::from(model.layers.max(1));
-    Device {
-        id: format!("{host}/cpu"),
-        host,
-        memory_bytes: memory,
-        ms_per_layer: avg_layer / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
-        prefill_ms_per_layer_token: None,
-        head_ms: model.head_bytes as f64 / (ASSUMED_GB_PER_S * 1e9) * 1000.0,
-        wake_ms: 0.0,
-        keepalive: false,
-        estimated: true,
-    }
+    Cluster { devices: vec![Device::estimated_cpu(host, inv.ram_available_bytes, model)], links: Vec::new() }
 }
 
 fn print_plan(p: &Plan) {
