@@ -161,8 +161,12 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
     assert_eq!(b.status().await.role, "unpaired");
     // B's owner sees the cluster on the LAN and agrees to it; then the approval from the
     // CLI (an id prefix is enough) takes.
-    let seen = b.status().await.lan_clusters;
-    assert!(seen.iter().any(|(c, _)| *c == cluster), "{seen:?}");
+    // (A's advert with its cluster may reach B a moment after B's reached A; other
+    // tests' clusters on `lo` may be listed too.)
+    wait_for("A's cluster seen at B", 15, || async {
+        b.status().await.lan_clusters.iter().any(|(c, _)| *c == cluster).then_some(())
+    })
+    .await;
     match b.ask(AdminRequest::Accept { cluster: "0000000".into() }).await {
         AdminResponse::Error(e) => assert!(e.contains("8 hex"), "{e}"),
         other => panic!("a short prefix was taken: {other:?}"),

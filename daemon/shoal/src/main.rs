@@ -7,6 +7,7 @@ mod cluster;
 mod engine;
 mod inventory;
 mod lab;
+mod local;
 mod models;
 mod pipeline;
 mod plan;
@@ -26,7 +27,8 @@ struct Cli {
 enum Command {
     /// Run a model in this process, split into in-process stages, and stream its answer.
     Run(run::RunArgs),
-    /// The demo: the small test model split into three stages, answering a question.
+    /// The demo: a local cluster of three nodes on this machine splits the small test
+    /// model and answers a question (`--in-process`: three stages in this process).
     Demo(run::DemoArgs),
     /// Run this node: a cluster node (discovery, joining, leader election), or with
     /// `--placement`, this node's stage of a placement.

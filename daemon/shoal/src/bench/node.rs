@@ -9,15 +9,15 @@
 //! - replace: during a generation, SIGKILL a stage's node; time from the kill to the
 //!   next token, and the tokens replayed on the new placement.
 
+use crate::local::{wait, Lab};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::Value;
 use shoal_membership::wire::{AdminRequest, AdminResponse};
-use shoal_node::api::{NodeRequest, NodeResponse, StageState, StageStatus};
+use shoal_node::api::{NodeRequest, NodeResponse};
 use std::io::BufRead;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A prompt of about 100 tokens.
@@ -59,164 +59,6 @@ pub struct ReplaceArgs {
     /// Tokens per generation.
     #[arg(short = 'n', long, default_value_t = 200)]
     tokens: usize,
-}
-
-/// Node processes on loopback, each in its own data directory; killed on drop.
-struct Lab {
-    exe: PathBuf,
-    dir: tempfile::TempDir,
-    nodes: Vec<(String, Child)>,
-}
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        for (_, c) in &mut self.nodes {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Lab {
-    fn start(n: usize, max_memory_mib: u64) -> Result<Lab> {
-        let exe = std::env::current_exe().context("locating the shoal binary")?;
-        let mut lab = Lab { exe, dir: tempfile::tempdir()?, nodes: Vec::new() };
-        for i in 0..n {
-            let name = format!("n{i}");
-            let child = Command::new(&lab.exe)
-                .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
-                .args(["--name", &name, "--max-memory", &format!("{max_memory_mib}M")])
-                .arg(if i == 0 { "--create-cluster" } else { "--no-create" })
-                .arg("--data-dir")
-                .arg(lab.dir(&name))
-                .stdout(Stdio::null())
-                .stderr(match std::env::var_os("SHOAL_BENCH_LOGS") {
-                    // Each node's log in that folder (RUST_LOG sets what it holds).
-                    Some(d) => Stdio::from(std::fs::File::create(PathBuf::from(d).join(format!("{name}.log")))?),
-                    None => Stdio::null(),
-                })
-                .spawn()?;
-            lab.nodes.push((name.clone(), child));
-            wait("the node up", 60, || Ok(lab.admin(&name, AdminRequest::Status).ok()))?;
-            if i == 0 {
-                wait("the cluster", 30, || {
-                    Ok(match lab.admin(&name, AdminRequest::Status)? {
-                        AdminResponse::Status(s) if s.cluster.is_some() => Some(()),
-                        _ => None,
-                    })
-                })?;
-            } else {
-                wait("joined", 60, || {
-                    let AdminResponse::Code { code, .. } = lab.admin("n0", AdminRequest::Pair)? else {
-                        return Ok(None);
-                    };
-                    Ok(matches!(lab.admin(&name, AdminRequest::Join { code }), Ok(AdminResponse::Ok(_))).then_some(()))
-                })?;
-            }
-        }
-        wait("every member", 60, || {
-            Ok(match lab.admin("n0", AdminRequest::Status)? {
-                AdminResponse::Status(s) if s.members.len() == n => Some(()),
-                _ => None,
-            })
-        })?;
-        Ok(lab)
-    }
-
-    fn dir(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn identity(&self, name: &str) -> Result<Arc<shoal_net::Identity>> {
-        Ok(Arc::new(shoal_net::Identity::load_or_create(&self.dir(name))?))
-    }
-
-    fn admin(&self, name: &str, req: AdminRequest) -> Result<AdminResponse> {
-        let (dir, id) = (self.dir(name), self.identity(name)?);
-        Ok(crate::pipeline::runtime()?.block_on(shoal_membership::node::admin(&dir, id, &req))?)
-    }
-
-    fn ask(&self, name: &str, req: NodeRequest) -> Result<NodeResponse> {
-        let (dir, id) = (self.dir(name), self.identity(name)?);
-        match crate::pipeline::runtime()?.block_on(shoal_node::api::request(&dir, id, &req))? {
-            NodeResponse::Error(e) => bail!("{e}"),
-            r => Ok(r),
-        }
-    }
-
-    fn names(&self) -> Vec<String> {
-        self.nodes.iter().map(|(n, _)| n.clone()).collect()
-    }
-
-    fn id_of(&self, name: &str) -> Result<String> {
-        Ok(self.identity(name)?.id().to_string())
-    }
-
-    fn pid_of(&self, name: &str) -> Option<u32> {
-        self.nodes.iter().find(|(n, _)| n == name).map(|(_, c)| c.id())
-    }
-
-    fn kill(&mut self, name: &str) {
-        if let Some(i) = self.nodes.iter().position(|(n, _)| n == name) {
-            let (_, mut c) = self.nodes.remove(i);
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// The committed placement of `model` (JSON), once it has stages.
-    fn placement(&self, model: &str) -> Result<Option<shoal_types::ModelPlacement>> {
-        Ok(match self.ask("n0", NodeRequest::ModelPlan { model: model.into() })? {
-            NodeResponse::Placement { placement, committed: true, .. } if !placement.stages.is_empty() => {
-                Some(placement)
-            }
-            _ => None,
-        })
-    }
-
-    /// Each stage's status once every stage of the placement (of a generation other
-    /// than `not`) runs.
-    fn running(&self, model: &str, not: u64) -> Result<(shoal_types::ModelPlacement, Vec<(String, StageStatus)>)> {
-        wait("every stage running", 600, || {
-            let Some(p) = self.placement(model)? else { return Ok(None) };
-            if p.generation == not {
-                return Ok(None);
-            }
-            let mut out = Vec::new();
-            for s in &p.stages {
-                let Some(name) = self.names().into_iter().find(|n| self.id_of(n).ok() == Some(s.node.to_string()))
-                else {
-                    return Ok(None);
-                };
-                let NodeResponse::Stages(st) = self.ask(&name, NodeRequest::Stages)? else { return Ok(None) };
-                let Some(st) = st.into_iter().find(|st| st.generation == p.generation) else { return Ok(None) };
-                if let StageState::Failed(why) = &st.state {
-                    bail!("the stage on {name} failed: {why}");
-                }
-                if st.state != StageState::Running {
-                    return Ok(None);
-                }
-                out.push((name, st));
-            }
-            Ok(Some((p.clone(), out)))
-        })
-    }
-}
-
-fn wait<T>(what: &str, secs: u64, mut f: impl FnMut() -> Result<Option<T>>) -> Result<T> {
-    let t0 = Instant::now();
-    let mut last = String::new();
-    loop {
-        match f() {
-            Ok(Some(v)) => return Ok(v),
-            Ok(None) => {}
-            Err(e) => last = format!(" (last: {e:#})"),
-        }
-        if t0.elapsed() > Duration::from_secs(secs) {
-            bail!("{what}: not within {secs} s{last}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 fn model_or_default(m: &Option<PathBuf>) -> Result<PathBuf> {

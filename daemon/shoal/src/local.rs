@@ -1,0 +1,233 @@
+//! A local cluster: `shoal serve` processes on loopback, each with its own data
+//! directory, mDNS on `lo` only, joined with pairing codes. The demo runs Shoal's main
+//! job on it; the node benches measure on it.
+
+use anyhow::{bail, Context, Result};
+use shoal_membership::wire::{AdminRequest, AdminResponse};
+use shoal_node::api::{NodeRequest, NodeResponse, StageState, StageStatus};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Node processes on loopback, each in its own data directory; killed on drop.
+pub struct Lab {
+    /// The `shoal` binary the nodes run.
+    pub exe: PathBuf,
+    /// Holds every node's data directory.
+    dir: tempfile::TempDir,
+    /// The node processes by name.
+    nodes: Vec<(String, Child)>,
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.nodes {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Lab {
+    pub fn start(n: usize, max_memory_mib: u64) -> Result<Lab> {
+        let exe = std::env::current_exe().context("locating the shoal binary")?;
+        let mut lab = Lab { exe, dir: tempfile::tempdir()?, nodes: Vec::new() };
+        for i in 0..n {
+            let name = format!("n{i}");
+            let child = Command::new(&lab.exe)
+                .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
+                .args(["--name", &name, "--max-memory", &format!("{max_memory_mib}M")])
+                .arg(if i == 0 { "--create-cluster" } else { "--no-create" })
+                .arg("--data-dir")
+                .arg(lab.dir(&name))
+                .stdout(Stdio::null())
+                .stderr(match std::env::var_os("SHOAL_BENCH_LOGS") {
+                    // Each node's log in that folder (RUST_LOG sets what it holds).
+                    Some(d) => Stdio::from(std::fs::File::create(PathBuf::from(d).join(format!("{name}.log")))?),
+                    None => Stdio::null(),
+                })
+                .spawn()?;
+            lab.nodes.push((name.clone(), child));
+            wait("the node up", 60, || Ok(lab.admin(&name, AdminRequest::Status).ok()))?;
+            if i == 0 {
+                wait("the cluster", 30, || {
+                    Ok(match lab.admin(&name, AdminRequest::Status)? {
+                        AdminResponse::Status(s) if s.cluster.is_some() => Some(()),
+                        _ => None,
+                    })
+                })?;
+            } else {
+                wait("joined", 60, || {
+                    let AdminResponse::Code { code, .. } = lab.admin("n0", AdminRequest::Pair)? else {
+                        return Ok(None);
+                    };
+                    Ok(matches!(lab.admin(&name, AdminRequest::Join { code }), Ok(AdminResponse::Ok(_))).then_some(()))
+                })?;
+            }
+        }
+        wait("every member", 60, || {
+            Ok(match lab.admin("n0", AdminRequest::Status)? {
+                AdminResponse::Status(s) if s.members.len() == n => Some(()),
+                _ => None,
+            })
+        })?;
+        Ok(lab)
+    }
+
+    pub fn dir(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn identity(&self, name: &str) -> Result<Arc<shoal_net::Identity>> {
+        Ok(Arc::new(shoal_net::Identity::load_or_create(&self.dir(name))?))
+    }
+
+    pub fn admin(&self, name: &str, req: AdminRequest) -> Result<AdminResponse> {
+        let (dir, id) = (self.dir(name), self.identity(name)?);
+        Ok(crate::pipeline::runtime()?.block_on(shoal_membership::node::admin(&dir, id, &req))?)
+    }
+
+    pub fn ask(&self, name: &str, req: NodeRequest) -> Result<NodeResponse> {
+        let (dir, id) = (self.dir(name), self.identity(name)?);
+        match crate::pipeline::runtime()?.block_on(shoal_node::api::request(&dir, id, &req))? {
+            NodeResponse::Error(e) => bail!("{e}"),
+            r => Ok(r),
+        }
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.nodes.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    pub fn id_of(&self, name: &str) -> Result<String> {
+        Ok(self.identity(name)?.id().to_string())
+    }
+
+    pub fn pid_of(&self, name: &str) -> Option<u32> {
+        self.nodes.iter().find(|(n, _)| n == name).map(|(_, c)| c.id())
+    }
+
+    pub fn kill(&mut self, name: &str) {
+        if let Some(i) = self.nodes.iter().position(|(n, _)| n == name) {
+            let (_, mut c) = self.nodes.remove(i);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The committed placement of `model` (JSON), once it has stages.
+    pub fn placement(&self, model: &str) -> Result<Option<shoal_types::ModelPlacement>> {
+        Ok(match self.ask("n0", NodeRequest::ModelPlan { model: model.into() })? {
+            NodeResponse::Placement { placement, committed: true, .. }
+                if !placement.stages.is_empty() || placement.error.is_some() =>
+            {
+                Some(placement)
+            }
+            _ => None,
+        })
+    }
+
+    /// Each stage's status once every stage of the placement (of a generation other
+    /// than `not`) runs.
+    pub fn running(&self, model: &str, not: u64) -> Result<(shoal_types::ModelPlacement, Vec<(String, StageStatus)>)> {
+        wait("every stage running", 600, || {
+            let Some(p) = self.placement(model)? else { return Ok(None) };
+            if let Some(e) = &p.error {
+                return Err(Fatal(format!("the model cannot be placed: {e}")).into());
+            }
+            if p.generation == not {
+                return Ok(None);
+            }
+            let mut out = Vec::new();
+            for s in &p.stages {
+                let Some(name) = self.names().into_iter().find(|n| self.id_of(n).ok() == Some(s.node.to_string()))
+                else {
+                    return Ok(None);
+                };
+                let NodeResponse::Stages(st) = self.ask(&name, NodeRequest::Stages)? else { return Ok(None) };
+                let Some(st) = st.into_iter().find(|st| st.generation == p.generation) else { return Ok(None) };
+                if let StageState::Failed(why) = &st.state {
+                    bail!("the stage on {name} failed: {why}");
+                }
+                if st.state != StageState::Running {
+                    return Ok(None);
+                }
+                out.push((name, st));
+            }
+            Ok(Some((p.clone(), out)))
+        })
+    }
+}
+
+/// An error that waiting longer cannot cure (a model that does not fit).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Fatal(pub String);
+
+/// Poll `f` until it returns `Some`, at most `secs` (errors are retried, the last one reported).
+pub fn wait<T>(what: &str, secs: u64, mut f: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+    let t0 = Instant::now();
+    let mut last = String::new();
+    loop {
+        match f() {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) if e.downcast_ref::<Fatal>().is_some() => return Err(e),
+            Err(e) => last = format!(" (last: {e:#})"),
+        }
+        if t0.elapsed() > Duration::from_secs(secs) {
+            bail!("{what}: not within {secs} s{last}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `shoal demo`: a local cluster of three nodes on loopback, each offering little
+/// memory; the test model is added on one, loaded (the leader splits it over the
+/// three, the other two receive only their shards) and asked `prompt` through
+/// another node; then the cluster stops.
+pub fn demo(prompt: &str, max_tokens: usize) -> Result<()> {
+    let model = shoal_gguf::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.exists() {
+        bail!("{} is missing: run scripts/setup.sh first (the README's demo command does)", model.display());
+    }
+    let name = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    eprintln!("[demo] starting three nodes on loopback, each offering 90 MiB to models …");
+    let t0 = Instant::now();
+    let lab = Lab::start(3, 90)?;
+    eprintln!(
+        "[demo] cluster formed in {:.1} s (discovered over mDNS, joined with pairing codes)",
+        t0.elapsed().as_secs_f64()
+    );
+    lab.ask("n0", NodeRequest::ModelAdd { path: model.display().to_string(), name: None })?;
+    eprintln!("[demo] added {name} on n0 (the only node with the file); loading it from n2 …");
+    let t1 = Instant::now();
+    lab.ask("n2", NodeRequest::ModelLoad { model: name.into(), context: 512, sessions: 1, exclude: vec![] })?;
+    let (placement, stages) = lab.running(name, 0)?;
+    eprintln!(
+        "[demo] the leader placed it in {} stages; every stage runs {:.1} s after the load:",
+        placement.stages.len(),
+        t1.elapsed().as_secs_f64()
+    );
+    for (node, st) in &stages {
+        eprintln!(
+            "[demo]   {node}: layers {:<7} shard {} ({:.1} MB received)",
+            st.layers.to_string(),
+            st.shard_origin.as_deref().unwrap_or("?"),
+            st.shard_bytes_received as f64 / 1e6
+        );
+    }
+    eprintln!("[demo] asking n1: {prompt}");
+    let status = Command::new(&lab.exe)
+        .args(["generate", "--model", name, "--prompt", prompt, "-n", &max_tokens.to_string()])
+        .arg("--data-dir")
+        .arg(lab.dir("n1"))
+        .status()
+        .context("running shoal generate")?;
+    if !status.success() {
+        bail!("the generation failed");
+    }
+    eprintln!("[demo] stopping the nodes");
+    Ok(())
+}
