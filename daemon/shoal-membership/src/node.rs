@@ -365,6 +365,9 @@ pub struct View {
     pub leader: Option<NodeId>,
     /// The members that are not down as seen from here (this node included).
     pub alive: BTreeSet<NodeId>,
+    /// The main endpoint's address once the node serves (its endpoint file written,
+    /// discovery started): the node process's readiness.
+    pub listening: Option<SocketAddr>,
 }
 
 /// The node process's in-process way into membership: ask what the CLI can ask, and
@@ -647,6 +650,7 @@ impl Actor {
                 .filter(|m| core.and_then(|c| c.liveness(m)) != Some(crate::core::Liveness::Down))
                 .copied()
                 .collect(),
+            listening: Some(self.main_addr),
         };
         drop(addrs);
         self.view.send_if_modified(|v| {
@@ -656,7 +660,12 @@ impl Actor {
                 (None, None) => true,
                 _ => false,
             };
-            if same_state && v.addrs == next.addrs && v.leader == next.leader && v.alive == next.alive {
+            if same_state
+                && v.addrs == next.addrs
+                && v.leader == next.leader
+                && v.alive == next.alive
+                && v.listening == next.listening
+            {
                 return false;
             }
             *v = View {

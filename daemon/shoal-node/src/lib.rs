@@ -77,12 +77,24 @@ pub async fn run(
     tasks.spawn(runtime::lead(rt.clone()));
     tasks.spawn(runtime::offer(rt.clone()));
     tasks.spawn(runtime::supervise(rt.clone()));
+    tasks.spawn(notify_ready(rt.membership.view(), identity.id()));
     let main = shared.node.clone();
     let r = membership::run_shared(cfg, identity, inventory, shared, inbox, shutdown).await;
     // Stages stop with their tasks (and free their memory) before the endpoint closes.
     tasks.shutdown().await;
     main.close();
     Ok(r?)
+}
+
+/// Tell the service manager (systemd's `Type=notify`, or a lab waiting on
+/// `NOTIFY_SOCKET`) that the node serves, once membership has written its endpoint
+/// file and started discovery: nothing to wait for by reading logs.
+async fn notify_ready(mut view: watch::Receiver<membership::View>, me: NodeId) {
+    let Ok(v) = view.wait_for(|v| v.listening.is_some()).await else { return };
+    let status = format!("node {me} serving on {}", v.listening.map(|a| a.to_string()).unwrap_or_default());
+    drop(v);
+    // Without NOTIFY_SOCKET this does nothing; a failure to tell is not worth stopping for.
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
 }
 
 /// Serve shards to members that fetch them.

@@ -62,7 +62,7 @@ pub fn sampling_params(value: &serde_json::Value) -> Result<SamplingParams, Stri
 }
 
 /// What a finished generation reports.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Report {
     /// Generated tokens.
     pub tokens: Vec<TokenId>,

@@ -12,7 +12,9 @@ pub use inventory::{BadClusterId, BadNodeId, ClusterId, DeviceInventory, NodeId,
 pub mod placement;
 pub use placement::{LoadSpec, ModelPlacement, Offer, PlacedStage};
 pub mod sampling;
+pub mod text;
 pub use sampling::{validate_generation, GenerationError, SamplingParams};
+pub use text::{StopText, Utf8Stream};
 
 /// A token id in the model's vocabulary (llama.cpp's `llama_token`).
 pub type TokenId = i32;

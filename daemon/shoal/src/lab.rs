@@ -7,9 +7,13 @@ use anyhow::{bail, Context, Result};
 use shoal_net::Impairment;
 use shoal_testnet::Net;
 use shoal_types::LayerRange;
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
+use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Port every stage listens on (each host has its own address).
 const PORT: u16 = 7300;
@@ -26,21 +30,84 @@ pub struct Lab {
     exe: PathBuf,
 }
 
-/// Read a `shoal serve --placement` process's stderr until it says it serves, then
-/// keep draining it on a thread (a full pipe would block the stage). Returns the
-/// lines before that one; fails with them if the process ended first.
-pub(crate) fn until_serving(stderr: std::process::ChildStderr, what: &str) -> Result<Vec<String>> {
-    let mut lines = BufReader::new(stderr).lines();
-    let mut seen = Vec::new();
-    loop {
-        match lines.next() {
-            Some(Ok(l)) if l.contains("[shoal] serving") => break,
-            Some(Ok(l)) => seen.push(l),
-            _ => bail!("{what} exited before serving: {}", seen.join("\n")),
+/// Waits for a child's readiness the way systemd does: the child finds a datagram
+/// socket in `NOTIFY_SOCKET` and sends `READY=1` (with a `STATUS=` line) when it
+/// serves. One watch per child, so that a message names its sender.
+pub(crate) struct ReadyWatch {
+    /// The socket's path, in `_dir` (a path, not an abstract name: namespace hosts
+    /// share the file system, not abstract sockets).
+    path: PathBuf,
+    sock: UnixDatagram,
+    /// Removed with the watch.
+    _dir: tempfile::TempDir,
+}
+
+impl ReadyWatch {
+    pub(crate) fn new() -> Result<ReadyWatch> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("notify");
+        let sock = UnixDatagram::bind(&path).context("binding a notify socket")?;
+        sock.set_read_timeout(Some(Duration::from_millis(200)))?;
+        Ok(ReadyWatch { path, sock, _dir: dir })
+    }
+
+    /// Point `cmd`'s `NOTIFY_SOCKET` at this watch.
+    pub(crate) fn arm<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
+        cmd.env("NOTIFY_SOCKET", &self.path)
+    }
+
+    /// Wait (up to two minutes) until `child` says it is ready; returns its status line.
+    /// Its stderr, when piped, is drained on a thread (a full pipe would block it) and
+    /// its last lines explain a child that exits first; such a child is killed.
+    pub(crate) fn wait(&self, child: &mut Child, what: &str) -> Result<String> {
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        if let Some(stderr) = child.stderr.take() {
+            let tail = tail.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
+                    if t.len() == 40 {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            });
+        }
+        let told = |tail: &Mutex<VecDeque<String>>| {
+            let t = tail.lock().unwrap_or_else(|e| e.into_inner());
+            t.iter().cloned().collect::<Vec<_>>().join("\n")
+        };
+        let t0 = Instant::now();
+        let mut buf = [0u8; 4096];
+        loop {
+            if let Ok(n) = self.sock.recv(&mut buf) {
+                let msg = String::from_utf8_lossy(&buf[..n]);
+                if msg.lines().any(|l| l == "READY=1") {
+                    let status = msg.lines().find_map(|l| l.strip_prefix("STATUS=")).unwrap_or_default();
+                    return Ok(status.to_string());
+                }
+            }
+            if let Some(status) = child.try_wait()? {
+                // Let the drain thread take the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                bail!("{what} exited ({status}) before it was ready: {}", told(&tail));
+            }
+            if t0.elapsed() > Duration::from_secs(120) {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("{what} was not ready within 120 s: {}", told(&tail));
+            }
         }
     }
-    std::thread::spawn(move || lines.for_each(drop));
-    Ok(seen)
+}
+
+/// Start `cmd` and wait until it is ready (see [`ReadyWatch`]); returns the child and
+/// its status line.
+pub(crate) fn spawn_ready(cmd: &mut Command, what: &str) -> Result<(Child, String)> {
+    let watch = ReadyWatch::new()?;
+    let mut child = watch.arm(cmd).stderr(Stdio::piped()).spawn()?;
+    let status = watch.wait(&mut child, what)?;
+    Ok((child, status))
 }
 
 impl Lab {
@@ -88,22 +155,17 @@ impl Lab {
         };
         // Downstream stages first, so each link finds its next stage listening.
         for k in (0..stages.len()).rev() {
-            let mut child = lab
-                .net
-                .command(k, &lab.exe)
-                .args(["serve", "--impair", &impair_arg])
+            let mut cmd = lab.net.command(k, &lab.exe);
+            cmd.args(["serve", "--impair", &impair_arg])
                 .args(serve_args)
                 .arg("--placement")
                 .arg(&lab.placement)
                 .arg("--data-dir")
-                .arg(lab.dir.path().join(format!("node{k}")))
-                .stderr(Stdio::piped())
-                .spawn()?;
-            let stderr = child.stderr.take().context("stage stderr")?;
+                .arg(lab.dir.path().join(format!("node{k}")));
+            let (child, status) = spawn_ready(&mut cmd, &format!("stage {k}"))?;
             lab.net.adopt(child);
-            let seen = until_serving(stderr, &format!("stage {k}"))?;
-            if !impair.is_none() && !seen.iter().any(|l| l.contains("impairing")) {
-                bail!("stage {k} did not apply the impairment: {}", seen.join("\n"));
+            if !impair.is_none() && !status.contains("impairing") {
+                bail!("stage {k} did not apply the impairment: {status}");
             }
         }
         Ok(lab)

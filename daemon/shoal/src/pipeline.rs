@@ -209,14 +209,19 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             eprintln!("[shoal] impairing outgoing packets (test option): {:?}", a.impair);
         }
         let node = Arc::new(Node::bind(listen, identity.clone(), TrustedKeys::new(placement.trusted()), &opts)?);
-        eprintln!(
-            "[shoal] serving layers {} of {} on {} as node {}{}",
+        let serving = format!(
+            "serving layers {} of {} on {} as node {}{}{}",
             place.layers,
             placement.model.display(),
             node.local_addr()?,
             identity.id(),
-            if keepalive.is_some() { " (keep-alive on)" } else { "" }
+            if keepalive.is_some() { " (keep-alive on)" } else { "" },
+            if a.impair.is_none() { "" } else { " (impairing outgoing packets)" }
         );
+        eprintln!("[shoal] {serving}");
+        // The stage serves from here on (its endpoint accepts): tell a service manager
+        // or a lab waiting on NOTIFY_SOCKET. Without one this does nothing.
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&serving)]);
         let dtype = if a.f16 { Dtype::F16 } else { Dtype::F32 };
         let cfg = ServiceConfig {
             placement,

@@ -4,7 +4,7 @@
 //! three, the other two receive only their shards, and `shoal generate --model` through
 //! two different nodes gives the tokens and logits digest of `shoal run` unsplit; a
 //! stage's node SIGKILLed during a 300-token generation (a middle stage, then a
-//! coordinator) is replaced by a spare and the answer does not change.
+//! coordinator, and the leader's) is replaced by a spare and the answer does not change.
 
 mod common;
 use common::*;
@@ -222,6 +222,61 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
     nodes.kill_all();
 }
 
+#[test]
+fn the_leaders_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change() {
+    let model = model(SMOL);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
+    // A creates the cluster (so it leads) and, with three nodes offering 90 MB each,
+    // runs one of the three stages; D joins once the model runs, as the spare.
+    let mut nodes = start_cluster(&dir, &["a", "b", "c"]);
+    // B holds a copy too: A's dies with it, and the spare needs a source for A's shard.
+    run_ok(&["models", "add", model.to_str().unwrap()], &dir("a"));
+    run_ok(&["models", "add", model.to_str().unwrap()], &dir("b"));
+    let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--wait"], &dir("b"));
+    assert!(loaded.contains("ready: 3 stage(s)"), "{loaded}");
+    add_node(&mut nodes, &dir, "b", "d");
+    let leader = status(&dir("b")).unwrap()["leader"].as_str().unwrap().to_string();
+    assert_eq!(leader, key(&dir("a")), "the creator leads");
+    let plan = placement(&dir("b"));
+    let runs_a = plan["stages"].as_array().unwrap().iter().any(|s| s["node"].as_str() == Some(&leader));
+    assert!(runs_a, "the leader runs no stage: {plan}");
+
+    let args = ["--prompt", PROMPT, "-n", "300", "--ignore-eos", "--json"];
+    let r = unsplit(&model, &args);
+    let mut gen = shoal()
+        .args(["generate", "--model", SMOL, "--progress"])
+        .args(args)
+        .arg("--data-dir")
+        .arg(dir("b"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = gen.stderr.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
+    let seen = lines.by_ref().map_while(Result::ok).filter(|l| l.starts_with("token ")).take(40).count();
+    assert_eq!(seen, 40, "the generation did not get under way");
+    let killed_at = Instant::now();
+    nodes.kill("a");
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let out = gen.wait_with_output().unwrap();
+    assert!(out.status.success(), "the generation failed: {rest:?}");
+    eprintln!("the leader killed; the generation ended {:.1} s later", killed_at.elapsed().as_secs_f64());
+    let g: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(g["tokens"], r["tokens"], "tokens differ from the unsplit run");
+    assert_eq!(g["logits_digest"], r["logits_digest"], "logits differ from the unsplit run");
+    assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 260, "tokens missing or repeated");
+    // A new leader re-placed A's stage on the spare.
+    let new_leader = status(&dir("b")).unwrap()["leader"].as_str().map(str::to_string);
+    assert!(new_leader.is_some_and(|l| l != leader), "no new leader");
+    let after = placement(&dir("b"));
+    assert!(after["generation"].as_u64() > plan["generation"].as_u64(), "not re-placed: {after}");
+    let on_d = after["stages"].as_array().unwrap().iter().any(|s| s["node"].as_str() == Some(&key(&dir("d"))));
+    assert!(on_d, "the spare runs no stage: {after}");
+    nodes.kill_all();
+}
+
 /// `shoal run` unsplit, as JSON.
 fn unsplit(model: &Path, args: &[&str]) -> Value {
     json(
@@ -248,16 +303,25 @@ fn start_cluster(dir: &dyn Fn(&str) -> PathBuf, names: &[&'static str]) -> Nodes
     nodes.0.push((names[0], serve(&dir(names[0]), names[0], true)));
     wait_for("the first node's cluster", 30, || status(&dir(names[0])).filter(|s| !s["cluster"].is_null()));
     for n in &names[1..] {
-        nodes.0.push((n, serve(&dir(n), n, false)));
-        wait_for("the node up", 30, || status(&dir(n)));
-        wait_for(&format!("{n} joined"), 60, || {
-            let code = run_ok(&["nodes", "pair"], &dir(names[0]));
-            let out = shoal().args(["join", code.trim(), "--data-dir"]).arg(dir(n)).output().unwrap();
-            out.status.success().then_some(())
-        });
+        add_node(&mut nodes, dir, names[0], n);
     }
-    wait_for("every member", 30, || {
-        status(&dir(names[0])).filter(|s| s["members"].as_array().is_some_and(|m| m.len() == names.len()))
-    });
     nodes
+}
+
+/// Start node `name` and pair it into the cluster of `member`.
+fn add_node(nodes: &mut Nodes, dir: &dyn Fn(&str) -> PathBuf, member: &str, name: &'static str) {
+    let before = members(&dir(member));
+    nodes.0.push((name, serve(&dir(name), name, false)));
+    wait_for("the node up", 30, || status(&dir(name)));
+    wait_for(&format!("{name} joined"), 60, || {
+        let code = run_ok(&["nodes", "pair"], &dir(member));
+        let out = shoal().args(["join", code.trim(), "--data-dir"]).arg(dir(name)).output().unwrap();
+        out.status.success().then_some(())
+    });
+    wait_for("the new member listed", 30, || (members(&dir(member)) == before + 1).then_some(()));
+}
+
+/// How many members `dir`'s node lists.
+fn members(dir: &Path) -> usize {
+    status(dir).and_then(|s| s["members"].as_array().map(|m| m.len())).unwrap_or(0)
 }

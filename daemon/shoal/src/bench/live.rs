@@ -141,10 +141,9 @@ fn one_delay(model: &Path, n_layer: u32, split: u32, delay: u64, a: &LivePlanArg
     let basis = plan["explanation"][0].as_str().unwrap_or_default().to_string();
     for name in ["b", "a"] {
         let mut c = cli(&["serve", "--impair", &impair], &data(name));
-        let mut child = c.arg("--placement").arg(&placement).stderr(Stdio::piped()).spawn()?;
-        let stderr = child.stderr.take().context("stage stderr")?;
+        c.arg("--placement").arg(&placement);
+        let (child, _) = crate::lab::spawn_ready(&mut c, &format!("the stage on {name}"))?;
         procs.0.push(child);
-        crate::lab::until_serving(stderr, &format!("the stage on {name}"))?;
     }
     let generate = |n: usize| -> Result<f64> {
         let mut c = cli(&["generate", "--json", "--raw", "--ignore-eos", "--prompt", SHORT_PROMPT], &data("a"));

@@ -307,18 +307,15 @@ impl LoopbackPipeline {
         }
         let mut children = Children(Vec::new());
         for i in 0..bounds.len() - 1 {
-            let mut c = Command::new(&exe)
-                .arg("serve")
+            let mut c = Command::new(&exe);
+            c.arg("serve")
                 .args(serve_args)
                 .arg("--placement")
                 .arg(&placement)
                 .arg("--data-dir")
-                .arg(dir.path().join(format!("node{i}")))
-                .stderr(std::process::Stdio::piped())
-                .spawn()?;
-            let stderr = c.stderr.take().context("stage stderr")?;
-            children.0.push(c);
-            crate::lab::until_serving(stderr, &format!("stage {i}"))?;
+                .arg(dir.path().join(format!("node{i}")));
+            let (child, _) = crate::lab::spawn_ready(&mut c, &format!("stage {i}"))?;
+            children.0.push(child);
         }
         Ok(LoopbackPipeline { dir, placement, children })
     }

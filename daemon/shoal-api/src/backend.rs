@@ -1,0 +1,130 @@
+//! What the HTTP layer needs from the node it runs in: the models clients may name, a
+//! model's text side (tokenizer and chat template, without weights), and generation
+//! wherever the model's coordinator runs. The node implements [`Backend`]; tests
+//! implement it with a fake.
+
+use shoal_pipeline::{GenerateRequest, Report};
+use shoal_types::{CatalogEntry, TokenId};
+use std::future::Future;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// The node as the API sees it.
+pub trait Backend: Send + Sync + 'static {
+    /// Every model a client may name, with its state.
+    fn models(&self) -> impl Future<Output = Vec<ModelInfo>> + Send;
+
+    /// The text side of the model named `model` (a catalog name or a hash prefix).
+    fn text(&self, model: &str) -> impl Future<Output = Result<Arc<dyn TextModel>, Failure>> + Send;
+
+    /// Run `request` on `model` wherever its stages run, sending each token to
+    /// `tokens` as it comes; the report at the end. Dropping the future cancels the
+    /// generation (its session is freed on every stage).
+    fn generate(
+        &self,
+        model: &str,
+        request: GenerateRequest,
+        tokens: mpsc::UnboundedSender<TokenId>,
+    ) -> impl Future<Output = Result<Report, Failure>> + Send;
+}
+
+/// A model as clients see it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelInfo {
+    /// The catalog entry.
+    pub entry: CatalogEntry,
+    /// Whether it runs.
+    pub state: ModelState,
+    /// Positions per session where it is placed (the placement's context).
+    pub context: Option<u32>,
+}
+
+/// Where a model stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelState {
+    /// In the catalog, not loaded.
+    Available,
+    /// Placed; its stages are fetching shards or loading.
+    Starting,
+    /// Every stage runs: requests are answered.
+    Ready,
+    /// Loaded, but it cannot be placed now (why).
+    Unplaced(String),
+}
+
+/// A model's vocabulary and chat template (the node loads them without weights).
+pub trait TextModel: Send + Sync {
+    /// `messages` in the model's chat template, ready for the assistant's answer.
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, String>;
+    /// Token ids of `text` (with BOS where the model wants one); special-token text
+    /// becomes special tokens only with `parse_special` (templated prompts need it,
+    /// raw user text must not get it).
+    fn tokenize(&self, text: &str, parse_special: bool) -> Vec<TokenId>;
+    /// The bytes a token stands for (maybe part of a UTF-8 character; control tokens
+    /// are empty).
+    fn piece(&self, token: TokenId) -> Vec<u8>;
+    /// The end-of-generation tokens.
+    fn eog_tokens(&self) -> Vec<TokenId>;
+}
+
+/// One turn of a conversation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Its text.
+    pub content: String,
+}
+
+/// A request that failed, as the HTTP layer maps it to a status.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    /// What kind of failure.
+    pub kind: FailureKind,
+    /// For people.
+    pub message: String,
+}
+
+/// Kinds of failure, each with its HTTP status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Malformed or impossible request (400).
+    BadRequest,
+    /// Not allowed (401 without a key, 403 otherwise).
+    Forbidden,
+    /// No such model (404).
+    NotFound,
+    /// The model is starting: try again in the given seconds (503 with Retry-After).
+    Loading(u32),
+    /// The cluster cannot serve it now: not placed, does not fit, no leader (503).
+    Unavailable,
+    /// Too many requests queued (429).
+    Busy,
+    /// Something broke inside (500).
+    Internal,
+}
+
+impl Failure {
+    /// A failure of `kind` saying `message`.
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
+        Failure { kind, message: message.into() }
+    }
+
+    /// 400 with `message`.
+    pub fn bad(message: impl Into<String>) -> Failure {
+        Failure::new(FailureKind::BadRequest, message)
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> u16 {
+        match self.kind {
+            FailureKind::BadRequest => 400,
+            FailureKind::Forbidden => 403,
+            FailureKind::NotFound => 404,
+            FailureKind::Busy => 429,
+            FailureKind::Internal => 500,
+            FailureKind::Loading(_) | FailureKind::Unavailable => 503,
+        }
+    }
+}

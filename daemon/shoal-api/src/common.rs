@@ -1,0 +1,128 @@
+//! What the OpenAI and Ollama routes share: naming a model, parsing a body with a clear
+//! error, errors in each API's own shape, ids and times.
+
+use crate::backend::{Backend, Failure, FailureKind, ModelInfo, ModelState};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Positions answered when a request gives no limit and the model's context is not
+/// known (it is not placed yet).
+pub(crate) const DEFAULT_MAX_TOKENS: u32 = 512;
+
+/// Which API's shapes an answer takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dialect {
+    /// `{"error": {"message", "type", "param", "code"}}`.
+    OpenAi,
+    /// `{"error": "message"}`.
+    Ollama,
+}
+
+/// `failure` as `dialect` answers it, with its status (and `Retry-After` while a model
+/// starts).
+pub(crate) fn error_response(dialect: Dialect, failure: &Failure) -> Response {
+    let status = StatusCode::from_u16(failure.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body = match dialect {
+        Dialect::OpenAi => {
+            let (kind, code) = match failure.kind {
+                FailureKind::NotFound => ("invalid_request_error", Some("model_not_found")),
+                FailureKind::BadRequest => ("invalid_request_error", None),
+                FailureKind::Forbidden => ("permission_error", None),
+                FailureKind::Busy => ("rate_limit_error", None),
+                FailureKind::Loading(_) => ("service_unavailable", Some("model_loading")),
+                FailureKind::Unavailable => ("service_unavailable", None),
+                FailureKind::Internal => ("server_error", None),
+            };
+            json!({"error": {"message": failure.message, "type": kind, "param": null, "code": code}})
+        }
+        Dialect::Ollama => json!({"error": failure.message}),
+    };
+    let mut response = (status, axum::Json(body)).into_response();
+    if let FailureKind::Loading(secs) = failure.kind {
+        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}
+
+/// Parse a JSON body; a malformed one is a 400 that says where and why.
+pub(crate) fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, Failure> {
+    serde_json::from_slice(body).map_err(|e| Failure::bad(format!("invalid request body: {e}")))
+}
+
+/// The model a client named: its catalog name, that name with Ollama's `:latest`, or
+/// a prefix (8 or more hex digits) of its content hash.
+pub(crate) async fn resolve<B: Backend>(backend: &B, name: &str) -> Result<ModelInfo, Failure> {
+    let models = backend.models().await;
+    let bare = name.strip_suffix(":latest").unwrap_or(name);
+    if let Some(m) = models.iter().find(|m| m.entry.name == name || m.entry.name == bare) {
+        return Ok(m.clone());
+    }
+    let hex = name.strip_prefix("sha256:").unwrap_or(name);
+    if hex.len() >= 8 && hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        let mut found = models.iter().filter(|m| m.entry.content_hash.starts_with(hex));
+        if let (Some(m), None) = (found.next(), found.next()) {
+            return Ok(m.clone());
+        }
+    }
+    let known: Vec<&str> = models.iter().map(|m| m.entry.name.as_str()).collect();
+    Err(Failure::new(
+        FailureKind::NotFound,
+        if known.is_empty() {
+            format!("model '{name}' not found: the cluster's catalog is empty (shoal models add)")
+        } else {
+            format!("model '{name}' not found; the catalog has: {}", known.join(", "))
+        },
+    ))
+}
+
+/// Refuse a model that cannot answer now, before its vocabulary is loaded.
+pub(crate) fn ready_or_failure(model: &ModelInfo) -> Result<(), Failure> {
+    match &model.state {
+        ModelState::Ready => Ok(()),
+        ModelState::Starting => Err(Failure::new(
+            FailureKind::Loading(5),
+            format!("model '{}' is loading: its stages are fetching their shards or starting", model.entry.name),
+        )),
+        ModelState::Available => Err(Failure::new(
+            FailureKind::Unavailable,
+            format!("model '{}' is not loaded (shoal models load {})", model.entry.name, model.entry.name),
+        )),
+        ModelState::Unplaced(why) => Err(Failure::new(
+            FailureKind::Unavailable,
+            format!("model '{}' cannot be placed now: {why}", model.entry.name),
+        )),
+    }
+}
+
+/// Most tokens to make when the client gives no limit: what the context leaves.
+pub(crate) fn default_max_tokens(model: &ModelInfo, prompt_tokens: usize) -> u32 {
+    match model.context {
+        Some(ctx) => (ctx as usize).saturating_sub(prompt_tokens).max(1) as u32,
+        None => DEFAULT_MAX_TOKENS,
+    }
+}
+
+/// A fresh id: `prefix` and 24 random hex digits.
+pub(crate) fn new_id(prefix: &str) -> String {
+    let mut bytes = [0u8; 12];
+    // Ids only tell responses apart; a failed draw falls back to the clock.
+    if getrandom::getrandom(&mut bytes).is_err() {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        bytes.copy_from_slice(&nanos.to_le_bytes()[..12]);
+    }
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{prefix}{hex}")
+}
+
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Now as RFC 3339 with nanoseconds (Ollama's `created_at`).
+pub(crate) fn rfc3339_now() -> String {
+    humantime::format_rfc3339_nanos(SystemTime::now()).to_string()
+}

@@ -1,0 +1,161 @@
+//! One generation as every route sees it: tokens from the backend become text (never
+//! split inside a UTF-8 character), cut at the request's stop sequences, and end with
+//! a finish reason and counts. Routes only shape these events into their API's JSON.
+
+use crate::backend::{Backend, Failure, TextModel};
+use shoal_pipeline::GenerateRequest;
+use shoal_types::{SamplingParams, StopText, TokenId, Utf8Stream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// What a route asks for.
+pub(crate) struct Job {
+    /// The model as the client named it.
+    pub model: String,
+    /// Its vocabulary.
+    pub text: Arc<dyn TextModel>,
+    /// The prompt's tokens.
+    pub prompt: Vec<TokenId>,
+    /// Most tokens to make.
+    pub max_tokens: u32,
+    /// How to pick them.
+    pub sampling: SamplingParams,
+    /// Text that ends the answer (not shown).
+    pub stop: Vec<String>,
+}
+
+/// What a generation says, in order: text pieces, then one end or failure.
+#[derive(Debug)]
+pub(crate) enum Event {
+    /// More of the answer.
+    Text(String),
+    /// The answer is complete.
+    End(Outcome),
+    /// It failed (before any text: the route answers with the failure's status).
+    Failed(Failure),
+}
+
+/// How a generation ended.
+#[derive(Clone, Debug)]
+pub(crate) struct Outcome {
+    /// Why it stopped.
+    pub finish: Finish,
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated (a stop sequence's included).
+    pub completion_tokens: usize,
+    /// The prompt's processing (request to first token).
+    pub prefill: Duration,
+    /// First token to last.
+    pub decode: Duration,
+    /// The whole request.
+    pub total: Duration,
+}
+
+/// Why a generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Finish {
+    /// An end-of-generation token or a stop sequence.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl Finish {
+    /// As OpenAI and Ollama spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// Start `job`; its events arrive on the returned channel. Dropping the receiver
+/// (a client that went away) cancels the generation.
+pub(crate) fn start<B: Backend>(backend: Arc<B>, job: Job) -> mpsc::Receiver<Event> {
+    // A few events of slack: the stream to the client drains it as fast as it can.
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(run(backend, job, tx));
+    rx
+}
+
+async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>) {
+    let t0 = Instant::now();
+    let eog = job.text.eog_tokens();
+    let request = GenerateRequest {
+        prompt: job.prompt.clone(),
+        max_new: job.max_tokens,
+        stop: eog.clone(),
+        sampling: serde_json::to_value(job.sampling).unwrap_or_default(),
+        resume: Vec::new(),
+    };
+    let (token_tx, mut tokens) = mpsc::unbounded_channel();
+    let generation = backend.generate(&job.model, request, token_tx);
+    tokio::pin!(generation);
+    let mut utf8 = Utf8Stream::default();
+    let mut stops = StopText::new(job.stop);
+    let mut made = 0usize;
+    let mut last = None;
+    let (mut first_at, mut last_at) = (None, t0);
+    let mut result = None;
+    let mut stopped_by_text = false;
+    loop {
+        tokio::select! {
+            r = &mut generation, if result.is_none() => result = Some(r),
+            t = tokens.recv() => {
+                // The channel closes when the generation is over and dropped its sender.
+                let Some(t) = t else { break };
+                made += 1;
+                last = Some(t);
+                last_at = Instant::now();
+                first_at.get_or_insert(last_at);
+                if eog.contains(&t) {
+                    continue;
+                }
+                let (text, stop) = stops.push(&utf8.push(&job.text.piece(t)));
+                if !text.is_empty() && events.send(Event::Text(text)).await.is_err() {
+                    // The client went away: returning drops (cancels) the generation.
+                    return;
+                }
+                if stop {
+                    stopped_by_text = true;
+                    break;
+                }
+            }
+        }
+    }
+    // A stop sequence ends the answer here; the generation is dropped (cancelled).
+    let result = match result {
+        Some(r) => r.map(drop),
+        None if stopped_by_text => Ok(()),
+        None => generation.await.map(drop),
+    };
+    drop(tokens);
+    if let Err(f) = result {
+        let _ = events.send(Event::Failed(f)).await;
+        return;
+    }
+    if !stopped_by_text {
+        let (text, _) = stops.push(&utf8.finish());
+        let text = text + &stops.finish();
+        if !text.is_empty() && events.send(Event::Text(text)).await.is_err() {
+            return;
+        }
+    }
+    let ended_by_eog = last.is_some_and(|t| eog.contains(&t));
+    let finish =
+        if stopped_by_text || ended_by_eog || made < job.max_tokens as usize { Finish::Stop } else { Finish::Length };
+    let first_at = first_at.unwrap_or(last_at);
+    let _ = events
+        .send(Event::End(Outcome {
+            finish,
+            prompt_tokens: job.prompt.len(),
+            completion_tokens: made,
+            prefill: first_at - t0,
+            decode: last_at - first_at,
+            total: t0.elapsed(),
+        }))
+        .await;
+}

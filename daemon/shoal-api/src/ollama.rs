@@ -1,0 +1,348 @@
+//! Ollama's routes, at the root as Ollama serves them: `POST /api/chat` and
+//! `/api/generate` (NDJSON streams by default, one object with `"stream": false`),
+//! `GET /api/tags`, `/api/ps`, `/api/version`, `POST /api/show`.
+
+use crate::backend::{Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, TextModel};
+use crate::common::{self, error_response, Dialect};
+use crate::gen::{self, Event, Job, Outcome};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use shoal_types::{SamplingParams, TokenId};
+use std::convert::Infallible;
+use std::sync::Arc;
+
+/// The version `/api/version` reports: Shoal's own.
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+#[derive(Debug, Default, Deserialize)]
+struct Options {
+    num_predict: Option<i64>,
+    temperature: Option<f32>,
+    top_k: Option<i32>,
+    top_p: Option<f32>,
+    min_p: Option<f32>,
+    seed: Option<i64>,
+    stop: Option<Vec<String>>,
+    repeat_penalty: Option<f32>,
+    repeat_last_n: Option<i32>,
+}
+
+impl Options {
+    fn sampling(&self) -> SamplingParams {
+        let d = SamplingParams::default();
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(crate::openai::DEFAULT_TEMPERATURE),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
+            repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
+            seed: self.seed.map_or(d.seed, |s| s as u32),
+        }
+    }
+
+    /// `num_predict`: a count, or -1 (until the context is full) / -2 (fill it).
+    fn max_tokens(&self, model: &ModelInfo, prompt: usize) -> Result<u32, Failure> {
+        match self.num_predict {
+            None | Some(-1) | Some(-2) => Ok(common::default_max_tokens(model, prompt)),
+            Some(n) if n > 0 => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
+            Some(n) => Err(Failure::bad(format!("num_predict {n}: give a positive count, -1 or -2"))),
+        }
+    }
+}
+
+fn default_stream() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    model: String,
+    #[serde(default)]
+    messages: Vec<InMessage>,
+    #[serde(default = "default_stream")]
+    stream: bool,
+    #[serde(default)]
+    format: Option<Value>,
+    #[serde(default)]
+    options: Options,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct InMessage {
+    role: String,
+    #[serde(default)]
+    content: String,
+    #[serde(default)]
+    images: Option<Vec<Value>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct GenerateRequest {
+    model: String,
+    #[serde(default)]
+    prompt: String,
+    #[serde(default)]
+    system: Option<String>,
+    #[serde(default)]
+    raw: bool,
+    #[serde(default)]
+    suffix: Option<String>,
+    #[serde(default = "default_stream")]
+    stream: bool,
+    #[serde(default)]
+    format: Option<Value>,
+    #[serde(default)]
+    options: Options,
+    #[serde(default)]
+    images: Option<Vec<Value>>,
+}
+
+fn refuse_unsupported(format: &Option<Value>, images: bool, tools: bool) -> Result<(), Failure> {
+    if format.as_ref().is_some_and(|f| !f.is_null() && f != "") {
+        return Err(Failure::bad("format (JSON output) is not supported yet"));
+    }
+    if images {
+        return Err(Failure::bad("images are not supported: Shoal serves text models"));
+    }
+    if tools {
+        return Err(Failure::bad("tools are not supported yet"));
+    }
+    Ok(())
+}
+
+/// `POST /api/chat`.
+pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
+    let r = async {
+        let req: ChatRequest = common::parse(&body)?;
+        let images = req.messages.iter().any(|m| m.images.as_ref().is_some_and(|i| !i.is_empty()));
+        refuse_unsupported(&req.format, images, req.tools.as_ref().is_some_and(|t| !t.is_empty()))?;
+        let model = common::resolve(&*backend, &req.model).await?;
+        if req.messages.is_empty() {
+            // Ollama's way to load a model: an empty chat answers at once.
+            return Ok(Json(json!({"model": req.model, "created_at": common::rfc3339_now(),
+                "message": {"role": "assistant", "content": ""}, "done_reason": "load", "done": true}))
+            .into_response());
+        }
+        let messages: Vec<ChatMessage> =
+            req.messages.iter().map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect();
+        let job = job(&*backend, &model, &req.options, |text| {
+            let prompt = text.chat_prompt(&messages).map_err(Failure::bad)?;
+            Ok(text.tokenize(&prompt, true))
+        })
+        .await?;
+        respond(backend, job, req.model, req.stream, Shape::Chat).await
+    }
+    .await;
+    r.unwrap_or_else(|f| error_response(Dialect::Ollama, &f))
+}
+
+/// `POST /api/generate`: the prompt in the chat template as one user turn (after
+/// `system`), or as is with `raw`.
+pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
+    let r = async {
+        let req: GenerateRequest = common::parse(&body)?;
+        refuse_unsupported(&req.format, req.images.as_ref().is_some_and(|i| !i.is_empty()), false)?;
+        if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(Failure::bad("suffix (fill-in-the-middle) is not supported yet"));
+        }
+        let model = common::resolve(&*backend, &req.model).await?;
+        if req.prompt.is_empty() {
+            return Ok(Json(json!({"model": req.model, "created_at": common::rfc3339_now(), "response": "",
+                "done_reason": "load", "done": true}))
+            .into_response());
+        }
+        let (prompt, raw, system) = (req.prompt.clone(), req.raw, req.system.clone());
+        let job = job(&*backend, &model, &req.options, |text| {
+            if raw {
+                return Ok(text.tokenize(&prompt, false));
+            }
+            let mut messages = Vec::new();
+            if let Some(s) = system.filter(|s| !s.is_empty()) {
+                messages.push(ChatMessage { role: "system".into(), content: s });
+            }
+            messages.push(ChatMessage { role: "user".into(), content: prompt.clone() });
+            let templated = text.chat_prompt(&messages).map_err(Failure::bad)?;
+            Ok(text.tokenize(&templated, true))
+        })
+        .await?;
+        respond(backend, job, req.model, req.stream, Shape::Generate).await
+    }
+    .await;
+    r.unwrap_or_else(|f| error_response(Dialect::Ollama, &f))
+}
+
+async fn job<B: Backend>(
+    backend: &B,
+    model: &ModelInfo,
+    options: &Options,
+    tokens: impl FnOnce(&dyn TextModel) -> Result<Vec<TokenId>, Failure>,
+) -> Result<Job, Failure> {
+    common::ready_or_failure(model)?;
+    let text = backend.text(&model.entry.name).await?;
+    let prompt = tokens(&*text)?;
+    Ok(Job {
+        model: model.entry.name.clone(),
+        text,
+        max_tokens: options.max_tokens(model, prompt.len())?,
+        prompt,
+        sampling: options.sampling(),
+        stop: options.stop.clone().unwrap_or_default(),
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Chat,
+    Generate,
+}
+
+/// One line of the answer: `text` so far (`done: false`), or the end with counts and
+/// nanosecond timings.
+fn line(shape: Shape, model: &str, text: &str, end: Option<&Outcome>) -> Value {
+    let mut v = match shape {
+        Shape::Chat => json!({"model": model, "created_at": common::rfc3339_now(),
+            "message": {"role": "assistant", "content": text}, "done": end.is_some()}),
+        Shape::Generate => {
+            json!({"model": model, "created_at": common::rfc3339_now(), "response": text, "done": end.is_some()})
+        }
+    };
+    if let Some(o) = end {
+        v["done_reason"] = json!(o.finish.as_str());
+        v["total_duration"] = json!(o.total.as_nanos() as u64);
+        v["load_duration"] = json!(0);
+        v["prompt_eval_count"] = json!(o.prompt_tokens);
+        v["prompt_eval_duration"] = json!(o.prefill.as_nanos() as u64);
+        v["eval_count"] = json!(o.completion_tokens);
+        v["eval_duration"] = json!(o.decode.as_nanos() as u64);
+    }
+    v
+}
+
+async fn respond<B: Backend>(
+    backend: Arc<B>,
+    job: Job,
+    model: String,
+    streamed: bool,
+    shape: Shape,
+) -> Result<Response, Failure> {
+    let mut events = gen::start(backend, job);
+    let vanished = || Failure::new(FailureKind::Internal, "the generation vanished");
+    let first = events.recv().await.ok_or_else(vanished)?;
+    if let Event::Failed(f) = first {
+        return Err(f);
+    }
+    if !streamed {
+        let mut text = String::new();
+        let mut event = first;
+        loop {
+            match event {
+                Event::Text(t) => text += &t,
+                Event::End(o) => return Ok(Json(line(shape, &model, &text, Some(&o))).into_response()),
+                Event::Failed(f) => return Err(f),
+            }
+            event = events.recv().await.ok_or_else(vanished)?;
+        }
+    }
+    // NDJSON: one object a line; after text went out, a failure is an `error` line.
+    let lines = stream::unfold((Some(first), events, false), move |(pending, mut events, done)| {
+        let model = model.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let event = match pending {
+                Some(e) => e,
+                None => events.recv().await?,
+            };
+            let (v, done) = match event {
+                Event::Text(t) => (line(shape, &model, &t, None), false),
+                Event::End(o) => (line(shape, &model, "", Some(&o)), true),
+                Event::Failed(f) => (json!({"error": f.message}), true),
+            };
+            Some((Ok::<_, Infallible>(format!("{v}\n")), (None, events, done)))
+        }
+    });
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(lines)).into_response())
+}
+
+/// `GET /api/version`.
+pub(crate) async fn version() -> Response {
+    Json(json!({"version": VERSION})).into_response()
+}
+
+fn details(m: &ModelInfo) -> Value {
+    json!({"parent_model": "", "format": "gguf", "family": m.entry.arch, "families": [m.entry.arch],
+        "parameter_size": "", "quantization_level": m.entry.quantisation})
+}
+
+/// `GET /api/tags`: the catalog.
+pub(crate) async fn tags<B: Backend>(State(backend): State<Arc<B>>) -> Response {
+    let models: Vec<Value> = backend
+        .models()
+        .await
+        .iter()
+        .map(|m| {
+            json!({"name": m.entry.name, "model": m.entry.name, "modified_at": "1970-01-01T00:00:00Z",
+                "size": m.entry.size, "digest": m.entry.content_hash, "details": details(m)})
+        })
+        .collect();
+    Json(json!({"models": models})).into_response()
+}
+
+/// `GET /api/ps`: the models that run.
+pub(crate) async fn ps<B: Backend>(State(backend): State<Arc<B>>) -> Response {
+    let models: Vec<Value> = backend
+        .models()
+        .await
+        .iter()
+        .filter(|m| m.state == ModelState::Ready || m.state == ModelState::Starting)
+        .map(|m| {
+            json!({"name": m.entry.name, "model": m.entry.name, "size": m.entry.size,
+                "digest": m.entry.content_hash, "details": details(m), "expires_at": "2318-01-01T00:00:00Z",
+                "size_vram": 0, "context_length": m.context})
+        })
+        .collect();
+    Json(json!({"models": models})).into_response()
+}
+
+#[derive(Deserialize)]
+struct ShowRequest {
+    #[serde(alias = "name")]
+    model: String,
+}
+
+/// `POST /api/show`.
+pub(crate) async fn show<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
+    let r = async {
+        let req: ShowRequest = common::parse(&body)?;
+        let m = common::resolve(&*backend, &req.model).await?;
+        let ctx = m.context.unwrap_or(m.entry.context_length);
+        let arch = &m.entry.arch;
+        Ok::<_, Failure>(
+            Json(json!({
+                "parameters": format!("num_ctx {ctx}"),
+                "template": "",
+                "details": details(&m),
+                "model_info": {
+                    "general.architecture": arch,
+                    format!("{arch}.block_count"): m.entry.n_layer,
+                    format!("{arch}.context_length"): m.entry.context_length,
+                },
+                "capabilities": ["completion"],
+                "modified_at": "1970-01-01T00:00:00Z",
+            }))
+            .into_response(),
+        )
+    }
+    .await;
+    r.unwrap_or_else(|f| error_response(Dialect::Ollama, &f))
+}

@@ -1,0 +1,407 @@
+//! OpenAI's routes: `POST /v1/chat/completions`, `POST /v1/completions` (both streamed
+//! as server-sent events or answered whole), `GET /v1/models` and `/v1/models/{id}`.
+//! Fields Shoal cannot honour yet are refused with a 400 that says so, never ignored
+//! into a silently different answer.
+
+use crate::backend::{Backend, ChatMessage, Failure};
+use crate::common::{self, error_response, Dialect};
+use crate::gen::{self, Event, Job, Outcome};
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, Stream};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use shoal_types::SamplingParams;
+use std::convert::Infallible;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// Temperature when a request gives none (llama.cpp's and Ollama's default; OpenAI's
+/// own is 1.0, which small local models take badly).
+pub(crate) const DEFAULT_TEMPERATURE: f32 = 0.8;
+
+/// Sampling and length fields shared by both completion routes.
+#[derive(Debug, Default, Deserialize)]
+struct Knobs {
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    /// Not OpenAI's, but llama.cpp's server and vLLM take it.
+    top_k: Option<i32>,
+    /// Not OpenAI's, but llama.cpp's server and vLLM take it.
+    min_p: Option<f32>,
+    /// Not OpenAI's: llama.cpp's name for the repetition penalty.
+    repeat_penalty: Option<f32>,
+    seed: Option<i64>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    stop: Option<Stop>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    n: Option<u32>,
+    logprobs: Option<Value>,
+    response_format: Option<Value>,
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+impl Knobs {
+    /// Refuse what Shoal cannot honour yet; the sampling parameters and stop strings.
+    fn check(&self) -> Result<(SamplingParams, Vec<String>), Failure> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(Failure::bad("n must be 1: Shoal makes one choice per request"));
+        }
+        if self.logprobs.as_ref().is_some_and(|v| v != &Value::Bool(false) && !v.is_null()) {
+            return Err(Failure::bad("logprobs are not supported yet"));
+        }
+        if let Some(f) = &self.response_format {
+            if f.get("type").and_then(Value::as_str) != Some("text") {
+                return Err(Failure::bad("response_format other than text is not supported yet"));
+            }
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(Failure::bad("tools are not supported yet"));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(Failure::bad(format!("{name} is not supported yet (use repeat_penalty)")));
+            }
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.len() > 4 {
+            return Err(Failure::bad("stop: at most 4 sequences"));
+        }
+        let d = SamplingParams::default();
+        let params = SamplingParams {
+            temperature: self.temperature.unwrap_or(DEFAULT_TEMPERATURE),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
+            repeat_last_n: d.repeat_last_n,
+            // Any integer is a seed; the sampler takes 32 bits of it.
+            seed: self.seed.map_or(d.seed, |s| s as u32),
+        };
+        Ok((params, stop))
+    }
+
+    fn max_tokens(&self) -> Option<u32> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    model: String,
+    messages: Vec<InMessage>,
+    #[serde(flatten)]
+    knobs: Knobs,
+}
+
+#[derive(Debug, Deserialize)]
+struct InMessage {
+    role: String,
+    #[serde(default)]
+    content: Content,
+}
+
+/// A message's content: text, or parts of which only text ones are taken.
+#[derive(Debug, Default, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    #[default]
+    None,
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+impl Content {
+    fn text(&self) -> Result<String, Failure> {
+        match self {
+            Content::None => Ok(String::new()),
+            Content::Text(s) => Ok(s.clone()),
+            Content::Parts(parts) => parts
+                .iter()
+                .map(|p| match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => Ok(t.as_str()),
+                    (kind, _) => Err(Failure::bad(format!("content parts of type {kind:?} are not supported"))),
+                })
+                .collect(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    model: String,
+    prompt: Prompt,
+    #[serde(flatten)]
+    knobs: Knobs,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `POST /v1/chat/completions`.
+pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
+    let r = async {
+        let req: ChatRequest = common::parse(&body)?;
+        let messages = req
+            .messages
+            .iter()
+            .map(|m| {
+                if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                    return Err(Failure::bad(format!("unknown message role {:?}", m.role)));
+                }
+                // `developer` is OpenAI's newer name for `system`.
+                let role = if m.role == "developer" { "system".to_string() } else { m.role.clone() };
+                Ok(ChatMessage { role, content: m.content.text()? })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if messages.is_empty() {
+            return Err(Failure::bad("messages must not be empty"));
+        }
+        let (job, knobs) = prepare(&*backend, &req.model, req.knobs, |text| {
+            let prompt = text.chat_prompt(&messages).map_err(Failure::bad)?;
+            Ok(text.tokenize(&prompt, true))
+        })
+        .await?;
+        answer(backend, job, knobs, Kind::Chat).await
+    }
+    .await;
+    r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
+}
+
+/// `POST /v1/completions`: the prompt as is, no chat template.
+pub(crate) async fn completions<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
+    let r = async {
+        let req: CompletionRequest = common::parse(&body)?;
+        let prompt = match req.prompt {
+            Prompt::One(p) => p,
+            Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
+            Prompt::Many(_) => return Err(Failure::bad("prompt: one string per request")),
+        };
+        let (job, knobs) = prepare(&*backend, &req.model, req.knobs, |text| Ok(text.tokenize(&prompt, false))).await?;
+        answer(backend, job, knobs, Kind::Text).await
+    }
+    .await;
+    r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
+}
+
+/// The model, its vocabulary, the prompt's tokens (by `tokens`) and the job.
+async fn prepare<B: Backend>(
+    backend: &B,
+    name: &str,
+    knobs: Knobs,
+    tokens: impl FnOnce(&dyn crate::backend::TextModel) -> Result<Vec<shoal_types::TokenId>, Failure>,
+) -> Result<(Job, Knobs), Failure> {
+    let (sampling, stop) = knobs.check()?;
+    let model = common::resolve(backend, name).await?;
+    common::ready_or_failure(&model)?;
+    let text = backend.text(&model.entry.name).await?;
+    let prompt = tokens(&*text)?;
+    let max_tokens = knobs.max_tokens().unwrap_or_else(|| common::default_max_tokens(&model, prompt.len()));
+    Ok((Job { model: model.entry.name.clone(), text, prompt, max_tokens, sampling, stop }, knobs))
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+/// Run `job`: a stream of chunks, or the whole answer. Failures before the first
+/// text come back as an error status.
+async fn answer<B: Backend>(backend: Arc<B>, job: Job, knobs: Knobs, kind: Kind) -> Result<Response, Failure> {
+    let model = job.model.clone();
+    let mut events = gen::start(backend, job);
+    let first =
+        events.recv().await.ok_or_else(|| Failure::new(crate::FailureKind::Internal, "the generation vanished"))?;
+    if let Event::Failed(f) = first {
+        return Err(f);
+    }
+    let (id, created) = (common::new_id(if kind == Kind::Chat { "chatcmpl-" } else { "cmpl-" }), common::unix_now());
+    if knobs.stream {
+        let usage = knobs.stream_options.is_some_and(|o| o.include_usage);
+        let chunks = Chunks { id, created, model, kind, usage };
+        return Ok(Sse::new(sse(chunks, first, events)).into_response());
+    }
+    let mut text = String::new();
+    let mut event = first;
+    let outcome = loop {
+        match event {
+            Event::Text(t) => text += &t,
+            Event::End(o) => break o,
+            Event::Failed(f) => return Err(f),
+        }
+        event =
+            events.recv().await.ok_or_else(|| Failure::new(crate::FailureKind::Internal, "the generation vanished"))?;
+    };
+    let choice = match kind {
+        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null,
+            "finish_reason": outcome.finish.as_str()}),
+        Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": outcome.finish.as_str()}),
+    };
+    let object = if kind == Kind::Chat { "chat.completion" } else { "text_completion" };
+    Ok(Json(json!({"id": id, "object": object, "created": created, "model": model,
+        "choices": [choice], "usage": usage(&outcome)}))
+    .into_response())
+}
+
+fn usage(o: &Outcome) -> Value {
+    json!({"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens})
+}
+
+/// What every chunk of one stream repeats.
+struct Chunks {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+    /// Send a last chunk with the usage and no choices (`stream_options.include_usage`).
+    usage: bool,
+}
+
+impl Chunks {
+    fn chunk(&self, choice: Option<Value>, usage: Option<Value>) -> SseEvent {
+        let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": choice.into_iter().collect::<Vec<_>>()});
+        if self.usage {
+            v["usage"] = usage.unwrap_or(Value::Null);
+        }
+        SseEvent::default().data(v.to_string())
+    }
+
+    fn text(&self, text: &str, first: bool) -> SseEvent {
+        let choice = match self.kind {
+            Kind::Chat if first => json!({"index": 0, "delta": {"role": "assistant", "content": text},
+                "logprobs": null, "finish_reason": null}),
+            Kind::Chat => json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": null}),
+            Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": null}),
+        };
+        self.chunk(Some(choice), None)
+    }
+
+    fn end(&self, o: &Outcome, first: bool) -> Vec<SseEvent> {
+        let finish = o.finish.as_str();
+        let choice = match self.kind {
+            Kind::Chat if first => json!({"index": 0, "delta": {"role": "assistant", "content": ""},
+                "logprobs": null, "finish_reason": finish}),
+            Kind::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}),
+            Kind::Text => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish}),
+        };
+        let mut out = vec![self.chunk(Some(choice), None)];
+        if self.usage {
+            out.push(self.chunk(None, Some(usage(o))));
+        }
+        out.push(SseEvent::default().data("[DONE]"));
+        out
+    }
+}
+
+/// The SSE stream of a generation whose first event is `first`. A failure after text
+/// went out can only be told in the stream: an `error` object, as OpenAI sends.
+fn sse(
+    chunks: Chunks,
+    first: Event,
+    events: mpsc::Receiver<Event>,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> + Send {
+    struct St {
+        chunks: Chunks,
+        pending: Option<Event>,
+        events: mpsc::Receiver<Event>,
+        sent_text: bool,
+        out: std::collections::VecDeque<SseEvent>,
+        done: bool,
+    }
+    let st = St { chunks, pending: Some(first), events, sent_text: false, out: Default::default(), done: false };
+    stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(e) = st.out.pop_front() {
+                return Some((Ok(e), st));
+            }
+            if st.done {
+                return None;
+            }
+            let event = match st.pending.take() {
+                Some(e) => e,
+                None => match st.events.recv().await {
+                    Some(e) => e,
+                    None => {
+                        st.done = true;
+                        continue;
+                    }
+                },
+            };
+            match event {
+                Event::Text(t) => {
+                    st.out.push_back(st.chunks.text(&t, !st.sent_text));
+                    st.sent_text = true;
+                }
+                Event::End(o) => {
+                    st.out.extend(st.chunks.end(&o, !st.sent_text));
+                    st.done = true;
+                }
+                Event::Failed(f) => {
+                    let v = json!({"error": {"message": f.message, "type": "server_error", "param": null,
+                        "code": null}});
+                    st.out.push_back(SseEvent::default().data(v.to_string()));
+                    st.done = true;
+                }
+            }
+        }
+    })
+}
+
+/// `GET /v1/models`.
+pub(crate) async fn models<B: Backend>(State(backend): State<Arc<B>>) -> Response {
+    let data: Vec<Value> = backend.models().await.iter().map(model_json).collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `GET /v1/models/{id}` (an id may hold slashes: Hugging Face names do).
+pub(crate) async fn model<B: Backend>(State(backend): State<Arc<B>>, Path(id): Path<String>) -> Response {
+    match common::resolve(&*backend, &id).await {
+        Ok(m) => Json(model_json(&m)).into_response(),
+        Err(f) => error_response(Dialect::OpenAi, &f),
+    }
+}
+
+fn model_json(m: &crate::backend::ModelInfo) -> Value {
+    json!({"id": m.entry.name, "object": "model", "created": 0, "owned_by": "shoal"})
+}

@@ -1,0 +1,380 @@
+//! The API's routes on a real HTTP server (127.0.0.1:0) over a fake backend: a byte
+//! vocabulary (token = byte) and a model that answers a fixed text one token per step.
+//! Shapes, streams against whole answers, limits, stop sequences, every error status,
+//! and a client that goes away cancelling its generation.
+
+use serde_json::{json, Value};
+use shoal_api::{Backend, ChatMessage, Failure, ModelInfo, ModelState, TextModel};
+use shoal_pipeline::{GenerateRequest, Report};
+use shoal_types::{CatalogEntry, TokenId};
+use std::io::{BufRead, BufReader, Read};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// What the fake model answers (then its end-of-generation token).
+const ANSWER: &str = "Hello, wörld! 🐟 Bye.";
+/// The fake vocabulary's end-of-generation token.
+const EOG: TokenId = 300;
+/// The context of the ready model.
+const CONTEXT: u32 = 256;
+
+struct Bytes;
+
+impl TextModel for Bytes {
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        Ok(messages.iter().map(|m| format!("<{}>{}</{}>", m.role, m.content, m.role)).collect::<String>()
+            + "<assistant>")
+    }
+    fn tokenize(&self, text: &str, _parse_special: bool) -> Vec<TokenId> {
+        text.bytes().map(TokenId::from).collect()
+    }
+    fn piece(&self, token: TokenId) -> Vec<u8> {
+        if token < 256 {
+            vec![token as u8]
+        } else {
+            Vec::new()
+        }
+    }
+    fn eog_tokens(&self) -> Vec<TokenId> {
+        vec![EOG]
+    }
+}
+
+#[derive(Default)]
+struct Fake {
+    /// Generations running now.
+    running: AtomicUsize,
+    /// Prompts seen, as text.
+    prompts: std::sync::Mutex<Vec<String>>,
+}
+
+fn entry(name: &str, hash_digit: char) -> CatalogEntry {
+    CatalogEntry {
+        name: name.into(),
+        content_hash: hash_digit.to_string().repeat(64),
+        size: 1000,
+        arch: "llama".into(),
+        n_layer: 4,
+        context_length: 2048,
+        quantisation: "Q8_0".into(),
+        layer_period: 1,
+        holders: Default::default(),
+    }
+}
+
+impl Backend for Fake {
+    async fn models(&self) -> Vec<ModelInfo> {
+        vec![
+            ModelInfo { entry: entry("tiny", 'a'), state: ModelState::Ready, context: Some(CONTEXT) },
+            ModelInfo { entry: entry("slow", 'b'), state: ModelState::Ready, context: Some(100_000) },
+            ModelInfo { entry: entry("cold", 'c'), state: ModelState::Available, context: None },
+            ModelInfo { entry: entry("warming", 'd'), state: ModelState::Starting, context: Some(CONTEXT) },
+        ]
+    }
+
+    async fn text(&self, _model: &str) -> Result<Arc<dyn TextModel>, Failure> {
+        Ok(Arc::new(Bytes))
+    }
+
+    async fn generate(
+        &self,
+        model: &str,
+        request: GenerateRequest,
+        tokens: mpsc::UnboundedSender<TokenId>,
+    ) -> Result<Report, Failure> {
+        let ctx = if model == "slow" { 100_000 } else { CONTEXT };
+        if request.prompt.len() + request.max_new as usize > ctx as usize {
+            return Err(Failure::bad(format!(
+                "the prompt of {} tokens and max_tokens {} exceed the context of {ctx} tokens",
+                request.prompt.len(),
+                request.max_new
+            )));
+        }
+        self.prompts.lock().unwrap().push(request.prompt.iter().map(|&t| t as u8 as char).collect());
+        struct Running<'a>(&'a AtomicUsize);
+        impl Drop for Running<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        self.running.fetch_add(1, Ordering::SeqCst);
+        let _running = Running(&self.running);
+        let answer: Vec<TokenId> = if model == "slow" {
+            std::iter::repeat_n(b'x' as TokenId, 100_000).collect()
+        } else {
+            ANSWER.bytes().map(TokenId::from).chain([EOG]).collect()
+        };
+        let mut made = Vec::new();
+        for t in answer.into_iter().take(request.max_new as usize) {
+            if model == "slow" {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            made.push(t);
+            let _ = tokens.send(t);
+            if request.stop.contains(&t) {
+                break;
+            }
+        }
+        Ok(Report { tokens: made, ..Report::default() })
+    }
+}
+
+/// A server on 127.0.0.1:0 over a fresh fake; its base URL.
+async fn server() -> (String, Arc<Fake>) {
+    let fake = Arc::new(Fake::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(shoal_api::serve(listener, fake.clone(), std::future::pending()));
+    (url, fake)
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder().http_status_as_error(false).build().into()
+}
+
+/// POST `body` (a JSON value or raw text); the status, headers' Retry-After, and body.
+async fn post(url: String, body: Value) -> (u16, Option<String>, String) {
+    tokio::task::spawn_blocking(move || {
+        let raw = match body {
+            Value::String(s) => s,
+            v => v.to_string(),
+        };
+        let mut r = agent().post(&url).header("content-type", "application/json").send(raw).unwrap();
+        let retry = r.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+        (r.status().as_u16(), retry, r.body_mut().read_to_string().unwrap())
+    })
+    .await
+    .unwrap()
+}
+
+async fn get(url: String) -> (u16, Value) {
+    tokio::task::spawn_blocking(move || {
+        let mut r = agent().get(&url).call().unwrap();
+        (r.status().as_u16(), serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap())
+    })
+    .await
+    .unwrap()
+}
+
+/// The `data:` payloads of an SSE body.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_chat_streams_the_same_text_it_answers_whole_with_usage() {
+    let (url, fake) = server().await;
+    let chat = format!("{url}/v1/chat/completions");
+    let messages = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]);
+    let (status, _, body) = post(chat.clone(), json!({"model": "tiny", "messages": messages, "temperature": 0})).await;
+    assert_eq!(status, 200, "{body}");
+    let whole: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(whole["object"], "chat.completion");
+    assert!(whole["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(whole["model"], "tiny");
+    assert_eq!(whole["choices"][0]["message"], json!({"role": "assistant", "content": ANSWER}));
+    assert_eq!(whole["choices"][0]["finish_reason"], "stop");
+    let prompt = "<system>Be brief.</system><user>Hi</user><assistant>";
+    assert_eq!(fake.prompts.lock().unwrap()[0], prompt, "the chat template got the messages");
+    let n = ANSWER.len() as u64 + 1; // every byte, and the end-of-generation token
+    assert_eq!(
+        whole["usage"],
+        json!({"prompt_tokens": prompt.len(), "completion_tokens": n, "total_tokens": prompt.len() as u64 + n})
+    );
+
+    let req = json!({"model": "tiny", "messages": messages, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let (status, _, body) = post(chat, req).await;
+    assert_eq!(status, 200, "{body}");
+    let data = sse_data(&body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
+    assert_eq!(text, ANSWER, "the stream's deltas make the whole answer");
+    let last_choice = &chunks[chunks.len() - 2];
+    assert_eq!(last_choice["choices"][0]["finish_reason"], "stop");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"], whole["usage"]);
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk" && c["id"] == chunks[0]["id"]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_tokens_ends_with_length_and_stop_sequences_are_cut_on_text() {
+    let (url, _) = server().await;
+    let chat = format!("{url}/v1/chat/completions");
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let (_, _, body) = post(chat.clone(), json!({"model": "tiny", "messages": msgs, "max_tokens": 5})).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    // max_completion_tokens is the newer name; 9 tokens end inside "ö" (2 bytes),
+    // which is then shown as the replacement character, never as a broken string.
+    let (_, _, body) = post(chat.clone(), json!({"model": "tiny", "messages": msgs, "max_completion_tokens": 9})).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello, w\u{FFFD}");
+
+    // A stop sequence spanning tokens: cut before it, in the stream too.
+    for stream in [false, true] {
+        let req = json!({"model": "tiny", "messages": msgs, "stop": ["wörld", "zzz"], "stream": stream});
+        let (status, _, body) = post(chat.clone(), req).await;
+        assert_eq!(status, 200);
+        let text = if stream {
+            let data = sse_data(&body);
+            let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+            assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+            chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<String>()
+        } else {
+            let v: Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["choices"][0]["finish_reason"], "stop");
+            v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+        };
+        assert_eq!(text, "Hello, ", "stream {stream}");
+    }
+
+    // Completions: the prompt as is, no template.
+    let (status, _, body) =
+        post(format!("{url}/v1/completions"), json!({"model": "tiny", "prompt": "Once", "max_tokens": 3})).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], "Hel");
+    assert_eq!(v["usage"]["prompt_tokens"], 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_failure_has_its_status_and_its_apis_shape() {
+    let (url, _) = server().await;
+    let chat = format!("{url}/v1/chat/completions");
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let openai_error = |body: &str| -> Value { serde_json::from_str::<Value>(body).unwrap()["error"].clone() };
+
+    let (status, _, body) = post(chat.clone(), json!({"model": "nope", "messages": msgs})).await;
+    assert_eq!(status, 404);
+    let e = openai_error(&body);
+    assert_eq!(e["code"], "model_not_found");
+    assert!(e["message"].as_str().unwrap().contains("tiny"), "names what there is: {e}");
+
+    let (status, _, body) = post(chat.clone(), Value::String("{\"model\": ".into())).await;
+    assert_eq!(status, 400);
+    assert_eq!(openai_error(&body)["type"], "invalid_request_error");
+    let (status, _, _) = post(chat.clone(), json!({"model": "tiny"})).await;
+    assert_eq!(status, 400, "messages missing");
+    let (status, _, body) = post(chat.clone(), json!({"model": "tiny", "messages": msgs, "n": 2})).await;
+    assert_eq!((status, openai_error(&body)["message"].as_str().unwrap().contains("n must be 1")), (400, true));
+    let (status, _, _) =
+        post(chat.clone(), json!({"model": "tiny", "messages": msgs, "tools": [{"type": "function"}]})).await;
+    assert_eq!(status, 400, "tools are refused, not ignored");
+
+    let (status, _, body) = post(chat.clone(), json!({"model": "cold", "messages": msgs})).await;
+    assert_eq!(status, 503);
+    assert!(openai_error(&body)["message"].as_str().unwrap().contains("not loaded"));
+    let (status, retry, _) = post(chat.clone(), json!({"model": "warming", "messages": msgs})).await;
+    assert_eq!((status, retry.as_deref()), (503, Some("5")));
+
+    // Over the context: a 400 that gives both numbers, before any stream starts.
+    let long = "x".repeat(300);
+    let req = json!({"model": "tiny", "messages": [{"role": "user", "content": long}], "stream": true});
+    let (status, _, body) = post(chat.clone(), req).await;
+    assert_eq!(status, 400, "{body}");
+    let m = openai_error(&body)["message"].as_str().unwrap().to_string();
+    assert!(m.contains(&CONTEXT.to_string()) && m.contains("tokens"), "{m}");
+
+    // Ollama's shape: {"error": "…"}.
+    let (status, _, body) = post(format!("{url}/api/chat"), json!({"model": "nope", "messages": msgs})).await;
+    assert_eq!(status, 404);
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["error"].as_str().unwrap().contains("not found"));
+    let (status, _, body) = post(format!("{url}/api/generate"), Value::String("[1, 2".into())).await;
+    assert_eq!(status, 400);
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["error"].is_string());
+    let (status, _, _) = post(format!("{url}/api/show"), json!({"model": "nope"})).await;
+    assert_eq!(status, 404);
+    let (status, _) = get(format!("{url}/v1/models/nope")).await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollama_routes_stream_ndjson_and_answer_whole() {
+    let (url, fake) = server().await;
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let (status, _, body) = post(format!("{url}/api/chat"), json!({"model": "tiny", "messages": msgs})).await;
+    assert_eq!(status, 200);
+    let lines: Vec<Value> = body.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let text: String = lines.iter().filter_map(|l| l["message"]["content"].as_str()).collect();
+    assert_eq!(text, ANSWER);
+    let last = lines.last().unwrap();
+    assert_eq!((last["done"].clone(), last["done_reason"].clone()), (json!(true), json!("stop")));
+    assert_eq!(last["eval_count"], ANSWER.len() + 1);
+    assert_eq!(last["prompt_eval_count"], "<user>Hi</user><assistant>".len());
+    assert!(last["total_duration"].as_u64().unwrap() > 0);
+    assert!(lines[..lines.len() - 1].iter().all(|l| l["done"] == false));
+
+    let req = json!({"model": "tiny:latest", "messages": msgs, "stream": false, "options": {"num_predict": 5}});
+    let (_, _, body) = post(format!("{url}/api/chat"), req).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["message"], json!({"role": "assistant", "content": "Hello"}));
+    assert_eq!(v["done_reason"], "length");
+
+    let req = json!({"model": "tiny", "prompt": "Hi", "system": "Be brief.", "stream": false,
+        "options": {"stop": ["!"]}});
+    let (_, _, body) = post(format!("{url}/api/generate"), req).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["response"], "Hello, wörld");
+    assert_eq!(fake.prompts.lock().unwrap().last().unwrap(), "<system>Be brief.</system><user>Hi</user><assistant>");
+    let req = json!({"model": "tiny", "prompt": "Hi", "raw": true, "stream": false});
+    post(format!("{url}/api/generate"), req).await;
+    assert_eq!(fake.prompts.lock().unwrap().last().unwrap(), "Hi", "raw: no template");
+
+    let (status, tags) = get(format!("{url}/api/tags")).await;
+    assert_eq!(status, 200);
+    let names: Vec<&str> = tags["models"].as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["tiny", "slow", "cold", "warming"]);
+    assert_eq!(tags["models"][0]["details"]["quantization_level"], "Q8_0");
+    let (_, ps) = get(format!("{url}/api/ps")).await;
+    assert_eq!(ps["models"].as_array().unwrap().len(), 3, "cold is not running: {ps}");
+    let (_, version) = get(format!("{url}/api/version")).await;
+    assert!(version["version"].as_str().unwrap().split('.').all(|p| p.parse::<u32>().is_ok()));
+    let (status, _, body) = post(format!("{url}/api/show"), json!({"model": "tiny"})).await;
+    assert_eq!(status, 200);
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["parameters"].as_str().unwrap().contains("num_ctx 256"));
+    let (_, models) = get(format!("{url}/v1/models")).await;
+    assert_eq!(models["data"].as_array().unwrap().len(), 4);
+    let (status, m) = get(format!("{url}/v1/models/tiny")).await;
+    assert_eq!((status, m["id"].clone()), (200, json!("tiny")));
+    let (status, health) = get(format!("{url}/health")).await;
+    assert_eq!((status, health["models"]["warming"].clone()), (200, json!("loading")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_cancels_its_generation() {
+    let (url, fake) = server().await;
+    let body = json!({"model": "slow", "messages": [{"role": "user", "content": "Hi"}], "stream": true}).to_string();
+    let chat = format!("{url}/v1/chat/completions");
+    let seen = fake.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut r = agent().post(&chat).header("content-type", "application/json").send(body).unwrap();
+        let mut reader = BufReader::new(r.body_mut().as_reader());
+        let mut line = String::new();
+        let mut chunks = 0;
+        while chunks < 5 {
+            line.clear();
+            reader.read_line(&mut line).unwrap();
+            chunks += line.starts_with("data: ") as usize;
+        }
+        assert_eq!(seen.running.load(Ordering::SeqCst), 1, "the generation runs while the client reads");
+        let _ = reader.read(&mut [0u8; 1]);
+        // Dropping the response here closes the connection.
+    })
+    .await
+    .unwrap();
+    let t0 = Instant::now();
+    while fake.running.load(Ordering::SeqCst) > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(1), "the generation still runs a second after the client left");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
