@@ -55,10 +55,20 @@ impl Vocab {
     /// `prompt` as a single user turn in the model's chat template, ready for the
     /// assistant's answer.
     pub fn chat_prompt(&self, prompt: &str) -> Result<String, VocabError> {
+        self.chat(&[("user", prompt)])
+    }
+
+    /// A conversation of `(role, content)` turns in the model's chat template, ready
+    /// for the assistant's answer.
+    pub fn chat(&self, turns: &[(&str, &str)]) -> Result<String, VocabError> {
         let err = |why: String| VocabError::Template { path: self.path.clone(), why };
         let tmpl = self.model.chat_template(None).map_err(|e| err(e.to_string()))?;
-        let msg = LlamaChatMessage::new("user".into(), prompt.into()).map_err(|e| err(e.to_string()))?;
-        self.model.apply_chat_template(&tmpl, &[msg], true).map_err(|e| err(e.to_string()))
+        let msgs = turns
+            .iter()
+            .map(|(role, content)| LlamaChatMessage::new(role.to_string(), content.to_string()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| err(e.to_string()))?;
+        self.model.apply_chat_template(&tmpl, &msgs, true).map_err(|e| err(e.to_string()))
     }
 
     /// Whether the model has a chat template.

@@ -9,6 +9,7 @@
 //! second copy of who is a member.
 
 pub mod api;
+pub mod http;
 pub mod models;
 pub mod runtime;
 pub mod schedule;
@@ -44,6 +45,9 @@ pub struct Options {
     pub max_memory: Option<u64>,
     /// Where shards are kept [default: `<data dir>/shards`].
     pub shard_dir: Option<PathBuf>,
+    /// Where the HTTP API listens (`None`: no API). Its bound address goes to the file
+    /// [`http::HTTP_FILE`] in the data directory.
+    pub http: Option<std::net::SocketAddr>,
 }
 
 /// Memory left to the system when the offer is not given.
@@ -78,6 +82,18 @@ pub async fn run(
     tasks.spawn(runtime::offer(rt.clone()));
     tasks.spawn(runtime::supervise(rt.clone()));
     tasks.spawn(notify_ready(rt.membership.view(), identity.id()));
+    if let Some(addr) = options.http {
+        match serve_http(addr, &cfg.data_dir, rt.clone()).await {
+            Ok(task) => {
+                tasks.spawn(task);
+            }
+            // The cluster and the stages run without it; the owner reads why.
+            Err(e) => {
+                tracing::error!("the HTTP API is not served: {e}");
+                eprintln!("[shoal] the HTTP API is not served: {e}");
+            }
+        }
+    }
     let main = shared.node.clone();
     let r = membership::run_shared(cfg, identity, inventory, shared, inbox, shutdown).await;
     // Stages stop with their tasks (and free their memory) before the endpoint closes.
@@ -95,6 +111,27 @@ async fn notify_ready(mut view: watch::Receiver<membership::View>, me: NodeId) {
     drop(v);
     // Without NOTIFY_SOCKET this does nothing; a failure to tell is not worth stopping for.
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
+}
+
+/// Bind the HTTP API at `addr` and record where; the returned future serves it.
+async fn serve_http(
+    addr: std::net::SocketAddr,
+    data_dir: &std::path::Path,
+    rt: Arc<Runtime>,
+) -> Result<impl Future<Output = ()>, String> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        format!("cannot listen on {addr}: {e} (another server, Ollama maybe, holds the port? use --http-listen)")
+    })?;
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    let file = data_dir.join(http::HTTP_FILE);
+    std::fs::write(&file, format!("{bound}\n")).map_err(|e| format!("{}: {e}", file.display()))?;
+    eprintln!("[shoal] API: http://{bound}");
+    let backend = Arc::new(http::NodeBackend { rt, texts: Default::default() });
+    Ok(async move {
+        if let Err(e) = shoal_api::serve(listener, backend, std::future::pending()).await {
+            tracing::error!("the HTTP API stopped: {e}");
+        }
+    })
 }
 
 /// Serve shards to members that fetch them.

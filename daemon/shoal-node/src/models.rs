@@ -169,7 +169,7 @@ pub fn list(me: NodeId, view: &View) -> Vec<ModelRow> {
 }
 
 /// Size and time against the record; no hashing (listing must stay quick).
-fn copy_state(holder: &Holder) -> CopyState {
+pub(crate) fn copy_state(holder: &Holder) -> CopyState {
     match std::fs::metadata(&holder.path) {
         Ok(m) if m.len() == holder.size && shoal_catalog::mtime_ns(&m) == holder.mtime_ns => CopyState::Unchanged,
         Ok(_) => CopyState::Changed,

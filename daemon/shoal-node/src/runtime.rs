@@ -54,6 +54,11 @@ pub trait Engine: Send + Sync {
     ) -> Result<Box<dyn Stage>, String>;
     /// Samplers for the tail.
     fn samplers(&self) -> SamplerFactory;
+    /// The vocabulary and chat template of the GGUF at `gguf` (a model or a shard of
+    /// it), loaded without weights, for the HTTP API. Blocking.
+    fn text(&self, gguf: &Path) -> Result<Arc<dyn shoal_api::TextModel>, String> {
+        Err(format!("{}: this engine reads no vocabulary", gguf.display()))
+    }
 }
 
 /// What the runtime's tasks share.
@@ -493,7 +498,7 @@ pub async fn generate(
 
 /// Whether every stage of `p` runs (asking each stage's node over the node protocol,
 /// as a fellow member; this node's own stage directly).
-async fn stages_ready(rt: &Runtime, view: &View, p: &ModelPlacement) -> bool {
+pub(crate) async fn stages_ready(rt: &Runtime, view: &View, p: &ModelPlacement) -> bool {
     for s in &p.stages {
         let status = if s.node == rt.me {
             lock(&rt.stage).clone()

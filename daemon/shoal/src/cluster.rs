@@ -66,6 +66,13 @@ pub struct ClusterArgs {
     /// 512M [default: what is free at start, less 512 MiB].
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     max_memory: Option<u64>,
+    /// Where the HTTP API (OpenAI and Ollama routes) listens. Loopback by default: API
+    /// keys for other machines are not there yet.
+    #[arg(long, value_name = "ADDR", default_value_t = SocketAddr::from(([127, 0, 0, 1], shoal_api::DEFAULT_PORT)))]
+    http_listen: SocketAddr,
+    /// Serve no HTTP API.
+    #[arg(long)]
+    no_http: bool,
 }
 
 /// A size in bytes: a number with an optional K, M, G or T suffix (powers of 1024).
@@ -250,6 +257,7 @@ pub fn serve(
             engine: Some(Arc::new(crate::engine::LlamaEngine { threads: stage.threads, gpu_layers: stage.gpu_layers })),
             max_memory: args.max_memory,
             shard_dir: stage.cache,
+            http: (!args.no_http).then_some(args.http_listen),
         };
         shoal_node::run(cfg, options, identity, rx, crate::pipeline::shutdown_signal()).await
     })?;

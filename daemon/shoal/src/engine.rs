@@ -1,10 +1,11 @@
 //! The node process's engine: llama.cpp stages ([`LlamaStage`]) on shard files, with
 //! the samplers the tail uses. The node crate never links llama.cpp; it gets this.
 
-use shoal_engine::{LlamaStage, Sampler, SamplingParams, StageConfig};
+use shoal_api::{ChatMessage, TextModel};
+use shoal_engine::{LlamaStage, Sampler, SamplingParams, StageConfig, Vocab};
 use shoal_node::runtime::{Engine, StageSizing};
 use shoal_pipeline::SamplerFactory;
-use shoal_types::{LayerRange, Stage, TokenSampler};
+use shoal_types::{LayerRange, Stage, TokenId, TokenSampler};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -36,5 +37,42 @@ impl Engine for LlamaEngine {
             params.validate().map_err(|e| e.to_string())?;
             Ok(Box::new(Sampler::new(&params)) as Box<dyn TokenSampler>)
         })
+    }
+
+    fn text(&self, gguf: &Path) -> Result<Arc<dyn TextModel>, String> {
+        let vocab = Vocab::load(gguf).map_err(|e| e.to_string())?;
+        Ok(Arc::new(LlamaText { eog: vocab.eog_tokens(), vocab }))
+    }
+}
+
+/// A model's vocabulary as the HTTP API uses it.
+struct LlamaText {
+    vocab: Vocab,
+    /// Its end-of-generation tokens (a scan of the whole vocabulary: done once).
+    eog: Vec<TokenId>,
+}
+
+impl TextModel for LlamaText {
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        if !self.vocab.has_chat_template() {
+            // A base model: the turns as plain text, the answer to follow.
+            let mut s: String = messages.iter().map(|m| format!("{}: {}\n", m.role, m.content)).collect();
+            s.push_str("assistant:");
+            return Ok(s);
+        }
+        let turns: Vec<(&str, &str)> = messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
+        self.vocab.chat(&turns).map_err(|e| e.to_string())
+    }
+
+    fn tokenize(&self, text: &str, parse_special: bool) -> Vec<TokenId> {
+        self.vocab.tokenize(text, parse_special)
+    }
+
+    fn piece(&self, token: TokenId) -> Vec<u8> {
+        self.vocab.piece(token)
+    }
+
+    fn eog_tokens(&self) -> Vec<TokenId> {
+        self.eog.clone()
     }
 }

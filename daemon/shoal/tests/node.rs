@@ -2,7 +2,8 @@
 //! llama.cpp): three plain `shoal serve` nodes, each offering little memory; the model
 //! is added on the first only and loaded from the third; the leader splits it over all
 //! three, the other two receive only their shards, and `shoal generate --model` through
-//! two different nodes gives the tokens and logits digest of `shoal run` unsplit; a
+//! two different nodes gives the tokens and logits digest of `shoal run` unsplit, and
+//! the HTTP API (OpenAI and Ollama routes) its text; a
 //! stage's node SIGKILLed during a 300-token generation (a middle stage, then a
 //! coordinator, and the leader's) is replaced by a spare and the answer does not change.
 
@@ -53,6 +54,7 @@ impl Drop for Nodes {
 fn serve(dir: &Path, name: &str, create: bool) -> Child {
     let mut c = shoal();
     c.args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
+        .args(["--http-listen", "127.0.0.1:0"])
         .args(["--name", name, "--max-memory", "90M"])
         .arg(if create { "--create-cluster" } else { "--no-create" })
         .arg("--data-dir")
@@ -139,6 +141,41 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
         assert_eq!(g["tokens"], r["tokens"], "through {n}: tokens differ from the unsplit run");
         assert_eq!(g["logits_digest"], r["logits_digest"], "through {n}: logits differ from the unsplit run");
     }
+
+    // B's HTTP API (B holds only its shard, and tokenizes with it): OpenAI whole and
+    // streamed, and Ollama's stream, all give the unsplit run's greedy text.
+    let api = std::fs::read_to_string(dir("b").join("http")).unwrap().trim().to_string();
+    let want = r["text"].as_str().unwrap();
+    let finish = if r["tokens"].as_array().unwrap().len() == 24 { "length" } else { "stop" };
+    let msgs = serde_json::json!([{"role": "user", "content": PROMPT}]);
+    let chat = format!("http://{api}/v1/chat/completions");
+    let req = serde_json::json!({"model": SMOL, "messages": msgs, "temperature": 0, "max_tokens": 24});
+    let (status, body) = http_post(&chat, &req);
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], want, "OpenAI whole: {v}");
+    assert_eq!(v["choices"][0]["finish_reason"], finish);
+    let req = serde_json::json!({"model": SMOL, "messages": msgs, "temperature": 0, "max_tokens": 24, "stream": true});
+    let (status, body) = http_post(&chat, &req);
+    assert_eq!(status, 200, "{body}");
+    let streamed: String = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| {
+            serde_json::from_str::<Value>(d).unwrap()["choices"][0]["delta"]["content"].as_str().map(str::to_string)
+        })
+        .collect();
+    assert_eq!(streamed, want, "OpenAI stream");
+    let req = serde_json::json!({"model": SMOL, "messages": msgs, "options": {"temperature": 0, "num_predict": 24}});
+    let (status, body) = http_post(&format!("http://{api}/api/chat"), &req);
+    assert_eq!(status, 200, "{body}");
+    let lines: Vec<Value> = body.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let text: String = lines.iter().filter_map(|l| l["message"]["content"].as_str()).collect();
+    assert_eq!(text, want, "Ollama stream");
+    assert_eq!(lines.last().unwrap()["eval_count"], r["tokens"].as_array().unwrap().len());
+    let req = serde_json::json!({"model": "no-such-model", "messages": msgs});
+    assert_eq!(http_post(&chat, &req).0, 404);
 
     // Unloaded: every stage stops.
     run_ok(&["models", "unload", SMOL], &dir("b"));
@@ -275,6 +312,13 @@ fn the_leaders_node_killed_mid_generation_is_replaced_and_the_answer_does_not_ch
     let on_d = after["stages"].as_array().unwrap().iter().any(|s| s["node"].as_str() == Some(&key(&dir("d"))));
     assert!(on_d, "the spare runs no stage: {after}");
     nodes.kill_all();
+}
+
+/// POST `body` as JSON; the status and the body.
+fn http_post(url: &str, body: &Value) -> (u16, String) {
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let mut r = agent.post(url).header("content-type", "application/json").send(body.to_string()).unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
 }
 
 /// `shoal run` unsplit, as JSON.
