@@ -31,6 +31,12 @@ impl Drop for Lab {
 
 impl Lab {
     pub fn start(n: usize, max_memory_mib: u64) -> Result<Lab> {
+        Lab::start_with_api(n, max_memory_mib, None)
+    }
+
+    /// [`Lab::start`], node `n1` (if any) serving the HTTP API at `api` (the others,
+    /// and `n1` without one, at a port the system picks).
+    pub fn start_with_api(n: usize, max_memory_mib: u64, api: Option<std::net::SocketAddr>) -> Result<Lab> {
         let exe = std::env::current_exe().context("locating the shoal binary")?;
         let mut lab = Lab { exe, dir: tempfile::tempdir()?, nodes: Vec::new() };
         for i in 0..n {
@@ -38,6 +44,8 @@ impl Lab {
             let child = Command::new(&lab.exe)
                 .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
                 .args(["--name", &name, "--max-memory", &format!("{max_memory_mib}M")])
+                .arg("--http-listen")
+                .arg(api.filter(|_| i == 1).map_or("127.0.0.1:0".to_string(), |a| a.to_string()))
                 .arg(if i == 0 { "--create-cluster" } else { "--no-create" })
                 .arg("--data-dir")
                 .arg(lab.dir(&name))
@@ -185,9 +193,10 @@ pub fn wait<T>(what: &str, secs: u64, mut f: impl FnMut() -> Result<Option<T>>) 
 
 /// `shoal demo`: a local cluster of three nodes on loopback, each offering little
 /// memory; the test model is added on one, loaded (the leader splits it over the
-/// three, the other two receive only their shards) and asked `prompt` through
-/// another node; then the cluster stops.
-pub fn demo(prompt: &str, max_tokens: usize) -> Result<()> {
+/// three, the other two receive only their shards) and asked `prompt` through another
+/// node's HTTP API (OpenAI's chat route, streamed); then it serves until Ctrl-C
+/// (or stops at once with `once`).
+pub fn demo(prompt: &str, max_tokens: usize, once: bool) -> Result<()> {
     let model = shoal_gguf::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if !model.exists() {
         bail!("{} is missing: run scripts/setup.sh first (the README's demo command does)", model.display());
@@ -195,7 +204,10 @@ pub fn demo(prompt: &str, max_tokens: usize) -> Result<()> {
     let name = "SmolLM2-135M-Instruct.Q4_1.gguf";
     eprintln!("[demo] starting three nodes on loopback, each offering 90 MiB to models …");
     let t0 = Instant::now();
-    let lab = Lab::start(3, 90)?;
+    // The API on Ollama's port when it is free (tools find it there), else any port.
+    let default = std::net::SocketAddr::from(([127, 0, 0, 1], shoal_api::DEFAULT_PORT));
+    let api = std::net::TcpListener::bind(default).is_ok().then_some(default);
+    let lab = Lab::start_with_api(3, 90, api)?;
     eprintln!(
         "[demo] cluster formed in {:.1} s (discovered over mDNS, joined with pairing codes)",
         t0.elapsed().as_secs_f64()
@@ -218,16 +230,59 @@ pub fn demo(prompt: &str, max_tokens: usize) -> Result<()> {
             st.shard_bytes_received as f64 / 1e6
         );
     }
-    eprintln!("[demo] asking n1: {prompt}");
-    let status = Command::new(&lab.exe)
-        .args(["generate", "--model", name, "--prompt", prompt, "-n", &max_tokens.to_string()])
-        .arg("--data-dir")
-        .arg(lab.dir("n1"))
-        .status()
-        .context("running shoal generate")?;
-    if !status.success() {
-        bail!("the generation failed");
+    let http = lab.dir("n1").join(shoal_node::http::HTTP_FILE);
+    let api = std::fs::read_to_string(&http).with_context(|| format!("n1 serves no API ({})", http.display()))?;
+    let api = api.trim();
+    eprintln!("[demo] API: http://{api}  (OpenAI routes under /v1, Ollama's under /api)");
+    eprintln!("[demo] asking n1 through it: {prompt}");
+    chat_stream(api, name, prompt, max_tokens)?;
+    if once {
+        eprintln!("[demo] stopping the nodes");
+        return Ok(());
     }
+    eprintln!(
+        "[demo] serving until Ctrl-C; try:\n  curl http://{api}/v1/chat/completions -H 'content-type: application/json' \\\n    \
+         -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    );
+    tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(crate::pipeline::shutdown_signal());
     eprintln!("[demo] stopping the nodes");
+    Ok(())
+}
+
+/// Ask `prompt` of `model` at the API `api` (OpenAI's chat route, streamed): the
+/// answer goes to stdout as it comes, then the speed to stderr.
+fn chat_stream(api: &str, model: &str, prompt: &str, max_tokens: usize) -> Result<()> {
+    use std::io::{BufRead, Write};
+    let body = serde_json::json!({"model": model, "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let t0 = Instant::now();
+    let mut r = agent
+        .post(&format!("http://{api}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .context("asking the API")?;
+    if r.status() != 200 {
+        bail!("the API answered {}: {}", r.status(), r.body_mut().read_to_string().unwrap_or_default());
+    }
+    let mut out = std::io::stdout().lock();
+    let mut completion = 0;
+    for line in std::io::BufReader::new(r.body_mut().as_reader()).lines() {
+        let Some(data) = line?.strip_prefix("data: ").map(str::to_string) else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(&data).context("a malformed chunk")?;
+        if let Some(e) = v.get("error") {
+            bail!("the generation failed: {e}");
+        }
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            write!(out, "{t}")?;
+            out.flush()?;
+        }
+        completion = v["usage"]["completion_tokens"].as_u64().unwrap_or(completion);
+    }
+    writeln!(out)?;
+    eprintln!("[demo] {completion} tokens in {:.1} s, through n1's API", t0.elapsed().as_secs_f64());
     Ok(())
 }

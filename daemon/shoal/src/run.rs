@@ -118,6 +118,9 @@ pub struct DemoArgs {
     /// Instead of the local cluster: the model split into three stages in this process.
     #[arg(long)]
     pub in_process: bool,
+    /// Stop once the question is answered, instead of serving until Ctrl-C.
+    #[arg(long)]
+    pub once: bool,
     #[command(flatten)]
     pub gen: GenArgs,
 }
@@ -276,7 +279,7 @@ pub fn demo(a: DemoArgs) -> Result<()> {
     let mut gen = a.gen;
     gen.text.prompt.get_or_insert_with(|| "Explain in three sentences why the sky is blue.".into());
     if !a.in_process {
-        return crate::local::demo(gen.text.prompt.as_deref().unwrap_or_default(), gen.text.max_tokens);
+        return crate::local::demo(gen.text.prompt.as_deref().unwrap_or_default(), gen.text.max_tokens, a.once);
     }
     run(RunArgs { model, split: vec![10, 20], gen })
 }

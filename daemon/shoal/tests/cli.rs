@@ -141,10 +141,12 @@ fn bench_keepalive_prints_both_sides() {
 #[test]
 fn the_demo_runs_a_local_cluster_that_splits_the_model_and_answers() {
     model("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal")).args(["demo", "-n", "8"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal")).args(["demo", "-n", "8", "--once"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("the leader placed it in 3 stages"), "{err}");
     assert_eq!(err.matches("shard fetched from").count(), 2, "{err}");
+    assert!(err.contains("[demo] API: http://127.0.0.1:"), "{err}");
+    assert!(err.contains("8 tokens in"), "the answer came through the API: {err}");
     assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty(), "no answer");
 }
