@@ -248,6 +248,8 @@ pub enum ErrorKind {
     Refused,
     /// The cluster cannot do it now (no leader, not a member yet).
     Unavailable,
+    /// The model runs every session it holds and its queue is full: try again later.
+    Busy,
 }
 
 impl ApiError {

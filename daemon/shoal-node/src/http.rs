@@ -114,6 +114,7 @@ fn failure(e: ApiError) -> Failure {
         ErrorKind::Forbidden => FailureKind::Forbidden,
         ErrorKind::NotFound => FailureKind::NotFound,
         ErrorKind::Unavailable => FailureKind::Unavailable,
+        ErrorKind::Busy => FailureKind::Busy,
     };
     Failure::new(kind, e.message)
 }

@@ -475,6 +475,10 @@ pub async fn generate(
                 .await;
                 match r {
                     Ok(report) => return Ok(report),
+                    // A full queue is an answer, not a fault to ride out.
+                    Err(shoal_pipeline::PipelineError::Busy(why)) if !interrupted => {
+                        return Err(ApiError::new(ErrorKind::Busy, format!("{name}: {why}")));
+                    }
                     Err(e) => e.to_string(),
                 }
             }

@@ -18,7 +18,7 @@ pub use core::{Counters, RetryPolicy};
 pub use latency::{HopLatencies, HopLatency};
 pub use placement::{Placement, PlacementError, StagePlace};
 pub use protocol::{generate, status, ControlRequest, GenEvent, GenerateRequest, NodeStatus, Report};
-pub use service::{serve, serve_on, SamplerFactory, ServiceConfig, KEEPALIVE_WINDOW};
+pub use service::{serve, serve_on, SamplerFactory, ServiceConfig, KEEPALIVE_WINDOW, QUEUE_PER_SESSION};
 
 /// Errors of the pipeline.
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +32,9 @@ pub enum PipelineError {
     /// The coordinator refused or failed the generation.
     #[error("generation failed: {0}")]
     Generation(String),
+    /// The coordinator runs every session and its queue is full.
+    #[error("{0}")]
+    Busy(String),
     /// This node has no stage in the placement.
     #[error("node {0} has no stage in the placement")]
     NotPlaced(String),

@@ -95,6 +95,9 @@ pub struct NodeStatus {
     pub layers: shoal_types::LayerRange,
     /// Sessions it holds now.
     pub sessions: usize,
+    /// Generations waiting for a session (the coordinator's queue).
+    #[serde(default)]
+    pub waiting: usize,
     /// Protocol counters.
     pub counters: crate::core::Counters,
     /// Times the link to the next node was (re)established.
@@ -137,6 +140,8 @@ pub enum GenEvent {
     Done(Report),
     /// The generation failed.
     Error(String),
+    /// Every session runs and the queue is full: try again later.
+    Busy(String),
 }
 
 /// Run a generation on the pipeline whose coordinator is `coordinator`, calling
@@ -169,6 +174,7 @@ pub async fn generate(
                 return Ok(report);
             }
             Ok(GenEvent::Error(message)) => return Err(PipelineError::Generation(message)),
+            Ok(GenEvent::Busy(message)) => return Err(PipelineError::Busy(message)),
             Err(e) => return Err(PipelineError::Generation(format!("bad answer from the coordinator: {e}"))),
         }
     }

@@ -136,7 +136,8 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let n = placement.stages.len();
     let prev = placement.prev(index).node;
     let incoming = (router.route(alpn::PIPELINE), router.route(alpn::CONTROL));
-    tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone()));
+    let admission = Arc::new(Admission::new(info.max_sessions as usize));
+    tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone(), admission.clone()));
     let ticker = events_tx.clone();
     tokio::spawn(async move {
         let mut t = tokio::time::interval(TICK);
@@ -198,6 +199,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                     node: node.id().to_string(),
                     layers: info.layers,
                     sessions: core.session_count(),
+                    waiting: admission.waiting.load(Relaxed),
                     counters: core.counters.clone(),
                     link_connects: shell.link_connects.load(Relaxed),
                     malformed_frames: shell.malformed_frames.load(Relaxed),
@@ -515,6 +517,7 @@ async fn accept_task(
     limits: FrameLimits,
     events: mpsc::Sender<Event>,
     counters: Arc<ShellCounters>,
+    admission: Arc<Admission>,
 ) {
     loop {
         let acc = tokio::select! {
@@ -533,7 +536,7 @@ async fn accept_task(
             }
             tokio::spawn(read_frames(acc.conn, limits, events, counters.clone()));
         } else if acc.alpn == alpn::CONTROL {
-            tokio::spawn(serve_control(acc.conn, events));
+            tokio::spawn(serve_control(acc.conn, events, admission.clone()));
         } else {
             acc.conn.close(1u32.into(), b"protocol not served here");
         }
@@ -619,10 +622,61 @@ async fn read_refusals(conn: quinn::Connection, counters: Arc<ShellCounters>) {
     }
 }
 
+/// Requests waiting for a session, per session the placement holds, before more are
+/// refused as busy (HTTP 429): a queue long enough to ride out bursts, short enough
+/// that a waiting client hears "busy" rather than waiting minutes.
+pub const QUEUE_PER_SESSION: usize = 4;
+
+/// The coordinator's admission: a generation runs only while it holds one of the
+/// placement's sessions (every stage has that many KV slots), so sessions never run
+/// out mid-pipeline; the others wait in arrival order (tokio's semaphore is FIFO),
+/// up to a limit.
+struct Admission {
+    /// One permit per session.
+    slots: Arc<tokio::sync::Semaphore>,
+    /// Requests waiting now.
+    waiting: std::sync::atomic::AtomicUsize,
+    /// Most requests that may wait.
+    limit: usize,
+}
+
+impl Admission {
+    fn new(sessions: usize) -> Admission {
+        let sessions = sessions.max(1);
+        Admission {
+            slots: Arc::new(tokio::sync::Semaphore::new(sessions)),
+            waiting: Default::default(),
+            limit: sessions * QUEUE_PER_SESSION,
+        }
+    }
+
+    /// Wait for a session; `Err` with the reason when the queue is full.
+    async fn enter(&self) -> Result<tokio::sync::OwnedSemaphorePermit, String> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if let Ok(p) = self.slots.clone().try_acquire_owned() {
+            return Ok(p);
+        }
+        if self.waiting.fetch_add(1, SeqCst) >= self.limit {
+            self.waiting.fetch_sub(1, SeqCst);
+            return Err(format!("busy: every session runs and {} requests are waiting", self.limit));
+        }
+        struct Waiting<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let _waiting = Waiting(&self.waiting);
+        // Invariant: the semaphore is never closed.
+        self.slots.clone().acquire_owned().await.map_err(|e| e.to_string())
+    }
+}
+
 /// One generation per bidirectional stream: a JSON request in, JSON lines out.
-async fn serve_control(conn: quinn::Connection, events: mpsc::Sender<Event>) {
+async fn serve_control(conn: quinn::Connection, events: mpsc::Sender<Event>, admission: Arc<Admission>) {
     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
         let events = events.clone();
+        let admission = admission.clone();
         tokio::spawn(async move {
             let reply = |e: GenEvent| {
                 // Invariant: events are plain data and always serialise.
@@ -654,6 +708,20 @@ async fn serve_control(conn: quinn::Connection, events: mpsc::Sender<Event>) {
                     let _ = send.finish();
                     return;
                 }
+            };
+            // Held until the generation's stream ends: then its session is closed on
+            // every stage (Close travels the same ordered link as the next Open).
+            let _session = tokio::select! {
+                p = admission.enter() => match p {
+                    Ok(p) => p,
+                    Err(why) => {
+                        let _ = send.write_all(&reply(GenEvent::Busy(why))).await;
+                        let _ = send.finish();
+                        return;
+                    }
+                },
+                // The client left while waiting.
+                _ = send.stopped() => return,
             };
             let (tx, mut rx) = mpsc::channel(CLIENT_QUEUE);
             let (cut_tx, cut) = tokio::sync::oneshot::channel();

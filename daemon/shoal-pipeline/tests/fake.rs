@@ -117,6 +117,66 @@ async fn three_nodes_match_in_process_stages() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_sessions_queue_in_order_and_past_the_queue_are_refused_as_busy() {
+    let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];
+    // Each stage holds 4 sessions (FakeStage), so the coordinator admits 4 at once and
+    // queues QUEUE_PER_SESSION × 4 more.
+    let (placement, client, _) = start_custom(&ranges, None, 4096, &[]).await;
+    let client = Arc::new(client);
+    let coord = placement.stages[0].clone();
+    let queue = shoal_pipeline::QUEUE_PER_SESSION * 4;
+    let prompt = |i: usize| -> Vec<TokenId> { (0..5 + i).map(|k| ((k * 7 + i * 3) % 50) as TokenId).collect() };
+    // Four long generations hold every session …
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let mut long = Vec::new();
+    for i in 0..4 {
+        let (client, coord, started_tx) = (client.clone(), coord.clone(), started_tx.clone());
+        long.push(tokio::spawn(async move {
+            let mut first = true;
+            generate(&client, &coord, &request(&prompt(i), 4000), |_| {
+                if std::mem::take(&mut first) {
+                    let _ = started_tx.send(());
+                }
+            })
+            .await
+        }));
+    }
+    for _ in 0..4 {
+        started.recv().await.unwrap();
+    }
+    // … the next ones wait for one …
+    let mut queued = Vec::new();
+    for i in 4..4 + queue {
+        let (client, coord) = (client.clone(), coord.clone());
+        queued.push(tokio::spawn(async move { generate(&client, &coord, &request(&prompt(i), 20), |_| {}).await }));
+    }
+    let t0 = std::time::Instant::now();
+    loop {
+        let st = shoal_pipeline::status(&client, &coord).await.unwrap();
+        assert_eq!(st.sessions, 4, "the long generations hold every session: {st:?}");
+        if st.waiting == queue {
+            break;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "the queue did not fill: {st:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    // … and one more is refused at once, saying why.
+    match generate(&client, &coord, &request(&prompt(99), 20), |_| {}).await {
+        Err(shoal_pipeline::PipelineError::Busy(why)) => assert!(why.contains("busy"), "{why}"),
+        other => panic!("past the queue: {other:?}"),
+    }
+    // Everyone admitted gets exactly its solo answer.
+    for (i, h) in long.into_iter().enumerate() {
+        assert_eq!(h.await.unwrap().unwrap().tokens, reference(&ranges, &prompt(i), 4000).0, "long {i}");
+    }
+    for (i, h) in queued.into_iter().enumerate() {
+        assert_eq!(h.await.unwrap().unwrap().tokens, reference(&ranges, &prompt(i + 4), 20).0, "queued {i}");
+    }
+    let st = shoal_pipeline::status(&client, &coord).await.unwrap();
+    assert_eq!((st.sessions, st.waiting), (0, 0), "{st:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keepalive_spins_while_generating_then_stops_and_changes_no_output() {
     let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];
     // Long enough that the status calls right after the generation fall inside it.

@@ -123,7 +123,9 @@ fn simulate(
                 match a {
                     Action::Reply(_, GenEvent::Token(t)) => streamed.push(t),
                     Action::Reply(_, GenEvent::Done(r)) => result = Some(r),
-                    Action::Reply(_, GenEvent::Error(e)) => panic!("seed {seed}: generation failed: {e}"),
+                    Action::Reply(_, GenEvent::Error(e) | GenEvent::Busy(e)) => {
+                        panic!("seed {seed}: generation failed: {e}")
+                    }
                     Action::Send(frame) => {
                         let to = (node + 1) % n;
                         if rng.chance(f.brk) {
