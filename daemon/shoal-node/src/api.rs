@@ -75,12 +75,34 @@ pub enum NodeRequest {
     },
     /// The stages this node runs, and their state.
     Stages,
+    /// Bytes of the header (metadata and tensor table) of a model this node holds, from
+    /// `offset` on: a node that holds neither the model nor a shard of it builds a
+    /// vocabulary-only file from them (the HTTP API tokenizes with it).
+    ModelHeader {
+        /// The model's content hash.
+        model: String,
+        /// Where to start, within the header.
+        offset: u64,
+    },
 }
+
+/// Most header bytes one [`NodeResponse::Header`] carries (JSON makes ~3.6 characters
+/// of a byte; the answer must stay under the wire's message bound).
+pub const HEADER_CHUNK: u64 = 256 << 10;
+
+/// Largest header a node fetches (a 256k-token vocabulary with its merges takes ~15 MB).
+pub const MAX_HEADER: u64 = 64 << 20;
 
 impl NodeRequest {
     /// Whether a member other than the owner may ask this (reading only).
     pub fn member_may(&self) -> bool {
-        matches!(self, NodeRequest::ModelList | NodeRequest::ModelPlan { .. } | NodeRequest::Stages)
+        matches!(
+            self,
+            NodeRequest::ModelList
+                | NodeRequest::ModelPlan { .. }
+                | NodeRequest::Stages
+                | NodeRequest::ModelHeader { .. }
+        )
     }
 
     /// How long a client waits for the answer: hashing a 40 GB file takes minutes.
@@ -147,6 +169,15 @@ pub enum NodeResponse {
     Generated(shoal_pipeline::Report),
     /// The stages this node runs.
     Stages(Vec<StageStatus>),
+    /// Part of a model's header.
+    Header {
+        /// Where the data section starts: the header's length.
+        data_offset: u64,
+        /// The whole file's size.
+        file_size: u64,
+        /// Up to [`HEADER_CHUNK`] bytes from the asked offset.
+        bytes: Vec<u8>,
+    },
     /// The request failed.
     Error(ApiError),
 }

@@ -56,16 +56,10 @@ impl Backend for NodeBackend {
         let Some(engine) = self.rt.engine.clone() else {
             return Err(Failure::new(FailureKind::Unavailable, "this node runs no engine, so it reads no vocabulary"));
         };
-        let file = self.vocab_file(&entry).ok_or_else(|| {
-            Failure::new(
-                FailureKind::Unavailable,
-                format!(
-                    "this node holds neither {} nor a shard of it, so it cannot tokenize; ask a node that runs a \
-                     stage of it or holds the file",
-                    entry.name
-                ),
-            )
-        })?;
+        let file = match self.vocab_file(&entry) {
+            Some(f) => f,
+            None => self.fetch_header(&entry).await?,
+        };
         let text = tokio::task::spawn_blocking(move || engine.text(&file))
             .await
             .map_err(|e| Failure::new(FailureKind::Internal, e.to_string()))?
@@ -106,6 +100,90 @@ impl NodeBackend {
             .find(|p| p.extension().is_some_and(|x| x == "gguf") && Path::new(p).is_file())
     }
 }
+
+impl NodeBackend {
+    /// Build a vocabulary-only file of `entry` from its header, fetched from a member
+    /// that holds the model: the header's bytes, then a hole to the model's full size
+    /// (llama.cpp checks that every tensor lies inside the file, and reads none of them
+    /// when it loads only the vocabulary). Sparse: a few MB on disk.
+    async fn fetch_header(&self, entry: &shoal_types::CatalogEntry) -> Result<PathBuf, Failure> {
+        let unavailable =
+            |why: String| Failure::new(FailureKind::Unavailable, format!("the vocabulary of {}: {why}", entry.name));
+        let view = self.rt.membership.view().borrow().clone();
+        let dir = self.rt.cache.dir().join(format!("blake3-{}", entry.content_hash));
+        let dest = dir.join(VOCAB_FILE);
+        let mut last = "no member that holds it is up".to_string();
+        for holder in entry.holders.keys().filter(|h| **h != self.rt.me && view.alive.contains(h)) {
+            let Some(addr) = view.addrs.get(holder).copied() else { continue };
+            match self.header_from(*holder, addr, entry).await {
+                Ok((bytes, file_size)) => {
+                    let part = dir.join(format!("{VOCAB_FILE}.part"));
+                    let write = || -> std::io::Result<()> {
+                        std::fs::create_dir_all(&dir)?;
+                        let f = std::fs::File::create(&part)?;
+                        std::io::Write::write_all(&mut &f, &bytes)?;
+                        f.set_len(file_size)?;
+                        f.sync_all()?;
+                        std::fs::rename(&part, &dest)
+                    };
+                    write().map_err(|e| unavailable(format!("{}: {e}", dest.display())))?;
+                    return Ok(dest);
+                }
+                Err(why) => last = format!("from {}: {why}", &holder.to_string()[..12]),
+            }
+        }
+        Err(unavailable(format!("this node holds no copy nor shard, and fetching the header failed ({last})")))
+    }
+
+    /// The header of `entry` from member `node` at `addr`, chunk by chunk; and the file's size.
+    async fn header_from(
+        &self,
+        node: shoal_net::NodeId,
+        addr: std::net::SocketAddr,
+        entry: &shoal_types::CatalogEntry,
+    ) -> Result<(Vec<u8>, u64), String> {
+        use crate::api::{NodeRequest, NodeResponse, HEADER_CHUNK, MAX_HEADER};
+        let conn = self.rt.node.connect(addr, node, shoal_net::alpn::NODE).await.map_err(|e| e.to_string())?;
+        let mut bytes = Vec::new();
+        loop {
+            let req = NodeRequest::ModelHeader { model: entry.content_hash.clone(), offset: bytes.len() as u64 };
+            let ask = async {
+                let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+                shoal_membership::wire::write_msg(&mut send, &req).await.map_err(|e| e.to_string())?;
+                let _ = send.finish();
+                shoal_membership::wire::read_msg::<NodeResponse>(&mut recv)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| "no answer".to_string())
+            };
+            let answer = tokio::time::timeout(std::time::Duration::from_secs(30), ask)
+                .await
+                .map_err(|_| "no answer within 30 s".to_string())??;
+            match answer {
+                NodeResponse::Header { data_offset, file_size, bytes: chunk } => {
+                    // What a member says is bounded before it is believed.
+                    if data_offset > MAX_HEADER || data_offset > file_size || file_size != entry.size {
+                        return Err(format!("an implausible header ({data_offset} of {file_size} bytes)"));
+                    }
+                    if chunk.is_empty() && (bytes.len() as u64) < data_offset || chunk.len() as u64 > HEADER_CHUNK {
+                        return Err("a malformed header chunk".into());
+                    }
+                    bytes.extend_from_slice(&chunk);
+                    if bytes.len() as u64 >= data_offset {
+                        bytes.truncate(data_offset as usize);
+                        conn.close(0u32.into(), b"done");
+                        return Ok((bytes, file_size));
+                    }
+                }
+                NodeResponse::Error(e) => return Err(e.message),
+                other => return Err(format!("unexpected answer {other:?}")),
+            }
+        }
+    }
+}
+
+/// The vocabulary-only file a node builds in the model's shard folder.
+pub const VOCAB_FILE: &str = "vocab-only.gguf";
 
 /// A node error as the API maps it to a status.
 fn failure(e: ApiError) -> Failure {

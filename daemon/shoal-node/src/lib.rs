@@ -205,6 +205,13 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
         }
         NodeRequest::ModelUnload { model } => runtime::unload(&ctx.rt, &model).await.map(NodeResponse::Ok),
         NodeRequest::ModelPlan { model } => runtime::plan_of(&ctx.rt, &model),
+        NodeRequest::ModelHeader { model, offset } => {
+            // Reads and parses the file: off the async threads.
+            let (me, view) = (ctx.me, ctx.membership.view().borrow().clone());
+            tokio::task::spawn_blocking(move || models::header(me, &view, &model, offset))
+                .await
+                .unwrap_or_else(|e| Err(ApiError::new(ErrorKind::Unavailable, e.to_string())))
+        }
         NodeRequest::Stages => {
             Ok(NodeResponse::Stages(ctx.rt.stage.lock().map(|s| s.iter().cloned().collect()).unwrap_or_default()))
         }

@@ -236,3 +236,27 @@ async fn commit(membership: &Handle, req: AdminRequest) -> Result<(), ApiError> 
         other => Err(ApiError::new(ErrorKind::Unavailable, format!("unexpected answer from membership: {other:?}"))),
     }
 }
+
+/// Bytes `offset..` of the header of the model `hash`, from this node's unchanged copy
+/// (see [`NodeRequest::ModelHeader`](crate::api::NodeRequest::ModelHeader)).
+pub fn header(me: NodeId, view: &View, hash: &str, offset: u64) -> Result<NodeResponse, ApiError> {
+    let entry = entries(view)
+        .into_iter()
+        .find(|e| e.content_hash == hash)
+        .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("no model {hash} in the catalog")))?;
+    let holder = entry.holders.get(&me).filter(|h| copy_state(h) == CopyState::Unchanged).ok_or_else(|| {
+        ApiError::new(ErrorKind::NotFound, format!("this node holds no unchanged copy of {}", entry.name))
+    })?;
+    let path = std::path::Path::new(&holder.path);
+    let refused = |e: &dyn std::fmt::Display| ApiError::new(ErrorKind::Refused, format!("{}: {e}", path.display()));
+    let g = shoal_gguf::Gguf::open(path).map_err(|e| refused(&e))?;
+    if offset > g.data_offset {
+        return Err(ApiError::new(ErrorKind::BadRequest, format!("offset {offset} is past the header")));
+    }
+    let n = (g.data_offset - offset).min(crate::api::HEADER_CHUNK);
+    let mut bytes = vec![0u8; n as usize];
+    let mut f = std::fs::File::open(path).map_err(|e| refused(&e))?;
+    std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(offset)).map_err(|e| refused(&e))?;
+    std::io::Read::read_exact(&mut f, &mut bytes).map_err(|e| refused(&e))?;
+    Ok(NodeResponse::Header { data_offset: g.data_offset, file_size: g.file_size, bytes })
+}

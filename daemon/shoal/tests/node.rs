@@ -5,7 +5,8 @@
 //! two different nodes gives the tokens and logits digest of `shoal run` unsplit, and
 //! the HTTP API (OpenAI and Ollama routes) its text; a
 //! stage's node SIGKILLed during a 300-token generation (a middle stage, then a
-//! coordinator, and the leader's) is replaced by a spare and the answer does not change.
+//! coordinator, and the leader's) is replaced by a spare and the answer does not change;
+//! a node that holds nothing of the model still answers through its API.
 
 mod common;
 use common::*;
@@ -211,6 +212,24 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
     let args = ["--prompt", PROMPT, "-n", "300", "--ignore-eos", "--json"];
     let r = unsplit(&model, &args);
     let id_of = |n: &str| key(&dir(n));
+
+    // A spare holds neither the model nor a shard; its API still answers: it fetches
+    // the model's header from A and tokenizes with a vocabulary-only file (sparse).
+    let plan = placement(&dir("a"));
+    let placed: Vec<&str> = plan["stages"].as_array().unwrap().iter().map(|s| s["node"].as_str().unwrap()).collect();
+    let spare = *names.iter().find(|n| !placed.contains(&id_of(n).as_str())).unwrap();
+    let api = std::fs::read_to_string(dir(spare).join("http")).unwrap().trim().to_string();
+    let req = serde_json::json!({"model": SMOL, "messages": [{"role": "user", "content": PROMPT}],
+        "temperature": 0, "max_tokens": 24});
+    let (status, body) = http_post(&format!("http://{api}/v1/chat/completions"), &req);
+    assert_eq!(status, 200, "through the spare {spare}: {body}");
+    let text =
+        serde_json::from_str::<Value>(&body).unwrap()["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    assert!(!text.is_empty() && r["text"].as_str().unwrap().starts_with(&text), "{text:?} vs {}", r["text"]);
+    let vocab = dir(spare).join(format!("shards/blake3-{}/vocab-only.gguf", plan["model"].as_str().unwrap()));
+    let meta = std::fs::metadata(&vocab).unwrap();
+    assert_eq!(meta.len(), std::fs::metadata(&model).unwrap().len(), "as long as the model");
+    assert!(std::os::unix::fs::MetadataExt::blocks(&meta) * 512 < 16 << 20, "not sparse: {meta:?}");
     // The middle stage's node, and then the (new) coordinator's, unless it is A: A holds
     // the only copy of the model and is where the generation is asked.
     for round in 0..2 {
