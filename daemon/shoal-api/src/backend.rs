@@ -17,6 +17,10 @@ pub trait Backend: Send + Sync + 'static {
     /// The text side of the model named `model` (a catalog name or a hash prefix).
     fn text(&self, model: &str) -> impl Future<Output = Result<Arc<dyn TextModel>, Failure>> + Send;
 
+    /// Whether `key` (as a client presented it) is one of the cluster's API keys.
+    /// Constant time in the key.
+    fn authorized(&self, key: &str) -> bool;
+
     /// Run `request` on `model` wherever its stages run, sending each token to
     /// `tokens` as it comes; the report at the end. Dropping the future cancels the
     /// generation (its session is freed on every stage).
@@ -91,7 +95,9 @@ pub struct Failure {
 pub enum FailureKind {
     /// Malformed or impossible request (400).
     BadRequest,
-    /// Not allowed (401 without a key, 403 otherwise).
+    /// No key, or not a key of the cluster's (401).
+    Unauthorized,
+    /// Not allowed (403).
     Forbidden,
     /// No such model (404).
     NotFound,
@@ -120,6 +126,7 @@ impl Failure {
     pub fn status(&self) -> u16 {
         match self.kind {
             FailureKind::BadRequest => 400,
+            FailureKind::Unauthorized => 401,
             FailureKind::Forbidden => 403,
             FailureKind::NotFound => 404,
             FailureKind::Busy => 429,

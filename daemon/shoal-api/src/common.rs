@@ -30,6 +30,7 @@ pub(crate) fn error_response(dialect: Dialect, failure: &Failure) -> Response {
             let (kind, code) = match failure.kind {
                 FailureKind::NotFound => ("invalid_request_error", Some("model_not_found")),
                 FailureKind::BadRequest => ("invalid_request_error", None),
+                FailureKind::Unauthorized => ("invalid_request_error", Some("invalid_api_key")),
                 FailureKind::Forbidden => ("permission_error", None),
                 FailureKind::Busy => ("rate_limit_error", None),
                 FailureKind::Loading(_) => ("service_unavailable", Some("model_loading")),

@@ -15,13 +15,16 @@ mod openai;
 
 pub use backend::{Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, TextModel};
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use common::Dialect;
 use serde_json::json;
 use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 /// The port the API listens on unless told otherwise: Ollama's, so that tools set up
@@ -31,8 +34,24 @@ pub const DEFAULT_PORT: u16 = 11434;
 /// Largest request body accepted (a long conversation fits; more is a 413).
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 
-/// Every route, over `backend`.
-pub fn router<B: Backend>(backend: Arc<B>) -> Router {
+/// Who may call the API without a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Access {
+    /// Requests from this machine (loopback) need no key.
+    pub loopback_free: bool,
+    /// No request needs a key (a LAN whose every machine is trusted).
+    pub open: bool,
+}
+
+impl Default for Access {
+    /// Keys for every other machine; none for this one.
+    fn default() -> Access {
+        Access { loopback_free: true, open: false }
+    }
+}
+
+/// Every route, over `backend`, with keys checked as `access` says.
+pub fn router<B: Backend>(backend: Arc<B>, access: Access) -> Router {
     Router::new()
         .route("/", get(|| async { "Shoal is running\n" }))
         .route("/health", get(health::<B>))
@@ -46,17 +65,55 @@ pub fn router<B: Backend>(backend: Arc<B>) -> Router {
         .route("/api/show", post(ollama::show::<B>))
         .route("/api/chat", post(ollama::chat::<B>))
         .route("/api/generate", post(ollama::generate::<B>))
+        .layer(axum::middleware::from_fn_with_state((backend.clone(), access), auth::<B>))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(backend)
+}
+
+/// Let a request through when `access` allows it without a key, or with one of the
+/// cluster's keys (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`); else
+/// 401 in the shape of the route's API. The key is never logged.
+async fn auth<B: Backend>(
+    State((backend, access)): State<(Arc<B>, Access)>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let loopback = match peer.ip() {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
+    };
+    if access.open || (access.loopback_free && loopback) || req.uri().path() == "/" {
+        return next.run(req).await;
+    }
+    let headers = req.headers();
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
+        .map(str::trim);
+    if presented.is_some_and(|k| backend.authorized(k)) {
+        return next.run(req).await;
+    }
+    let message = if presented.is_some() {
+        "invalid API key (make one with `shoal keys create NAME` on a node)"
+    } else {
+        "an API key is needed from other machines: send `Authorization: Bearer KEY` (`shoal keys create NAME`)"
+    };
+    let dialect = if req.uri().path().starts_with("/v1/") { Dialect::OpenAi } else { Dialect::Ollama };
+    common::error_response(dialect, &Failure::new(FailureKind::Unauthorized, message))
 }
 
 /// Serve the API on `listener` until `shutdown` completes.
 pub async fn serve<B: Backend>(
     listener: tokio::net::TcpListener,
     backend: Arc<B>,
+    access: Access,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(backend)).with_graceful_shutdown(shutdown).await
+    let app = router(backend, access).into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
 
 /// `GET /health`: 200 when a model answers, 503 while none does (loading, or none

@@ -19,6 +19,8 @@ const ANSWER: &str = "Hello, wörld! 🐟 Bye.";
 const EOG: TokenId = 300;
 /// The context of the ready model.
 const CONTEXT: u32 = 256;
+/// The one key the fake backend takes.
+const GOOD_KEY: &str = "sk-shoal-good";
 
 struct Bytes;
 
@@ -74,6 +76,10 @@ impl Backend for Fake {
         ]
     }
 
+    fn authorized(&self, key: &str) -> bool {
+        key == GOOD_KEY
+    }
+
     async fn text(&self, _model: &str) -> Result<Arc<dyn TextModel>, Failure> {
         Ok(Arc::new(Bytes))
     }
@@ -123,10 +129,15 @@ impl Backend for Fake {
 
 /// A server on 127.0.0.1:0 over a fresh fake; its base URL.
 async fn server() -> (String, Arc<Fake>) {
+    server_with(shoal_api::Access::default()).await
+}
+
+/// [`server`] with keys checked as `access` says.
+async fn server_with(access: shoal_api::Access) -> (String, Arc<Fake>) {
     let fake = Arc::new(Fake::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(shoal_api::serve(listener, fake.clone(), std::future::pending()));
+    tokio::spawn(shoal_api::serve(listener, fake.clone(), access, std::future::pending()));
     (url, fake)
 }
 
@@ -377,4 +388,53 @@ async fn a_client_that_goes_away_cancels_its_generation() {
         assert!(t0.elapsed() < Duration::from_secs(1), "the generation still runs a second after the client left");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// POST `body` with `headers`; the status and body.
+async fn post_with(url: String, body: Value, headers: Vec<(&'static str, String)>) -> (u16, String) {
+    tokio::task::spawn_blocking(move || {
+        let mut req = agent().post(&url).header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        let mut r = req.send(body.to_string()).unwrap();
+        (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_loopback_exemption_a_key_is_needed_and_checked() {
+    // As a request from another machine is treated (loopback here is not exempt).
+    let (url, fake) = server_with(shoal_api::Access { loopback_free: false, open: false }).await;
+    let chat = format!("{url}/v1/chat/completions");
+    let req = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": false});
+    let (status, body) = post_with(chat.clone(), req.clone(), vec![]).await;
+    assert_eq!(status, 401, "{body}");
+    let e: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(e["error"]["code"], "invalid_api_key");
+    assert!(e["error"]["message"].as_str().unwrap().contains("shoal keys create"));
+    let (status, body) =
+        post_with(chat.clone(), req.clone(), vec![("authorization", "Bearer sk-shoal-bad".into())]).await;
+    assert_eq!(status, 401);
+    assert!(!body.contains("sk-shoal-bad"), "the key is not echoed: {body}");
+    let (status, body) = post_with(format!("{url}/api/chat"), req.clone(), vec![]).await;
+    assert_eq!(status, 401);
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["error"].is_string(), "Ollama's shape: {body}");
+    assert!(fake.prompts.lock().unwrap().is_empty(), "nothing reached the model");
+
+    for header in [("authorization", format!("Bearer {GOOD_KEY}")), ("x-api-key", GOOD_KEY.to_string())] {
+        let (status, body) = post_with(chat.clone(), req.clone(), vec![header]).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // The root says the server runs, key or not (clients probe it).
+    let status =
+        tokio::task::spawn_blocking(move || agent().get(&url).call().unwrap().status().as_u16()).await.unwrap();
+    assert_eq!(status, 200);
+
+    // Open: no key needed at all.
+    let (url, _) = server_with(shoal_api::Access { loopback_free: false, open: true }).await;
+    let (status, _) = post_with(format!("{url}/v1/chat/completions"), req, vec![]).await;
+    assert_eq!(status, 200);
 }

@@ -84,6 +84,18 @@ pub enum NodeRequest {
         /// Where to start, within the header.
         offset: u64,
     },
+    /// Make an API key (its secret is in the answer, and nowhere else).
+    KeyCreate {
+        /// What it is for.
+        name: String,
+    },
+    /// The API keys (names and dates; no secrets).
+    KeyList,
+    /// Revoke an API key.
+    KeyRevoke {
+        /// Its name.
+        name: String,
+    },
 }
 
 /// Most header bytes one [`NodeResponse::Header`] carries (JSON makes ~3.6 characters
@@ -169,6 +181,15 @@ pub enum NodeResponse {
     Generated(shoal_pipeline::Report),
     /// The stages this node runs.
     Stages(Vec<StageStatus>),
+    /// A key was made: its secret, shown once.
+    KeyCreated {
+        /// The key as stored.
+        key: shoal_types::ApiKey,
+        /// The secret clients send.
+        secret: String,
+    },
+    /// The API keys.
+    Keys(Vec<shoal_types::ApiKey>),
     /// Part of a model's header.
     Header {
         /// Where the data section starts: the header's length.

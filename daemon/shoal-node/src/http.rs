@@ -68,6 +68,10 @@ impl Backend for NodeBackend {
         Ok(text)
     }
 
+    fn authorized(&self, key: &str) -> bool {
+        crate::keys::check(&self.rt.membership.view().borrow(), key)
+    }
+
     async fn generate(
         &self,
         model: &str,

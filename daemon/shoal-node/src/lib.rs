@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod http;
+pub mod keys;
 pub mod models;
 pub mod runtime;
 pub mod schedule;
@@ -48,6 +49,8 @@ pub struct Options {
     /// Where the HTTP API listens (`None`: no API). Its bound address goes to the file
     /// [`http::HTTP_FILE`] in the data directory.
     pub http: Option<std::net::SocketAddr>,
+    /// Who may call the API without a key.
+    pub api_access: shoal_api::Access,
 }
 
 /// Memory left to the system when the offer is not given.
@@ -83,7 +86,7 @@ pub async fn run(
     tasks.spawn(runtime::supervise(rt.clone()));
     tasks.spawn(notify_ready(rt.membership.view(), identity.id()));
     if let Some(addr) = options.http {
-        match serve_http(addr, &cfg.data_dir, rt.clone()).await {
+        match serve_http(addr, options.api_access, &cfg.data_dir, rt.clone()).await {
             Ok(task) => {
                 tasks.spawn(task);
             }
@@ -116,6 +119,7 @@ async fn notify_ready(mut view: watch::Receiver<membership::View>, me: NodeId) {
 /// Bind the HTTP API at `addr` and record where; the returned future serves it.
 async fn serve_http(
     addr: std::net::SocketAddr,
+    access: shoal_api::Access,
     data_dir: &std::path::Path,
     rt: Arc<Runtime>,
 ) -> Result<impl Future<Output = ()>, String> {
@@ -128,7 +132,7 @@ async fn serve_http(
     eprintln!("[shoal] API: http://{bound}");
     let backend = Arc::new(http::NodeBackend { rt, texts: Default::default() });
     Ok(async move {
-        if let Err(e) = shoal_api::serve(listener, backend, std::future::pending()).await {
+        if let Err(e) = shoal_api::serve(listener, backend, access, std::future::pending()).await {
             tracing::error!("the HTTP API stopped: {e}");
         }
     })
@@ -205,6 +209,13 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
         }
         NodeRequest::ModelUnload { model } => runtime::unload(&ctx.rt, &model).await.map(NodeResponse::Ok),
         NodeRequest::ModelPlan { model } => runtime::plan_of(&ctx.rt, &model),
+        NodeRequest::KeyCreate { name } => {
+            keys::create(&ctx.membership, &name).await.map(|(key, secret)| NodeResponse::KeyCreated { key, secret })
+        }
+        NodeRequest::KeyList => Ok(NodeResponse::Keys(keys::list(&ctx.membership.view().borrow()))),
+        NodeRequest::KeyRevoke { name } => {
+            keys::revoke(&ctx.membership, &name).await.map(|k| NodeResponse::Keys(vec![k]))
+        }
         NodeRequest::ModelHeader { model, offset } => {
             // Reads and parses the file: off the async threads.
             let (me, view) = (ctx.me, ctx.membership.view().borrow().clone());

@@ -136,7 +136,13 @@ impl Engine for FakeEngine {
 
 /// A node's options here: the fake engine, and a small memory offer.
 fn options() -> shoal_node::Options {
-    shoal_node::Options { engine: Some(Arc::new(FakeEngine)), max_memory: Some(OFFER), shard_dir: None, http: None }
+    shoal_node::Options {
+        engine: Some(Arc::new(FakeEngine)),
+        max_memory: Some(OFFER),
+        shard_dir: None,
+        http: None,
+        api_access: Default::default(),
+    }
 }
 
 /// The fake stages of `ranges` run in order in-process, on the canonical schedule (any

@@ -5,6 +5,8 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+pub mod apikey;
+pub use apikey::ApiKey;
 pub mod catalog;
 pub use catalog::{CatalogEntry, Holder};
 mod inventory;

@@ -66,13 +66,16 @@ pub struct ClusterArgs {
     /// 512M [default: what is free at start, less 512 MiB].
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     max_memory: Option<u64>,
-    /// Where the HTTP API (OpenAI and Ollama routes) listens. Loopback by default: API
-    /// keys for other machines are not there yet.
-    #[arg(long, value_name = "ADDR", default_value_t = SocketAddr::from(([127, 0, 0, 1], shoal_api::DEFAULT_PORT)))]
+    /// Where the HTTP API (OpenAI and Ollama routes) listens. Requests from other
+    /// machines need an API key (`shoal keys create`); from this one, none.
+    #[arg(long, value_name = "ADDR", default_value_t = SocketAddr::from(([0, 0, 0, 0], shoal_api::DEFAULT_PORT)))]
     http_listen: SocketAddr,
     /// Serve no HTTP API.
     #[arg(long)]
     no_http: bool,
+    /// Let every machine call the API without a key (a LAN whose every machine you trust).
+    #[arg(long)]
+    api_open: bool,
 }
 
 /// A size in bytes: a number with an optional K, M, G or T suffix (powers of 1024).
@@ -258,6 +261,7 @@ pub fn serve(
             max_memory: args.max_memory,
             shard_dir: stage.cache,
             http: (!args.no_http).then_some(args.http_listen),
+            api_access: shoal_api::Access { loopback_free: true, open: args.api_open },
         };
         shoal_node::run(cfg, options, identity, rx, crate::pipeline::shutdown_signal()).await
     })?;

@@ -6,6 +6,7 @@ mod calibrate;
 mod cluster;
 mod engine;
 mod inventory;
+mod keys;
 mod lab;
 mod local;
 mod models;
@@ -44,6 +45,9 @@ enum Command {
     /// The cluster's model catalog: add (a path, URL or hf://), ls, rm, import.
     #[command(subcommand)]
     Models(models::ModelsCommand),
+    /// API keys for the HTTP API from other machines: create (shown once), ls, revoke.
+    #[command(subcommand)]
+    Keys(keys::KeysCommand),
     /// Join a cluster: with a pairing code or a join token from one of its members, or
     /// (`--accept CLUSTER`) by taking an approval from that cluster.
     Join(cluster::JoinArgs),
@@ -86,6 +90,7 @@ fn main() -> std::process::ExitCode {
         Command::Status(a) => pipeline::status(a),
         Command::Nodes(c) => cluster::nodes(c),
         Command::Models(c) => models::models(c),
+        Command::Keys(c) => keys::keys(c),
         Command::Join(a) => cluster::join(a),
         Command::Leave(a) => cluster::leave(a),
         Command::Reset(a) => cluster::reset(a),

@@ -388,7 +388,7 @@ fn vocab_file(dir: &Option<PathBuf>, row: &api::ModelRow) -> Result<PathBuf> {
 }
 
 /// Ask the local node; an error answer becomes an error.
-fn ask(dir: &DirArg, req: NodeRequest) -> Result<NodeResponse> {
+pub(crate) fn ask(dir: &DirArg, req: NodeRequest) -> Result<NodeResponse> {
     let data_dir = data_dir(&dir.data_dir);
     if !data_dir.join(shoal_net::identity::KEY_FILE).exists() {
         bail!("no node has run with the data directory {} yet: start it with `shoal serve`", data_dir.display());
