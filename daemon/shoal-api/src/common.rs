@@ -19,6 +19,8 @@ pub(crate) enum Dialect {
     OpenAi,
     /// `{"error": "message"}`.
     Ollama,
+    /// `{"type": "error", "error": {"type", "message"}}`.
+    Anthropic,
 }
 
 /// `failure` as `dialect` answers it, with its status (and `Retry-After` while a model
@@ -40,6 +42,18 @@ pub(crate) fn error_response(dialect: Dialect, failure: &Failure) -> Response {
             json!({"error": {"message": failure.message, "type": kind, "param": null, "code": code}})
         }
         Dialect::Ollama => json!({"error": failure.message}),
+        Dialect::Anthropic => {
+            let kind = match failure.kind {
+                FailureKind::BadRequest => "invalid_request_error",
+                FailureKind::Unauthorized => "authentication_error",
+                FailureKind::Forbidden => "permission_error",
+                FailureKind::NotFound => "not_found_error",
+                FailureKind::Busy => "rate_limit_error",
+                FailureKind::Loading(_) | FailureKind::Unavailable => "overloaded_error",
+                FailureKind::Internal => "api_error",
+            };
+            json!({"type": "error", "error": {"type": kind, "message": failure.message}})
+        }
     };
     let mut response = (status, axum::Json(body)).into_response();
     if let FailureKind::Loading(secs) = failure.kind {

@@ -41,6 +41,8 @@ pub(crate) enum Event {
 pub(crate) struct Outcome {
     /// Why it stopped.
     pub finish: Finish,
+    /// The stop sequence that ended it, if one did.
+    pub stop_sequence: Option<String>,
     /// Tokens of the prompt.
     pub prompt_tokens: usize,
     /// Tokens generated (a stop sequence's included).
@@ -151,6 +153,7 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
     let _ = events
         .send(Event::End(Outcome {
             finish,
+            stop_sequence: stops.matched().map(str::to_string),
             prompt_tokens: job.prompt.len(),
             completion_tokens: made,
             prefill: first_at - t0,

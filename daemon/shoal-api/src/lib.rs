@@ -1,5 +1,6 @@
-//! The HTTP API every node serves: OpenAI's routes under `/v1/`, Ollama's at the root
-//! (`/api/…`, where Ollama serves them, so its clients work unchanged), and `/health`.
+//! The HTTP API every node serves: OpenAI's routes under `/v1/`, Anthropic's
+//! `/v1/messages`, Ollama's at the root (`/api/…`, where Ollama serves them, so its
+//! clients work unchanged), and `/health`.
 //! It runs over a [`Backend`] the node provides (the catalog, a model's vocabulary,
 //! generation wherever the model's stages run): this crate holds no cluster code and
 //! never links llama.cpp, so its routes are tested against a fake backend.
@@ -7,6 +8,7 @@
 //! Invariants: a request never panics the server, whatever its body; an error has
 //! its API's own shape and status; a client that goes away cancels its generation.
 
+mod anthropic;
 pub mod backend;
 mod common;
 mod gen;
@@ -59,6 +61,7 @@ pub fn router<B: Backend>(backend: Arc<B>, access: Access) -> Router {
         .route("/v1/models/{*id}", get(openai::model::<B>))
         .route("/v1/chat/completions", post(openai::chat::<B>))
         .route("/v1/completions", post(openai::completions::<B>))
+        .route("/v1/messages", post(anthropic::messages::<B>))
         .route("/api/version", get(ollama::version))
         .route("/api/tags", get(ollama::tags::<B>))
         .route("/api/ps", get(ollama::ps::<B>))
@@ -101,7 +104,11 @@ async fn auth<B: Backend>(
     } else {
         "an API key is needed from other machines: send `Authorization: Bearer KEY` (`shoal keys create NAME`)"
     };
-    let dialect = if req.uri().path().starts_with("/v1/") { Dialect::OpenAi } else { Dialect::Ollama };
+    let dialect = match req.uri().path() {
+        "/v1/messages" => Dialect::Anthropic,
+        p if p.starts_with("/v1/") => Dialect::OpenAi,
+        _ => Dialect::Ollama,
+    };
     common::error_response(dialect, &Failure::new(FailureKind::Unauthorized, message))
 }
 

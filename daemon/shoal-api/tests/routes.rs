@@ -438,3 +438,44 @@ async fn without_the_loopback_exemption_a_key_is_needed_and_checked() {
     let (status, _) = post_with(format!("{url}/v1/chat/completions"), req, vec![]).await;
     assert_eq!(status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_whole_and_as_named_events() {
+    let (url, fake) = server().await;
+    let msgs = format!("{url}/v1/messages");
+    let req = json!({"model": "tiny", "max_tokens": 100, "system": "Be brief.",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]});
+    let (status, _, body) = post(msgs.clone(), req).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["content"], json!([{"type": "text", "text": ANSWER}]));
+    assert_eq!((v["stop_reason"].clone(), v["stop_sequence"].clone()), (json!("end_turn"), Value::Null));
+    assert_eq!(fake.prompts.lock().unwrap()[0], "<system>Be brief.</system><user>Hi</user><assistant>");
+    assert_eq!(v["usage"]["output_tokens"], ANSWER.len() + 1);
+
+    let req = json!({"model": "tiny", "max_tokens": 100, "stop_sequences": ["wörld"], "stream": true,
+        "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, body) = post(msgs.clone(), req).await;
+    assert_eq!(status, 200);
+    let events: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+    assert_eq!(events.first(), Some(&"message_start"));
+    assert_eq!(events[events.len() - 3..], ["content_block_stop", "message_delta", "message_stop"]);
+    let data: Vec<Value> =
+        body.lines().filter_map(|l| l.strip_prefix("data: ")).map(|d| serde_json::from_str(d).unwrap()).collect();
+    let text: String = data.iter().filter_map(|d| d["delta"]["text"].as_str()).collect();
+    assert_eq!(text, "Hello, ");
+    let delta = data.iter().find(|d| d["type"] == "message_delta").unwrap();
+    assert_eq!(delta["delta"], json!({"stop_reason": "stop_sequence", "stop_sequence": "wörld"}));
+
+    let req = json!({"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]});
+    let (_, _, body) = post(msgs.clone(), req).await;
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["stop_reason"], "max_tokens");
+    let req = json!({"model": "nope", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, body) = post(msgs.clone(), req).await;
+    assert_eq!(status, 404);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((v["type"].clone(), v["error"]["type"].clone()), (json!("error"), json!("not_found_error")));
+    let (status, _, _) = post(msgs, json!({"model": "tiny", "messages": []})).await;
+    assert_eq!(status, 400, "max_tokens is required");
+}

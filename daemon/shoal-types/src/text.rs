@@ -61,19 +61,23 @@ pub struct StopText {
     stops: Vec<String>,
     /// Text received but not yet released: a suffix that a stop sequence may start with.
     held: String,
+    /// The stop sequence that ended the text, once one did.
+    matched: Option<String>,
 }
 
 impl StopText {
     /// A matcher of `stops` (empty strings are ignored).
     pub fn new(stops: impl IntoIterator<Item = String>) -> StopText {
-        StopText { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
+        StopText { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), matched: None }
     }
 
     /// Add `text`; returns the text that can be shown now, and whether a stop sequence
     /// was found (then the text is cut before it, and nothing after it is shown).
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.held.push_str(text);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        let first = self.stops.iter().filter_map(|s| Some((self.held.find(s.as_str())?, s))).min_by_key(|(at, _)| *at);
+        if let Some((at, stop)) = first {
+            self.matched = Some(stop.clone());
             let out = self.held[..at].to_string();
             self.held.clear();
             return (out, true);
@@ -83,6 +87,11 @@ impl StopText {
         let out = self.held[..cut].to_string();
         self.held.drain(..cut);
         (out, false)
+    }
+
+    /// The stop sequence that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// The end of the stream: what was held back is shown after all.
@@ -130,6 +139,9 @@ mod tests {
         assert_eq!(run(&["STOP"], &["a ST"]), ("a ST".into(), false));
         // The earliest of several stops wins; an empty stop is ignored.
         assert_eq!(run(&["", "b", "ab"], &["xxab"]), ("xx".into(), true));
+        let mut m = StopText::new(["b".to_string(), "ab".to_string()]);
+        assert_eq!(m.push("xxab"), ("xx".to_string(), true));
+        assert_eq!(m.matched(), Some("ab"), "the earliest match is the one reported");
         // No stops: everything passes as it comes.
         let mut m = StopText::new(Vec::new());
         assert_eq!(m.push("abc"), ("abc".into(), false));
