@@ -17,6 +17,14 @@ pub trait Backend: Send + Sync + 'static {
     /// The text side of the model named `model` (a catalog name or a hash prefix).
     fn text(&self, model: &str) -> impl Future<Output = Result<Arc<dyn TextModel>, Failure>> + Send;
 
+    /// The API's counters (the backend owns them, so that they live as long as it).
+    fn metrics(&self) -> &crate::Metrics;
+
+    /// The node's own lines for `/metrics` (Prometheus text): its stages, its models.
+    fn node_metrics(&self) -> impl Future<Output = String> + Send {
+        async { String::new() }
+    }
+
     /// Whether `key` (as a client presented it) is one of the cluster's API keys.
     /// Constant time in the key.
     fn authorized(&self, key: &str) -> bool;

@@ -85,6 +85,7 @@ pub(crate) fn start<B: Backend>(backend: Arc<B>, job: Job) -> mpsc::Receiver<Eve
 
 async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>) {
     let t0 = Instant::now();
+    let _in_flight = backend.metrics().started();
     let eog = job.text.eog_tokens();
     let request = GenerateRequest {
         prompt: job.prompt.clone(),
@@ -150,6 +151,7 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
     let finish =
         if stopped_by_text || ended_by_eog || made < job.max_tokens as usize { Finish::Stop } else { Finish::Length };
     let first_at = first_at.unwrap_or(last_at);
+    backend.metrics().finished(job.prompt.len(), made, first_at - t0, last_at - first_at);
     let _ = events
         .send(Event::End(Outcome {
             finish,

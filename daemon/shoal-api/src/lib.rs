@@ -10,6 +10,8 @@
 
 mod anthropic;
 pub mod backend;
+mod metrics;
+pub use metrics::Metrics;
 mod common;
 mod gen;
 mod ollama;
@@ -17,7 +19,7 @@ mod openai;
 
 pub use backend::{Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, TextModel};
 
-use axum::extract::{ConnectInfo, Request, State};
+use axum::extract::{ConnectInfo, MatchedPath, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -57,6 +59,7 @@ pub fn router<B: Backend>(backend: Arc<B>, access: Access) -> Router {
     Router::new()
         .route("/", get(|| async { "Shoal is running\n" }))
         .route("/health", get(health::<B>))
+        .route("/metrics", get(metrics::<B>))
         .route("/v1/models", get(openai::models::<B>))
         .route("/v1/models/{*id}", get(openai::model::<B>))
         .route("/v1/chat/completions", post(openai::chat::<B>))
@@ -69,8 +72,24 @@ pub fn router<B: Backend>(backend: Arc<B>, access: Access) -> Router {
         .route("/api/chat", post(ollama::chat::<B>))
         .route("/api/generate", post(ollama::generate::<B>))
         .layer(axum::middleware::from_fn_with_state((backend.clone(), access), auth::<B>))
+        .layer(axum::middleware::from_fn_with_state(backend.clone(), count::<B>))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(backend)
+}
+
+/// Count each answered request by its route (the pattern, not the path: model ids
+/// would make unbounded labels) and status.
+async fn count<B: Backend>(State(backend): State<Arc<B>>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map_or("other", |p| p.as_str()).to_string();
+    let response = next.run(req).await;
+    backend.metrics().request(&route, response.status().as_u16());
+    response
+}
+
+/// `GET /metrics`.
+async fn metrics<B: Backend>(State(backend): State<Arc<B>>) -> Response {
+    let extra = backend.node_metrics().await;
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], backend.metrics().render(&extra)).into_response()
 }
 
 /// Let a request through when `access` allows it without a key, or with one of the

@@ -50,6 +50,7 @@ struct Fake {
     running: AtomicUsize,
     /// Prompts seen, as text.
     prompts: std::sync::Mutex<Vec<String>>,
+    metrics: shoal_api::Metrics,
 }
 
 fn entry(name: &str, hash_digit: char) -> CatalogEntry {
@@ -74,6 +75,10 @@ impl Backend for Fake {
             ModelInfo { entry: entry("cold", 'c'), state: ModelState::Available, context: None },
             ModelInfo { entry: entry("warming", 'd'), state: ModelState::Starting, context: Some(CONTEXT) },
         ]
+    }
+
+    fn metrics(&self) -> &shoal_api::Metrics {
+        &self.metrics
     }
 
     fn authorized(&self, key: &str) -> bool {
@@ -359,6 +364,20 @@ async fn ollama_routes_stream_ndjson_and_answer_whole() {
     assert_eq!((status, m["id"].clone()), (200, json!("tiny")));
     let (status, health) = get(format!("{url}/health")).await;
     assert_eq!((status, health["models"]["warming"].clone()), (200, json!("loading")));
+
+    // What happened, as Prometheus reads it.
+    let text = tokio::task::spawn_blocking(move || {
+        agent().get(&format!("{url}/metrics")).call().unwrap().body_mut().read_to_string().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(text.contains("shoal_http_requests_total{route=\"/api/chat\",status=\"200\"} 2"), "{text}");
+    assert!(text.contains("shoal_http_requests_total{route=\"/v1/models/{*id}\",status=\"200\"} 1"), "{text}");
+    // Four generations ran: 22 + 5 + 12 + 22 tokens (the end-of-generation ones counted).
+    let n = 2 * (ANSWER.len() + 1) + 5 + "Hello, wörld".len() + 1;
+    assert!(text.contains(&format!("shoal_completion_tokens_total {n}")), "{text}");
+    assert!(text.contains("shoal_time_to_first_token_seconds_count 4"), "{text}");
+    assert!(text.contains("shoal_generations_in_flight 0"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,6 +23,8 @@ pub struct NodeBackend {
     pub(crate) rt: Arc<Runtime>,
     /// Vocabularies loaded so far, by content hash (a few MB each; models are few).
     pub(crate) texts: Mutex<HashMap<String, Arc<dyn TextModel>>>,
+    /// The API's counters.
+    pub(crate) metrics: shoal_api::Metrics,
 }
 
 impl Backend for NodeBackend {
@@ -66,6 +68,42 @@ impl Backend for NodeBackend {
             .map_err(|e| Failure::new(FailureKind::Internal, format!("the vocabulary of {}: {e}", entry.name)))?;
         lock(&self.texts).insert(entry.content_hash.clone(), text.clone());
         Ok(text)
+    }
+
+    fn metrics(&self) -> &shoal_api::Metrics {
+        &self.metrics
+    }
+
+    async fn node_metrics(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let stage = lock(&self.rt.stage).clone();
+        out += "# HELP shoal_stage_memory_bytes The stage this node runs: memory predicted by the planner, and held once loaded.\n";
+        out += "# TYPE shoal_stage_memory_bytes gauge\n";
+        if let Some(st) = &stage {
+            let labels = format!("model=\"{}\",layers=\"{}\"", &st.model[..st.model.len().min(12)], st.layers);
+            let _ = writeln!(out, "shoal_stage_memory_bytes{{{labels},kind=\"predicted\"}} {}", st.predicted_bytes);
+            if let Some(b) = st.loaded_bytes {
+                let _ = writeln!(out, "shoal_stage_memory_bytes{{{labels},kind=\"loaded\"}} {b}");
+            }
+            let running = u8::from(st.state == crate::api::StageState::Running);
+            let _ = writeln!(out, "# TYPE shoal_stage_running gauge\nshoal_stage_running{{{labels}}} {running}");
+        }
+        let view = self.rt.membership.view().borrow().clone();
+        let placements = runtime::placements(&view);
+        let _ =
+            writeln!(out, "# HELP shoal_placement_generation Times each loaded model was placed anew (re-placements).");
+        let _ = writeln!(out, "# TYPE shoal_placement_generation gauge");
+        for (hash, p) in &placements {
+            let _ = writeln!(
+                out,
+                "shoal_placement_generation{{model=\"{}\"}} {}",
+                &hash[..hash.len().min(12)],
+                p.generation
+            );
+        }
+        let _ = writeln!(out, "# TYPE shoal_members_alive gauge\nshoal_members_alive {}", view.alive.len());
+        out
     }
 
     fn authorized(&self, key: &str) -> bool {

@@ -189,6 +189,15 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     let said = String::from_utf8_lossy(&py.stdout).to_string() + &String::from_utf8_lossy(&py.stderr);
     assert!(py.status.success(), "the Python clients: {said}");
     assert!(said.contains("all client checks passed"), "{said}");
+    // What B did, as Prometheus reads it: its stage's memory, the tokens it streamed.
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let metrics = agent.get(&format!("http://{api}/metrics")).call().unwrap().body_mut().read_to_string().unwrap();
+    assert!(metrics.contains("kind=\"predicted\"") && metrics.contains("kind=\"loaded\""), "{metrics}");
+    let streamed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("shoal_completion_tokens_total "))
+        .and_then(|n| n.parse::<u64>().ok());
+    assert!(streamed.is_some_and(|n| n >= 3 * 24), "{metrics}");
 
     // Unloaded: every stage stops.
     run_ok(&["models", "unload", SMOL], &dir("b"));
