@@ -5,7 +5,8 @@
 //! two different nodes gives the tokens and logits digest of `shoal run` unsplit, and
 //! the HTTP API (OpenAI and Ollama routes) its text; a
 //! stage's node SIGKILLed during a 300-token generation (a middle stage, then a
-//! coordinator, and the leader's) is replaced by a spare and the answer does not change;
+//! coordinator, and the leader's) is replaced by a spare and the answer does not change,
+//! also for an HTTP stream running through the same stages when the middle one dies;
 //! a node that holds nothing of the model still answers through its API.
 
 mod common;
@@ -216,10 +217,12 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
     let names = ["a", "b", "c", "d", "e"];
     let mut nodes = start_cluster(&dir, &names);
     run_ok(&["models", "add", model.to_str().unwrap()], &dir("a"));
-    let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--wait"], &dir("a"));
+    // Two sessions: the first round also streams through the HTTP API meanwhile.
+    let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--sessions", "2", "--wait"], &dir("a"));
     assert!(loaded.contains("ready: 3 stage(s)"), "{loaded}");
     let args = ["--prompt", PROMPT, "-n", "300", "--ignore-eos", "--json"];
     let r = unsplit(&model, &args);
+    let r_eos = unsplit(&model, &["--prompt", PROMPT, "-n", "300", "--json"]);
     let id_of = |n: &str| key(&dir(n));
 
     // A spare holds neither the model nor a shard; its API still answers: it fetches
@@ -254,6 +257,25 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
             panic!("no stage to kill in {stages:?}");
         };
         let victim_name = names.iter().copied().find(|n| id_of(n) == victim).unwrap();
+        // Round 0: an HTTP stream through A's API runs through the same stages meanwhile.
+        let a_api = std::fs::read_to_string(dir("a").join("http")).unwrap().trim().to_string();
+        let stream = (round == 0).then(|| {
+            std::thread::spawn(move || {
+                let req = serde_json::json!({"model": SMOL, "messages": [{"role": "user", "content": PROMPT}],
+                    "temperature": 0, "max_tokens": 300, "stream": true});
+                let (status, body) = http_post(&format!("http://{a_api}/v1/chat/completions"), &req);
+                assert_eq!(status, 200, "{body}");
+                let text: String = body
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .filter(|d| *d != "[DONE]")
+                    .map(|d| serde_json::from_str::<Value>(d).unwrap())
+                    .inspect(|v| assert!(v.get("error").is_none(), "the stream failed: {v}"))
+                    .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+                    .collect();
+                text
+            })
+        });
         let mut gen = shoal()
             .args(["generate", "--model", SMOL, "--progress"])
             .args(args)
@@ -295,6 +317,10 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
         assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 260, "tokens missing or repeated");
         let after = placement(&dir("a"));
         assert!(after["generation"].as_u64() > plan["generation"].as_u64(), "not re-placed: {after}");
+        if let Some(stream) = stream {
+            let text = stream.join().unwrap();
+            assert_eq!(text, r_eos["text"].as_str().unwrap(), "the HTTP stream across the kill");
+        }
     }
     nodes.kill_all();
 }
