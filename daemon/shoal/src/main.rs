@@ -3,6 +3,7 @@
 
 mod bench;
 mod calibrate;
+mod chat;
 mod cluster;
 mod engine;
 mod inventory;
@@ -45,6 +46,8 @@ enum Command {
     /// The cluster's model catalog: add (a path, URL or hf://), ls, rm, import.
     #[command(subcommand)]
     Models(models::ModelsCommand),
+    /// Chat in the terminal with a model the cluster runs (through a node's HTTP API).
+    Chat(chat::ChatArgs),
     /// API keys for the HTTP API from other machines: create (shown once), ls, revoke.
     #[command(subcommand)]
     Keys(keys::KeysCommand),
@@ -91,6 +94,7 @@ fn main() -> std::process::ExitCode {
         Command::Nodes(c) => cluster::nodes(c),
         Command::Models(c) => models::models(c),
         Command::Keys(c) => keys::keys(c),
+        Command::Chat(a) => chat::chat(a),
         Command::Join(a) => cluster::join(a),
         Command::Leave(a) => cluster::leave(a),
         Command::Reset(a) => cluster::reset(a),

@@ -190,6 +190,24 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     let said = String::from_utf8_lossy(&py.stdout).to_string() + &String::from_utf8_lossy(&py.stderr);
     assert!(py.status.success(), "the Python clients: {said}");
     assert!(said.contains("all client checks passed"), "{said}");
+    // `shoal chat` keeps the conversation: the second turn's context holds the first.
+    let mut chat = shoal()
+        .args(["chat", "--temperature", "0", "--max-tokens", "16", "--data-dir"])
+        .arg(dir("b"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut chat.stdin.take().unwrap(), b"Name a colour.\nAnd another one?\n").unwrap();
+    let out = chat.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let contexts: Vec<u64> =
+        err.lines().filter_map(|l| l.split("context ").nth(1)?.split(' ').next()?.parse().ok()).collect();
+    assert_eq!(contexts.len(), 2, "two answers: {err}");
+    assert!(contexts[1] > contexts[0] + 5, "the second turn carries the first: {contexts:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()).count() >= 2);
     // What B did, as Prometheus reads it: its stage's memory, the tokens it streamed.
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
     let metrics = agent.get(&format!("http://{api}/metrics")).call().unwrap().body_mut().read_to_string().unwrap();
