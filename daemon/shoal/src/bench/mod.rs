@@ -17,6 +17,7 @@ mod live;
 mod node;
 mod plan;
 mod reconnect;
+mod serve;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -51,6 +52,10 @@ pub enum BenchCommand {
     /// A stage's node SIGKILLed during a generation, round after round: time from the
     /// kill to the next token, tokens replayed, and whether the answer changed.
     Replace(node::ReplaceArgs),
+    /// The HTTP API on a local cluster (the model in three stages) against `shoal run`
+    /// unsplit: decode tok/s, time to first token of a long prompt, the API's cost per
+    /// token, aggregate tok/s with 1, 2, 3 and 6 concurrent streams.
+    Serve(serve::ServeArgs),
     /// Lab tool: send spoofed QUIC Initial packets (loopback or namespace hosts only).
     #[command(hide = true)]
     Flood(adoption::FloodArgs),
@@ -129,6 +134,7 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::LivePlan(a) => live::live_plan(a),
         BenchCommand::Load(a) => node::load(a),
         BenchCommand::Replace(a) => node::replace(a),
+        BenchCommand::Serve(a) => serve::serve(a),
     }
 }
 

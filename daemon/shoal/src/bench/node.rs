@@ -21,7 +21,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A prompt of about 100 tokens.
-const PROMPT: &str = "The history of the lighthouse begins in antiquity, when fires were lit on hilltops to guide \
+pub(crate) const PROMPT: &str =
+    "The history of the lighthouse begins in antiquity, when fires were lit on hilltops to guide \
     ships into harbour. The Pharos of Alexandria, built in the third century BC, stood over a hundred metres tall \
     and was counted among the wonders of the ancient world. Later, Roman engineers raised towers along the coasts \
     of their empire, from Dover to the Black Sea.";
@@ -61,7 +62,7 @@ pub struct ReplaceArgs {
     tokens: usize,
 }
 
-fn model_or_default(m: &Option<PathBuf>) -> Result<PathBuf> {
+pub(crate) fn model_or_default(m: &Option<PathBuf>) -> Result<PathBuf> {
     let p = m.clone().unwrap_or_else(|| shoal_gguf::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf"));
     if !p.exists() {
         bail!("{}: no such model (scripts/setup.sh fetches the test model)", p.display());

@@ -1,0 +1,221 @@
+//! `shoal bench serve`: the HTTP API on a local cluster (three `shoal serve` processes
+//! on loopback, the model split over them), measured side by side with `shoal run`
+//! unsplit in the same run, rounds interleaved (these machines are noisy):
+//! - single-stream decode tok/s through the API vs unsplit;
+//! - time to first token of a ~1,000-token prompt through the API vs unsplit;
+//! - the API's own cost per token: API vs `shoal generate --model` (the node protocol,
+//!   no HTTP) on the same placement;
+//! - aggregate tok/s with 1, 2, 3 and 6 concurrent streams (a placement of 6 sessions).
+
+use crate::local::Lab;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+use shoal_node::api::NodeRequest;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+/// `shoal bench serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// The GGUF model [default: the test model].
+    #[arg(long, short)]
+    model: Option<PathBuf>,
+    /// Memory each node offers, MiB (so the model splits in three).
+    #[arg(long, default_value_t = 110)]
+    max_memory_mib: u64,
+    /// Tokens per generation.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    tokens: u32,
+    /// Rounds of each single-stream measurement (the median is printed).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+}
+
+/// What one generation took.
+#[derive(Clone, Copy, Debug)]
+struct Timing {
+    /// Tokens made.
+    tokens: u64,
+    /// Request to first token, s.
+    ttft: f64,
+    /// Tokens after the first per second.
+    tok_s: f64,
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    let model = super::node::model_or_default(&a.model)?;
+    let name = model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let long_prompt = long_prompt(1000);
+    eprintln!("[bench] three nodes on loopback, {} MiB each …", a.max_memory_mib);
+    let lab = Lab::start(3, a.max_memory_mib)?;
+    lab.ask("n0", NodeRequest::ModelAdd { path: model.display().to_string(), name: None })?;
+    let api = format!("http://{}", std::fs::read_to_string(lab.dir("n1").join("http"))?.trim());
+
+    // Single stream: one session, a context for the long prompt.
+    let ctx = 1024 + a.tokens + 64;
+    lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: ctx, sessions: 1, exclude: vec![] })?;
+    let (p, _) = lab.running(&name, 0)?;
+    eprintln!("[bench] placed in {} stages (context {ctx}, 1 session)", p.stages.len());
+    let (mut unsplit, mut via_api, mut via_node) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ttft_unsplit, mut ttft_api) = (Vec::new(), Vec::new());
+    for round in 0..a.rounds {
+        eprintln!("[bench] round {} of {}", round + 1, a.rounds);
+        unsplit.push(run_unsplit(&lab.exe, &model, super::node::PROMPT, a.tokens, ctx)?);
+        via_api.push(api_stream(&api, &name, super::node::PROMPT, a.tokens)?);
+        via_node.push(node_generate(&lab, &name, super::node::PROMPT, a.tokens)?);
+        ttft_unsplit.push(run_unsplit(&lab.exe, &model, &long_prompt, 2, ctx)?.ttft);
+        ttft_api.push(api_stream(&api, &name, &long_prompt, 2)?.ttft);
+    }
+    let med = |v: &mut Vec<f64>| -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let tps = |v: &[Timing]| -> Vec<f64> { v.iter().map(|t| t.tok_s).collect() };
+    let (u, api_tps, node_tps) = (med(&mut tps(&unsplit)), med(&mut tps(&via_api)), med(&mut tps(&via_node)));
+    let (tu, ta) = (med(&mut ttft_unsplit), med(&mut ttft_api));
+    println!("single stream, {} tokens, median of {} rounds ({} stages):", a.tokens, a.rounds, p.stages.len());
+    println!("  decode tok/s   unsplit {u:>7.1}   API {api_tps:>7.1}   ratio {:.3}   (target >= 0.95)", api_tps / u);
+    println!(
+        "  TTFT of a {}-token prompt   unsplit {tu:.3} s   API {ta:.3} s   ratio {:.3}",
+        long_prompt_tokens(&lab, &name, &long_prompt).unwrap_or(0),
+        ta / tu
+    );
+    let per_token = |t: f64| if t > 0.0 { 1e3 / t } else { f64::NAN };
+    println!(
+        "  API overhead per token: {:.3} ms  (API {:.3} ms/token vs node protocol {:.3} ms/token; target <= 0.2)",
+        per_token(api_tps) - per_token(node_tps),
+        per_token(api_tps),
+        per_token(node_tps)
+    );
+
+    // Concurrent streams: six sessions, short context.
+    lab.ask("n2", NodeRequest::ModelUnload { model: name.clone() })?;
+    let gen = p.generation;
+    lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: 384, sessions: 6, exclude: vec![] })?;
+    let (p6, _) = lab.running(&name, gen)?;
+    println!("concurrent streams ({} stages, 6 sessions), {} tokens each:", p6.stages.len(), a.tokens);
+    let mut one = 0.0;
+    for k in [1usize, 2, 3, 6] {
+        let t0 = Instant::now();
+        let handles: Vec<_> = (0..k)
+            .map(|i| {
+                let (api, name) = (api.clone(), name.clone());
+                let prompt = format!("{} (Variation {i}.)", super::node::PROMPT);
+                let n = a.tokens;
+                std::thread::spawn(move || api_stream(&api, &name, &prompt, n))
+            })
+            .collect();
+        let mut tokens = 0;
+        for h in handles {
+            tokens += h.join().map_err(|_| anyhow::anyhow!("a stream thread panicked"))??.tokens;
+        }
+        let agg = tokens as f64 / t0.elapsed().as_secs_f64();
+        if k == 1 {
+            one = agg;
+        }
+        println!("  {k} stream(s): {agg:>7.1} tok/s aggregate   x{:.2} of one stream", agg / one);
+    }
+    Ok(())
+}
+
+/// A prompt of about `tokens` tokens (English prose runs ~1.3 tokens a word).
+fn long_prompt(tokens: usize) -> String {
+    let words: Vec<&str> = super::node::PROMPT.split_whitespace().collect();
+    (0..tokens * 17 / 20).map(|i| words[i % words.len()]).collect::<Vec<_>>().join(" ")
+}
+
+/// The long prompt's length in the model's tokens (`/v1/completions` usage, 1 token).
+fn long_prompt_tokens(lab: &Lab, name: &str, prompt: &str) -> Result<u64> {
+    let api = format!("http://{}", std::fs::read_to_string(lab.dir("n1").join("http"))?.trim());
+    let body = json!({"model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1});
+    let v = post(&format!("{api}/v1/chat/completions"), &body)?;
+    v["usage"]["prompt_tokens"].as_u64().context("no usage")
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder().http_status_as_error(false).build().into()
+}
+
+fn post(url: &str, body: &Value) -> Result<Value> {
+    let mut r = agent().post(url).header("content-type", "application/json").send(body.to_string())?;
+    let text = r.body_mut().read_to_string()?;
+    if r.status() != 200 {
+        bail!("{url}: {} {text}", r.status());
+    }
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// One greedy streamed chat through the API: first token and decode speed as the
+/// client sees them.
+fn api_stream(api: &str, model: &str, prompt: &str, n: u32) -> Result<Timing> {
+    use std::io::BufRead;
+    let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+        "max_tokens": n, "stream": true, "stream_options": {"include_usage": true}});
+    let t0 = Instant::now();
+    let mut r = agent()
+        .post(&format!("{api}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .send(body.to_string())?;
+    if r.status() != 200 {
+        bail!("the API answered {}", r.status());
+    }
+    let (mut first, mut last, mut tokens) = (None, t0, 0);
+    for line in std::io::BufReader::new(r.body_mut().as_reader()).lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data)?;
+        if v["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()) {
+            first.get_or_insert_with(Instant::now);
+            last = Instant::now();
+        }
+        tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(tokens);
+    }
+    let first = first.context("no text came")?;
+    let decode = (last - first).as_secs_f64();
+    Ok(Timing {
+        tokens,
+        ttft: (first - t0).as_secs_f64(),
+        tok_s: if decode > 0.0 { tokens.saturating_sub(1) as f64 / decode } else { 0.0 },
+    })
+}
+
+/// `shoal generate --model` through node n1 (the node protocol, no HTTP).
+fn node_generate(lab: &Lab, model: &str, prompt: &str, n: u32) -> Result<Timing> {
+    let out = Command::new(&lab.exe)
+        .args(["generate", "--model", model, "--prompt", prompt, "-n", &n.to_string(), "--json", "--ignore-eos"])
+        .arg("--data-dir")
+        .arg(lab.dir("n1"))
+        .output()?;
+    if !out.status.success() {
+        bail!("shoal generate: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let v: Value = serde_json::from_slice(&out.stdout)?;
+    Ok(Timing {
+        tokens: v["tokens"].as_array().map_or(0, |t| t.len() as u64),
+        ttft: v["prefill_s"].as_f64().unwrap_or(0.0),
+        tok_s: v["tok_per_s"].as_f64().unwrap_or(0.0),
+    })
+}
+
+/// `shoal run` unsplit (one process), as JSON.
+fn run_unsplit(exe: &Path, model: &Path, prompt: &str, n: u32, ctx: u32) -> Result<Timing> {
+    let out = Command::new(exe)
+        .args(["run", "--model"])
+        .arg(model)
+        .args(["--prompt", prompt, "-n", &n.to_string(), "--json", "--ignore-eos", "--ctx", &ctx.to_string()])
+        .output()?;
+    if !out.status.success() {
+        bail!("shoal run: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let v: Value = serde_json::from_slice(&out.stdout)?;
+    Ok(Timing {
+        tokens: v["tokens"].as_array().map_or(0, |t| t.len() as u64),
+        ttft: v["prefill_s"].as_f64().unwrap_or(0.0),
+        tok_s: v["tok_per_s"].as_f64().unwrap_or(0.0),
+    })
+}
