@@ -96,7 +96,7 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
             return Err(Failure::bad("messages: at least one"));
         }
         let model = common::resolve(&*backend, &req.model).await?;
-        common::ready_or_failure(&model)?;
+        common::ready_or_failure(&*backend, &model).await?;
         let text = backend.text(&model.entry.name).await?;
         let prompt = text.tokenize(&text.chat_prompt(&turns).map_err(Failure::bad)?, true);
         let d = SamplingParams::default();

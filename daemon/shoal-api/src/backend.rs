@@ -14,6 +14,10 @@ pub trait Backend: Send + Sync + 'static {
     /// Every model a client may name, with its state.
     fn models(&self) -> impl Future<Output = Vec<ModelInfo>> + Send;
 
+    /// Load `model` (a catalog name) with its default context: the first request for a
+    /// model that is not loaded does this, as Ollama does.
+    fn load(&self, model: &str) -> impl Future<Output = Result<(), Failure>> + Send;
+
     /// The text side of the model named `model` (a catalog name or a hash prefix).
     fn text(&self, model: &str) -> impl Future<Output = Result<Arc<dyn TextModel>, Failure>> + Send;
 

@@ -93,22 +93,27 @@ pub(crate) async fn resolve<B: Backend>(backend: &B, name: &str) -> Result<Model
     ))
 }
 
-/// Refuse a model that cannot answer now, before its vocabulary is loaded.
-pub(crate) fn ready_or_failure(model: &ModelInfo) -> Result<(), Failure> {
+/// Refuse a model that cannot answer now, before its vocabulary is loaded; a model
+/// in the catalog but not loaded is loaded by this first request (the client is told
+/// to come back, with `Retry-After`, while the cluster places it).
+pub(crate) async fn ready_or_failure<B: Backend>(backend: &B, model: &ModelInfo) -> Result<(), Failure> {
+    let name = &model.entry.name;
     match &model.state {
         ModelState::Ready => Ok(()),
         ModelState::Starting => Err(Failure::new(
             FailureKind::Loading(5),
-            format!("model '{}' is loading: its stages are fetching their shards or starting", model.entry.name),
+            format!("model '{name}' is loading: its stages are fetching their shards or starting"),
         )),
-        ModelState::Available => Err(Failure::new(
-            FailureKind::Unavailable,
-            format!("model '{}' is not loaded (shoal models load {})", model.entry.name, model.entry.name),
-        )),
-        ModelState::Unplaced(why) => Err(Failure::new(
-            FailureKind::Unavailable,
-            format!("model '{}' cannot be placed now: {why}", model.entry.name),
-        )),
+        ModelState::Available => {
+            backend.load(name).await?;
+            Err(Failure::new(
+                FailureKind::Loading(10),
+                format!("model '{name}' was not loaded: the cluster is placing it now; retry in a few seconds"),
+            ))
+        }
+        ModelState::Unplaced(why) => {
+            Err(Failure::new(FailureKind::Unavailable, format!("model '{name}' cannot be placed now: {why}")))
+        }
     }
 }
 

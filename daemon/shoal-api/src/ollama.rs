@@ -127,7 +127,10 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         refuse_unsupported(&req.format, images, req.tools.as_ref().is_some_and(|t| !t.is_empty()))?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.messages.is_empty() {
-            // Ollama's way to load a model: an empty chat answers at once.
+            // Ollama's way to load a model: an empty chat loads it and answers at once.
+            if model.state == ModelState::Available {
+                backend.load(&model.entry.name).await?;
+            }
             return Ok(Json(json!({"model": req.model, "created_at": common::rfc3339_now(),
                 "message": {"role": "assistant", "content": ""}, "done_reason": "load", "done": true}))
             .into_response());
@@ -156,6 +159,9 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
         }
         let model = common::resolve(&*backend, &req.model).await?;
         if req.prompt.is_empty() {
+            if model.state == ModelState::Available {
+                backend.load(&model.entry.name).await?;
+            }
             return Ok(Json(json!({"model": req.model, "created_at": common::rfc3339_now(), "response": "",
                 "done_reason": "load", "done": true}))
             .into_response());
@@ -186,7 +192,7 @@ async fn job<B: Backend>(
     options: &Options,
     tokens: impl FnOnce(&dyn TextModel) -> Result<Vec<TokenId>, Failure>,
 ) -> Result<Job, Failure> {
-    common::ready_or_failure(model)?;
+    common::ready_or_failure(backend, model).await?;
     let text = backend.text(&model.entry.name).await?;
     let prompt = tokens(&*text)?;
     Ok(Job {

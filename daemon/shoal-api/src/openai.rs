@@ -230,7 +230,7 @@ async fn prepare<B: Backend>(
 ) -> Result<(Job, Knobs), Failure> {
     let (sampling, stop) = knobs.check()?;
     let model = common::resolve(backend, name).await?;
-    common::ready_or_failure(&model)?;
+    common::ready_or_failure(backend, &model).await?;
     let text = backend.text(&model.entry.name).await?;
     let prompt = tokens(&*text)?;
     let max_tokens = knobs.max_tokens().unwrap_or_else(|| common::default_max_tokens(&model, prompt.len()));

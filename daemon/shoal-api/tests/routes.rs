@@ -51,6 +51,8 @@ struct Fake {
     /// Prompts seen, as text.
     prompts: std::sync::Mutex<Vec<String>>,
     metrics: shoal_api::Metrics,
+    /// Models a first request asked to load.
+    loads: std::sync::Mutex<Vec<String>>,
 }
 
 fn entry(name: &str, hash_digit: char) -> CatalogEntry {
@@ -83,6 +85,11 @@ impl Backend for Fake {
 
     fn authorized(&self, key: &str) -> bool {
         key == GOOD_KEY
+    }
+
+    async fn load(&self, model: &str) -> Result<(), Failure> {
+        self.loads.lock().unwrap().push(model.to_string());
+        Ok(())
     }
 
     async fn text(&self, _model: &str) -> Result<Arc<dyn TextModel>, Failure> {
@@ -265,7 +272,7 @@ async fn max_tokens_ends_with_length_and_stop_sequences_are_cut_on_text() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_failure_has_its_status_and_its_apis_shape() {
-    let (url, _) = server().await;
+    let (url, fake) = server().await;
     let chat = format!("{url}/v1/chat/completions");
     let msgs = json!([{"role": "user", "content": "Hi"}]);
     let openai_error = |body: &str| -> Value { serde_json::from_str::<Value>(body).unwrap()["error"].clone() };
@@ -287,9 +294,11 @@ async fn every_failure_has_its_status_and_its_apis_shape() {
         post(chat.clone(), json!({"model": "tiny", "messages": msgs, "tools": [{"type": "function"}]})).await;
     assert_eq!(status, 400, "tools are refused, not ignored");
 
-    let (status, _, body) = post(chat.clone(), json!({"model": "cold", "messages": msgs})).await;
-    assert_eq!(status, 503);
-    assert!(openai_error(&body)["message"].as_str().unwrap().contains("not loaded"));
+    // Not loaded: the first request loads it and says to come back.
+    let (status, retry, body) = post(chat.clone(), json!({"model": "cold", "messages": msgs})).await;
+    assert_eq!((status, retry.as_deref()), (503, Some("10")), "{body}");
+    assert!(openai_error(&body)["message"].as_str().unwrap().contains("placing it"));
+    assert_eq!(*fake.loads.lock().unwrap(), ["cold"]);
     let (status, retry, _) = post(chat.clone(), json!({"model": "warming", "messages": msgs})).await;
     assert_eq!((status, retry.as_deref()), (503, Some("5")));
 

@@ -17,6 +17,9 @@ use tokio::sync::mpsc;
 /// (the CLI and tests read it; the port may be chosen by the system).
 pub const HTTP_FILE: &str = "http";
 
+/// Positions per session of a model loaded by a first request.
+pub const DEFAULT_CONTEXT: u32 = 4096;
+
 /// The API's view of this node.
 pub struct NodeBackend {
     /// Placement, stages, generation.
@@ -46,6 +49,15 @@ impl Backend for NodeBackend {
         }
         out.sort_by(|a, b| a.entry.name.cmp(&b.entry.name));
         out
+    }
+
+    async fn load(&self, model: &str) -> Result<(), Failure> {
+        let view = self.rt.membership.view().borrow().clone();
+        let catalog = models::entries(&view);
+        let entry = models::find(&catalog, model).map_err(failure)?;
+        // The default of `shoal models load`, within what the model was trained for.
+        let context = DEFAULT_CONTEXT.min(entry.context_length.max(16));
+        runtime::load(&self.rt, &entry.content_hash.clone(), context, 1, &[]).await.map(drop).map_err(failure)
     }
 
     async fn text(&self, model: &str) -> Result<Arc<dyn TextModel>, Failure> {
