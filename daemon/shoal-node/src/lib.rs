@@ -51,6 +51,8 @@ pub struct Options {
     pub http: Option<std::net::SocketAddr>,
     /// Who may call the API without a key.
     pub api_access: shoal_api::Access,
+    /// Stages keep spinning this long after their last frame (`None`: they sleep).
+    pub keepalive: Option<std::time::Duration>,
 }
 
 /// Memory left to the system when the offer is not given.
@@ -76,6 +78,7 @@ pub async fn run(
         engine: options.engine.clone(),
         offer_bytes: options.max_memory.unwrap_or(free.saturating_sub(RESERVE_BYTES)),
         stage: Mutex::new(None),
+        keepalive: options.keepalive,
     });
     let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, trusted: shared.trusted.clone(), rt: rt.clone() });
     let mut tasks = tokio::task::JoinSet::new();

@@ -79,6 +79,9 @@ pub struct Runtime {
     pub offer_bytes: u64,
     /// The stage this node runs, as `Stages` reports it.
     pub stage: Mutex<Option<StageStatus>>,
+    /// Keep the stage's threads spinning for this long after its last frame (no
+    /// wake-up cost between tokens; see `shoal bench keepalive`); `None`: sleep.
+    pub keepalive: Option<std::time::Duration>,
 }
 
 impl Runtime {
@@ -357,7 +360,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         samplers: engine.samplers(),
         dtype: Dtype::F32,
         retry: RetryPolicy::default(),
-        keepalive: None,
+        keepalive: rt.keepalive,
     };
     status.state = StageState::Running;
     *lock(&rt.stage) = Some(status.clone());

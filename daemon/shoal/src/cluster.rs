@@ -107,6 +107,8 @@ pub struct StageArgs {
     pub gpu_layers: u32,
     /// Where shards are kept.
     pub cache: Option<PathBuf>,
+    /// Whether stages spin between tokens.
+    pub keepalive: crate::pipeline::KeepAlive,
 }
 
 /// `shoal nodes`.
@@ -262,6 +264,10 @@ pub fn serve(
             shard_dir: stage.cache,
             http: (!args.no_http).then_some(args.http_listen),
             api_access: shoal_api::Access { loopback_free: true, open: args.api_open },
+            // Only when asked: `shoal bench serve` measured no gain for one stream and a
+            // loss for concurrent ones with several nodes on one machine (they spin on
+            // shared cores); machines of their own may differ (`--keepalive on`).
+            keepalive: (stage.keepalive == crate::pipeline::KeepAlive::On).then_some(shoal_pipeline::KEEPALIVE_WINDOW),
         };
         shoal_node::run(cfg, options, identity, rx, crate::pipeline::shutdown_signal()).await
     })?;

@@ -45,8 +45,9 @@ pub struct ServeArgs {
     gpu_layers: u32,
     /// Keep-alive: while a session generates, the stage's thread spins between tokens
     /// instead of sleeping (no wake-up per token; it yields to any other runnable
-    /// thread, so it uses only idle CPU time). auto: on for GPU stages and on machines
-    /// with 2 or more CPUs, where `shoal bench keepalive` found it faster; off on one.
+    /// thread, so it uses only idle CPU time). auto: for a `--placement` stage, on for
+    /// GPU stages and on machines with 2 or more CPUs, where `shoal bench keepalive`
+    /// found it faster, off on one; for a cluster node's stages, off (`on` turns it on).
     #[arg(long, value_enum, default_value_t = KeepAlive::Auto)]
     keepalive: KeepAlive,
     /// Send hidden states as f16 (half the bytes; not bit-exact).
@@ -161,7 +162,12 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     let Some(placement_file) = a.placement.clone() else {
-        let stage = crate::cluster::StageArgs { threads: a.threads, gpu_layers: a.gpu_layers, cache: a.cache.clone() };
+        let stage = crate::cluster::StageArgs {
+            threads: a.threads,
+            gpu_layers: a.gpu_layers,
+            cache: a.cache.clone(),
+            keepalive: a.keepalive,
+        };
         return crate::cluster::serve(a.data_dir, a.listen, a.impair, a.cluster, stage);
     };
     let placement = Placement::load(&placement_file)?;
