@@ -142,6 +142,7 @@ fn options() -> shoal_node::Options {
         shard_dir: None,
         http: None,
         api_access: Default::default(),
+        keepalive: None,
     }
 }
 
