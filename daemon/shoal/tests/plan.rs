@@ -183,7 +183,7 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
     for (dir, name, flag) in [(&a, "a", "--create-cluster"), (&b, "b", "--no-create")] {
         let child = shoal()
             .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
-            .args(["--name", name, flag, "--data-dir"])
+            .args(["--name", name, flag, "--no-http", "--data-dir"])
             .arg(dir)
             .stderr(std::process::Stdio::null())
             .spawn()

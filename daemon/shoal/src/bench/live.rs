@@ -97,7 +97,7 @@ fn one_delay(model: &Path, n_layer: u32, split: u32, delay: u64, a: &LivePlanArg
     let mut procs = Children(Vec::new());
     for (name, flag) in [("a", "--create-cluster"), ("b", "--no-create")] {
         let child = cli(&["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0"], &data(name))
-            .args(["--mdns-allow", "lo", "--name", name, flag, "--impair", &impair])
+            .args(["--mdns-allow", "lo", "--name", name, flag, "--impair", &impair, "--no-http"])
             .stderr(Stdio::null())
             .spawn()?;
         procs.0.push(child);
