@@ -2,7 +2,7 @@
 //! whole message, or its stream of named events (`message_start`,
 //! `content_block_start`, `content_block_delta`…, `message_delta`, `message_stop`).
 
-use crate::backend::{Backend, ChatMessage, Failure, FailureKind};
+use crate::backend::{Backend, ChatMessage, Failure};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Finish, Job, Outcome};
 use axum::body::Bytes;
@@ -131,24 +131,10 @@ fn stop_reason(o: &Outcome) -> &'static str {
 
 async fn answer<B: Backend>(backend: Arc<B>, job: Job, model: String, streamed: bool) -> Result<Response, Failure> {
     let prompt_tokens = job.prompt.len();
-    let mut events = gen::start(backend, job);
-    let vanished = || Failure::new(FailureKind::Internal, "the generation vanished");
-    let first = events.recv().await.ok_or_else(vanished)?;
-    if let Event::Failed(f) = first {
-        return Err(f);
-    }
+    let (first, mut events) = gen::start(backend, job).await?;
     let id = common::new_id("msg_");
     if !streamed {
-        let mut text = String::new();
-        let mut event = first;
-        let outcome = loop {
-            match event {
-                Event::Text(t) => text += &t,
-                Event::End(o) => break o,
-                Event::Failed(f) => return Err(f),
-            }
-            event = events.recv().await.ok_or_else(vanished)?;
-        };
+        let (text, outcome) = gen::collect(first, &mut events).await?;
         return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model,
             "content": [{"type": "text", "text": text}], "stop_reason": stop_reason(&outcome),
             "stop_sequence": outcome.stop_sequence,

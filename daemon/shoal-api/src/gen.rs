@@ -74,13 +74,37 @@ impl Finish {
     }
 }
 
-/// Start `job`; its events arrive on the returned channel. Dropping the receiver
-/// (a client that went away) cancels the generation.
-pub(crate) fn start<B: Backend>(backend: Arc<B>, job: Job) -> mpsc::Receiver<Event> {
+/// Start `job` and wait for its first event; the rest arrive on the returned channel.
+/// A failure before any text is the error (the route answers with its status).
+/// Dropping the receiver (a client that went away) cancels the generation.
+pub(crate) async fn start<B: Backend>(backend: Arc<B>, job: Job) -> Result<(Event, mpsc::Receiver<Event>), Failure> {
     // A few events of slack: the stream to the client drains it as fast as it can.
-    let (tx, rx) = mpsc::channel(16);
+    let (tx, mut rx) = mpsc::channel(16);
     tokio::spawn(run(backend, job, tx));
-    rx
+    match rx.recv().await.ok_or_else(vanished)? {
+        Event::Failed(f) => Err(f),
+        first => Ok((first, rx)),
+    }
+}
+
+/// The whole answer of a generation whose first event was `first`: its text and how
+/// it ended.
+pub(crate) async fn collect(first: Event, events: &mut mpsc::Receiver<Event>) -> Result<(String, Outcome), Failure> {
+    let mut text = String::new();
+    let mut event = first;
+    loop {
+        match event {
+            Event::Text(t) => text += &t,
+            Event::End(o) => return Ok((text, o)),
+            Event::Failed(f) => return Err(f),
+        }
+        event = events.recv().await.ok_or_else(vanished)?;
+    }
+}
+
+/// The generation's task ended without a last event (it cannot, unless it panicked).
+fn vanished() -> Failure {
+    Failure::new(crate::FailureKind::Internal, "the generation vanished")
 }
 
 async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>) {

@@ -2,7 +2,7 @@
 //! `/api/generate` (NDJSON streams by default, one object with `"stream": false`),
 //! `GET /api/tags`, `/api/ps`, `/api/version`, `POST /api/show`.
 
-use crate::backend::{Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, TextModel};
+use crate::backend::{Backend, ChatMessage, Failure, ModelInfo, ModelState, TextModel};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Job, Outcome};
 use axum::body::{Body, Bytes};
@@ -240,23 +240,10 @@ async fn respond<B: Backend>(
     streamed: bool,
     shape: Shape,
 ) -> Result<Response, Failure> {
-    let mut events = gen::start(backend, job);
-    let vanished = || Failure::new(FailureKind::Internal, "the generation vanished");
-    let first = events.recv().await.ok_or_else(vanished)?;
-    if let Event::Failed(f) = first {
-        return Err(f);
-    }
+    let (first, mut events) = gen::start(backend, job).await?;
     if !streamed {
-        let mut text = String::new();
-        let mut event = first;
-        loop {
-            match event {
-                Event::Text(t) => text += &t,
-                Event::End(o) => return Ok(Json(line(shape, &model, &text, Some(&o))).into_response()),
-                Event::Failed(f) => return Err(f),
-            }
-            event = events.recv().await.ok_or_else(vanished)?;
-        }
+        let (text, o) = gen::collect(first, &mut events).await?;
+        return Ok(Json(line(shape, &model, &text, Some(&o))).into_response());
     }
     // NDJSON: one object a line; after text went out, a failure is an `error` line.
     let lines = stream::unfold((Some(first), events, false), move |(pending, mut events, done)| {

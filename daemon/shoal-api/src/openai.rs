@@ -247,29 +247,14 @@ enum Kind {
 /// text come back as an error status.
 async fn answer<B: Backend>(backend: Arc<B>, job: Job, knobs: Knobs, kind: Kind) -> Result<Response, Failure> {
     let model = job.model.clone();
-    let mut events = gen::start(backend, job);
-    let first =
-        events.recv().await.ok_or_else(|| Failure::new(crate::FailureKind::Internal, "the generation vanished"))?;
-    if let Event::Failed(f) = first {
-        return Err(f);
-    }
+    let (first, mut events) = gen::start(backend, job).await?;
     let (id, created) = (common::new_id(if kind == Kind::Chat { "chatcmpl-" } else { "cmpl-" }), common::unix_now());
     if knobs.stream {
         let usage = knobs.stream_options.is_some_and(|o| o.include_usage);
         let chunks = Chunks { id, created, model, kind, usage };
         return Ok(Sse::new(sse(chunks, first, events)).into_response());
     }
-    let mut text = String::new();
-    let mut event = first;
-    let outcome = loop {
-        match event {
-            Event::Text(t) => text += &t,
-            Event::End(o) => break o,
-            Event::Failed(f) => return Err(f),
-        }
-        event =
-            events.recv().await.ok_or_else(|| Failure::new(crate::FailureKind::Internal, "the generation vanished"))?;
-    };
+    let (text, outcome) = gen::collect(first, &mut events).await?;
     let choice = match kind {
         Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null,
             "finish_reason": outcome.finish.as_str()}),

@@ -4,8 +4,9 @@
 //! applied there.
 
 use crate::api::{ApiError, ErrorKind};
+use crate::models::commit;
 use shoal_membership::node::{Handle, View};
-use shoal_membership::wire::{AdminRequest, AdminResponse};
+use shoal_membership::wire::AdminRequest;
 use shoal_types::apikey::SECRET_PREFIX;
 use shoal_types::ApiKey;
 
@@ -57,12 +58,4 @@ pub async fn revoke(membership: &Handle, name: &str) -> Result<ApiKey, ApiError>
         .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("no key named {name}")))?;
     commit(membership, AdminRequest::Delete { key: key.key() }).await?;
     Ok(key)
-}
-
-async fn commit(membership: &Handle, req: AdminRequest) -> Result<(), ApiError> {
-    match membership.ask(req).await {
-        AdminResponse::Ok(_) => Ok(()),
-        AdminResponse::Error(e) => Err(ApiError::new(ErrorKind::Unavailable, e)),
-        other => Err(ApiError::new(ErrorKind::Unavailable, format!("unexpected answer from membership: {other:?}"))),
-    }
 }

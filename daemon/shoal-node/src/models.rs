@@ -229,7 +229,8 @@ pub async fn import(me: NodeId, membership: &Handle, from: StoreKind, names: &[S
 }
 
 /// Ask membership for a change and wait until it is committed.
-async fn commit(membership: &Handle, req: AdminRequest) -> Result<(), ApiError> {
+/// Ask membership to commit `req`; its refusal becomes an `Unavailable` error.
+pub(crate) async fn commit(membership: &Handle, req: AdminRequest) -> Result<(), ApiError> {
     match membership.ask(req).await {
         AdminResponse::Ok(_) => Ok(()),
         AdminResponse::Error(e) => Err(ApiError::new(ErrorKind::Unavailable, e)),
