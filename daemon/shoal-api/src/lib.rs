@@ -16,6 +16,8 @@ mod common;
 mod gen;
 mod ollama;
 mod openai;
+mod serve;
+pub use serve::{serve_router, Limits};
 
 pub use backend::{Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, TextModel};
 
@@ -28,7 +30,7 @@ use axum::{Json, Router};
 use common::Dialect;
 use serde_json::json;
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 /// The port the API listens on unless told otherwise: Ollama's, so that tools set up
@@ -101,10 +103,7 @@ async fn auth<B: Backend>(
     req: Request,
     next: Next,
 ) -> Response {
-    let loopback = match peer.ip() {
-        IpAddr::V4(v4) => v4.is_loopback(),
-        IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
-    };
+    let loopback = serve::is_loopback(peer.ip());
     if access.open || (access.loopback_free && loopback) || req.uri().path() == "/" {
         return next.run(req).await;
     }
@@ -131,15 +130,15 @@ async fn auth<B: Backend>(
     common::error_response(dialect, &Failure::new(FailureKind::Unauthorized, message))
 }
 
-/// Serve the API on `listener` until `shutdown` completes.
+/// Serve the API on `listener` until `shutdown` completes, within the default
+/// [`Limits`].
 pub async fn serve<B: Backend>(
     listener: tokio::net::TcpListener,
     backend: Arc<B>,
     access: Access,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = router(backend, access).into_make_service_with_connect_info::<SocketAddr>();
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    serve_router(listener, router(backend, access), Limits::default(), shutdown).await
 }
 
 /// `GET /health`: 200 when a model answers, 503 while none does (loading, or none

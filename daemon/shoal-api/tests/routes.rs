@@ -507,3 +507,82 @@ async fn anthropic_messages_whole_and_as_named_events() {
     let (status, _, _) = post(msgs, json!({"model": "tiny", "messages": []})).await;
     assert_eq!(status, 400, "max_tokens is required");
 }
+
+/// A server within `limits`; its address.
+async fn limited(limits: shoal_api::Limits) -> std::net::SocketAddr {
+    let fake = Arc::new(Fake::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = shoal_api::router(fake, shoal_api::Access::default());
+    tokio::spawn(shoal_api::serve_router(listener, router, limits, std::future::pending()));
+    addr
+}
+
+/// Read `s` until the server closes it (EOF or reset), at most `secs`; what was read,
+/// or `None` if it was still open then.
+fn read_until_closed(s: &mut std::net::TcpStream, secs: u64) -> Option<String> {
+    s.set_read_timeout(Some(Duration::from_secs(secs))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return Some(String::from_utf8_lossy(&got).into_owned()),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Some(String::from_utf8_lossy(&got).into_owned())
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_cap_are_closed_and_a_freed_place_is_served() {
+    let limits = shoal_api::Limits { max_connections: 2, per_peer: 64, header_timeout: Duration::from_secs(60) };
+    let addr = limited(limits).await;
+    tokio::task::spawn_blocking(move || {
+        let first = std::net::TcpStream::connect(addr).unwrap();
+        let _second = std::net::TcpStream::connect(addr).unwrap();
+        let mut third = std::net::TcpStream::connect(addr).unwrap();
+        assert_eq!(read_until_closed(&mut third, 10).as_deref(), Some(""), "the third is closed at once");
+        drop(first);
+        // The server notices the close and frees the place; then a request is served.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let answer = agent().get(&format!("http://{addr}/")).call();
+            if let Ok(mut r) = answer {
+                assert_eq!(r.status().as_u16(), 200);
+                assert!(r.body_mut().read_to_string().unwrap().contains("Shoal is running"));
+                break;
+            }
+            assert!(Instant::now() < deadline, "no place freed: {answer:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_and_idle_connections_are_closed_after_the_header_timeout() {
+    let limits = shoal_api::Limits { max_connections: 8, per_peer: 8, header_timeout: Duration::from_secs(1) };
+    let addr = limited(limits).await;
+    tokio::task::spawn_blocking(move || {
+        // Says nothing.
+        let mut silent = std::net::TcpStream::connect(addr).unwrap();
+        // Starts a request and never ends its headers.
+        let mut slow = std::net::TcpStream::connect(addr).unwrap();
+        std::io::Write::write_all(&mut slow, b"GET / HTTP/1.1\r\nHost: x\r\n").unwrap();
+        // One whole request on a keep-alive connection, then silence.
+        let mut idle = std::net::TcpStream::connect(addr).unwrap();
+        std::io::Write::write_all(&mut idle, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let start = Instant::now();
+        assert_eq!(read_until_closed(&mut silent, 20).as_deref(), Some(""), "the silent one");
+        assert!(read_until_closed(&mut slow, 20).is_some(), "the slow one stayed open");
+        let answered = read_until_closed(&mut idle, 20).expect("the idle keep-alive one stayed open");
+        assert!(answered.starts_with("HTTP/1.1 200") && answered.contains("Shoal is running"), "{answered}");
+        assert!(start.elapsed() < Duration::from_secs(20));
+    })
+    .await
+    .unwrap();
+}
