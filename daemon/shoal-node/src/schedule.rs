@@ -8,6 +8,12 @@
 //! - A working placement is kept: a re-plan never interrupts a generation for speed. It
 //!   is replaced only when one of its nodes is down (or excluded, or gone), or the load
 //!   asks for another context.
+//! - A placement that lost nodes is repaired before it is re-planned: each lost stage
+//!   moves, layers unchanged, to a free member whose offer holds it, and the other
+//!   stages stay where they run. Only the moved stages fetch a shard; the others find
+//!   theirs in their cache, so the model serves again sooner and moves fewer bytes than
+//!   after a plan from scratch (which may give every node a new layer range). A full
+//!   re-plan happens when no spare can take a lost stage.
 //! - One model per node: a node running a stage of one model is not planned for another.
 //! - A model that does not fit gets a placement without stages and an error saying why;
 //!   it is planned again as members come back.
@@ -91,7 +97,9 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
         }
         let previous = inputs.placements.get(*model);
         let generation = previous.map_or(0, |p| p.generation).max(inputs.index) + 1;
-        let next = place(inputs, load, &alive, &busy, generation);
+        let next = previous
+            .and_then(|p| repair(inputs, p, load, &alive, &busy, generation))
+            .unwrap_or_else(|| place(inputs, load, &alive, &busy, generation));
         if let Some(p) = previous {
             // An unchanged refusal is not committed again (nothing would change but
             // the generation).
@@ -115,6 +123,63 @@ fn still_good(inputs: &Inputs, p: &ModelPlacement, load: &LoadSpec, alive: &BTre
         && p.context == load.context
         && p.sessions == load.sessions
         && p.stages.iter().all(|s| alive.contains(&s.node) && !load.exclude.contains(&s.node))
+}
+
+/// `p` with every stage on a down or excluded node moved, layers unchanged, to a live
+/// member that is free (not in this placement, not running another model, not
+/// excluded) and offers the stage's memory; preferring a member that holds the model
+/// (it cuts its shard locally), then the largest offer. `None` when a lost stage finds
+/// no such member, or `p` does not serve `load` as it is (another context or session
+/// count, no stages): then the model is planned from scratch.
+fn repair(
+    inputs: &Inputs,
+    p: &ModelPlacement,
+    load: &LoadSpec,
+    alive: &BTreeSet<NodeId>,
+    busy: &BTreeMap<NodeId, &str>,
+    generation: u64,
+) -> Option<ModelPlacement> {
+    let entry = inputs.catalog.get(&load.model)?;
+    let usable = |n: &NodeId| alive.contains(n) && !load.exclude.contains(n);
+    if p.stages.is_empty()
+        || !p.is_valid(entry.n_layer)
+        || p.context != load.context
+        || p.sessions != load.sessions
+        || !entry.holders.keys().any(|h| alive.contains(h))
+    {
+        return None;
+    }
+    let name = |n: &NodeId| {
+        inputs.members.iter().find(|m| m.id == *n).map_or_else(|| n.to_string()[..12].to_string(), |m| m.name.clone())
+    };
+    let mut taken: BTreeSet<NodeId> = p.stages.iter().map(|s| s.node).filter(|n| usable(n)).collect();
+    let mut out = p.clone();
+    out.generation = generation;
+    out.error = None;
+    let mut moves = Vec::new();
+    for s in &mut out.stages {
+        if usable(&s.node) {
+            continue;
+        }
+        let spare = inputs
+            .members
+            .iter()
+            .filter(|m| usable(&m.id) && !busy.contains_key(&m.id) && !taken.contains(&m.id))
+            .filter(|m| m.offer_bytes >= s.memory_bytes)
+            .max_by_key(|m| (entry.holders.contains_key(&m.id), m.offer_bytes, std::cmp::Reverse(m.id)))?;
+        let why = if alive.contains(&s.node) { "excluded" } else { "down" };
+        moves.push(format!(
+            "layers {} moved from {} ({why}) to {}, which offers {} MiB; the other stages stay where they run",
+            s.layers,
+            name(&s.node),
+            spare.name,
+            spare.offer_bytes >> 20
+        ));
+        taken.insert(spare.id);
+        s.node = spare.id;
+    }
+    out.explanation = moves.into_iter().chain(p.explanation.iter().cloned()).collect();
+    Some(out)
 }
 
 /// A new placement of `load` (or one without stages, saying why not).
@@ -324,9 +389,44 @@ mod tests {
         assert_eq!(after.generation, 2);
         assert!(after.is_valid(30));
         assert!(after.stages.iter().all(|s| s.node != victim), "{:?}", after.stages);
+        // Repaired, not re-planned: the same layers, only the lost stage moved.
+        for (a, b) in before.stages.iter().zip(&after.stages) {
+            assert_eq!(a.layers, b.layers);
+            assert_eq!(a.node == b.node, a.node != victim, "{:?} -> {:?}", before.stages, after.stages);
+        }
+        assert!(after.explanation[0].contains("(down)"), "{:?}", after.explanation);
         // A member coming back does not interrupt the working placement.
         i.members.iter_mut().find(|m| m.id == victim).unwrap().alive = true;
         assert!(schedule(&i).is_empty());
+    }
+
+    #[test]
+    fn a_lost_stage_goes_to_a_spare_that_holds_the_model_and_without_a_big_enough_spare_the_model_is_replanned() {
+        // Five members: three run the model; of the two spares, 5 holds the model.
+        let mut i = inputs(&[90 * MB, 90 * MB, 90 * MB, 90 * MB, 90 * MB]);
+        step(&mut i);
+        let before = placed(&i).clone();
+        let spares: Vec<NodeId> =
+            i.members.iter().map(|m| m.id).filter(|n| before.stages.iter().all(|s| s.node != *n)).collect();
+        assert_eq!(spares.len(), 2);
+        let holder = *spares.iter().max().unwrap();
+        let copy = Holder { path: "/copy.gguf".into(), size: 100 * MB, mtime_ns: 1 };
+        i.catalog.get_mut(&hash(1)).unwrap().holders.insert(holder, copy);
+        let victim = before.stages.iter().map(|s| s.node).find(|n| *n != id(1)).unwrap();
+        i.members.iter_mut().find(|m| m.id == victim).unwrap().alive = false;
+        step(&mut i);
+        let after = placed(&i).clone();
+        let moved = before.stages.iter().zip(&after.stages).find(|(a, _)| a.node == victim).unwrap().1;
+        assert_eq!(moved.node, holder, "the spare holding the model: {:?}", after.stages);
+        // The last spare is too small for the stage lost next: planned from scratch on
+        // the members left, which cannot hold the model (it says so).
+        let small = *spares.iter().min().unwrap();
+        i.members.iter_mut().find(|m| m.id == small).unwrap().offer_bytes = 10 * MB;
+        let victim = after.stages.iter().map(|s| s.node).find(|n| *n != id(1)).unwrap();
+        i.members.iter_mut().find(|m| m.id == victim).unwrap().alive = false;
+        step(&mut i);
+        let last = placed(&i);
+        assert!(last.stages.is_empty() && last.error.is_some(), "{last:?}");
     }
 
     #[test]

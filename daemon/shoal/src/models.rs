@@ -240,10 +240,10 @@ fn plan(a: PlanArgs) -> Result<()> {
         bail!("unexpected answer");
     };
     if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({"committed": committed, "placement": placement}))?
-        );
+        // Each committed stage's state as its node tells it (null: not answering).
+        let stages = if committed { stage_states(&a.dir, &placement)? } else { Vec::new() };
+        let v = serde_json::json!({"committed": committed, "placement": placement, "stages": stages});
+        println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     println!(
