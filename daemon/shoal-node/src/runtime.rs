@@ -445,6 +445,7 @@ pub async fn generate(
     let mut made = request.resume.clone();
     let mut progress_at = tokio::time::Instant::now();
     let mut checked = false;
+    let mut last_reason = String::new();
     loop {
         let view = view_rx.borrow_and_update().clone();
         let name = models::entries(&view).into_iter().find(|e| e.content_hash == hash).map(|e| e.name);
@@ -470,19 +471,27 @@ pub async fn generate(
                 }
                 let place = StagePlace { node: first.node, addr, layers: first.layers };
                 let req = GenerateRequest { resume: made.clone(), ..request.clone() };
-                let r = shoal_pipeline::generate(&rt.node, &place, &req, |t| {
+                let run = shoal_pipeline::generate(&rt.node, &place, &req, |t| {
                     made.push(t);
                     progress_at = tokio::time::Instant::now();
                     on_token(t);
-                })
-                .await;
+                });
+                // A new placement replaces every stage of this one: stop waiting on it
+                // at once. (A coordinator that died would otherwise be noticed only when
+                // QUIC's idle timeout closes the stream, seconds after the leader
+                // re-placed the model.)
+                let r = tokio::select! {
+                    r = run => Some(r),
+                    () = replaced(&mut view_rx, &hash, p.generation) => None,
+                };
                 match r {
-                    Ok(report) => return Ok(report),
+                    Some(Ok(report)) => return Ok(report),
                     // A full queue is an answer, not a fault to ride out.
-                    Err(shoal_pipeline::PipelineError::Busy(why)) if !interrupted => {
+                    Some(Err(shoal_pipeline::PipelineError::Busy(why))) if !interrupted => {
                         return Err(ApiError::new(ErrorKind::Busy, format!("{name}: {why}")));
                     }
-                    Err(e) => e.to_string(),
+                    Some(Err(e)) => e.to_string(),
+                    None => "the model was re-placed".to_string(),
                 }
             }
             (Some(e), _, _) if !interrupted => {
@@ -497,9 +506,29 @@ pub async fn generate(
                 format!("{name}: no progress for {} s: {attempt}", RESUME_WINDOW.as_secs()),
             ));
         }
-        tracing::info!(model = %name, made = made.len(), "generation interrupted ({attempt}); resuming");
-        // The next placement, or a moment for the stages of this one to come up.
-        let _ = tokio::time::timeout(Duration::from_millis(500), view_rx.changed()).await;
+        // Said once per reason, not at every short wait below.
+        if attempt != last_reason {
+            tracing::info!(model = %name, made = made.len(), "generation interrupted ({attempt}); resuming");
+        }
+        last_reason = attempt;
+        // The next placement, or a moment for the stages of this one to come up (their
+        // readiness is asked, not pushed: a short wait, as every 100 ms here is 100 ms
+        // more of the client's pause).
+        let _ = tokio::time::timeout(Duration::from_millis(150), view_rx.changed()).await;
+    }
+}
+
+/// Completes when the committed placement of `model` is no longer `generation` (a
+/// new one, or none). Never completes once the view is gone (the node is stopping).
+async fn replaced(view_rx: &mut watch::Receiver<View>, model: &str, generation: u64) {
+    loop {
+        if view_rx.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        let now = placements(&view_rx.borrow_and_update()).remove(model).map(|p| p.generation);
+        if now != Some(generation) {
+            return;
+        }
     }
 }
 

@@ -60,6 +60,10 @@ pub struct ReplaceArgs {
     /// Tokens per generation.
     #[arg(short = 'n', long, default_value_t = 200)]
     tokens: usize,
+    /// Which stage's node to kill: 1 (a middle stage), 0 (the coordinator's) or 2 (the
+    /// last); another when n0 runs that one (n0 holds the only copy and asks).
+    #[arg(long, default_value_t = 1)]
+    stage: usize,
 }
 
 pub(crate) fn model_or_default(m: &Option<PathBuf>) -> Result<PathBuf> {
@@ -189,7 +193,7 @@ pub fn replace(a: ReplaceArgs) -> Result<()> {
     for round in 0..a.rounds {
         // A stage's node other than n0 (which holds the only copy and asks).
         let n0 = lab.id_of("n0")?;
-        let pick = [1usize, 0, 2];
+        let pick = [a.stage, 1, 0, 2];
         let Some(i) = pick.iter().copied().find(|&i| p.stages.get(i).is_some_and(|s| s.node.to_string() != n0)) else {
             bail!("no stage to kill");
         };
