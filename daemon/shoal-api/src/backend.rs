@@ -18,6 +18,14 @@ pub trait Backend: Send + Sync + 'static {
     /// model that is not loaded does this, as Ollama does.
     fn load(&self, model: &str) -> impl Future<Output = Result<(), Failure>> + Send;
 
+    /// Stop running `model` (a catalog name): every stage frees its memory. The
+    /// model stays in the catalog.
+    fn unload(&self, model: &str) -> impl Future<Output = Result<(), Failure>> + Send;
+
+    /// Take `model` out of the catalog, unloading it first if it runs. The file stays
+    /// where it is on disk (Shoal uses models in place; it never deletes them).
+    fn remove(&self, model: &str) -> impl Future<Output = Result<(), Failure>> + Send;
+
     /// The text side of the model named `model` (a catalog name or a hash prefix).
     fn text(&self, model: &str) -> impl Future<Output = Result<Arc<dyn TextModel>, Failure>> + Send;
 

@@ -40,19 +40,25 @@ pub const DEFAULT_PORT: u16 = 11434;
 /// Largest request body accepted (a long conversation fits; more is a 413).
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 
-/// Who may call the API without a key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Who may call the API without a key, and which web pages may call it from a browser.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Access {
-    /// Requests from this machine (loopback) need no key.
+    /// Requests from this machine (loopback) need no key, unless a web page sent them
+    /// (see [`local_caller`]).
     pub loopback_free: bool,
     /// No request needs a key (a LAN whose every machine is trusted).
     pub open: bool,
+    /// Web origins (`http://host:port`, or `*`) whose pages may call the API from a
+    /// browser (CORS). Empty: none, the default; a page on this machine's own
+    /// addresses (`localhost`) needs no entry to be let in without a key, but still
+    /// one to read answers across origins.
+    pub cors_origins: Vec<String>,
 }
 
 impl Default for Access {
-    /// Keys for every other machine; none for this one.
+    /// Keys for every other machine; none for this one; no CORS.
     fn default() -> Access {
-        Access { loopback_free: true, open: false }
+        Access { loopback_free: true, open: false, cors_origins: Vec::new() }
     }
 }
 
@@ -71,11 +77,14 @@ pub fn router<B: Backend>(backend: Arc<B>, access: Access) -> Router {
         .route("/api/tags", get(ollama::tags::<B>))
         .route("/api/ps", get(ollama::ps::<B>))
         .route("/api/show", post(ollama::show::<B>))
+        .route("/api/delete", axum::routing::delete(ollama::delete::<B>))
         .route("/api/chat", post(ollama::chat::<B>))
         .route("/api/generate", post(ollama::generate::<B>))
-        .layer(axum::middleware::from_fn_with_state((backend.clone(), access), auth::<B>))
+        .layer(axum::middleware::from_fn_with_state((backend.clone(), access.clone()), auth::<B>))
         .layer(axum::middleware::from_fn_with_state(backend.clone(), count::<B>))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        // Outermost: a browser's preflight (OPTIONS, no key) is answered here.
+        .layer(cors(&access.cors_origins))
         .with_state(backend)
 }
 
@@ -104,7 +113,8 @@ async fn auth<B: Backend>(
     next: Next,
 ) -> Response {
     let loopback = serve::is_loopback(peer.ip());
-    if access.open || (access.loopback_free && loopback) || req.uri().path() == "/" {
+    let local = access.loopback_free && loopback && local_caller(req.headers(), &access.cors_origins);
+    if access.open || local || req.uri().path() == "/" {
         return next.run(req).await;
     }
     let headers = req.headers();
@@ -128,6 +138,77 @@ async fn auth<B: Backend>(
         _ => Dialect::Ollama,
     };
     common::error_response(dialect, &Failure::new(FailureKind::Unauthorized, message))
+}
+
+/// The CORS layer: the listed origins (or any, for `*`) may call every route from a
+/// browser, with the headers clients send (auth, JSON); none when the list is empty.
+fn cors(origins: &[String]) -> tower_http::cors::CorsLayer {
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    let layer = CorsLayer::new()
+        .allow_methods([axum::http::Method::GET, axum::http::Method::POST, axum::http::Method::DELETE])
+        .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE, header::HeaderName::from_static("x-api-key")])
+        .max_age(std::time::Duration::from_secs(3600));
+    if origins.iter().any(|o| o == "*") {
+        return layer.allow_origin(AllowOrigin::any());
+    }
+    let list: Vec<header::HeaderValue> = origins.iter().filter_map(|o| o.parse().ok()).collect();
+    layer.allow_origin(AllowOrigin::list(list))
+}
+
+/// Whether a request that came over loopback was sent by this machine's own tools, not
+/// by a web page in a browser here: a page on any site can make the browser send a
+/// "simple" POST to `127.0.0.1:11434` (or, by DNS rebinding, to a name of its own that
+/// resolves there), which would otherwise run generations or unload models without a
+/// key. So the `Host` must be an address or a name of this machine (`localhost`, its
+/// host name, which Debian resolves to 127.0.1.1), and an `Origin`, if any, must be
+/// this machine too or one listed for CORS.
+pub fn local_caller(headers: &header::HeaderMap, cors_origins: &[String]) -> bool {
+    let host_ok = headers.get(header::HOST).is_none_or(|h| {
+        h.to_str().is_ok_and(|h| {
+            let h = host_of(h);
+            is_this_machine(&h) || h.parse::<std::net::IpAddr>().is_ok()
+        })
+    });
+    let origin_ok = headers.get(header::ORIGIN).is_none_or(|o| {
+        o.to_str().is_ok_and(|o| {
+            cors_origins.iter().any(|c| c == o)
+                || o.split_once("://").is_some_and(|(scheme, rest)| {
+                    matches!(scheme, "http" | "https") && is_this_machine(&host_of(rest.trim_end_matches('/')))
+                })
+        })
+    });
+    host_ok && origin_ok
+}
+
+/// The host of `host[:port]` (IPv6 without its brackets), lower-cased.
+fn host_of(authority: &str) -> String {
+    let host = if let Some(rest) = authority.strip_prefix('[') {
+        rest.split_once(']').map_or(rest, |(h, _)| h)
+    } else {
+        match authority.rsplit_once(':') {
+            Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+            _ => authority,
+        }
+    };
+    host.to_ascii_lowercase()
+}
+
+/// Whether `host` names this machine: `localhost` (or a name under it), a loopback
+/// address, or this machine's host name (also under `.local`).
+fn is_this_machine(host: &str) -> bool {
+    static NAME: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let name = NAME.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .or_else(|| std::env::var("COMPUTERNAME").ok())
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .map(|n| n.trim().to_ascii_lowercase())
+            .filter(|n| !n.is_empty())
+    });
+    host == "localhost"
+        || host.ends_with(".localhost")
+        || host.parse::<std::net::IpAddr>().is_ok_and(serve::is_loopback)
+        || name.as_deref().is_some_and(|n| host == n || host.strip_suffix(".local") == Some(n))
 }
 
 /// Serve the API on `listener` until `shutdown` completes, within the default

@@ -1,6 +1,9 @@
 //! Ollama's routes, at the root as Ollama serves them: `POST /api/chat` and
 //! `/api/generate` (NDJSON streams by default, one object with `"stream": false`),
-//! `GET /api/tags`, `/api/ps`, `/api/version`, `POST /api/show`.
+//! `GET /api/tags`, `/api/ps`, `/api/version`, `POST /api/show`, `DELETE /api/delete`.
+//! `keep_alive`: 0 unloads the model (after the answer, or at once in an empty
+//! request, Ollama's "unload" call); any other value keeps it loaded, as Shoal keeps
+//! every model until it is unloaded.
 
 use crate::backend::{Backend, ChatMessage, Failure, ModelInfo, ModelState, TextModel};
 use crate::common::{self, error_response, Dialect};
@@ -74,6 +77,8 @@ struct ChatRequest {
     options: Options,
     #[serde(default)]
     tools: Option<Vec<Value>>,
+    #[serde(default)]
+    keep_alive: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -104,6 +109,56 @@ struct GenerateRequest {
     options: Options,
     #[serde(default)]
     images: Option<Vec<Value>>,
+    #[serde(default)]
+    keep_alive: Option<Value>,
+}
+
+/// Whether `keep_alive` asks for the model to be unloaded: 0 (seconds), or a zero
+/// duration ("0", "0s", "0m"). Negative values and other durations keep it loaded; a
+/// value that is neither a number nor a duration is refused.
+fn unloads(keep_alive: &Option<Value>) -> Result<bool, Failure> {
+    let bad = || Failure::bad("keep_alive: expected seconds or a duration such as \"5m\" (0 unloads, -1 keeps)");
+    match keep_alive {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Number(n)) => n.as_f64().map(|n| n == 0.0).ok_or_else(bad),
+        Some(Value::String(s)) => {
+            let s = s.trim();
+            if s.starts_with('-') {
+                Ok(false)
+            } else if let Ok(n) = s.parse::<f64>() {
+                Ok(n == 0.0)
+            } else {
+                humantime::parse_duration(s).map(|d| d.is_zero()).map_err(|_| bad())
+            }
+        }
+        Some(_) => Err(bad()),
+    }
+}
+
+/// An empty chat or generate request: load the model (Ollama's way to preload it), or
+/// unload it when `keep_alive` is 0; answered at once.
+async fn load_or_unload<B: Backend>(
+    backend: &B,
+    model: &ModelInfo,
+    asked: &str,
+    unload: bool,
+    shape: Shape,
+) -> Result<Response, Failure> {
+    let reason = if unload {
+        if model.state != ModelState::Available {
+            backend.unload(&model.entry.name).await?;
+        }
+        "unload"
+    } else {
+        if model.state == ModelState::Available {
+            backend.load(&model.entry.name).await?;
+        }
+        "load"
+    };
+    let mut v = line(shape, asked, "", None);
+    v["done"] = json!(true);
+    v["done_reason"] = json!(reason);
+    Ok(Json(v).into_response())
 }
 
 fn refuse_unsupported(format: &Option<Value>, images: bool, tools: bool) -> Result<(), Failure> {
@@ -125,15 +180,10 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         let req: ChatRequest = common::parse(&body)?;
         let images = req.messages.iter().any(|m| m.images.as_ref().is_some_and(|i| !i.is_empty()));
         refuse_unsupported(&req.format, images, req.tools.as_ref().is_some_and(|t| !t.is_empty()))?;
+        let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.messages.is_empty() {
-            // Ollama's way to load a model: an empty chat loads it and answers at once.
-            if model.state == ModelState::Available {
-                backend.load(&model.entry.name).await?;
-            }
-            return Ok(Json(json!({"model": req.model, "created_at": common::rfc3339_now(),
-                "message": {"role": "assistant", "content": ""}, "done_reason": "load", "done": true}))
-            .into_response());
+            return load_or_unload(&*backend, &model, &req.model, unload, Shape::Chat).await;
         }
         let messages: Vec<ChatMessage> =
             req.messages.iter().map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect();
@@ -142,7 +192,8 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
             Ok(text.tokenize(&prompt, true))
         })
         .await?;
-        respond(backend, job, req.model, req.stream, Shape::Chat).await
+        let then_unload = unload.then(|| model.entry.name.clone());
+        respond(backend, job, req.model, req.stream, Shape::Chat, then_unload).await
     }
     .await;
     r.unwrap_or_else(|f| error_response(Dialect::Ollama, &f))
@@ -157,14 +208,10 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
         if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(Failure::bad("suffix (fill-in-the-middle) is not supported yet"));
         }
+        let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.prompt.is_empty() {
-            if model.state == ModelState::Available {
-                backend.load(&model.entry.name).await?;
-            }
-            return Ok(Json(json!({"model": req.model, "created_at": common::rfc3339_now(), "response": "",
-                "done_reason": "load", "done": true}))
-            .into_response());
+            return load_or_unload(&*backend, &model, &req.model, unload, Shape::Generate).await;
         }
         let (prompt, raw, system) = (req.prompt.clone(), req.raw, req.system.clone());
         let job = job(&*backend, &model, &req.options, |text| {
@@ -180,7 +227,8 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
             Ok(text.tokenize(&templated, true))
         })
         .await?;
-        respond(backend, job, req.model, req.stream, Shape::Generate).await
+        let then_unload = unload.then(|| model.entry.name.clone());
+        respond(backend, job, req.model, req.stream, Shape::Generate, then_unload).await
     }
     .await;
     r.unwrap_or_else(|f| error_response(Dialect::Ollama, &f))
@@ -233,20 +281,25 @@ fn line(shape: Shape, model: &str, text: &str, end: Option<&Outcome>) -> Value {
     v
 }
 
+/// Answer `job` as one object or an NDJSON stream; then unload `then_unload` (a
+/// catalog name) if given (`keep_alive: 0`), however the answer ends: done, failed,
+/// or the client gone.
 async fn respond<B: Backend>(
     backend: Arc<B>,
     job: Job,
     model: String,
     streamed: bool,
     shape: Shape,
+    then_unload: Option<String>,
 ) -> Result<Response, Failure> {
+    let guard = UnloadOnDrop(then_unload.map(|name| (backend.clone(), name)));
     let (first, mut events) = gen::start(backend, job).await?;
     if !streamed {
         let (text, o) = gen::collect(first, &mut events).await?;
         return Ok(Json(line(shape, &model, &text, Some(&o))).into_response());
     }
     // NDJSON: one object a line; after text went out, a failure is an `error` line.
-    let lines = stream::unfold((Some(first), events, false), move |(pending, mut events, done)| {
+    let lines = stream::unfold((Some(first), events, false, guard), move |(pending, mut events, done, guard)| {
         let model = model.clone();
         async move {
             if done {
@@ -261,10 +314,40 @@ async fn respond<B: Backend>(
                 Event::End(o) => (line(shape, &model, "", Some(&o)), true),
                 Event::Failed(f) => (json!({"error": f.message}), true),
             };
-            Some((Ok::<_, Infallible>(format!("{v}\n")), (None, events, done)))
+            Some((Ok::<_, Infallible>(format!("{v}\n")), (None, events, done, guard)))
         }
     });
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(lines)).into_response())
+}
+
+/// Unloads a model when dropped: what `keep_alive: 0` asks once the answer is over.
+struct UnloadOnDrop<B: Backend>(Option<(Arc<B>, String)>);
+
+impl<B: Backend> Drop for UnloadOnDrop<B> {
+    fn drop(&mut self) {
+        let Some((backend, name)) = self.0.take() else { return };
+        // Dropped inside the server's runtime (a route or its body stream).
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                if let Err(e) = backend.unload(&name).await {
+                    tracing::warn!(model = %name, "keep_alive 0: the unload failed: {}", e.message);
+                }
+            });
+        }
+    }
+}
+
+/// `DELETE /api/delete`: the model leaves the catalog (unloaded first if it runs); its
+/// file stays on disk. 200 with an empty body, as Ollama answers.
+pub(crate) async fn delete<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
+    let r = async {
+        let req: ShowRequest = common::parse(&body)?;
+        let m = common::resolve(&*backend, &req.model).await?;
+        backend.remove(&m.entry.name).await?;
+        Ok::<_, Failure>(axum::http::StatusCode::OK.into_response())
+    }
+    .await;
+    r.unwrap_or_else(|f| error_response(Dialect::Ollama, &f))
 }
 
 /// `GET /api/version`.

@@ -53,6 +53,10 @@ struct Fake {
     metrics: shoal_api::Metrics,
     /// Models a first request asked to load.
     loads: std::sync::Mutex<Vec<String>>,
+    /// Models asked to unload.
+    unloads: std::sync::Mutex<Vec<String>>,
+    /// Models asked to leave the catalog.
+    removed: std::sync::Mutex<Vec<String>>,
 }
 
 fn entry(name: &str, hash_digit: char) -> CatalogEntry {
@@ -89,6 +93,16 @@ impl Backend for Fake {
 
     async fn load(&self, model: &str) -> Result<(), Failure> {
         self.loads.lock().unwrap().push(model.to_string());
+        Ok(())
+    }
+
+    async fn unload(&self, model: &str) -> Result<(), Failure> {
+        self.unloads.lock().unwrap().push(model.to_string());
+        Ok(())
+    }
+
+    async fn remove(&self, model: &str) -> Result<(), Failure> {
+        self.removed.lock().unwrap().push(model.to_string());
         Ok(())
     }
 
@@ -435,7 +449,7 @@ async fn post_with(url: String, body: Value, headers: Vec<(&'static str, String)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_loopback_exemption_a_key_is_needed_and_checked() {
     // As a request from another machine is treated (loopback here is not exempt).
-    let (url, fake) = server_with(shoal_api::Access { loopback_free: false, open: false }).await;
+    let (url, fake) = server_with(shoal_api::Access { loopback_free: false, open: false, cors_origins: vec![] }).await;
     let chat = format!("{url}/v1/chat/completions");
     let req = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": false});
     let (status, body) = post_with(chat.clone(), req.clone(), vec![]).await;
@@ -462,7 +476,7 @@ async fn without_the_loopback_exemption_a_key_is_needed_and_checked() {
     assert_eq!(status, 200);
 
     // Open: no key needed at all.
-    let (url, _) = server_with(shoal_api::Access { loopback_free: false, open: true }).await;
+    let (url, _) = server_with(shoal_api::Access { loopback_free: false, open: true, cors_origins: vec![] }).await;
     let (status, _) = post_with(format!("{url}/v1/chat/completions"), req, vec![]).await;
     assert_eq!(status, 200);
 }
@@ -582,6 +596,164 @@ async fn silent_and_idle_connections_are_closed_after_the_header_timeout() {
         let answered = read_until_closed(&mut idle, 20).expect("the idle keep-alive one stayed open");
         assert!(answered.starts_with("HTTP/1.1 200") && answered.contains("Shoal is running"), "{answered}");
         assert!(start.elapsed() < Duration::from_secs(20));
+    })
+    .await
+    .unwrap();
+}
+
+/// Wait (at most 5 s) until `list` holds `want`.
+async fn eventually(list: &std::sync::Mutex<Vec<String>>, want: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while *list.lock().unwrap() != want {
+        assert!(Instant::now() < deadline, "{:?} is not {want:?}", list.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollama_keep_alive_zero_unloads_after_the_answer_and_delete_leaves_the_catalog() {
+    let (url, fake) = server().await;
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    // Other values keep the model loaded: numbers, durations, -1.
+    for keep in [json!(300), json!("5m"), json!("-1"), json!(-1), json!("1h30m")] {
+        let req = json!({"model": "tiny", "messages": msgs, "stream": false, "keep_alive": keep});
+        let (status, _, body) = post(format!("{url}/api/chat"), req).await;
+        assert_eq!(status, 200, "{keep}: {body}");
+    }
+    // Not a duration: refused, nothing done.
+    let req = json!({"model": "tiny", "messages": msgs, "keep_alive": "soon"});
+    let (status, _, body) = post(format!("{url}/api/chat"), req).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("keep_alive"), "{body}");
+    assert!(fake.unloads.lock().unwrap().is_empty());
+
+    // An empty request with 0: Ollama's "unload" call, answered at once.
+    let (status, _, body) = post(format!("{url}/api/generate"), json!({"model": "tiny", "keep_alive": 0})).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((v["done"].clone(), v["done_reason"].clone()), (json!(true), json!("unload")));
+    eventually(&fake.unloads, &["tiny"]).await;
+    // A whole answer, then the unload.
+    let req = json!({"model": "tiny", "messages": msgs, "stream": false, "keep_alive": "0s"});
+    let (status, _, body) = post(format!("{url}/api/chat"), req).await;
+    assert_eq!(status, 200);
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["message"]["content"], ANSWER);
+    eventually(&fake.unloads, &["tiny", "tiny"]).await;
+    // A stream, then the unload (of the catalog name, whatever tag the client used).
+    let req = json!({"model": "tiny:latest", "prompt": "Hi", "keep_alive": "0"});
+    let (status, _, body) = post(format!("{url}/api/generate"), req).await;
+    assert_eq!(status, 200);
+    let text: String = body
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["response"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, ANSWER);
+    eventually(&fake.unloads, &["tiny", "tiny", "tiny"]).await;
+    // An empty request without keep_alive on a model not loaded loads it.
+    let (status, _, body) = post(format!("{url}/api/chat"), json!({"model": "cold"})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["done_reason"], "load");
+    assert_eq!(*fake.loads.lock().unwrap(), ["cold"]);
+
+    // DELETE /api/delete: 200, the catalog name; an unknown model is a 404.
+    let del = |model: &'static str| {
+        let url = format!("{url}/api/delete");
+        tokio::task::spawn_blocking(move || {
+            let mut r = agent()
+                .delete(&url)
+                .force_send_body()
+                .header("content-type", "application/json")
+                .send(json!({"model": model}).to_string())
+                .unwrap();
+            (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+        })
+    };
+    assert_eq!(del("cold:latest").await.unwrap().0, 200);
+    assert_eq!(*fake.removed.lock().unwrap(), ["cold"]);
+    let (status, body) = del("nothing").await.unwrap();
+    assert_eq!(status, 404, "{body}");
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["error"].as_str().is_some(), "{body}");
+}
+
+/// POST `body` to `path` over a raw connection with exactly `headers` (Host included);
+/// the status and the response's head (its headers), lower-cased.
+fn raw_post(addr: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let mut req = format!("POST {path} HTTP/1.1\r\nconnection: close\r\ncontent-length: {}\r\n", body.len());
+    for (k, v) in headers {
+        req += &format!("{k}: {v}\r\n");
+    }
+    req += "\r\n";
+    req += body;
+    std::io::Write::write_all(&mut s, req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let head = out.split("\r\n\r\n").next().unwrap().to_ascii_lowercase();
+    (head[9..12].parse().unwrap(), head)
+}
+
+/// A preflight (`OPTIONS`) from `origin`; the response's head, lower-cased.
+fn preflight(addr: &str, origin: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let req = format!(
+        "OPTIONS /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\norigin: {origin}\r\nconnection: close\r\n\
+         access-control-request-method: POST\r\naccess-control-request-headers: authorization, content-type\r\n\r\n"
+    );
+    std::io::Write::write_all(&mut s, req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out.split("\r\n\r\n").next().unwrap().to_ascii_lowercase()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn web_pages_get_no_free_loopback_access_and_cors_is_off_unless_configured() {
+    let (url, fake) = server().await;
+    let addr = url.trim_start_matches("http://").to_string();
+    let with_cors = shoal_api::Access { cors_origins: vec!["http://app.example:8080".into()], ..Default::default() };
+    let (cors_url, _) = server_with(with_cors).await;
+    let cors_addr = cors_url.trim_start_matches("http://").to_string();
+    tokio::task::spawn_blocking(move || {
+        let body = json!({"model": "tiny", "prompt": "Hi", "stream": false}).to_string();
+        let post = |host: &str, origin: Option<&str>, key: Option<&str>| {
+            let mut h = vec![("host", host), ("content-type", "text/plain")];
+            h.extend(origin.map(|o| ("origin", o)));
+            let bearer = key.map(|k| format!("Bearer {k}"));
+            h.extend(bearer.as_deref().map(|b| ("authorization", b)));
+            raw_post(&addr, "/api/generate", &h, &body).0
+        };
+        // This machine's own tools: no Origin, or a page on this machine.
+        assert_eq!(post(&addr, None, None), 200);
+        assert_eq!(post("localhost:11434", Some("http://localhost:3000"), None), 200);
+        assert_eq!(post(&addr, Some(&format!("http://{addr}")), None), 200);
+        assert_eq!(post("[::1]:11434", Some("https://[::1]"), None), 200);
+        // This machine's name (Debian resolves it to 127.0.1.1), or an address.
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
+        let named = format!("http://{name}:11434");
+        assert_eq!(post(&format!("{name}:11434"), Some(&named), None), 200);
+        assert_eq!(post("192.168.1.20:11434", None, None), 200);
+        // A page from elsewhere (a "simple" text/plain POST needs no preflight), or a
+        // name of its own rebound to 127.0.0.1: a key is needed, as from another machine.
+        let before = fake.prompts.lock().unwrap().len();
+        assert_eq!(post(&addr, Some("http://evil.example"), None), 401);
+        assert_eq!(post("evil.example:11434", Some("http://evil.example:11434"), None), 401);
+        assert_eq!(post("evil.example:11434", None, None), 401);
+        assert_eq!(post(&addr, Some("null"), None), 401);
+        assert_eq!(fake.prompts.lock().unwrap().len(), before, "nothing reached the model");
+        assert_eq!(post(&addr, Some("http://evil.example"), Some(GOOD_KEY)), 200, "with a key it is a client");
+
+        // CORS off by default: a preflight gets no allow-origin.
+        let head = preflight(&addr, "http://app.example:8080");
+        assert!(!head.contains("access-control-allow-origin"), "{head}");
+        // Configured: the listed origin is allowed (preflight and answer), another is not.
+        let head = preflight(&cors_addr, "http://app.example:8080");
+        assert!(head.contains("access-control-allow-origin: http://app.example:8080"), "{head}");
+        assert!(head.contains("authorization"), "{head}");
+        let h = [("host", cors_addr.as_str()), ("origin", "http://app.example:8080")];
+        let (status, head) = raw_post(&cors_addr, "/api/generate", &h, &body);
+        assert_eq!(status, 200, "{head}");
+        assert!(head.contains("access-control-allow-origin: http://app.example:8080"), "{head}");
+        let head = preflight(&cors_addr, "http://other.example");
+        assert!(!head.contains("access-control-allow-origin"), "{head}");
     })
     .await
     .unwrap();

@@ -60,6 +60,34 @@ impl Backend for NodeBackend {
         runtime::load(&self.rt, &entry.content_hash.clone(), context, 1, &[]).await.map(drop).map_err(failure)
     }
 
+    async fn unload(&self, model: &str) -> Result<(), Failure> {
+        runtime::unload(&self.rt, model).await.map(drop).map_err(failure)
+    }
+
+    async fn remove(&self, model: &str) -> Result<(), Failure> {
+        let mut view_rx = self.rt.membership.view();
+        let hash = models::find(&models::entries(&view_rx.borrow()), model).map_err(failure)?.content_hash.clone();
+        let load_key = format!("{}{hash}", shoal_types::LoadSpec::KEY_PREFIX);
+        let loaded =
+            |v: &shoal_membership::node::View| v.state.as_ref().is_some_and(|s| s.entries.contains_key(&load_key));
+        if loaded(&view_rx.borrow()) {
+            runtime::unload(&self.rt, &hash).await.map_err(failure)?;
+            // The catalog refuses to drop a loaded model: wait for the unload to reach
+            // this node's view (a commit is seen within a beat).
+            let seen = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+                while loaded(&view_rx.borrow_and_update()) {
+                    if view_rx.changed().await.is_err() {
+                        break;
+                    }
+                }
+            });
+            if seen.await.is_err() {
+                return Err(Failure::new(FailureKind::Unavailable, "the unload was not confirmed within 10 s"));
+            }
+        }
+        models::remove(&self.rt.membership, &hash).await.map(drop).map_err(failure)
+    }
+
     async fn text(&self, model: &str) -> Result<Arc<dyn TextModel>, Failure> {
         let view = self.rt.membership.view().borrow().clone();
         let catalog = models::entries(&view);

@@ -89,7 +89,7 @@ pub async fn run(
     tasks.spawn(runtime::supervise(rt.clone()));
     tasks.spawn(notify_ready(rt.membership.view(), identity.id()));
     if let Some(addr) = options.http {
-        match serve_http(addr, options.api_access, &cfg.data_dir, rt.clone()).await {
+        match serve_http(addr, options.api_access.clone(), &cfg.data_dir, rt.clone()).await {
             Ok(task) => {
                 tasks.spawn(task);
             }

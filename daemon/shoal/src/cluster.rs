@@ -76,6 +76,10 @@ pub struct ClusterArgs {
     /// Let every machine call the API without a key (a LAN whose every machine you trust).
     #[arg(long)]
     api_open: bool,
+    /// A web origin (`http://host:port`) whose pages may call the API from a browser
+    /// (CORS); repeat for more, `*` for any. None by default.
+    #[arg(long, value_name = "ORIGIN")]
+    cors_origin: Vec<String>,
 }
 
 /// A size in bytes: a number with an optional K, M, G or T suffix (powers of 1024).
@@ -263,7 +267,11 @@ pub fn serve(
             max_memory: args.max_memory,
             shard_dir: stage.cache,
             http: (!args.no_http).then_some(args.http_listen),
-            api_access: shoal_api::Access { loopback_free: true, open: args.api_open },
+            api_access: shoal_api::Access {
+                loopback_free: true,
+                open: args.api_open,
+                cors_origins: args.cors_origin.clone(),
+            },
             // Only when asked: `shoal bench serve` measured no gain for one stream and a
             // loss for concurrent ones with several nodes on one machine (they spin on
             // shared cores); machines of their own may differ (`--keepalive on`).

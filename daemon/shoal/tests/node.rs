@@ -218,11 +218,30 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
         .and_then(|n| n.parse::<u64>().ok());
     assert!(streamed.is_some_and(|n| n >= 3 * 24), "{metrics}");
 
-    // Unloaded: every stage stops.
-    run_ok(&["models", "unload", SMOL], &dir("b"));
+    // Unloaded the way Ollama's clients do it (an empty request with keep_alive 0):
+    // every stage stops.
+    let (status, body) =
+        http_post(&format!("http://{api}/api/generate"), &serde_json::json!({"model": SMOL, "keep_alive": 0}));
+    assert_eq!(status, 200, "{body}");
     for n in ["a", "b", "c"] {
         wait_for("stage stopped", 30, || stages(&dir(n)).is_empty().then_some(()));
     }
+    // Loaded again, then deleted through the API: unloaded and out of the catalog on
+    // every node; the file stays where it was.
+    run_ok(&["models", "load", SMOL, "--context", "512", "--wait"], &dir("c"));
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let r = agent
+        .delete(&format!("http://{api}/api/delete"))
+        .force_send_body()
+        .header("content-type", "application/json")
+        .send(serde_json::json!({"model": SMOL}).to_string())
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    for n in ["a", "b", "c"] {
+        wait_for("stage stopped", 30, || stages(&dir(n)).is_empty().then_some(()));
+        wait_for("out of the catalog", 30, || (!run_ok(&["models", "ls"], &dir(n)).contains(SMOL)).then_some(()));
+    }
+    assert!(model.exists());
     nodes.kill_all();
 }
 
