@@ -18,7 +18,7 @@ use shoal_net::{Dtype, Node, NodeId, Router};
 use shoal_pipeline::{GenerateRequest, Placement, Report, RetryPolicy, SamplerFactory, ServiceConfig, StagePlace};
 use shoal_planner::ModelProfile;
 use shoal_types::{CatalogEntry, LayerRange, LoadSpec, ModelPlacement, Offer, Stage};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -152,6 +152,7 @@ fn inputs(view: &View) -> Inputs {
         profiles: typed(view, PROFILE_PREFIX),
         placements: placements(view),
         members,
+        idle: BTreeSet::new(),
         index: view.state.as_ref().map_or(0, |s| s.version.index),
     }
 }
@@ -161,8 +162,17 @@ pub async fn lead(rt: Arc<Runtime>) {
     let mut view = rt.membership.view();
     loop {
         let v = view.borrow_and_update().clone();
+        // Models a fresh plan would beat clearly: re-planned only once idle, so their
+        // coordinators are asked, and asked again a little later while they are busy.
+        let mut waiting_for_idle = false;
         if v.leader == Some(rt.me) && v.state.is_some() {
-            for decision in schedule::schedule(&inputs(&v)) {
+            let mut i = inputs(&v);
+            let better = schedule::better_if_idle(&i);
+            if !better.is_empty() {
+                i.idle = idle_models(&rt, &v, &i.placements, &better).await;
+                waiting_for_idle = i.idle.len() < better.len();
+            }
+            for decision in schedule::schedule(&i) {
                 let req = match &decision {
                     Decision::Place(p) => {
                         tracing::info!(model = %p.model, generation = p.generation, stages = p.stages.len(), error = ?p.error, "placing");
@@ -180,10 +190,46 @@ pub async fn lead(rt: Arc<Runtime>) {
                 }
             }
         }
-        if view.changed().await.is_err() {
+        let changed = if waiting_for_idle {
+            match tokio::time::timeout(IDLE_RECHECK, view.changed()).await {
+                Ok(r) => r,
+                Err(_) => Ok(()),
+            }
+        } else {
+            view.changed().await
+        };
+        if changed.is_err() {
             return;
         }
     }
+}
+
+/// How often the leader asks again whether a model it would move to a clearly better
+/// plan has become idle.
+const IDLE_RECHECK: Duration = Duration::from_secs(2);
+
+/// Which of `models` are idle: their coordinator (first stage) holds no session and
+/// queues nothing, as its stage service says. A coordinator that does not answer
+/// counts as busy (nothing is moved on a guess).
+async fn idle_models(
+    rt: &Runtime,
+    view: &View,
+    placements: &BTreeMap<String, ModelPlacement>,
+    models: &BTreeSet<String>,
+) -> BTreeSet<String> {
+    let mut idle = BTreeSet::new();
+    for model in models {
+        let Some(first) = placements.get(model).and_then(|p| p.stages.first()) else { continue };
+        let Some(addr) = rt.addr_of(view, first.node) else { continue };
+        let place = StagePlace { node: first.node, addr, layers: first.layers };
+        let asked = tokio::time::timeout(Duration::from_secs(2), shoal_pipeline::status(&rt.node, &place)).await;
+        if let Ok(Ok(st)) = asked {
+            if st.sessions == 0 && st.waiting == 0 {
+                idle.insert(model.clone());
+            }
+        }
+    }
+    idle
 }
 
 /// Publish this node's offer once it is a member (and whenever it differs).

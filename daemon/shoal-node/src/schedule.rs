@@ -14,6 +14,11 @@
 //!   theirs in their cache, so the model serves again sooner and moves fewer bytes than
 //!   after a plan from scratch (which may give every node a new layer range). A full
 //!   re-plan happens when no spare can take a lost stage.
+//! - A working placement is re-planned for speed only when a fresh plan predicts at
+//!   least [`REPLAN_GAIN`] times its decode speed (a bigger or faster machine joined)
+//!   *and* the model is idle: no generation running or queued at its coordinator (the
+//!   leader asks; [`Inputs::idle`]). A re-plan costs a reload and maybe transfers, so
+//!   a small gain is not worth it, and a generation is never cut for speed.
 //! - One model per node: a node running a stage of one model is not planned for another.
 //! - A model that does not fit gets a placement without stages and an error saying why;
 //!   it is planned again as members come back.
@@ -25,6 +30,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// Prefill chunk size C of placed models (DESIGN point 10: 128 loses ≤ 5% against 512).
 pub const CHUNK: u32 = 128;
+
+/// How much faster (predicted decode tok/s) a fresh plan must be than the working
+/// placement before an idle model is moved to it: 25%, well above the planner's
+/// estimation noise, so that placements do not flap between near-equal plans.
+pub const REPLAN_GAIN: f64 = 1.25;
 
 /// A member as the scheduler sees it.
 #[derive(Clone, Debug, PartialEq)]
@@ -52,6 +62,9 @@ pub struct Inputs {
     pub placements: BTreeMap<String, ModelPlacement>,
     /// The members.
     pub members: Vec<MemberFacts>,
+    /// Models (content hashes) with no generation running or waiting at their
+    /// coordinator, as the leader last asked: only these may be re-planned for speed.
+    pub idle: BTreeSet<String>,
     /// The cluster state's change index now. New placements take a generation above
     /// it, so a generation is never used twice for a model, even after an unload
     /// (a node that missed the unload must not keep serving an old stage as the new).
@@ -91,6 +104,32 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
             }
         }
     }
+    // Idle kept models that a fresh plan beats clearly, on the nodes not kept by others.
+    for (model, load) in &loads {
+        let Some(p) = inputs.placements.get(*model).filter(|_| keep.contains(model)) else { continue };
+        if !inputs.idle.contains(*model) {
+            continue;
+        }
+        let this: &str = model;
+        let others: BTreeMap<NodeId, &str> = busy.iter().filter(|&(_, &m)| m != this).map(|(n, m)| (*n, *m)).collect();
+        let generation = p.generation.max(inputs.index) + 1;
+        let mut fresh = place(inputs, load, &alive, &others, generation);
+        if fresh.stages.is_empty() || fresh.predicted_tok_s < REPLAN_GAIN * p.predicted_tok_s {
+            continue;
+        }
+        fresh.explanation.insert(
+            0,
+            format!(
+                "re-planned while idle: {:.1} tok/s predicted against {:.1} before (at least {REPLAN_GAIN}x)",
+                fresh.predicted_tok_s, p.predicted_tok_s
+            ),
+        );
+        busy.retain(|_, m| *m != this);
+        for s in &fresh.stages {
+            busy.insert(s.node, model);
+        }
+        out.push(Decision::Place(fresh));
+    }
     for (model, load) in &loads {
         if keep.contains(model) {
             continue;
@@ -113,6 +152,28 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
         out.push(Decision::Place(next));
     }
     out
+}
+
+/// The kept models that a fresh plan would beat by [`REPLAN_GAIN`] if they were idle:
+/// the leader asks only their coordinators whether they are.
+pub fn better_if_idle(inputs: &Inputs) -> BTreeSet<String> {
+    let mut all = inputs.clone();
+    all.idle = inputs.placements.keys().cloned().collect();
+    let none = Inputs { idle: BTreeSet::new(), ..inputs.clone() };
+    let without: BTreeSet<String> = schedule(&none)
+        .into_iter()
+        .filter_map(|d| match d {
+            Decision::Place(p) => Some(p.model),
+            Decision::Remove(_) => None,
+        })
+        .collect();
+    schedule(&all)
+        .into_iter()
+        .filter_map(|d| match d {
+            Decision::Place(p) if !without.contains(&p.model) => Some(p.model),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Whether placement `p` still serves `load`: valid for the model, the same sizing,
@@ -323,6 +384,7 @@ mod tests {
             profiles: [(hash(1), profile)].into(),
             placements: BTreeMap::new(),
             members: offers.iter().enumerate().map(|(i, o)| member(i as u8 + 1, *o)).collect(),
+            idle: BTreeSet::new(),
             index: 0,
         }
     }
@@ -427,6 +489,34 @@ mod tests {
         step(&mut i);
         let last = placed(&i);
         assert!(last.stages.is_empty() && last.error.is_some(), "{last:?}");
+    }
+
+    #[test]
+    fn a_big_member_joining_moves_an_idle_model_to_a_clearly_better_plan_and_never_a_busy_one() {
+        let mut i = inputs(&[90 * MB, 90 * MB, 90 * MB]);
+        step(&mut i);
+        let before = placed(&i).clone();
+        assert_eq!(before.stages.len(), 3);
+        // A member that holds the whole model joins.
+        i.members.push(member(9, 1024 * MB));
+        // Busy (or not known to be idle): kept as it is.
+        assert!(schedule(&i).is_empty());
+        assert_eq!(better_if_idle(&i), [hash(1)].into());
+        // Idle: one stage on the big member, a new generation, and why.
+        i.idle.insert(hash(1));
+        step(&mut i);
+        let after = placed(&i).clone();
+        assert_eq!(after.stages.len(), 1, "{:?}", after.stages);
+        assert_eq!(after.stages[0].node, id(9));
+        assert!(after.generation > before.generation);
+        assert!(after.predicted_tok_s >= REPLAN_GAIN * before.predicted_tok_s);
+        assert!(after.explanation[0].starts_with("re-planned while idle"), "{:?}", after.explanation);
+        // Stable: the same inputs re-plan nothing more.
+        assert!(schedule(&i).is_empty());
+        assert!(better_if_idle(&i).is_empty());
+        // A member no better than the others changes nothing, idle or not.
+        i.members.push(member(10, 90 * MB));
+        assert!(schedule(&i).is_empty());
     }
 
     #[test]

@@ -54,10 +54,15 @@ impl Drop for Nodes {
 }
 
 fn serve(dir: &Path, name: &str, create: bool) -> Child {
+    serve_offering(dir, name, create, "90M")
+}
+
+/// [`serve`] offering `memory` to models.
+fn serve_offering(dir: &Path, name: &str, create: bool, memory: &str) -> Child {
     let mut c = shoal();
     c.args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
         .args(["--http-listen", "127.0.0.1:0"])
-        .args(["--name", name, "--max-memory", "90M"])
+        .args(["--name", name, "--max-memory", memory])
         .arg(if create { "--create-cluster" } else { "--no-create" })
         .arg("--data-dir")
         .arg(dir)
@@ -417,6 +422,76 @@ fn the_leaders_node_killed_mid_generation_is_replaced_and_the_answer_does_not_ch
     nodes.kill_all();
 }
 
+#[test]
+fn a_bigger_node_joining_takes_the_model_but_only_once_no_generation_runs() {
+    let model = model(SMOL);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
+    let mut nodes = start_cluster(&dir, &["a", "b", "c"]);
+    run_ok(&["models", "add", model.to_str().unwrap()], &dir("a"));
+    let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--wait"], &dir("a"));
+    assert!(loaded.contains("ready: 3 stage(s)"), "{loaded}");
+    let before = placement(&dir("a"));
+
+    // A long generation runs while a node that holds the whole model's needs joins.
+    let args = ["--prompt", PROMPT, "-n", "400", "--ignore-eos", "--json"];
+    let r = unsplit(&model, &args);
+    let mut gen = shoal()
+        .args(["generate", "--model", SMOL, "--progress"])
+        .args(args)
+        .arg("--data-dir")
+        .arg(dir("a"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = gen.stderr.take().unwrap();
+    let tokens = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = tokens.clone();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
+            if line.starts_with("token ") {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    });
+    wait_for("the generation under way", 60, || (tokens.load(std::sync::atomic::Ordering::SeqCst) >= 40).then_some(()));
+    add_node_offering(&mut nodes, &dir, "a", "big", "1G");
+    let joined = Instant::now();
+    // Busy: the placement stays as it is, however long the leader has had to re-plan.
+    let mut checked_late = false;
+    while gen.try_wait().unwrap().is_none() {
+        let now = placement(&dir("a"));
+        assert_eq!(now["generation"], before["generation"], "re-placed during a generation: {now}");
+        checked_late |= joined.elapsed() > Duration::from_secs(3);
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    reader.join().unwrap();
+    assert!(checked_late, "the generation ended before the leader had time to (wrongly) re-plan; slow machine?");
+    let out = gen.wait_with_output().unwrap();
+    let g: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(g["tokens"], r["tokens"], "tokens differ from the unsplit run");
+
+    // Idle now: the leader moves the model to one stage on the big node.
+    let big = key(&dir("big"));
+    let after = wait_for("the re-plan onto the big node", 60, || {
+        let p = placement(&dir("a"));
+        (p["stages"].as_array().unwrap().len() == 1 && p["stages"][0]["node"] == big.as_str()).then_some(p)
+    });
+    assert!(after["explanation"][0].as_str().unwrap().starts_with("re-planned while idle"), "{after}");
+    // And it answers as the unsplit model through another node.
+    wait_for("the new stage running", 60, || {
+        run_ok(&["models", "plan", SMOL], &dir("b")).contains("running, shard").then_some(())
+    });
+    let args = ["--prompt", PROMPT, "-n", "24", "--json"];
+    let r = unsplit(&model, &args);
+    let g =
+        json(shoal().args(["generate", "--model", SMOL]).args(args).arg("--data-dir").arg(dir("b")).output().unwrap());
+    assert_eq!(g["tokens"], r["tokens"]);
+    assert_eq!(g["logits_digest"], r["logits_digest"]);
+    nodes.kill_all();
+}
+
 /// POST `body` as JSON; the status and the body.
 fn http_post(url: &str, body: &Value) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
@@ -457,8 +532,13 @@ fn start_cluster(dir: &dyn Fn(&str) -> PathBuf, names: &[&'static str]) -> Nodes
 
 /// Start node `name` and pair it into the cluster of `member`.
 fn add_node(nodes: &mut Nodes, dir: &dyn Fn(&str) -> PathBuf, member: &str, name: &'static str) {
+    add_node_offering(nodes, dir, member, name, "90M")
+}
+
+/// [`add_node`] offering `memory` to models.
+fn add_node_offering(nodes: &mut Nodes, dir: &dyn Fn(&str) -> PathBuf, member: &str, name: &'static str, memory: &str) {
     let before = members(&dir(member));
-    nodes.0.push((name, serve(&dir(name), name, false)));
+    nodes.0.push((name, serve_offering(&dir(name), name, false, memory)));
     wait_for("the node up", 30, || status(&dir(name)));
     wait_for(&format!("{name} joined"), 60, || {
         let code = run_ok(&["nodes", "pair"], &dir(member));
