@@ -114,6 +114,7 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
             max_tokens: req.max_tokens,
             sampling,
             stop: req.stop_sequences.clone(),
+            ignore_eos: false,
         };
         answer(backend, job, req.model, req.stream).await
     }

@@ -23,6 +23,9 @@ pub(crate) struct Job {
     pub sampling: SamplingParams,
     /// Text that ends the answer (not shown).
     pub stop: Vec<String>,
+    /// Go on past end-of-generation tokens until `max_tokens` (llama.cpp server's
+    /// `ignore_eos`: benchmarks and load tests want a known length).
+    pub ignore_eos: bool,
 }
 
 /// What a generation says, in order: text pieces, then one end or failure.
@@ -110,7 +113,7 @@ fn vanished() -> Failure {
 async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>) {
     let t0 = Instant::now();
     let _in_flight = backend.metrics().started();
-    let eog = job.text.eog_tokens();
+    let eog = if job.ignore_eos { Vec::new() } else { job.text.eog_tokens() };
     let request = GenerateRequest {
         prompt: job.prompt.clone(),
         max_new: job.max_tokens,

@@ -250,6 +250,7 @@ async fn job<B: Backend>(
         prompt,
         sampling: options.sampling(),
         stop: options.stop.clone().unwrap_or_default(),
+        ignore_eos: false,
     })
 }
 

@@ -47,6 +47,9 @@ struct Knobs {
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
+    /// Not OpenAI's: llama.cpp's server takes it (make `max_tokens`, whatever comes).
+    #[serde(default)]
+    ignore_eos: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -234,7 +237,8 @@ async fn prepare<B: Backend>(
     let text = backend.text(&model.entry.name).await?;
     let prompt = tokens(&*text)?;
     let max_tokens = knobs.max_tokens().unwrap_or_else(|| common::default_max_tokens(&model, prompt.len()));
-    Ok((Job { model: model.entry.name.clone(), text, prompt, max_tokens, sampling, stop }, knobs))
+    let ignore_eos = knobs.ignore_eos;
+    Ok((Job { model: model.entry.name.clone(), text, prompt, max_tokens, sampling, stop, ignore_eos }, knobs))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -128,6 +128,27 @@ impl Backend for NodeBackend {
             }
             let running = u8::from(st.state == crate::api::StageState::Running);
             let _ = writeln!(out, "# TYPE shoal_stage_running gauge\nshoal_stage_running{{{labels}}} {running}");
+            // Sessions the stage holds and (on a coordinator) generations queued, as its
+            // stage service tells them.
+            if let (true, Some(addr)) = (running == 1, self.rt.own_addr()) {
+                let place = shoal_pipeline::StagePlace { node: self.rt.me, addr, layers: st.layers };
+                let asked = tokio::time::timeout(
+                    std::time::Duration::from_secs(1),
+                    shoal_pipeline::status(&self.rt.node, &place),
+                )
+                .await;
+                if let Ok(Ok(ns)) = asked {
+                    let _ = writeln!(out, "# HELP shoal_stage_sessions Sessions (generations) the stage holds now.");
+                    let _ = writeln!(
+                        out,
+                        "# TYPE shoal_stage_sessions gauge\nshoal_stage_sessions{{{labels}}} {}",
+                        ns.sessions
+                    );
+                    let _ = writeln!(out, "# HELP shoal_stage_queued Generations waiting for a session (coordinator).");
+                    let _ =
+                        writeln!(out, "# TYPE shoal_stage_queued gauge\nshoal_stage_queued{{{labels}}} {}", ns.waiting);
+                }
+            }
         }
         let view = self.rt.membership.view().borrow().clone();
         let placements = runtime::placements(&view);

@@ -91,7 +91,7 @@ impl Runtime {
 
     /// This node's own address as peers dial it (the endpoint's, with loopback for an
     /// unspecified IP: peers learn the real one from the handshake).
-    fn own_addr(&self) -> Option<SocketAddr> {
+    pub(crate) fn own_addr(&self) -> Option<SocketAddr> {
         let mut a = self.node.local_addr().ok()?;
         if a.ip().is_unspecified() {
             a.set_ip(if a.is_ipv4() {

@@ -492,6 +492,94 @@ fn a_bigger_node_joining_takes_the_model_but_only_once_no_generation_runs() {
     nodes.kill_all();
 }
 
+/// The stream's text of an OpenAI chat request through `api` (greedy, `max` tokens).
+fn streamed_chat(api: &str, prompt: &str, max: u32) -> String {
+    let req = serde_json::json!({"model": SMOL, "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0, "max_tokens": max, "stream": true});
+    let (status, body) = http_post(&format!("http://{api}/v1/chat/completions"), &req);
+    assert_eq!(status, 200, "{body}");
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| {
+            let v: Value = serde_json::from_str(d).unwrap();
+            assert!(v.get("error").is_none(), "the stream failed: {v}");
+            v["choices"][0]["delta"]["content"].as_str().map(str::to_string)
+        })
+        .collect()
+}
+
+/// The value of the gauge `name` on the node whose API is `api` (0 when absent).
+fn gauge(api: &str, name: &str) -> u64 {
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let text = agent.get(&format!("http://{api}/metrics")).call().unwrap().body_mut().read_to_string().unwrap();
+    text.lines()
+        .find(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn concurrent_streams_each_answer_as_alone_a_full_queue_is_429_and_a_client_gone_frees_its_place() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
+    let mut nodes = start_cluster(&dir, &["a", "b", "c"]);
+    run_ok(&["models", "add", model(SMOL).to_str().unwrap()], &dir("a"));
+    let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--sessions", "2", "--wait"], &dir("a"));
+    assert!(loaded.contains("ready: 3 stage(s)"), "{loaded}");
+    let api_of = |n: &str| std::fs::read_to_string(dir(n).join("http")).unwrap().trim().to_string();
+    let api = api_of("b");
+    // The coordinator (the first stage's node) reports the sessions and the queue.
+    let plan = placement(&dir("a"));
+    let first = plan["stages"][0]["node"].as_str().unwrap().to_string();
+    let coordinator = ["a", "b", "c"].into_iter().find(|n| key(&dir(n)) == first).unwrap();
+    let coord_api = api_of(coordinator);
+
+    // Four prompts alone, then all four at once (two run, two queue): the same texts.
+    let prompts = ["Name three rivers.", "What is two plus two?", "Write a haiku about salt.", "List four colours."];
+    let alone: Vec<String> = prompts.iter().map(|p| streamed_chat(&api, p, 32)).collect();
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| streamed_chat(&api, p, 32))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert!(!a.is_empty());
+        assert_eq!(a, t, "prompt {i}: concurrent text differs from its solo run");
+    }
+
+    // Fill both sessions and the queue (4 per session) with long requests whose clients
+    // then stay silent; the next request is refused with 429.
+    let body = serde_json::json!({"model": SMOL, "messages": [{"role": "user", "content": "Tell a long story."}],
+        "temperature": 0, "max_tokens": 400, "ignore_eos": true, "stream": true})
+    .to_string();
+    let holders: Vec<std::net::TcpStream> = (0..10)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(&api).unwrap();
+            let req = format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: {api}\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            std::io::Write::write_all(&mut s, req.as_bytes()).unwrap();
+            s
+        })
+        .collect();
+    wait_for("2 sessions busy and 8 queued", 60, || {
+        (gauge(&coord_api, "shoal_stage_sessions") == 2 && gauge(&coord_api, "shoal_stage_queued") == 8).then_some(())
+    });
+    let req = serde_json::json!({"model": SMOL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4});
+    let (status, body) = http_post(&format!("http://{api}/v1/chat/completions"), &req);
+    assert_eq!(status, 429, "{body}");
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["error"]["message"].is_string(), "{body}");
+    // The clients go away: their sessions and places in the queue are freed.
+    drop(holders);
+    wait_for("sessions and queue freed", 60, || {
+        (gauge(&coord_api, "shoal_stage_sessions") == 0 && gauge(&coord_api, "shoal_stage_queued") == 0).then_some(())
+    });
+    assert_eq!(streamed_chat(&api, prompts[0], 32), alone[0], "served again as before");
+    nodes.kill_all();
+}
+
 /// POST `body` as JSON; the status and the body.
 fn http_post(url: &str, body: &Value) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
