@@ -95,7 +95,7 @@ pub struct CalibrationJob {
     pub model: PathBuf,
     /// Decode steps timed.
     pub tokens: u32,
-    /// CPU threads.
+    /// CPU threads; 0: as many as this node's stages use.
     pub threads: u32,
 }
 
@@ -105,7 +105,7 @@ pub const MAX_CALIBRATION_TOKENS: u32 = 512;
 impl CalibrationJob {
     /// A job from a request, within bounds: a regular `.gguf` file (not a device or a
     /// pipe, which could block the node), a bounded number of steps, no more threads
-    /// than the machine has.
+    /// than the machine has (0: the node's own stage threads).
     pub fn checked(model: &str, tokens: u32, threads: u32) -> Result<CalibrationJob, String> {
         let path = PathBuf::from(model);
         let is_gguf = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
@@ -116,8 +116,8 @@ impl CalibrationJob {
             return Err(format!("calibration steps must be 1..={MAX_CALIBRATION_TOKENS}, not {tokens}"));
         }
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
-        if threads == 0 || threads > cpus {
-            return Err(format!("threads must be 1..={cpus} on this node, not {threads}"));
+        if threads > cpus {
+            return Err(format!("threads must be 0 (as stages use) or 1..={cpus} on this node, not {threads}"));
         }
         Ok(CalibrationJob { model: path, tokens, threads })
     }

@@ -263,7 +263,7 @@ pub enum AdminRequest {
         model: String,
         /// Decode steps timed.
         tokens: u32,
-        /// CPU threads.
+        /// CPU threads; 0: as many as the node's stages use.
         threads: u32,
     },
 }

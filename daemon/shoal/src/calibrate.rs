@@ -26,9 +26,10 @@ pub struct CalibrateArgs {
     /// Decode steps timed.
     #[arg(short = 'n', long, default_value_t = DEFAULT_TOKENS as usize)]
     tokens: usize,
-    /// CPU threads (as the stage will use).
-    #[arg(long, default_value_t = 1)]
-    threads: u32,
+    /// CPU threads, as the stage will use [default: this machine's physical cores,
+    /// a stage's default].
+    #[arg(long)]
+    threads: Option<u32>,
     /// Prefill chunk size C.
     #[arg(long, default_value_t = DEFAULT_CHUNK)]
     chunk: u32,
@@ -77,8 +78,9 @@ pub fn profile_key(node: &shoal_types::NodeId, model: &Path) -> String {
 }
 
 /// What a cluster node runs when a plan asks it to calibrate: the same measurement,
-/// returned as the cluster-state entry of `node`'s profile.
-pub fn calibrator(node: shoal_types::NodeId) -> node::Calibrator {
+/// returned as the cluster-state entry of `node`'s profile; a job of 0 threads is
+/// timed with `stage_threads`, what this node's stages use.
+pub fn calibrator(node: shoal_types::NodeId, stage_threads: u32) -> node::Calibrator {
     node::Calibrator(Arc::new(move |job: &node::CalibrationJob| {
         // The whole model is loaded to time it: refuse rather than swap for minutes.
         let need = std::fs::metadata(&job.model).map_err(|e| format!("{}: {e}", job.model.display()))?.len();
@@ -91,7 +93,8 @@ pub fn calibrator(node: shoal_types::NodeId) -> node::Calibrator {
                 free >> 20
             ));
         }
-        let profile = measure(&job.model, job.tokens as usize, job.threads, DEFAULT_CHUNK)
+        let threads = if job.threads == 0 { stage_threads } else { job.threads };
+        let profile = measure(&job.model, job.tokens as usize, threads, DEFAULT_CHUNK)
             .map_err(|e| format!("calibrating {}: {e:#}", job.model.display()))?;
         let value = serde_json::to_value(&profile).map_err(|e| e.to_string())?;
         Ok((profile_key(&node, &job.model), value))
@@ -104,7 +107,8 @@ pub const DEFAULT_CHUNK: u32 = 128;
 pub const DEFAULT_TOKENS: u32 = 48;
 
 pub fn calibrate(a: CalibrateArgs) -> Result<()> {
-    let profile = measure(&a.model, a.tokens, a.threads, a.chunk)?;
+    let threads = a.threads.unwrap_or_else(crate::inventory::default_threads);
+    let profile = measure(&a.model, a.tokens, threads, a.chunk)?;
     let dir = data_dir(&a.data_dir);
     let mut links = None;
     let stored = if a.no_store {

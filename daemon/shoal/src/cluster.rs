@@ -250,7 +250,7 @@ pub fn serve(
         join_token,
         timing: Config::default(),
         transport: TransportOptions { impair, ..TransportOptions::default() },
-        calibrator: Some(crate::calibrate::calibrator(identity.id())),
+        calibrator: Some(crate::calibrate::calibrator(identity.id(), stage.threads)),
     };
     eprintln!("[shoal] cluster node {} (data in {})", identity.id(), data_dir.display());
     runtime()?.block_on(async move {

@@ -156,7 +156,7 @@ impl Lab {
         // Downstream stages first, so each link finds its next stage listening.
         for k in (0..stages.len()).rev() {
             let mut cmd = lab.net.command(k, &lab.exe);
-            cmd.args(["serve", "--impair", &impair_arg])
+            cmd.args(["serve", "--impair", &impair_arg, "--threads", "1"])
                 .args(serve_args)
                 .arg("--placement")
                 .arg(&lab.placement)

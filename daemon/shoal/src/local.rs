@@ -44,6 +44,9 @@ impl Lab {
             let child = Command::new(&lab.exe)
                 .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
                 .args(["--name", &name, "--max-memory", &format!("{max_memory_mib}M")])
+                // Several nodes share this machine: one thread each, as every bench's
+                // unsplit reference run uses.
+                .args(["--threads", "1"])
                 .arg("--http-listen")
                 .arg(api.filter(|_| i == 1).map_or("127.0.0.1:0".to_string(), |a| a.to_string()))
                 .arg(if i == 0 { "--create-cluster" } else { "--no-create" })

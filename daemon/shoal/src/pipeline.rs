@@ -37,9 +37,9 @@ pub struct ServeArgs {
     /// node 0.0.0.0:47070].
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// CPU threads for the stage.
-    #[arg(long, default_value_t = 1)]
-    threads: u32,
+    /// CPU threads for the stage [default: this machine's physical cores].
+    #[arg(long)]
+    threads: Option<u32>,
     /// Layers to offload to a GPU (needs a GPU build).
     #[arg(long, default_value_t = 0)]
     gpu_layers: u32,
@@ -163,7 +163,7 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
 pub fn serve(a: ServeArgs) -> Result<()> {
     let Some(placement_file) = a.placement.clone() else {
         let stage = crate::cluster::StageArgs {
-            threads: a.threads,
+            threads: a.threads.unwrap_or_else(crate::inventory::default_threads),
             gpu_layers: a.gpu_layers,
             cache: a.cache.clone(),
             keepalive: a.keepalive,
@@ -192,7 +192,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         n_ctx_per_session: placement.context,
         max_sessions: placement.sessions,
         chunk: placement.chunk,
-        threads: a.threads,
+        threads: a.threads.unwrap_or_else(crate::inventory::default_threads),
         gpu_layers: a.gpu_layers,
     };
     let stage = LlamaStage::load(&shard.path, place.layers, meta.n_layer, &config)?;

@@ -312,7 +312,8 @@ fn measure_missing(live: &mut Live, model: &ModelProfile, model_path: &std::path
                     let req = AdminRequest::Calibrate {
                         model: path.display().to_string(),
                         tokens: crate::calibrate::DEFAULT_TOKENS,
-                        threads: 1,
+                        // As many as the member's stages use (its own setting).
+                        threads: 0,
                     };
                     calibrations.push((m.name.clone(), m.node, addr, req, key));
                 }

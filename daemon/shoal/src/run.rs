@@ -88,9 +88,9 @@ pub struct GenArgs {
     /// Context length (prompt + answer).
     #[arg(long, default_value_t = 2048)]
     pub ctx: u32,
-    /// CPU threads per stage.
-    #[arg(long, default_value_t = 1)]
-    pub threads: u32,
+    /// CPU threads per stage [default: this machine's physical cores].
+    #[arg(long)]
+    pub threads: Option<u32>,
     /// Layers per stage to offload to a GPU (needs a GPU build).
     #[arg(long, default_value_t = 0)]
     pub gpu_layers: u32,
@@ -166,7 +166,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         n_ctx_per_session: g.ctx,
         max_sessions: 1,
         chunk: g.chunk,
-        threads: g.threads,
+        threads: g.threads.unwrap_or_else(crate::inventory::default_threads),
         gpu_layers: g.gpu_layers,
     };
     let t = &g.text;

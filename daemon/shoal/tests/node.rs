@@ -62,7 +62,7 @@ fn serve_offering(dir: &Path, name: &str, create: bool, memory: &str) -> Child {
     let mut c = shoal();
     c.args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
         .args(["--http-listen", "127.0.0.1:0"])
-        .args(["--name", name, "--max-memory", memory])
+        .args(["--name", name, "--max-memory", memory, "--threads", "1"])
         .arg(if create { "--create-cluster" } else { "--no-create" })
         .arg("--data-dir")
         .arg(dir)

@@ -29,7 +29,7 @@ impl Drop for Stages {
 fn serve_cmd(dir: &Path, placement: &Path, i: usize) -> Command {
     let mut c = shoal();
     let impair = std::fs::read_to_string(dir.join("impair")).unwrap_or_default();
-    c.args(["serve", "--impair", &impair, "--placement"])
+    c.args(["serve", "--impair", &impair, "--threads", "1", "--placement"])
         .arg(placement)
         .arg("--data-dir")
         .arg(dir.join(format!("node{i}")))

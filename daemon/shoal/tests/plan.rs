@@ -183,7 +183,7 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
     for (dir, name, flag) in [(&a, "a", "--create-cluster"), (&b, "b", "--no-create")] {
         let child = shoal()
             .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
-            .args(["--name", name, flag, "--no-http", "--data-dir"])
+            .args(["--name", name, flag, "--no-http", "--threads", "1", "--data-dir"])
             .arg(dir)
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -257,7 +257,7 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
     assert!(why.contains("1 link(s) measured"), "{v}");
     for dir in [&b, &a] {
         let child = shoal()
-            .args(["serve", "--placement"])
+            .args(["serve", "--threads", "1", "--placement"])
             .arg(&placement)
             .arg("--data-dir")
             .arg(dir)

@@ -97,7 +97,7 @@ fn one_delay(model: &Path, n_layer: u32, split: u32, delay: u64, a: &LivePlanArg
     let mut procs = Children(Vec::new());
     for (name, flag) in [("a", "--create-cluster"), ("b", "--no-create")] {
         let child = cli(&["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0"], &data(name))
-            .args(["--mdns-allow", "lo", "--name", name, flag, "--impair", &impair, "--no-http"])
+            .args(["--mdns-allow", "lo", "--name", name, flag, "--impair", &impair, "--no-http", "--threads", "1"])
             .stderr(Stdio::null())
             .spawn()?;
         procs.0.push(child);
@@ -140,7 +140,7 @@ fn one_delay(model: &Path, n_layer: u32, split: u32, delay: u64, a: &LivePlanArg
     let predicted = plan["predicted_tok_s"].as_f64().context("the plan has no prediction")?;
     let basis = plan["explanation"][0].as_str().unwrap_or_default().to_string();
     for name in ["b", "a"] {
-        let mut c = cli(&["serve", "--impair", &impair], &data(name));
+        let mut c = cli(&["serve", "--impair", &impair, "--threads", "1"], &data(name));
         c.arg("--placement").arg(&placement);
         let (child, _) = crate::lab::spawn_ready(&mut c, &format!("the stage on {name}"))?;
         procs.0.push(child);

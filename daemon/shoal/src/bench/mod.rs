@@ -315,6 +315,7 @@ impl LoopbackPipeline {
         for i in 0..bounds.len() - 1 {
             let mut c = Command::new(&exe);
             c.arg("serve")
+                .args(if serve_args.contains(&"--threads") { &[][..] } else { &["--threads", "1"][..] })
                 .args(serve_args)
                 .arg("--placement")
                 .arg(&placement)
@@ -394,6 +395,7 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
         drop_page_cache(&a.model);
         let mut cmd = Command::new(&exe);
         cmd.arg("run").arg("--model").arg(&a.model).args(["--raw", "--ignore-eos", "--json", "--prompt", prompt]);
+        cmd.args(["--threads", "1"]);
         cmd.args(["-n", &n.to_string(), "--chunk", &chunk.to_string()]);
         cmd.args(["--ctx", &(a.prompt_tokens + a.tokens + 64).max(2048).to_string()]);
         json_of(cmd, "run")

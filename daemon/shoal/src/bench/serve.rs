@@ -208,6 +208,7 @@ fn run_unsplit(exe: &Path, model: &Path, prompt: &str, n: u32, ctx: u32) -> Resu
         .args(["run", "--model"])
         .arg(model)
         .args(["--prompt", prompt, "-n", &n.to_string(), "--json", "--ignore-eos", "--ctx", &ctx.to_string()])
+        .args(["--threads", "1"])
         .output()?;
     if !out.status.success() {
         bail!("shoal run: {}", String::from_utf8_lossy(&out.stderr));
