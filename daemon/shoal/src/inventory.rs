@@ -117,6 +117,16 @@ fn human(inv: &NodeInventory) -> String {
     s
 }
 
+/// CPU threads a stage uses unless told otherwise: this machine's physical cores (as
+/// llama.cpp's own default; hyper-threads add little to its matrix work), since a node
+/// runs at most one stage. Results do not depend on it: the test models give the same
+/// tokens and logits with 1 and 2 threads.
+pub fn default_threads() -> u32 {
+    sysinfo::System::physical_core_count()
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .map_or(1, |n| u32::try_from(n.max(1)).unwrap_or(1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,14 +174,4 @@ mod tests {
         );
         assert_eq!(first.gpus.len(), second.gpus.len());
     }
-}
-
-/// CPU threads a stage uses unless told otherwise: this machine's physical cores (as
-/// llama.cpp's own default; hyper-threads add little to its matrix work), since a node
-/// runs at most one stage. Results do not depend on it: the test models give the same
-/// tokens and logits with 1 and 2 threads.
-pub fn default_threads() -> u32 {
-    sysinfo::System::physical_core_count()
-        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
-        .map_or(1, |n| u32::try_from(n.max(1)).unwrap_or(1))
 }
