@@ -14,6 +14,7 @@ mod metrics;
 pub use metrics::Metrics;
 mod common;
 mod gen;
+pub mod grammar;
 mod ollama;
 mod openai;
 mod serve;

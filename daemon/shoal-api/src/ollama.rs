@@ -37,7 +37,8 @@ struct Options {
 }
 
 impl Options {
-    fn sampling(&self) -> SamplingParams {
+    /// The sampling parameters, with `format`'s grammar (if any).
+    fn sampling(&self, grammar: Option<String>) -> SamplingParams {
         let d = SamplingParams::default();
         SamplingParams {
             temperature: self.temperature.unwrap_or(crate::openai::DEFAULT_TEMPERATURE),
@@ -47,6 +48,7 @@ impl Options {
             repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
             repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
             seed: self.seed.map_or(d.seed, |s| s as u32),
+            grammar,
         }
     }
 
@@ -161,10 +163,20 @@ async fn load_or_unload<B: Backend>(
     Ok(Json(v).into_response())
 }
 
-fn refuse_unsupported(format: &Option<Value>, images: bool, tools: bool) -> Result<(), Failure> {
-    if format.as_ref().is_some_and(|f| !f.is_null() && f != "") {
-        return Err(Failure::bad("format (JSON output) is not supported yet"));
+/// The grammar `format` asks for: none, any JSON (`"json"`), or a JSON schema.
+fn format_grammar(format: &Option<Value>) -> Result<Option<String>, Failure> {
+    match format {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) if s == "json" => Ok(Some(crate::grammar::json_object())),
+        Some(schema @ Value::Object(_)) => {
+            crate::grammar::from_schema(schema).map(Some).map_err(|e| Failure::bad(format!("format: {e}")))
+        }
+        Some(other) => Err(Failure::bad(format!("format must be \"json\" or a JSON schema, not {other}"))),
     }
+}
+
+fn refuse_unsupported(images: bool, tools: bool) -> Result<(), Failure> {
     if images {
         return Err(Failure::bad("images are not supported: Shoal serves text models"));
     }
@@ -179,7 +191,8 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
     let r = async {
         let req: ChatRequest = common::parse(&body)?;
         let images = req.messages.iter().any(|m| m.images.as_ref().is_some_and(|i| !i.is_empty()));
-        refuse_unsupported(&req.format, images, req.tools.as_ref().is_some_and(|t| !t.is_empty()))?;
+        refuse_unsupported(images, req.tools.as_ref().is_some_and(|t| !t.is_empty()))?;
+        let grammar = format_grammar(&req.format)?;
         let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.messages.is_empty() {
@@ -187,7 +200,7 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         }
         let messages: Vec<ChatMessage> =
             req.messages.iter().map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect();
-        let job = job(&*backend, &model, &req.options, |text| {
+        let job = job(&*backend, &model, &req.options, grammar, |text| {
             let prompt = text.chat_prompt(&messages).map_err(Failure::bad)?;
             Ok(text.tokenize(&prompt, true))
         })
@@ -204,7 +217,8 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
 pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
     let r = async {
         let req: GenerateRequest = common::parse(&body)?;
-        refuse_unsupported(&req.format, req.images.as_ref().is_some_and(|i| !i.is_empty()), false)?;
+        refuse_unsupported(req.images.as_ref().is_some_and(|i| !i.is_empty()), false)?;
+        let grammar = format_grammar(&req.format)?;
         if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(Failure::bad("suffix (fill-in-the-middle) is not supported yet"));
         }
@@ -214,7 +228,7 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
             return load_or_unload(&*backend, &model, &req.model, unload, Shape::Generate).await;
         }
         let (prompt, raw, system) = (req.prompt.clone(), req.raw, req.system.clone());
-        let job = job(&*backend, &model, &req.options, |text| {
+        let job = job(&*backend, &model, &req.options, grammar, |text| {
             if raw {
                 return Ok(text.tokenize(&prompt, false));
             }
@@ -238,6 +252,7 @@ async fn job<B: Backend>(
     backend: &B,
     model: &ModelInfo,
     options: &Options,
+    grammar: Option<String>,
     tokens: impl FnOnce(&dyn TextModel) -> Result<Vec<TokenId>, Failure>,
 ) -> Result<Job, Failure> {
     common::ready_or_failure(backend, model).await?;
@@ -248,7 +263,7 @@ async fn job<B: Backend>(
         text,
         max_tokens: options.max_tokens(model, prompt.len())?,
         prompt,
-        sampling: options.sampling(),
+        sampling: options.sampling(grammar),
         stop: options.stop.clone().unwrap_or_default(),
         ignore_eos: false,
     })

@@ -74,11 +74,23 @@ impl Knobs {
         if self.logprobs.as_ref().is_some_and(|v| v != &Value::Bool(false) && !v.is_null()) {
             return Err(Failure::bad("logprobs are not supported yet"));
         }
-        if let Some(f) = &self.response_format {
-            if f.get("type").and_then(Value::as_str) != Some("text") {
-                return Err(Failure::bad("response_format other than text is not supported yet"));
-            }
-        }
+        let grammar = match &self.response_format {
+            None => None,
+            Some(f) => match f.get("type").and_then(Value::as_str) {
+                Some("text") => None,
+                Some("json_object") => Some(crate::grammar::json_object()),
+                Some("json_schema") => {
+                    let Some(schema) = f.get("json_schema").and_then(|j| j.get("schema")) else {
+                        return Err(Failure::bad("response_format json_schema: json_schema.schema is missing"));
+                    };
+                    Some(
+                        crate::grammar::from_schema(schema)
+                            .map_err(|e| Failure::bad(format!("response_format: {e}")))?,
+                    )
+                }
+                _ => return Err(Failure::bad("response_format: type must be text, json_object or json_schema")),
+            },
+        };
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(Failure::bad("tools are not supported yet"));
         }
@@ -105,6 +117,7 @@ impl Knobs {
             repeat_last_n: d.repeat_last_n,
             // Any integer is a seed; the sampler takes 32 bits of it.
             seed: self.seed.map_or(d.seed, |s| s as u32),
+            grammar,
         };
         Ok((params, stop))
     }

@@ -18,7 +18,7 @@ mod vocab;
 pub use backend::{ggml_type_geometry, system_info};
 pub use chain::{Chain, ChainError, Generation, Observer, StepTiming};
 pub use devices::devices;
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{Sampler, SamplerError, SamplingParams};
 pub use shoal_gguf::{open_model, Arch, Gguf, ModelMeta, ShardCache};
 pub use stage::{load_split, LlamaStage, LoadError, StageConfig};
 pub use vocab::{Utf8Stream, Vocab, VocabError};

@@ -40,6 +40,11 @@ impl Vocab {
         Ok(Vocab { model, path: path.to_owned() })
     }
 
+    /// The vocab-only llama.cpp model (for samplers that read the vocabulary).
+    pub fn model(&self) -> &LlamaModel {
+        &self.model
+    }
+
     /// Number of tokens.
     pub fn n_vocab(&self) -> u32 {
         self.model.vocab().n_tokens().max(0) as u32

@@ -52,8 +52,9 @@ pub trait Engine: Send + Sync {
         n_layer: u32,
         sizing: StageSizing,
     ) -> Result<Box<dyn Stage>, String>;
-    /// Samplers for the tail.
-    fn samplers(&self) -> SamplerFactory;
+    /// Samplers for the tail of the model whose file (or shard) is `gguf` (a grammar
+    /// is read against its vocabulary).
+    fn samplers(&self, gguf: &Path) -> SamplerFactory;
     /// The vocabulary and chat template of the GGUF at `gguf` (a model or a shard of
     /// it), loaded without weights, for the HTTP API. Blocking.
     fn text(&self, gguf: &Path) -> Result<Arc<dyn shoal_api::TextModel>, String> {
@@ -403,7 +404,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         placement: pipeline,
         index,
         stage: loaded,
-        samplers: engine.samplers(),
+        samplers: engine.samplers(&obtained.file.path),
         dtype: Dtype::F32,
         retry: RetryPolicy::default(),
         keepalive: rt.keepalive,

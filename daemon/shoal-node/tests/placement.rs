@@ -129,7 +129,7 @@ impl Engine for FakeEngine {
         Ok(Box::new(FakeStage { info, seen: HashMap::new() }))
     }
 
-    fn samplers(&self) -> SamplerFactory {
+    fn samplers(&self, _gguf: &Path) -> SamplerFactory {
         Arc::new(|_: &serde_json::Value| Ok(Box::new(Greedy) as Box<dyn TokenSampler>))
     }
 }

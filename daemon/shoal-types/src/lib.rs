@@ -15,7 +15,7 @@ pub mod placement;
 pub use placement::{LoadSpec, ModelPlacement, Offer, PlacedStage};
 pub mod sampling;
 pub mod text;
-pub use sampling::{validate_generation, GenerationError, SamplingParams};
+pub use sampling::{validate_generation, GenerationError, SamplingParams, MAX_GRAMMAR_BYTES};
 pub use text::{StopText, Utf8Stream};
 
 /// A token id in the model's vocabulary (llama.cpp's `llama_token`).

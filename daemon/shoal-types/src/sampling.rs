@@ -15,6 +15,9 @@ pub const MAX_REPEAT_LAST_N: i32 = 1 << 16;
 /// vocabulary anyway), so a bigger value can only be a client's mistake.
 pub const MAX_TOP_K: i32 = 1 << 20;
 
+/// Longest grammar accepted, in bytes (a JSON schema's grammar is a few KiB).
+pub const MAX_GRAMMAR_BYTES: usize = 64 << 10;
+
 /// How to sample. The defaults are greedy decoding: the most likely token, always.
 ///
 /// This is the wire form too: the control protocol carries it as a JSON object (every
@@ -36,11 +39,25 @@ pub struct SamplingParams {
     pub repeat_last_n: i32,
     /// Random seed: the same seed and inputs give the same tokens.
     pub seed: u32,
+    /// A GBNF grammar (llama.cpp's format, start rule `root`) every sampled token must
+    /// keep the text within: JSON output, a JSON schema. Checked by the tail when it
+    /// builds its sampler (llama.cpp parses it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<String>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+            grammar: None,
+        }
     }
 }
 
@@ -99,6 +116,9 @@ pub enum GenerationError {
          give the window in tokens (-1 for the whole context is not accepted)"
     )]
     RepeatLastN(i32),
+    /// The grammar is longer than [`MAX_GRAMMAR_BYTES`] or empty.
+    #[error("a grammar must be 1 to {MAX_GRAMMAR_BYTES} bytes, not {0}")]
+    Grammar(usize),
 }
 
 impl SamplingParams {
@@ -124,6 +144,11 @@ impl SamplingParams {
         // The penalties sampler allocates a ring of `repeat_last_n` tokens up front.
         if !(0..=MAX_REPEAT_LAST_N).contains(&self.repeat_last_n) {
             return Err(GenerationError::RepeatLastN(self.repeat_last_n));
+        }
+        if let Some(g) = &self.grammar {
+            if g.is_empty() || g.len() > MAX_GRAMMAR_BYTES {
+                return Err(GenerationError::Grammar(g.len()));
+            }
         }
         Ok(())
     }
@@ -177,8 +202,16 @@ mod tests {
             repeat_penalty: f32::MIN_POSITIVE,
             repeat_last_n: MAX_REPEAT_LAST_N,
             seed: u32::MAX,
+            grammar: Some("x".repeat(MAX_GRAMMAR_BYTES)),
         };
         assert_eq!(check(edges), Ok(()));
+        for g in [String::new(), "x".repeat(MAX_GRAMMAR_BYTES + 1)] {
+            let n = g.len();
+            assert_eq!(
+                check(SamplingParams { grammar: Some(g), ..Default::default() }),
+                Err(GenerationError::Grammar(n))
+            );
+        }
         let off = SamplingParams { top_k: 0, top_p: 1.0, min_p: 0.0, repeat_last_n: 0, ..Default::default() };
         assert_eq!(check(off), Ok(()));
         // The default window is valid whatever the context.

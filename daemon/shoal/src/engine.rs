@@ -6,8 +6,8 @@ use shoal_engine::{LlamaStage, Sampler, SamplingParams, StageConfig, Vocab};
 use shoal_node::runtime::{Engine, StageSizing};
 use shoal_pipeline::SamplerFactory;
 use shoal_types::{LayerRange, Stage, TokenId, TokenSampler};
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 /// llama.cpp on this machine's CPU (and GPU layers where built with one).
 pub struct LlamaEngine {
@@ -30,19 +30,32 @@ impl Engine for LlamaEngine {
         Ok(Box::new(stage))
     }
 
-    fn samplers(&self) -> SamplerFactory {
-        Arc::new(|v: &serde_json::Value| {
-            let params: SamplingParams = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
-            // The coordinator and the tail checked them; this is the last gate before llama.cpp.
-            params.validate().map_err(|e| e.to_string())?;
-            Ok(Box::new(Sampler::new(&params)) as Box<dyn TokenSampler>)
-        })
+    fn samplers(&self, shard: &Path) -> SamplerFactory {
+        sampler_factory(shard.to_owned())
     }
 
     fn text(&self, gguf: &Path) -> Result<Arc<dyn TextModel>, String> {
         let vocab = Vocab::load(gguf).map_err(|e| e.to_string())?;
         Ok(Arc::new(LlamaText { eog: vocab.eog_tokens(), vocab }))
     }
+}
+
+/// The tail's samplers for the model file (or shard) at `gguf`: a request with a
+/// grammar gets one read against the file's vocabulary, loaded (without weights) on the
+/// first such request and kept.
+pub fn sampler_factory(gguf: PathBuf) -> SamplerFactory {
+    let vocab: Arc<OnceLock<Result<Arc<Vocab>, String>>> = Arc::new(OnceLock::new());
+    Arc::new(move |v: &serde_json::Value| {
+        let params: SamplingParams = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+        // The coordinator and the tail checked them; this is the last gate before llama.cpp.
+        params.validate().map_err(|e| e.to_string())?;
+        if params.grammar.is_none() {
+            return Ok(Box::new(Sampler::new(&params)) as Box<dyn TokenSampler>);
+        }
+        let vocab = vocab.get_or_init(|| Vocab::load(&gguf).map(Arc::new).map_err(|e| e.to_string())).clone()?;
+        let sampler = Sampler::with_vocab(&params, Some(vocab)).map_err(|e| e.to_string())?;
+        Ok(Box::new(sampler) as Box<dyn TokenSampler>)
+    })
 }
 
 /// A model's vocabulary as the HTTP API uses it.

@@ -308,7 +308,7 @@ pub fn generate(model: String, dir: &Option<PathBuf>, progress: bool, t: &crate:
     let vocab_file = vocab_file(dir, row)?;
     let vocab = shoal_engine::Vocab::load(&vocab_file)?;
     let prompt = t.prompt_tokens(&vocab)?;
-    let sampling = t.sampling();
+    let sampling = t.sampling()?;
     let request = shoal_pipeline::GenerateRequest {
         prompt: prompt.clone(),
         max_new: u32::try_from(t.max_tokens).unwrap_or(u32::MAX),

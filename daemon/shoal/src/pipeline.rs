@@ -4,13 +4,12 @@
 use crate::run::{default_cache, Printer, RunReport, TextArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use shoal_engine::{open_model, LlamaStage, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
+use shoal_engine::{open_model, LlamaStage, Observer, ShardCache, StageConfig, Vocab};
 use shoal_net::{Dtype, Identity, Impairment, Node, TransportOptions, TrustedKeys};
 use shoal_pipeline::{
     generate as run_generation, serve as serve_stage, GenerateRequest, Placement, RetryPolicy, SamplerFactory,
     ServiceConfig,
 };
-use shoal_types::TokenSampler;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -196,12 +195,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         gpu_layers: a.gpu_layers,
     };
     let stage = LlamaStage::load(&shard.path, place.layers, meta.n_layer, &config)?;
-    let samplers: SamplerFactory = Arc::new(|v: &serde_json::Value| {
-        let params: SamplingParams = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
-        // The core checked them already; the sampler factory is the last gate before llama.cpp.
-        params.validate().map_err(|e| e.to_string())?;
-        Ok(Box::new(Sampler::new(&params)) as Box<dyn TokenSampler>)
-    });
+    let samplers: SamplerFactory = crate::engine::sampler_factory(shard.path.clone());
     // One thread for all of the node's networking: a frame's path through the link
     // task, quinn's driver and the reader task then costs no cross-thread wake-ups
     // (each is tens of µs on a loaded machine); the stage computes on its own thread.
@@ -276,7 +270,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         bail!("the prompt takes {} tokens, which leaves no room in the context of {}", prompt.len(), placement.context);
     }
     // The coordinator refuses bad parameters too; checking here says so before connecting.
-    let sampling = t.sampling();
+    let sampling = t.sampling()?;
     shoal_types::validate_generation(&sampling, prompt.len(), max_new as u32, placement.context)?;
     let request = GenerateRequest {
         prompt: prompt.clone(),

@@ -10,6 +10,7 @@ use shoal_engine::{
 use shoal_types::{LayerRange, SessionId, Stage, StageMemory, TokenId};
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// What to generate and how to show it: shared by `run`, `demo` and `generate`.
 #[derive(Args, Clone, Debug)]
@@ -47,6 +48,10 @@ pub struct TextArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Keep the answer within a GBNF grammar (llama.cpp's format, start rule `root`),
+    /// read from this file: the API's JSON modes use the same mechanism.
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<PathBuf>,
 }
 
 impl TextArgs {
@@ -64,16 +69,23 @@ impl TextArgs {
     }
 
     /// The sampling parameters the flags describe.
-    pub fn sampling(&self) -> SamplingParams {
-        SamplingParams {
+    pub fn sampling(&self) -> Result<SamplingParams> {
+        let grammar = match &self.grammar {
+            Some(p) => {
+                Some(std::fs::read_to_string(p).with_context(|| format!("reading the grammar {}", p.display()))?)
+            }
+            None => None,
+        };
+        Ok(SamplingParams {
             temperature: self.temp,
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
             seed: self.seed,
+            grammar,
             ..SamplingParams::default()
-        }
+        })
     }
 }
 
@@ -182,7 +194,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     // Refuse out-of-range sampling flags (a NaN or negative --temp, --top-p 2, ...)
     // before llama.cpp loads anything or sees them.
-    let sampling = t.sampling();
+    let sampling = t.sampling()?;
     shoal_types::validate_generation(&sampling, prompt.len(), max_new as u32, g.ctx)?;
     let (_, stages) = load_split(&a.model, &a.split, &cache, &config)?;
     let ranges: Vec<LayerRange> = stages.iter().map(|s| s.info().layers).collect();
@@ -199,7 +211,12 @@ pub fn run(a: RunArgs) -> Result<()> {
         );
     }
     let mut out = Printer::new(&vocab, !t.json, !t.ignore_eos);
-    let gen = chain.generate(SessionId(0), &prompt, max_new, &mut Sampler::new(&sampling), &mut out)?;
+    let mut sampler = if sampling.grammar.is_some() {
+        Sampler::with_vocab(&sampling, Some(Arc::new(Vocab::load(&a.model)?)))?
+    } else {
+        Sampler::new(&sampling)
+    };
+    let gen = chain.generate(SessionId(0), &prompt, max_new, &mut sampler, &mut out)?;
     let tail = out.finish();
     if t.json {
         let report = RunReport {

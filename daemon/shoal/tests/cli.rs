@@ -66,6 +66,58 @@ fn bad_inputs_give_clear_errors() {
 }
 
 #[test]
+fn a_grammar_keeps_the_answer_within_it_split_or_not_and_a_bad_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let smol = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let schema = serde_json::json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+        "colours": {"type": "array", "items": {"enum": ["black", "white", "orange"]}, "minItems": 1, "maxItems": 2}}});
+    for (grammar, what) in
+        [(shoal_api::grammar::json_object(), "json"), (shoal_api::grammar::from_schema(&schema).unwrap(), "schema")]
+    {
+        let file = dir.path().join(format!("{what}.gbnf"));
+        std::fs::write(&file, grammar).unwrap();
+        let run = |split: Option<&str>| -> Value {
+            let mut args =
+                vec!["run", "--model", smol.to_str().unwrap(), "--json", "--grammar", file.to_str().unwrap()];
+            args.extend(["--prompt", "Describe a cat as a JSON object with its name and age.", "-n", "160"]);
+            if let Some(s) = split {
+                args.extend(["--split", s]);
+            }
+            let out = shoal(&args, dir.path());
+            assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+            serde_json::from_slice(&out.stdout).unwrap()
+        };
+        let whole = run(None);
+        let text = whole["text"].as_str().unwrap();
+        let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{what}: not JSON ({e}): {text:?}"));
+        assert!(v.is_object(), "{what}: {v}");
+        if what == "schema" {
+            let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+            assert_eq!(keys, ["name", "age", "colours"], "in the schema's order: {v}");
+            assert!(v["age"].is_i64() && v["name"].as_str().unwrap().chars().count() <= 20, "{v}");
+            let colours = v["colours"].as_array().unwrap();
+            assert!((1..=2).contains(&colours.len()), "{v}");
+        }
+        // Split in two: the same tokens and logits (the grammar lives at the tail).
+        let split = run(Some("15"));
+        assert_eq!(split["tokens"], whole["tokens"], "{what}");
+        assert_eq!(split["logits_digest"], whole["logits_digest"], "{what}");
+    }
+    let bad = dir.path().join("bad.gbnf");
+    std::fs::write(&bad, "root ::= ( unclosed").unwrap();
+    assert_fails(
+        &["run", "--model", smol.to_str().unwrap(), "--prompt", "hi", "--grammar", bad.to_str().unwrap()],
+        "grammar",
+    );
+    let missing = dir.path().join("missing.gbnf");
+    assert_fails(
+        &["run", "--model", smol.to_str().unwrap(), "--prompt", "hi", "--grammar", missing.to_str().unwrap()],
+        "missing.gbnf",
+    );
+}
+
+#[test]
 fn bench_split_prints_its_table() {
     let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
     let dir = tempfile::tempdir().unwrap();

@@ -183,6 +183,31 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     assert_eq!(lines.last().unwrap()["eval_count"], r["tokens"].as_array().unwrap().len());
     let req = serde_json::json!({"model": "no-such-model", "messages": msgs});
     assert_eq!(http_post(&chat, &req).0, 404);
+    // Structured output through the stages (the tail reads the grammar against its
+    // shard's vocabulary): a JSON schema's object, in its order; Ollama's "json".
+    let cat =
+        serde_json::json!([{"role": "user", "content": "Describe a cat as a JSON object with its name and age."}]);
+    let schema = serde_json::json!({"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"}}, "required": ["name", "age"]});
+    let req = serde_json::json!({"model": SMOL, "messages": cat, "temperature": 0, "max_tokens": 120,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "cat", "schema": schema}}});
+    let (status, body) = http_post(&chat, &req);
+    assert_eq!(status, 200, "{body}");
+    let content = serde_json::from_str::<Value>(&body).unwrap()["choices"][0]["message"]["content"].clone();
+    let v: Value = serde_json::from_str(content.as_str().unwrap()).unwrap_or_else(|e| panic!("{e}: {content}"));
+    assert_eq!(v.as_object().unwrap().keys().collect::<Vec<_>>(), ["name", "age"], "{v}");
+    assert!(v["age"].is_i64(), "{v}");
+    let req = serde_json::json!({"model": SMOL, "messages": cat, "format": "json", "stream": false,
+        "options": {"temperature": 0, "num_predict": 120}});
+    let (status, body) = http_post(&format!("http://{api}/api/chat"), &req);
+    assert_eq!(status, 200, "{body}");
+    let content = serde_json::from_str::<Value>(&body).unwrap()["message"]["content"].clone();
+    assert!(serde_json::from_str::<Value>(content.as_str().unwrap()).is_ok_and(|v| v.is_object()), "{content}");
+    let req = serde_json::json!({"model": SMOL, "messages": cat, "response_format": {"type": "json_schema",
+        "json_schema": {"schema": {"type": "string", "pattern": "^a$"}}}});
+    let (status, body) = http_post(&chat, &req);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("pattern"), "{body}");
     // The official clients (scripts/setup.sh installs them): the same text, every way.
     let clients = std::env::var_os("HOME").map(PathBuf::from).unwrap().join(".cache/shoal/py/clients");
     assert!(clients.join("openai").is_dir(), "{} is missing: run scripts/setup.sh", clients.display());
