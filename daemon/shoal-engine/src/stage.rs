@@ -162,6 +162,12 @@ impl LlamaStage {
             // Each session in its own KV stream: a session's numbers must not depend on
             // what other sessions hold (cell positions change reduction order).
             cp.kv_unified = false;
+            // Flash attention off: its CPU kernel splits a step's attention over the
+            // threads and sums the parts, so the logits depended on the thread count (a
+            // 300-token run with 1 and 2 threads differed). Off, they do not, and nodes
+            // with different core counts still give the unsplit model's numbers.
+            // (No measurable speed change on the test models; memory as predicted.)
+            cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
             cp.no_perf = true;
             if let Some(c) = capture.as_mut() {
                 cp.cb_eval = Some(eval_callback);
