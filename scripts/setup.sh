@@ -17,6 +17,8 @@ command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
 command -v clang >/dev/null 2>&1 || need_pkgs+=(clang)
 ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
 command -v pip3 >/dev/null 2>&1 || command -v pip >/dev/null 2>&1 || need_pkgs+=(python3-pip)
+# The API's route checks call it as users do.
+command -v curl >/dev/null 2>&1 || need_pkgs+=(curl)
 if ((${#need_pkgs[@]})); then
   say "installing ${need_pkgs[*]} (apt)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

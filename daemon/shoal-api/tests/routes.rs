@@ -758,3 +758,187 @@ async fn web_pages_get_no_free_loopback_access_and_cors_is_off_unless_configured
     .await
     .unwrap();
 }
+
+/// Fields whose values change from run to run (ids, clocks, durations, the version):
+/// masked in the golden files, which keep only that the field is there.
+const VOLATILE: &[&str] = &[
+    "id",
+    "created",
+    "created_at",
+    "modified_at",
+    "expires_at",
+    "total_duration",
+    "load_duration",
+    "prompt_eval_duration",
+    "eval_duration",
+    "version",
+];
+
+fn mask(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m.iter_mut() {
+                if VOLATILE.contains(&k.as_str()) && !x.is_object() {
+                    *x = json!("<masked>");
+                } else {
+                    mask(x);
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(mask),
+        _ => {}
+    }
+}
+
+/// What curl got, as one JSON document: the status, the content type, and the body
+/// (JSON; NDJSON and SSE as the list of their lines or events, SSE event names kept).
+fn curl(method: &str, url: &str, body: Option<&Value>, headers: &[&str]) -> Value {
+    let mut c = std::process::Command::new("curl");
+    c.args(["-sS", "-X", method, url, "-o", "-", "-w", "\n%{http_code} %{content_type}"]);
+    for h in headers {
+        c.args(["-H", h]);
+    }
+    if let Some(b) = body {
+        c.args(["-H", "content-type: application/json", "--data-binary", &b.to_string()]);
+    }
+    let out = c.output().expect("curl is needed for the route checks (apt-get install curl)");
+    assert!(out.status.success(), "curl: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (body, tail) = text.rsplit_once('\n').unwrap();
+    let (status, ctype) = tail.split_once(' ').unwrap();
+    let ctype = ctype.split(';').next().unwrap().trim().to_string();
+    let mut parsed = match ctype.as_str() {
+        "application/x-ndjson" => Value::Array(body.lines().map(|l| serde_json::from_str(l).unwrap()).collect()),
+        "text/event-stream" => Value::Array(
+            body.split("\n\n")
+                .filter(|e| !e.trim().is_empty())
+                .map(|e| {
+                    let event = e.lines().find_map(|l| l.strip_prefix("event: "));
+                    let data = e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap_or_default();
+                    let data = serde_json::from_str(data).unwrap_or_else(|_| Value::String(data.to_string()));
+                    match event {
+                        Some(name) => json!({"event": name, "data": data}),
+                        None => data,
+                    }
+                })
+                .collect(),
+        ),
+        _ => serde_json::from_str(body).unwrap_or_else(|_| Value::String(body.to_string())),
+    };
+    mask(&mut parsed);
+    json!({"status": status.parse::<u16>().unwrap(), "content_type": ctype, "body": parsed})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_routes_shape_matches_its_golden_file() {
+    let (url, _) = server().await;
+    let (keyed, _) = server_with(shoal_api::Access { loopback_free: false, ..Default::default() }).await;
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let cases: Vec<(&str, &str, String, Option<Value>)> = vec![
+        (
+            "openai_chat",
+            "POST",
+            format!("{url}/v1/chat/completions"),
+            Some(json!({"model": "tiny", "messages": msgs, "temperature": 0, "max_tokens": 8})),
+        ),
+        (
+            "openai_chat_stream",
+            "POST",
+            format!("{url}/v1/chat/completions"),
+            Some(json!({"model": "tiny", "messages": msgs, "max_tokens": 3, "stream": true,
+                "stream_options": {"include_usage": true}})),
+        ),
+        (
+            "openai_completions",
+            "POST",
+            format!("{url}/v1/completions"),
+            Some(json!({"model": "tiny", "prompt": "Once", "max_tokens": 4, "stop": [","]})),
+        ),
+        ("openai_models", "GET", format!("{url}/v1/models"), None),
+        ("openai_model", "GET", format!("{url}/v1/models/tiny"), None),
+        (
+            "openai_unknown_model",
+            "POST",
+            format!("{url}/v1/chat/completions"),
+            Some(json!({"model": "nope", "messages": msgs})),
+        ),
+        (
+            "openai_unsupported",
+            "POST",
+            format!("{url}/v1/chat/completions"),
+            Some(json!({"model": "tiny", "messages": msgs, "n": 2})),
+        ),
+        (
+            "openai_no_key",
+            "POST",
+            format!("{keyed}/v1/chat/completions"),
+            Some(json!({"model": "tiny", "messages": msgs})),
+        ),
+        (
+            "anthropic_messages",
+            "POST",
+            format!("{url}/v1/messages"),
+            Some(json!({"model": "tiny", "max_tokens": 5, "messages": msgs})),
+        ),
+        (
+            "anthropic_stream",
+            "POST",
+            format!("{url}/v1/messages"),
+            Some(json!({"model": "tiny", "max_tokens": 3, "messages": msgs, "stream": true})),
+        ),
+        (
+            "anthropic_no_key",
+            "POST",
+            format!("{keyed}/v1/messages"),
+            Some(json!({"model": "tiny", "max_tokens": 5, "messages": msgs})),
+        ),
+        (
+            "ollama_chat_stream",
+            "POST",
+            format!("{url}/api/chat"),
+            Some(json!({"model": "tiny", "messages": msgs, "options": {"num_predict": 3}})),
+        ),
+        (
+            "ollama_generate",
+            "POST",
+            format!("{url}/api/generate"),
+            Some(json!({"model": "tiny", "prompt": "Hi", "stream": false, "options": {"num_predict": 5}})),
+        ),
+        ("ollama_generate_load", "POST", format!("{url}/api/generate"), Some(json!({"model": "tiny"}))),
+        ("ollama_tags", "GET", format!("{url}/api/tags"), None),
+        ("ollama_ps", "GET", format!("{url}/api/ps"), None),
+        ("ollama_show", "POST", format!("{url}/api/show"), Some(json!({"model": "tiny"}))),
+        ("ollama_version", "GET", format!("{url}/api/version"), None),
+        ("ollama_bad_json", "POST", format!("{url}/api/chat"), Some(json!("not an object"))),
+        (
+            "ollama_not_loaded_yet",
+            "POST",
+            format!("{url}/api/chat"),
+            Some(json!({"model": "warming", "messages": msgs})),
+        ),
+        ("health", "GET", format!("{url}/health"), None),
+    ];
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    let update = std::env::var_os("SHOAL_UPDATE_GOLDEN").is_some();
+    tokio::task::spawn_blocking(move || {
+        let mut wrong = Vec::new();
+        for (name, method, url, body) in cases {
+            let got = curl(method, &url, body.as_ref(), &[]);
+            let file = dir.join(format!("{name}.json"));
+            let text = serde_json::to_string_pretty(&got).unwrap() + "\n";
+            if update {
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::write(&file, &text).unwrap();
+                continue;
+            }
+            let want = std::fs::read_to_string(&file)
+                .unwrap_or_else(|_| panic!("{} is missing (SHOAL_UPDATE_GOLDEN=1 writes it)", file.display()));
+            if want != text {
+                wrong.push(format!("{name}: got\n{text}\nwant\n{want}"));
+            }
+        }
+        assert!(wrong.is_empty(), "shapes changed (SHOAL_UPDATE_GOLDEN=1 rewrites the files):\n{}", wrong.join("\n"));
+    })
+    .await
+    .unwrap();
+}
