@@ -26,6 +26,15 @@ pub trait Backend: Send + Sync + 'static {
     /// where it is on disk (Shoal uses models in place; it never deletes them).
     fn remove(&self, model: &str) -> impl Future<Output = Result<(), Failure>> + Send;
 
+    /// Download the GGUF at `source` (an http(s) URL or `hf://org/repo/file.gguf`) to
+    /// this node, resuming a cut download, and add it to the catalog; progress goes to
+    /// `progress` as bytes arrive. The catalog name on success.
+    fn pull(
+        &self,
+        source: &str,
+        progress: mpsc::UnboundedSender<PullProgress>,
+    ) -> impl Future<Output = Result<String, Failure>> + Send;
+
     /// The text side of the model named `model` (a catalog name or a hash prefix).
     fn text(&self, model: &str) -> impl Future<Output = Result<Arc<dyn TextModel>, Failure>> + Send;
 
@@ -50,6 +59,15 @@ pub trait Backend: Send + Sync + 'static {
         request: GenerateRequest,
         tokens: mpsc::UnboundedSender<TokenId>,
     ) -> impl Future<Output = Result<Report, Failure>> + Send;
+}
+
+/// How far a pull has come.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullProgress {
+    /// Bytes on disk so far.
+    pub completed: u64,
+    /// The file's size, when the server said.
+    pub total: Option<u64>,
 }
 
 /// A model as clients see it.

@@ -20,7 +20,7 @@ mod openai;
 mod serve;
 pub use serve::{serve_router, Limits};
 
-pub use backend::{Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, TextModel};
+pub use backend::{Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PullProgress, TextModel};
 
 use axum::extract::{ConnectInfo, MatchedPath, Request, State};
 use axum::http::{header, StatusCode};
@@ -79,6 +79,7 @@ pub fn router<B: Backend>(backend: Arc<B>, access: Access) -> Router {
         .route("/api/ps", get(ollama::ps::<B>))
         .route("/api/show", post(ollama::show::<B>))
         .route("/api/delete", axum::routing::delete(ollama::delete::<B>))
+        .route("/api/pull", post(ollama::pull::<B>))
         .route("/api/chat", post(ollama::chat::<B>))
         .route("/api/generate", post(ollama::generate::<B>))
         .layer(axum::middleware::from_fn_with_state((backend.clone(), access.clone()), auth::<B>))

@@ -1,6 +1,7 @@
 //! Ollama's routes, at the root as Ollama serves them: `POST /api/chat` and
 //! `/api/generate` (NDJSON streams by default, one object with `"stream": false`),
-//! `GET /api/tags`, `/api/ps`, `/api/version`, `POST /api/show`, `DELETE /api/delete`.
+//! `GET /api/tags`, `/api/ps`, `/api/version`, `POST /api/show`, `DELETE /api/delete`,
+//! `POST /api/pull` (a GGUF by URL or `hf://`: Ollama's registry is not Shoal's).
 //! `keep_alive`: 0 unloads the model (after the answer, or at once in an empty
 //! request, Ollama's "unload" call); any other value keeps it loaded, as Shoal keeps
 //! every model until it is unloaded.
@@ -364,6 +365,97 @@ pub(crate) async fn delete<B: Backend>(State(backend): State<Arc<B>>, body: Byte
     }
     .await;
     r.unwrap_or_else(|f| error_response(Dialect::Ollama, &f))
+}
+
+#[derive(Deserialize)]
+struct PullRequest {
+    #[serde(alias = "name")]
+    model: String,
+    #[serde(default = "default_stream")]
+    stream: bool,
+}
+
+/// `POST /api/pull`: download a GGUF by URL (`https://…/model.gguf`) or
+/// `hf://org/repo/file.gguf` to this node and add it to the catalog, with Ollama's
+/// status lines (`pulling manifest`, then `downloading` with `total`/`completed`, then
+/// `success`), or one object when `"stream": false`. Registry names (`llama3.2`) are
+/// refused with where to get the file instead.
+pub(crate) async fn pull<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
+    let req = match common::parse::<PullRequest>(&body) {
+        Ok(r) => r,
+        Err(f) => return error_response(Dialect::Ollama, &f),
+    };
+    let source = req.model.trim().to_string();
+    let is_url = ["http://", "https://", "hf://"].iter().any(|p| source.starts_with(p));
+    if !is_url {
+        let f = Failure::bad(format!(
+            "{source:?}: Shoal pulls a GGUF file by URL (https://…/model.gguf) or hf://org/repo/file.gguf; \
+             Ollama's registry names are not Shoal's (a model already in Ollama's store: \
+             `shoal models import --from ollama`)"
+        ));
+        return error_response(Dialect::Ollama, &f);
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let job = {
+        let backend = backend.clone();
+        let source = source.clone();
+        tokio::spawn(async move { backend.pull(&source, tx).await })
+    };
+    if !req.stream {
+        while rx.recv().await.is_some() {}
+        return match job.await {
+            Ok(Ok(_)) => Json(json!({"status": "success"})).into_response(),
+            Ok(Err(f)) => error_response(Dialect::Ollama, &f),
+            Err(_) => error_response(Dialect::Ollama, &Failure::new(crate::FailureKind::Internal, "the pull vanished")),
+        };
+    }
+    // Progress lines at most every 1% (or when the size is unknown, every 8 MiB).
+    let lines = async_stream_lines(source, rx, job);
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(lines)).into_response()
+}
+
+/// The NDJSON lines of a streamed pull: the start, progress, then success or an error.
+fn async_stream_lines(
+    source: String,
+    rx: tokio::sync::mpsc::UnboundedReceiver<crate::PullProgress>,
+    job: tokio::task::JoinHandle<Result<String, Failure>>,
+) -> impl futures_util::Stream<Item = Result<String, Infallible>> {
+    enum Phase {
+        Start,
+        Progress,
+        Done,
+    }
+    let state = (Phase::Start, rx, Some(job), 0u64, source);
+    stream::unfold(state, |(phase, mut rx, job, last, source)| async move {
+        match phase {
+            Phase::Start => {
+                let line = json!({"status": "pulling manifest"});
+                Some((Ok(format!("{line}\n")), (Phase::Progress, rx, job, last, source)))
+            }
+            Phase::Progress => loop {
+                let Some(p) = rx.recv().await else {
+                    // The pull is over (its sender dropped): its outcome is the last line.
+                    let vanished = || Failure::new(crate::FailureKind::Internal, "the pull vanished");
+                    let outcome = match job {
+                        Some(j) => j.await.unwrap_or_else(|_| Err(vanished())),
+                        None => Err(vanished()),
+                    };
+                    let line = match outcome {
+                        Ok(name) => json!({"status": "success", "model": name}),
+                        Err(f) => json!({"error": f.message}),
+                    };
+                    return Some((Ok(format!("{line}\n")), (Phase::Done, rx, None, last, source)));
+                };
+                let step = p.total.map_or(8 << 20, |t| (t / 100).max(1));
+                if p.completed >= last + step || p.total == Some(p.completed) {
+                    let line = json!({"status": format!("downloading {source}"), "digest": source,
+                        "total": p.total, "completed": p.completed});
+                    return Some((Ok(format!("{line}\n")), (Phase::Progress, rx, job, p.completed, source)));
+                }
+            },
+            Phase::Done => None,
+        }
+    })
 }
 
 /// `GET /api/version`.

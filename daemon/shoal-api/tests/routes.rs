@@ -106,6 +106,21 @@ impl Backend for Fake {
         Ok(())
     }
 
+    async fn pull(
+        &self,
+        source: &str,
+        progress: mpsc::UnboundedSender<shoal_api::PullProgress>,
+    ) -> Result<String, Failure> {
+        if source.contains("fail") {
+            let _ = progress.send(shoal_api::PullProgress { completed: 10, total: Some(1000) });
+            return Err(Failure::bad(format!("{source}: HTTP 404")));
+        }
+        for done in (0..=1000).step_by(5) {
+            let _ = progress.send(shoal_api::PullProgress { completed: done, total: Some(1000) });
+        }
+        Ok(source.rsplit('/').next().unwrap().to_string())
+    }
+
     async fn text(&self, _model: &str) -> Result<Arc<dyn TextModel>, Failure> {
         Ok(Arc::new(Bytes))
     }
@@ -941,4 +956,31 @@ async fn every_routes_shape_matches_its_golden_file() {
     })
     .await
     .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollama_pull_streams_progress_then_success_and_refuses_registry_names() {
+    let (url, _) = server().await;
+    let pull = format!("{url}/api/pull");
+    let (status, _, body) = post(pull.clone(), json!({"model": "https://example.com/m/tiny.gguf"})).await;
+    assert_eq!(status, 200, "{body}");
+    let lines: Vec<Value> = body.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0], json!({"status": "pulling manifest"}));
+    assert_eq!(lines.last().unwrap(), &json!({"status": "success", "model": "tiny.gguf"}));
+    let progress: Vec<u64> = lines[1..lines.len() - 1].iter().map(|l| l["completed"].as_u64().unwrap()).collect();
+    assert!(progress.len() >= 10 && progress.len() <= 102, "about one line per 1%: {}", progress.len());
+    assert!(progress.windows(2).all(|w| w[0] < w[1]) && progress.last() == Some(&1000), "{progress:?}");
+    assert!(lines[1..lines.len() - 1].iter().all(|l| l["total"] == 1000));
+    // Whole, and failures.
+    let (status, _, body) = post(pull.clone(), json!({"name": "hf://org/repo/tiny.gguf", "stream": false})).await;
+    assert_eq!((status, serde_json::from_str::<Value>(&body).unwrap()), (200, json!({"status": "success"})));
+    let (status, _, body) = post(pull.clone(), json!({"model": "https://fail.example/x.gguf", "stream": false})).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("404"), "{body}");
+    let (status, _, body) = post(pull.clone(), json!({"model": "https://fail.example/x.gguf"})).await;
+    assert_eq!(status, 200);
+    assert!(body.lines().last().unwrap().contains("\"error\""), "{body}");
+    let (status, _, body) = post(pull, json!({"model": "llama3.2"})).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("hf://") && body.contains("models import --from ollama"), "{body}");
 }

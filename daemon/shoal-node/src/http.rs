@@ -28,6 +28,8 @@ pub struct NodeBackend {
     pub(crate) texts: Mutex<HashMap<String, Arc<dyn TextModel>>>,
     /// The API's counters.
     pub(crate) metrics: shoal_api::Metrics,
+    /// Where `/api/pull` downloads go (`<data dir>/models`, as `shoal models add URL`).
+    pub(crate) downloads: PathBuf,
 }
 
 impl Backend for NodeBackend {
@@ -86,6 +88,30 @@ impl Backend for NodeBackend {
             }
         }
         models::remove(&self.rt.membership, &hash).await.map(drop).map_err(failure)
+    }
+
+    async fn pull(
+        &self,
+        source: &str,
+        progress: mpsc::UnboundedSender<shoal_api::PullProgress>,
+    ) -> Result<String, Failure> {
+        let (url, dest) = (source.to_string(), self.downloads.clone());
+        let fetched = tokio::task::spawn_blocking(move || {
+            shoal_catalog::download(&url, &dest, &mut |p| {
+                let _ = progress.send(shoal_api::PullProgress { completed: p.done, total: p.total });
+            })
+        })
+        .await
+        .map_err(|e| Failure::new(FailureKind::Internal, e.to_string()))?;
+        let path = match fetched {
+            Ok(d) => d.path,
+            // Pulled before: the file is there whole; adding it again checks it.
+            Err(shoal_catalog::DownloadError::Exists(path)) => path,
+            Err(e) => return Err(Failure::bad(format!("{source}: {e}"))),
+        };
+        let entry =
+            models::add(self.rt.me, &self.rt.membership, &path.display().to_string(), None).await.map_err(failure)?;
+        Ok(entry.name)
     }
 
     async fn text(&self, model: &str) -> Result<Arc<dyn TextModel>, Failure> {

@@ -133,7 +133,12 @@ async fn serve_http(
     let file = data_dir.join(http::HTTP_FILE);
     std::fs::write(&file, format!("{bound}\n")).map_err(|e| format!("{}: {e}", file.display()))?;
     eprintln!("[shoal] API: http://{bound}");
-    let backend = Arc::new(http::NodeBackend { rt, texts: Default::default(), metrics: shoal_api::Metrics::new() });
+    let backend = Arc::new(http::NodeBackend {
+        rt,
+        texts: Default::default(),
+        metrics: shoal_api::Metrics::new(),
+        downloads: data_dir.join("models"),
+    });
     Ok(async move {
         if let Err(e) = shoal_api::serve(listener, backend, access, std::future::pending()).await {
             tracing::error!("the HTTP API stopped: {e}");

@@ -142,7 +142,11 @@ fn inputs(view: &View) -> Inputs {
                     id: m.id,
                     name: m.name.clone(),
                     alive: view.alive.contains(&m.id),
-                    offer_bytes: offers.get(&m.id.to_string()).map_or(m.memory_bytes, |o| o.memory_bytes),
+                    // Nothing until the member published its offer: the advert's memory is
+                    // the whole machine's, and a member that just joined would look like it
+                    // could hold anything (a re-plan would pick it before it said what it
+                    // gives).
+                    offer_bytes: offers.get(&m.id.to_string()).map_or(0, |o| o.memory_bytes),
                 })
                 .collect()
         })

@@ -272,6 +272,32 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
         wait_for("out of the catalog", 30, || (!run_ok(&["models", "ls"], &dir(n)).contains(SMOL)).then_some(()));
     }
     assert!(model.exists());
+    // Pulled back by URL through B's API (Ollama's /api/pull): B downloads it to its
+    // data dir and the catalog has it again, with B holding the copy.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut web = std::process::Command::new("python3")
+        .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+        .arg(model.parent().unwrap())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let source = format!("http://127.0.0.1:{port}/{SMOL}");
+    let pulled = wait_for("the pull", 60, || {
+        let (status, body) = http_post(&format!("http://{api}/api/pull"), &serde_json::json!({"model": source}));
+        (status == 200 && body.lines().last().is_some_and(|l| l.contains("success"))).then_some(body)
+    });
+    let _ = web.kill();
+    let _ = web.wait();
+    assert!(pulled.starts_with("{\"status\":\"pulling manifest\"}"), "{pulled}");
+    assert!(pulled.contains("\"completed\""), "{pulled}");
+    assert_eq!(
+        std::fs::metadata(dir("b").join("models").join(SMOL)).unwrap().len(),
+        std::fs::metadata(&model).unwrap().len()
+    );
+    for n in ["a", "b", "c"] {
+        wait_for("in the catalog again", 30, || run_ok(&["models", "ls"], &dir(n)).contains(SMOL).then_some(()));
+    }
     nodes.kill_all();
 }
 
