@@ -15,7 +15,7 @@ use common::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -92,20 +92,20 @@ impl Hosts {
         c.wait().unwrap();
     }
 
+    /// The hosts of the test model's stages, in order, as host `k` sees the placement.
+    fn placed(&self, k: usize) -> Vec<usize> {
+        let plan: Value = serde_json::from_str(&self.ok(k, &["models", "plan", SMOL, "--json"])).unwrap();
+        plan["placement"]["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| self.host_of(s["node"].as_str().unwrap()))
+            .collect()
+    }
+
     /// The host whose node has id `node`.
     fn host_of(&self, node: &str) -> usize {
         (0..self.dirs.len()).find(|&k| key(&self.dirs[k]) == node).unwrap()
-    }
-}
-
-fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}: not within {secs} s");
-        std::thread::sleep(Duration::from_millis(300));
     }
 }
 
@@ -123,19 +123,6 @@ fn shard_bytes_on_disk(dir: &Path) -> u64 {
         }
     }
     total
-}
-
-/// `shoal run` unsplit on this machine, as JSON.
-fn unsplit(model: &Path, args: &[&str]) -> Value {
-    json(
-        shoal()
-            .args(["run", "--model"])
-            .arg(model)
-            .args(["--chunk", "128", "--ctx", "512"])
-            .args(args)
-            .output()
-            .unwrap(),
-    )
 }
 
 #[test]
@@ -207,28 +194,10 @@ fn plain_nodes_on_their_own_hosts_split_a_model_move_only_shards_and_survive_a_k
     let r = unsplit(&model, &args);
     let mut dead = Vec::new();
     for round in 0..2 {
-        let plan: Value = serde_json::from_str(&h.ok(0, &["models", "plan", SMOL, "--json"])).unwrap();
-        let placed: Vec<usize> = plan["placement"]["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| h.host_of(s["node"].as_str().unwrap()))
-            .collect();
+        let placed = h.placed(0);
         let order = if round == 0 { [1, 0, 2] } else { [0, 1, 2] };
         let victim = order.iter().map(|&i| placed[i]).find(|&k| k != 0).unwrap();
-        let mut gen = h
-            .net
-            .command(0, env!("CARGO_BIN_EXE_shoal"))
-            .args(["generate", "--model", SMOL, "--progress"])
-            .args(args)
-            .arg("--data-dir")
-            .arg(&h.dirs[0])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = gen.stderr.take().unwrap();
-        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
+        let (gen, mut lines) = spawn_generation(h.net.command(0, env!("CARGO_BIN_EXE_shoal")), SMOL, &args, &h.dirs[0]);
         let seen = lines.by_ref().map_while(Result::ok).filter(|l| l.starts_with("token ")).take(40).count();
         assert_eq!(seen, 40, "round {round}: the generation did not get under way");
         let killed_at = Instant::now();
@@ -245,13 +214,7 @@ fn plain_nodes_on_their_own_hosts_split_a_model_move_only_shards_and_survive_a_k
         assert_eq!(g["tokens"], r["tokens"], "round {round}: tokens differ from the unsplit run");
         assert_eq!(g["logits_digest"], r["logits_digest"], "round {round}: logits differ from the unsplit run");
         assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 260, "tokens missing or repeated");
-        let after: Value = serde_json::from_str(&h.ok(0, &["models", "plan", SMOL, "--json"])).unwrap();
-        let now: Vec<usize> = after["placement"]["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| h.host_of(s["node"].as_str().unwrap()))
-            .collect();
+        let now = h.placed(0);
         assert!(now.iter().all(|k| !dead.contains(k)) && now.len() == 3, "re-placed on the living: {now:?}");
     }
 }

@@ -76,17 +76,6 @@ fn status(dir: &Path) -> Option<Value> {
     out.status.success().then(|| serde_json::from_slice(&out.stdout).ok()).flatten()
 }
 
-fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}: not within {secs} s");
-        std::thread::sleep(Duration::from_millis(300));
-    }
-}
-
 fn run_ok(args: &[&str], dir: &Path) -> String {
     let out = shoal().args(args).arg("--data-dir").arg(dir).output().unwrap();
     assert!(out.status.success(), "shoal {args:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -369,18 +358,8 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
                 text
             })
         });
-        let mut gen = shoal()
-            .args(["generate", "--model", SMOL, "--progress"])
-            .args(args)
-            .arg("--data-dir")
-            .arg(dir("a"))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let (gen, mut lines) = spawn_generation(shoal(), SMOL, &args, &dir("a"));
         // Kill the victim once 40 tokens came.
-        let stderr = gen.stderr.take().unwrap();
-        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
         let mut seen = 0;
         for line in lines.by_ref() {
             if line.unwrap().starts_with("token ") {
@@ -440,17 +419,7 @@ fn the_leaders_node_killed_mid_generation_is_replaced_and_the_answer_does_not_ch
 
     let args = ["--prompt", PROMPT, "-n", "300", "--ignore-eos", "--json"];
     let r = unsplit(&model, &args);
-    let mut gen = shoal()
-        .args(["generate", "--model", SMOL, "--progress"])
-        .args(args)
-        .arg("--data-dir")
-        .arg(dir("b"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = gen.stderr.take().unwrap();
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stderr));
+    let (gen, mut lines) = spawn_generation(shoal(), SMOL, &args, &dir("b"));
     let seen = lines.by_ref().map_while(Result::ok).filter(|l| l.starts_with("token ")).take(40).count();
     assert_eq!(seen, 40, "the generation did not get under way");
     let killed_at = Instant::now();
@@ -487,20 +456,11 @@ fn a_bigger_node_joining_takes_the_model_but_only_once_no_generation_runs() {
     // A long generation runs while a node that holds the whole model's needs joins.
     let args = ["--prompt", PROMPT, "-n", "400", "--ignore-eos", "--json"];
     let r = unsplit(&model, &args);
-    let mut gen = shoal()
-        .args(["generate", "--model", SMOL, "--progress"])
-        .args(args)
-        .arg("--data-dir")
-        .arg(dir("a"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = gen.stderr.take().unwrap();
+    let (mut gen, lines) = spawn_generation(shoal(), SMOL, &args, &dir("a"));
     let tokens = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counter = tokens.clone();
     let reader = std::thread::spawn(move || {
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
+        for line in lines.map_while(Result::ok) {
             if line.starts_with("token ") {
                 counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
@@ -636,19 +596,6 @@ fn http_post(url: &str, body: &Value) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
     let mut r = agent.post(url).header("content-type", "application/json").send(body.to_string()).unwrap();
     (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
-}
-
-/// `shoal run` unsplit, as JSON.
-fn unsplit(model: &Path, args: &[&str]) -> Value {
-    json(
-        shoal()
-            .args(["run", "--model"])
-            .arg(model)
-            .args(["--chunk", "128", "--ctx", "512"])
-            .args(args)
-            .output()
-            .unwrap(),
-    )
 }
 
 /// The committed placement of the test model, as `models plan --json` prints it.

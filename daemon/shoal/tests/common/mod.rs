@@ -4,6 +4,7 @@
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 /// A cached test model; fails with instructions when missing (never a silent pass).
 pub fn model(file: &str) -> PathBuf {
@@ -59,4 +60,54 @@ pub fn free_port_pair() -> u16 {
         }
     }
     panic!("no two adjacent free UDP ports on 127.0.0.1")
+}
+
+/// Poll `f` every 300 ms until it gives a value; fail saying `what` after `secs`.
+pub fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}: not within {secs} s");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// `shoal run` of `model` unsplit on this machine (chunk 128, context 512, as the
+/// node tests load it), as JSON.
+pub fn unsplit(model: &Path, args: &[&str]) -> Value {
+    json(
+        shoal()
+            .args(["run", "--model"])
+            .arg(model)
+            .args(["--chunk", "128", "--ctx", "512"])
+            .args(args)
+            .output()
+            .unwrap(),
+    )
+}
+
+/// The lines a `shoal generate --progress` writes to stderr (`token …` per token).
+pub type ProgressLines = std::io::Lines<std::io::BufReader<std::process::ChildStderr>>;
+
+/// Start `cmd` (a `shoal`, maybe inside a namespace) as `generate --model MODEL
+/// --progress ARGS --data-dir DIR` with its output piped: the child, its stderr lines.
+pub fn spawn_generation(
+    mut cmd: Command,
+    model: &str,
+    args: &[&str],
+    dir: &Path,
+) -> (std::process::Child, ProgressLines) {
+    let mut child = cmd
+        .args(["generate", "--model", model, "--progress"])
+        .args(args)
+        .arg("--data-dir")
+        .arg(dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    (child, std::io::BufRead::lines(std::io::BufReader::new(stderr)))
 }
