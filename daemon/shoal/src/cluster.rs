@@ -210,6 +210,9 @@ pub fn serve(
 ) -> Result<()> {
     let data_dir = data_dir(&dir);
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
+    // Absolute from here on: paths under it go into the cluster state (downloaded
+    // models' paths), which only takes absolute ones.
+    let data_dir = std::fs::canonicalize(&data_dir).with_context(|| format!("resolving {}", data_dir.display()))?;
     let identity = Arc::new(Identity::load_or_create(&data_dir)?);
     let mut refresher = Refresher::new();
     let inventory = refresher.refresh();
