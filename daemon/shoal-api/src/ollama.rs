@@ -410,12 +410,12 @@ pub(crate) async fn pull<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         };
     }
     // Progress lines at most every 1% (or when the size is unknown, every 8 MiB).
-    let lines = async_stream_lines(source, rx, job);
+    let lines = pull_lines(source, rx, job);
     ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(lines)).into_response()
 }
 
 /// The NDJSON lines of a streamed pull: the start, progress, then success or an error.
-fn async_stream_lines(
+fn pull_lines(
     source: String,
     rx: tokio::sync::mpsc::UnboundedReceiver<crate::PullProgress>,
     job: tokio::task::JoinHandle<Result<String, Failure>>,

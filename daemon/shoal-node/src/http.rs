@@ -156,14 +156,10 @@ impl Backend for NodeBackend {
             let _ = writeln!(out, "# TYPE shoal_stage_running gauge\nshoal_stage_running{{{labels}}} {running}");
             // Sessions the stage holds and (on a coordinator) generations queued, as its
             // stage service tells them.
-            if let (true, Some(addr)) = (running == 1, self.rt.own_addr()) {
-                let place = shoal_pipeline::StagePlace { node: self.rt.me, addr, layers: st.layers };
-                let asked = tokio::time::timeout(
-                    std::time::Duration::from_secs(1),
-                    shoal_pipeline::status(&self.rt.node, &place),
-                )
-                .await;
-                if let Ok(Ok(ns)) = asked {
+            if running == 1 {
+                let view = self.rt.membership.view().borrow().clone();
+                let within = std::time::Duration::from_secs(1);
+                if let Some(ns) = runtime::stage_status(&self.rt, &view, self.rt.me, st.layers, within).await {
                     let _ = writeln!(out, "# HELP shoal_stage_sessions Sessions (generations) the stage holds now.");
                     let _ = writeln!(
                         out,

@@ -225,16 +225,27 @@ async fn idle_models(
     let mut idle = BTreeSet::new();
     for model in models {
         let Some(first) = placements.get(model).and_then(|p| p.stages.first()) else { continue };
-        let Some(addr) = rt.addr_of(view, first.node) else { continue };
-        let place = StagePlace { node: first.node, addr, layers: first.layers };
-        let asked = tokio::time::timeout(Duration::from_secs(2), shoal_pipeline::status(&rt.node, &place)).await;
-        if let Ok(Ok(st)) = asked {
+        if let Some(st) = stage_status(rt, view, first.node, first.layers, Duration::from_secs(2)).await {
             if st.sessions == 0 && st.waiting == 0 {
                 idle.insert(model.clone());
             }
         }
     }
     idle
+}
+
+/// What the stage service of `node` running `layers` says of its sessions and queue,
+/// or `None` when it is unknown, unreachable or silent for `within`.
+pub(crate) async fn stage_status(
+    rt: &Runtime,
+    view: &View,
+    node: NodeId,
+    layers: LayerRange,
+    within: Duration,
+) -> Option<shoal_pipeline::NodeStatus> {
+    let addr = rt.addr_of(view, node)?;
+    let place = StagePlace { node, addr, layers };
+    tokio::time::timeout(within, shoal_pipeline::status(&rt.node, &place)).await.ok()?.ok()
 }
 
 /// Publish this node's offer once it is a member (and whenever it differs).

@@ -119,8 +119,9 @@ fn human(inv: &NodeInventory) -> String {
 
 /// CPU threads a stage uses unless told otherwise: this machine's physical cores (as
 /// llama.cpp's own default; hyper-threads add little to its matrix work), since a node
-/// runs at most one stage. Results do not depend on it: the test models give the same
-/// tokens and logits with 1 and 2 threads.
+/// runs at most one stage. Results do not depend on it because flash attention is off
+/// (`shoal-engine`'s stage: its CPU kernel made logits depend on the thread count);
+/// the test models give the same tokens and logits with 1 and 2 threads.
 pub fn default_threads() -> u32 {
     sysinfo::System::physical_core_count()
         .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))

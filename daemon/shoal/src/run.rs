@@ -182,7 +182,8 @@ pub fn run(a: RunArgs) -> Result<()> {
         gpu_layers: g.gpu_layers,
     };
     let t = &g.text;
-    let vocab = Vocab::load(&a.model)?;
+    // One vocabulary for the prompt, the printer and a grammar's sampler.
+    let vocab = Arc::new(Vocab::load(&a.model)?);
     let prompt = t.prompt_tokens(&vocab)?;
     let max_new = t.max_tokens.min((g.ctx as usize).saturating_sub(prompt.len()));
     if max_new == 0 {
@@ -212,7 +213,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     let mut out = Printer::new(&vocab, !t.json, !t.ignore_eos);
     let mut sampler = if sampling.grammar.is_some() {
-        Sampler::with_vocab(&sampling, Some(Arc::new(Vocab::load(&a.model)?)))?
+        Sampler::with_vocab(&sampling, Some(vocab.clone()))?
     } else {
         Sampler::new(&sampling)
     };
