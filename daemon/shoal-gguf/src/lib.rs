@@ -15,7 +15,7 @@ pub use file::{
 };
 pub use ggml_type::GgmlType;
 pub use model::{Arch, ModelMeta};
-pub use shard::{Chunk, Manifest, ShardCache, ShardError, ShardFile, SourceHash, CHUNK_BYTES};
+pub use shard::{manifest_path, Chunk, Manifest, ShardCache, ShardError, ShardFile, SourceHash, CHUNK_BYTES};
 pub use value::{Value, ValueType};
 
 use std::path::{Path, PathBuf};

@@ -84,6 +84,14 @@ pub enum NodeRequest {
         /// Where to start, within the header.
         offset: u64,
     },
+    /// Time a few layers of a model on this node and publish its [`shoal_types::Speed`]
+    /// (the leader asks free members before it plans the model, so that the plan rests
+    /// on measured speeds). Only the leader may ask; one measurement at a time, and not
+    /// while this node runs a stage.
+    Measure {
+        /// The model's content hash.
+        model: String,
+    },
     /// Make an API key (its secret is in the answer, and nowhere else).
     KeyCreate {
         /// What it is for.
@@ -114,6 +122,8 @@ impl NodeRequest {
                 | NodeRequest::ModelPlan { .. }
                 | NodeRequest::Stages
                 | NodeRequest::ModelHeader { .. }
+                // The node checks that the asker leads.
+                | NodeRequest::Measure { .. }
         )
     }
 
@@ -123,6 +133,8 @@ impl NodeRequest {
             NodeRequest::ModelAdd { .. } | NodeRequest::ModelImport { .. } => Duration::from_secs(3600),
             // Between two tokens (a long prompt's prefill on slow machines included).
             NodeRequest::Generate { .. } => Duration::from_secs(600),
+            // A shard of a few layers fetched, loaded and timed.
+            NodeRequest::Measure { .. } => Duration::from_secs(300),
             _ => Duration::from_secs(30),
         }
     }
@@ -190,6 +202,8 @@ pub enum NodeResponse {
     },
     /// The API keys.
     Keys(Vec<shoal_types::ApiKey>),
+    /// This node's speed on a model, as [`NodeRequest::Measure`] timed and published it.
+    Measured(shoal_types::Speed),
     /// Part of a model's header.
     Header {
         /// Where the data section starts: the header's length.

@@ -79,6 +79,7 @@ pub async fn run(
         offer_bytes: options.max_memory.unwrap_or(free.saturating_sub(RESERVE_BYTES)),
         stage: Mutex::new(None),
         keepalive: options.keepalive,
+        measuring: Default::default(),
     });
     let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, trusted: shared.trusted.clone(), rt: rt.clone() });
     let mut tasks = tokio::task::JoinSet::new();
@@ -173,7 +174,7 @@ struct Ctx {
 async fn serve_api(mut incoming: Incoming, ctx: Arc<Ctx>) {
     while let Some(acc) = incoming.accept().await {
         let ctx = ctx.clone();
-        let owner = acc.peer == ctx.me;
+        let (owner, peer) = (acc.peer == ctx.me, acc.peer);
         if !owner {
             tokio::spawn(shoal_net::close_when_revoked(acc.conn.clone(), acc.peer, ctx.trusted.clone()));
         }
@@ -188,6 +189,17 @@ async fn serve_api(mut incoming: Incoming, ctx: Arc<Ctx>) {
                         )),
                         Ok(Some(NodeRequest::Generate { model, request })) => {
                             generate(&ctx, &model, request, &mut send).await
+                        }
+                        Ok(Some(NodeRequest::Measure { model })) => {
+                            // Loads layers and takes the CPU for a while: the leader's call.
+                            let leads = ctx.membership.view().borrow().leader == Some(peer);
+                            if owner || leads {
+                                runtime::measure(&ctx.rt, &model)
+                                    .await
+                                    .map_or_else(NodeResponse::Error, NodeResponse::Measured)
+                            } else {
+                                NodeResponse::Error(ApiError::new(ErrorKind::Forbidden, "only the leader asks for measurements"))
+                            }
                         }
                         Ok(Some(req)) => handle(&ctx, req).await,
                         Ok(None) => return,
@@ -234,7 +246,9 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
         NodeRequest::Stages => {
             Ok(NodeResponse::Stages(ctx.rt.stage.lock().map(|s| s.iter().cloned().collect()).unwrap_or_default()))
         }
-        NodeRequest::Generate { .. } => Err(ApiError::new(ErrorKind::BadRequest, "a generation streams its answer")),
+        NodeRequest::Generate { .. } | NodeRequest::Measure { .. } => {
+            Err(ApiError::new(ErrorKind::BadRequest, "served by the connection's loop"))
+        }
     };
     result.unwrap_or_else(NodeResponse::Error)
 }

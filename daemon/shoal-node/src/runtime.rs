@@ -83,6 +83,8 @@ pub struct Runtime {
     /// Keep the stage's threads spinning for this long after its last frame (no
     /// wake-up cost between tokens; see `shoal bench keepalive`); `None`: sleep.
     pub keepalive: Option<std::time::Duration>,
+    /// A measurement ([`measure`]) runs now: the next is refused.
+    pub measuring: std::sync::atomic::AtomicBool,
 }
 
 impl Runtime {
@@ -158,13 +160,31 @@ fn inputs(view: &View) -> Inputs {
         placements: placements(view),
         members,
         idle: BTreeSet::new(),
+        speeds: typed::<shoal_types::Speed>(view, shoal_types::Speed::KEY_PREFIX)
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let (node, model) = k.split_once('/')?;
+                Some(((node.parse().ok()?, model.to_string()), v))
+            })
+            .collect(),
+        measuring: BTreeSet::new(),
         index: view.state.as_ref().map_or(0, |s| s.version.index),
     }
 }
 
-/// On the leader: schedule whenever the view changes, and commit the decisions.
+/// On the leader: schedule whenever the view changes, and commit the decisions. Before
+/// a model is planned, the free members time a few of its layers (asked here, in the
+/// background; the plan waits for their answers, or until [`MEASURE_WAIT`]).
 pub async fn lead(rt: Arc<Runtime>) {
     let mut view = rt.membership.view();
+    // Measurements asked and not answered, answered but maybe not in the view yet (the
+    // member commits its entry before it answers, but this node may apply it a beat
+    // later), and failed (not asked again before MEASURE_RETRY: the member is planned
+    // with an estimate meanwhile).
+    let mut asked: BTreeSet<(NodeId, String)> = BTreeSet::new();
+    let mut answered: BTreeMap<(NodeId, String), shoal_types::Speed> = BTreeMap::new();
+    let mut failed: BTreeMap<(NodeId, String), tokio::time::Instant> = BTreeMap::new();
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
     loop {
         let v = view.borrow_and_update().clone();
         // Models a fresh plan would beat clearly: re-planned only once idle, so their
@@ -172,6 +192,23 @@ pub async fn lead(rt: Arc<Runtime>) {
         let mut waiting_for_idle = false;
         if v.leader == Some(rt.me) && v.state.is_some() {
             let mut i = inputs(&v);
+            answered.retain(|k, _| !i.speeds.contains_key(k));
+            i.speeds.extend(answered.iter().map(|(k, s)| (k.clone(), *s)));
+            failed.retain(|_, at| at.elapsed() < MEASURE_RETRY);
+            i.measuring = asked.clone();
+            for pair in schedule::to_measure(&i) {
+                if failed.contains_key(&pair) {
+                    continue;
+                }
+                tracing::info!(node = %pair.0, model = %pair.1, "asking for a measurement");
+                asked.insert(pair.clone());
+                let (rt, done) = (rt.clone(), done_tx.clone());
+                tokio::spawn(async move {
+                    let r = tokio::time::timeout(MEASURE_WAIT, ask_measure(&rt, pair.0, &pair.1)).await;
+                    let _ = done.send((pair, r.unwrap_or_else(|_| Err("no answer in time".into()))));
+                });
+            }
+            i.measuring = asked.clone();
             let better = schedule::better_if_idle(&i);
             if !better.is_empty() {
                 i.idle = idle_models(&rt, &v, &i.placements, &better).await;
@@ -195,17 +232,66 @@ pub async fn lead(rt: Arc<Runtime>) {
                 }
             }
         }
-        let changed = if waiting_for_idle {
-            match tokio::time::timeout(IDLE_RECHECK, view.changed()).await {
-                Ok(r) => r,
-                Err(_) => Ok(()),
+        let recheck = async {
+            if waiting_for_idle {
+                tokio::time::sleep(IDLE_RECHECK).await;
+            } else {
+                std::future::pending::<()>().await;
             }
-        } else {
-            view.changed().await
         };
-        if changed.is_err() {
-            return;
+        tokio::select! {
+            changed = view.changed() => if changed.is_err() { return },
+            Some((pair, answer)) = done_rx.recv() => {
+                asked.remove(&pair);
+                match answer {
+                    Ok(speed) => {
+                        answered.insert(pair, speed);
+                    }
+                    Err(e) => {
+                        tracing::info!(node = %pair.0, "no measurement: {e}; its speed is estimated");
+                        failed.insert(pair, tokio::time::Instant::now());
+                    }
+                }
+            }
+            () = recheck => {}
         }
+    }
+}
+
+/// How long the leader waits for a member's measurement before it plans without it.
+pub const MEASURE_WAIT: Duration = Duration::from_secs(120);
+
+/// How long a member whose measurement failed is planned with an estimate before it is
+/// asked again.
+const MEASURE_RETRY: Duration = Duration::from_secs(600);
+
+/// Ask member `node` to measure `model`; its answer, checked.
+async fn ask_measure(rt: &Runtime, node: NodeId, model: &str) -> Result<shoal_types::Speed, String> {
+    use shoal_membership::wire::{read_msg, write_msg};
+    // A member that just joined may not have its address in the view yet.
+    let mut tries = 0;
+    let addr = loop {
+        if let Some(a) = rt.addr_of(&rt.view(), node) {
+            break a;
+        }
+        tries += 1;
+        if tries > 50 {
+            return Err("its address is not known".into());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let conn = rt.node.connect(addr, node, shoal_net::alpn::NODE).await.map_err(|e| e.to_string())?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    let req = crate::api::NodeRequest::Measure { model: model.to_string() };
+    write_msg(&mut send, &req).await.map_err(|e| e.to_string())?;
+    let _ = send.finish();
+    let answer = read_msg::<NodeResponse>(&mut recv).await.map_err(|e| e.to_string())?;
+    conn.close(0u32.into(), b"done");
+    match answer {
+        Some(NodeResponse::Measured(speed)) if speed.is_sane() => Ok(speed),
+        Some(NodeResponse::Error(e)) => Err(e.message),
+        Some(other) => Err(format!("an unexpected answer {other:?}")),
+        None => Err("no answer".into()),
     }
 }
 
@@ -343,12 +429,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
     // The shard: cached, cut from this node's own copy, or fetched from a holder.
     let view = rt.view();
     let sources = CatalogSources::of(&rt, &view);
-    let holders: Vec<shoal_transfer::Holder> = entry
-        .holders
-        .keys()
-        .filter(|h| **h != rt.me && view.alive.contains(h))
-        .filter_map(|h| Some(shoal_transfer::Holder { peer: *h, addr: view.addrs.get(h).copied()? }))
-        .collect();
+    let holders = holders(&rt, &view, &entry);
     let progress_rt = rt.clone();
     let mut progress = move |p: &shoal_transfer::Progress| {
         if let Some(s) = lock(&progress_rt.stage).as_mut() {
@@ -430,6 +511,147 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
     if let Err(e) = shoal_pipeline::serve_on(rt.node.clone(), &rt.router, cfg).await {
         fail(&rt, status, format!("the stage stopped: {e}"));
     }
+}
+
+/// The live members other than this node that hold `entry`'s file, as the shard
+/// client dials them.
+fn holders(rt: &Runtime, view: &View, entry: &CatalogEntry) -> Vec<shoal_transfer::Holder> {
+    entry
+        .holders
+        .keys()
+        .filter(|h| **h != rt.me && view.alive.contains(h))
+        .filter_map(|h| Some(shoal_transfer::Holder { peer: *h, addr: view.addrs.get(h).copied()? }))
+        .collect()
+}
+
+/// Measure this node's speed on `model` (content hash) for the leader: obtain a shard
+/// of a few layers ([`measured_layers`]), load it as a stage, time a prefill chunk and
+/// decode steps ([`time_stage`]), drop the shard again if it was fetched for this,
+/// and publish the result as `speed/<node>/<model>`.
+pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Speed, ApiError> {
+    let unavailable = |m: String| ApiError::new(ErrorKind::Unavailable, m);
+    let Some(engine) = rt.engine.clone() else {
+        return Err(unavailable("this node runs no stages (no engine)".into()));
+    };
+    if lock(&rt.stage).as_ref().is_some_and(|s| !matches!(s.state, StageState::Failed(_))) {
+        return Err(ApiError::new(ErrorKind::Busy, "this node runs a stage; it is measured while free"));
+    }
+    // One at a time: two would time each other.
+    if rt.measuring.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        return Err(ApiError::new(ErrorKind::Busy, "a measurement already runs on this node"));
+    }
+    struct Done<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            self.0.store(false, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let _done = Done(&rt.measuring);
+    let view = rt.view();
+    let entry = models::entries(&view)
+        .into_iter()
+        .find(|e| e.content_hash == model)
+        .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("no model {model} in the catalog")))?;
+    let source: SourceHash = entry.content_hash.parse().map_err(|_| unavailable("a malformed content hash".into()))?;
+    let layers = measured_layers(entry.n_layer);
+    let obtained = shoal_transfer::obtain(
+        &rt.node,
+        &CatalogSources::of(rt, &view),
+        &holders(rt, &view, &entry),
+        source,
+        layers,
+        &rt.cache,
+        &mut |_: &shoal_transfer::Progress| {},
+    )
+    .await
+    .map_err(|e| unavailable(format!("getting the shard of layers {layers} to measure: {e}")))?;
+    let path = obtained.file.path.clone();
+    let n_layer = entry.n_layer;
+    let timed = tokio::task::spawn_blocking(move || {
+        let mut stage = engine.load(&path, layers, n_layer, MEASURE_SIZING)?;
+        time_stage(stage.as_mut(), MEASURE_SIZING.chunk, MEASURE_DECODE_STEPS)
+    })
+    .await
+    .map_err(|e| unavailable(e.to_string()))
+    .and_then(|r| r.map_err(|e| unavailable(format!("timing layers {layers}: {e}"))));
+    // A shard fetched only for this is not kept (a stage here may need other layers).
+    // One built from this node's copy stays: its shard server hands the same file to
+    // the other members being measured.
+    if matches!(obtained.origin, shoal_transfer::Origin::Holder(_)) {
+        let _ = std::fs::remove_file(&obtained.file.path);
+        let _ = std::fs::remove_file(shoal_gguf::manifest_path(&obtained.file.path));
+    }
+    let (decode_ms, prefill_ms) = timed?;
+    let n = f64::from(layers.len().max(1));
+    let speed = shoal_types::Speed {
+        ms_per_layer: decode_ms / n,
+        prefill_ms_per_layer_token: prefill_ms / n / f64::from(MEASURE_SIZING.chunk),
+        layers,
+    };
+    tracing::info!(model = %entry.name, %layers, ms_per_layer = speed.ms_per_layer, "measured");
+    let value = serde_json::to_value(speed).map_err(|e| unavailable(e.to_string()))?;
+    match rt.membership.ask(AdminRequest::Put { key: shoal_types::Speed::key(&rt.me, model), value }).await {
+        AdminResponse::Error(e) => Err(unavailable(format!("publishing the measurement: {e}"))),
+        _ => Ok(speed),
+    }
+}
+
+/// How a measured stage is sized: one session, one prefill chunk of context to spare.
+const MEASURE_SIZING: StageSizing = StageSizing { context: 256, sessions: 1, chunk: 64 };
+
+/// Decode steps timed by a measurement (the fastest counts).
+const MEASURE_DECODE_STEPS: u32 = 32;
+
+/// The layers a measurement times: two middle blocks (a shard without embedding or LM
+/// head, small enough for any member to fetch and hold), or the whole model when it
+/// has fewer than four blocks.
+pub fn measured_layers(n_layer: u32) -> LayerRange {
+    if n_layer >= 4 {
+        LayerRange::new(1, 3)
+    } else {
+        LayerRange::new(0, n_layer)
+    }
+}
+
+/// Time `stage`: a prefill chunk of `chunk` positions (three runs after a warm-up, the
+/// stage's contract lets a chunk re-run), then `steps` one-position decode steps after
+/// two warm-up steps. Returns (fastest decode step, fastest prefill chunk) in ms: what
+/// else runs on the machine only ever adds time, so the minimum is the machine's own
+/// speed (the median would carry a browser's or another process's burst into the
+/// plan). Inputs are a fixed pattern: the matrix work's time does not depend on values.
+fn time_stage(stage: &mut dyn Stage, chunk: u32, steps: u32) -> Result<(f64, f64), String> {
+    let info = stage.info().clone();
+    let session = shoal_types::SessionId(0);
+    let tokens = |n: u32, pos: u32| -> Vec<shoal_types::TokenId> {
+        (0..n).map(|i| ((pos + i) % info.n_vocab.max(1)) as shoal_types::TokenId).collect()
+    };
+    let hidden = |n: u32, pos: u32| -> Vec<f32> {
+        (0..n * info.n_embd).map(|i| (((pos * info.n_embd + i) % 97) as f32 - 48.0) / 480.0).collect()
+    };
+    let mut run = |pos: u32, n: u32| -> Result<f64, String> {
+        let (t, h) = (tokens(n, pos), hidden(n, pos));
+        let input = if info.layers.start == 0 {
+            shoal_types::StageInput::Tokens(&t)
+        } else {
+            shoal_types::StageInput::Hidden(&h)
+        };
+        let t0 = std::time::Instant::now();
+        stage.forward(session, pos, input).map_err(|e| e.to_string())?;
+        Ok(t0.elapsed().as_secs_f64() * 1e3)
+    };
+    run(0, chunk)?;
+    let mut prefill = f64::INFINITY;
+    for _ in 0..3 {
+        prefill = prefill.min(run(0, chunk)?);
+    }
+    run(chunk, 1)?;
+    run(chunk + 1, 1)?;
+    let mut decode = f64::INFINITY;
+    for i in 0..steps {
+        decode = decode.min(run(chunk + 2 + i, 1)?);
+    }
+    stage.free_session(session);
+    Ok((decode, prefill))
 }
 
 /// The models this node holds, for the shard server and local shard builds: a copy is

@@ -23,9 +23,14 @@
 //! - A model that does not fit gets a placement without stages and an error saying why;
 //!   it is planned again as members come back.
 //! - A placement whose load was removed (`unload`) is deleted.
+//! - Plans rest on measured speeds: every free member is asked to time a few layers of
+//!   a loaded model ([`to_measure`]; a [`Speed`] entry per member and model), and a
+//!   model is not planned from scratch while such a measurement runs
+//!   ([`Inputs::measuring`]). A member that could not be measured is planned with a
+//!   speed estimated from memory bandwidth, and the explanation says so.
 
 use shoal_planner::{Cluster, Device, ModelProfile, Options, Sizing};
-use shoal_types::{CatalogEntry, LoadSpec, ModelPlacement, NodeId, PlacedStage};
+use shoal_types::{CatalogEntry, LoadSpec, ModelPlacement, NodeId, PlacedStage, Speed};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Prefill chunk size C of placed models (DESIGN point 10: 128 loses ≤ 5% against 512).
@@ -65,6 +70,11 @@ pub struct Inputs {
     /// Models (content hashes) with no generation running or waiting at their
     /// coordinator, as the leader last asked: only these may be re-planned for speed.
     pub idle: BTreeSet<String>,
+    /// Members' measured speeds, by (member, model content hash).
+    pub speeds: BTreeMap<(NodeId, String), Speed>,
+    /// Measurements the leader asked for and awaits: their models are not planned from
+    /// scratch meanwhile (a plan made now would rest on estimates).
+    pub measuring: BTreeSet<(NodeId, String)>,
     /// The cluster state's change index now. New placements take a generation above
     /// it, so a generation is never used twice for a model, even after an unload
     /// (a node that missed the unload must not keep serving an old stage as the new).
@@ -107,7 +117,7 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
     // Idle kept models that a fresh plan beats clearly, on the nodes not kept by others.
     for (model, load) in &loads {
         let Some(p) = inputs.placements.get(*model).filter(|_| keep.contains(model)) else { continue };
-        if !inputs.idle.contains(*model) {
+        if !inputs.idle.contains(*model) || measuring(inputs, model) {
             continue;
         }
         let this: &str = model;
@@ -136,9 +146,12 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
         }
         let previous = inputs.placements.get(*model);
         let generation = previous.map_or(0, |p| p.generation).max(inputs.index) + 1;
-        let next = previous
-            .and_then(|p| repair(inputs, p, load, &alive, &busy, generation))
-            .unwrap_or_else(|| place(inputs, load, &alive, &busy, generation));
+        let next = match previous.and_then(|p| repair(inputs, p, load, &alive, &busy, generation)) {
+            Some(repaired) => repaired,
+            // Planned once the members' speeds are in.
+            None if measuring(inputs, model) => continue,
+            None => place(inputs, load, &alive, &busy, generation),
+        };
         if let Some(p) = previous {
             // An unchanged refusal is not committed again (nothing would change but
             // the generation).
@@ -150,6 +163,33 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
             busy.insert(s.node, model);
         }
         out.push(Decision::Place(next));
+    }
+    out
+}
+
+/// Whether a measurement of `model` is awaited.
+fn measuring(inputs: &Inputs, model: &str) -> bool {
+    inputs.measuring.iter().any(|(_, m)| m == model)
+}
+
+/// The measurements the leader should ask for: for each model to keep loaded, each
+/// live member that offers memory, runs no stage (a measurement would slow a running
+/// generation, and be slowed by it) and has no sane [`Speed`] for it yet.
+/// Measurements already awaited are left out.
+pub fn to_measure(inputs: &Inputs) -> Vec<(NodeId, String)> {
+    let busy: BTreeSet<NodeId> = inputs.placements.values().flat_map(|p| p.stages.iter().map(|s| s.node)).collect();
+    let mut out = Vec::new();
+    for load in &inputs.loads {
+        if !inputs.catalog.contains_key(&load.model) || !inputs.profiles.contains_key(&load.model) {
+            continue;
+        }
+        for m in &inputs.members {
+            let pair = (m.id, load.model.clone());
+            let known = inputs.speeds.get(&pair).is_some_and(Speed::is_sane);
+            if m.alive && m.offer_bytes > 0 && !busy.contains(&m.id) && !known && !inputs.measuring.contains(&pair) {
+                out.push(pair);
+            }
+        }
     }
     out
 }
@@ -281,10 +321,22 @@ fn place(
         return fail(placement, "no live member is free to run it (excluded, or running another model)".into());
     }
     let hosts = host_names(&candidates);
+    let mut measured = Vec::new();
     let devices = candidates
         .iter()
         .zip(&hosts)
-        .map(|(m, host)| Device::estimated_cpu(host.clone(), m.offer_bytes, profile))
+        .map(|(m, host)| {
+            let mut d = Device::estimated_cpu(host.clone(), m.offer_bytes, profile);
+            if let Some(speed) = inputs.speeds.get(&(m.id, load.model.clone())).filter(|s| s.is_sane()) {
+                // The head was not timed: it scales like the layers (both read weights).
+                d.head_ms *= speed.ms_per_layer / d.ms_per_layer;
+                d.ms_per_layer = speed.ms_per_layer;
+                d.prefill_ms_per_layer_token = Some(speed.prefill_ms_per_layer_token);
+                d.estimated = false;
+                measured.push(format!("{host} {:.3}", speed.ms_per_layer));
+            }
+            d
+        })
         .collect();
     let cluster = Cluster { devices, links: Vec::new() };
     let opts = Options {
@@ -307,6 +359,12 @@ fn place(
             }
             placement.predicted_tok_s = plan.predicted_tok_s;
             placement.explanation = plan.explanation;
+            if !measured.is_empty() {
+                placement.explanation.push(format!(
+                    "Speeds measured by the members on a few layers (ms per layer and token): {}.",
+                    measured.join(", ")
+                ));
+            }
             placement
         }
         Err(e) => fail(placement, e.to_string()),
@@ -385,6 +443,8 @@ mod tests {
             placements: BTreeMap::new(),
             members: offers.iter().enumerate().map(|(i, o)| member(i as u8 + 1, *o)).collect(),
             idle: BTreeSet::new(),
+            speeds: BTreeMap::new(),
+            measuring: BTreeSet::new(),
             index: 0,
         }
     }
@@ -437,6 +497,71 @@ mod tests {
         step(&mut i);
         assert_eq!(placed(&i).generation, 8);
         assert!(schedule(&i).is_empty());
+    }
+
+    fn speed(ms_per_layer: f64) -> Speed {
+        Speed { ms_per_layer, prefill_ms_per_layer_token: ms_per_layer / 4.0, layers: shoal_types::LayerRange::new(1, 3) }
+    }
+
+    #[test]
+    fn the_plan_puts_the_model_on_the_member_measured_fastest_and_says_so() {
+        for fast in [1u8, 2] {
+            // Both could hold the whole model; only their measured speeds differ.
+            let mut i = inputs(&[400 * MB, 400 * MB]);
+            for n in [1u8, 2] {
+                i.speeds.insert((id(n), hash(1)), speed(if n == fast { 0.1 } else { 0.8 }));
+            }
+            step(&mut i);
+            let p = placed(&i);
+            assert_eq!(p.stages.len(), 1, "{:?}", p.explanation);
+            assert_eq!(p.stages[0].node, id(fast), "{:?}", p.explanation);
+            // 30 layers at 0.1 ms and the head scaled alike: about 300 tok/s, where
+            // the estimate (20 GB/s over ~100 MiB) says about 190.
+            assert!(p.predicted_tok_s > 250.0 && p.predicted_tok_s < 340.0, "{}", p.predicted_tok_s);
+            let text = p.explanation.join("\n");
+            assert!(text.contains("Speeds measured by the members") && text.contains("n1 0.") && text.contains("n2 0."), "{text}");
+            assert!(!text.contains("estimated"), "{text}");
+        }
+        // A member's entry that makes no sense is not believed: estimated, and said so.
+        let mut i = inputs(&[400 * MB]);
+        i.speeds.insert((id(1), hash(1)), speed(f64::NAN));
+        step(&mut i);
+        assert!(placed(&i).explanation.join("\n").contains("estimated"), "{:?}", placed(&i).explanation);
+    }
+
+    #[test]
+    fn a_model_is_first_planned_once_the_awaited_measurements_are_in() {
+        let mut i = inputs(&[90 * MB, 90 * MB, 90 * MB]);
+        // Every member is free and unmeasured: all three are to be asked.
+        assert_eq!(to_measure(&i), vec![(id(1), hash(1)), (id(2), hash(1)), (id(3), hash(1))]);
+        i.measuring = [(id(2), hash(1))].into();
+        assert_eq!(to_measure(&i), vec![(id(1), hash(1)), (id(3), hash(1))]);
+        assert!(schedule(&i).is_empty(), "planned while a measurement runs");
+        assert!(better_if_idle(&i).is_empty());
+        // Answered (or given up on): planned.
+        i.measuring.clear();
+        for n in 1..=3 {
+            i.speeds.insert((id(n), hash(1)), speed(0.5));
+        }
+        assert!(to_measure(&i).is_empty());
+        step(&mut i);
+        let p = placed(&i).clone();
+        assert_eq!(p.stages.len(), 3);
+        // A member that joins later is measured (it runs nothing); the members running
+        // stages are not (a measurement would slow their generations). Nor are members
+        // that are down or offer nothing.
+        i.members.push(member(4, 90 * MB));
+        i.members.push(member(5, 0));
+        i.members.push(MemberFacts { alive: false, ..member(6, 90 * MB) });
+        i.speeds.clear();
+        assert_eq!(to_measure(&i), vec![(id(4), hash(1))]);
+        // A kept placement does not wait for measurements, and a lost stage is repaired
+        // at once: only a plan from scratch waits.
+        i.measuring = [(id(4), hash(1))].into();
+        assert!(schedule(&i).is_empty());
+        i.members.iter_mut().find(|m| m.id == p.stages[1].node).unwrap().alive = false;
+        step(&mut i);
+        assert_eq!(placed(&i).stages[1].node, id(4), "{:?}", placed(&i).stages);
     }
 
     #[test]

@@ -113,6 +113,37 @@ impl Offer {
     }
 }
 
+/// A member's speed on one model, measured by the member itself on a few of the
+/// model's layers when the leader asks (so a member that cannot hold the whole model
+/// is measured too): the planner's device speeds for that member and model.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Speed {
+    /// Decode time of one layer for one token, ms.
+    pub ms_per_layer: f64,
+    /// Prefill time of one layer per prompt token, ms.
+    pub prefill_ms_per_layer_token: f64,
+    /// The layers that were timed.
+    pub layers: LayerRange,
+}
+
+impl Speed {
+    /// Key prefix in the cluster state.
+    pub const KEY_PREFIX: &'static str = "speed/";
+
+    /// The key of `node`'s speed on the model of content hash `model`:
+    /// `speed/<node id>/<model>`.
+    pub fn key(node: &NodeId, model: &str) -> String {
+        format!("{}{node}/{model}", Self::KEY_PREFIX)
+    }
+
+    /// Whether the figures can be planned with: finite, positive and below a minute
+    /// per layer (an entry is a member's word; a broken one is ignored, not believed).
+    pub fn is_sane(&self) -> bool {
+        let ok = |v: f64| v.is_finite() && v > 0.0 && v < 60_000.0;
+        ok(self.ms_per_layer) && ok(self.prefill_ms_per_layer_token) && !self.layers.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
