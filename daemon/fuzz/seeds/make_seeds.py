@@ -125,3 +125,26 @@ host = "a"
 memory_bytes = 1
 ms_per_layer = 1.0
 ''')
+
+# http_body: one byte picking the route (0 chat/completions, 1 completions, 2 messages,
+# 3 api/chat, 4 api/generate, 5 api/show, 6 api/pull, 7 DELETE api/delete), then the body.
+schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+          "required": ["a"]}
+bodies = [
+    (0, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+         "temperature": 0, "stop": ["}"], "stream": True, "stream_options": {"include_usage": True}}),
+    (0, {"model": "tiny", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [
+        {"type": "text", "text": "x"}]}], "response_format": {"type": "json_schema",
+                                                              "json_schema": {"name": "n", "schema": schema}}}),
+    (1, {"model": "tiny", "prompt": "abc", "max_tokens": 3, "seed": 7, "top_p": 0.5}),
+    (2, {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+    (3, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "format": schema,
+         "options": {"num_predict": 3, "stop": ["a"], "repeat_penalty": 1.1}}),
+    (3, {"model": "tiny", "messages": [], "keep_alive": 0}),
+    (4, {"model": "tiny", "prompt": "abc", "raw": True, "stream": False, "format": "json"}),
+    (5, {"model": "tiny"}),
+    (6, {"model": "hf://org/repo/file.gguf", "stream": True}),
+    (7, {"model": "tiny"}),
+]
+for i, (route, body) in enumerate(bodies):
+    write("http_body", f"route{route}-{i}", bytes([route]) + json.dumps(body).encode())
