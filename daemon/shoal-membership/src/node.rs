@@ -1166,7 +1166,7 @@ impl Actor {
                 let (main, tx, me) = (self.main.clone(), self.tx.clone(), self.me);
                 tokio::spawn(async move {
                     let value = probe_links(&main, &peers, frame_bytes).await;
-                    let key = format!("links/{me}");
+                    let key = LinksEntry::key(&me);
                     let _ = tx.send(Input::Measured { key, value, calibration: false, reply }).await;
                 });
             }
@@ -2301,6 +2301,21 @@ pub struct LinksEntry {
     pub frame_bytes: u32,
     /// By peer id (hex).
     pub peers: BTreeMap<String, shoal_net::LinkMeasure>,
+}
+
+impl LinksEntry {
+    /// Key prefix in the cluster state.
+    pub const KEY_PREFIX: &'static str = "links/";
+
+    /// The key of what `node` measured: `links/<node id>`.
+    pub fn key(node: &NodeId) -> String {
+        format!("{}{node}", Self::KEY_PREFIX)
+    }
+
+    /// What this entry says of the link to `peer`, if it probed it.
+    pub fn to(&self, peer: &NodeId) -> Option<&shoal_net::LinkMeasure> {
+        self.peers.get(&peer.to_string())
+    }
 }
 
 /// Ask the node whose data directory is `data_dir` (this machine) to do `req`, as its

@@ -92,6 +92,13 @@ pub enum NodeRequest {
         /// The model's content hash.
         model: String,
     },
+    /// Probe this node's links to the other members and publish what it measured
+    /// (`links/<node>`): the leader asks before it plans, one member at a time. Only the
+    /// leader may ask.
+    ProbeLinks {
+        /// The frame size to time (a decode step's hidden state), bytes.
+        frame_bytes: u32,
+    },
     /// Make an API key (its secret is in the answer, and nowhere else).
     KeyCreate {
         /// What it is for.
@@ -124,6 +131,7 @@ impl NodeRequest {
                 | NodeRequest::ModelHeader { .. }
                 // The node checks that the asker leads.
                 | NodeRequest::Measure { .. }
+                | NodeRequest::ProbeLinks { .. }
         )
     }
 
@@ -135,6 +143,8 @@ impl NodeRequest {
             NodeRequest::Generate { .. } => Duration::from_secs(600),
             // A shard of a few layers fetched, loaded and timed.
             NodeRequest::Measure { .. } => Duration::from_secs(300),
+            // Each peer's probe is bounded by a minute.
+            NodeRequest::ProbeLinks { .. } => Duration::from_secs(600),
             _ => Duration::from_secs(30),
         }
     }

@@ -19,7 +19,7 @@ use api::{ApiError, ErrorKind, NodeRequest, NodeResponse};
 use runtime::{Engine, Runtime};
 use shoal_gguf::ShardCache;
 use shoal_membership::node::{self as membership, Handle, NodeConfig, SharedEndpoint};
-use shoal_membership::wire::{read_msg, write_msg};
+use shoal_membership::wire::{read_msg, write_msg, AdminRequest, AdminResponse};
 use shoal_net::{alpn, Identity, Incoming, NodeId, TrustedKeys};
 use shoal_types::NodeInventory;
 use std::future::Future;
@@ -190,13 +190,11 @@ async fn serve_api(mut incoming: Incoming, ctx: Arc<Ctx>) {
                         Ok(Some(NodeRequest::Generate { model, request })) => {
                             generate(&ctx, &model, request, &mut send).await
                         }
-                        Ok(Some(NodeRequest::Measure { model })) => {
-                            // Loads layers and takes the CPU for a while: the leader's call.
+                        Ok(Some(req @ (NodeRequest::Measure { .. } | NodeRequest::ProbeLinks { .. }))) => {
+                            // Loads layers or sends megabytes: the leader's call.
                             let leads = ctx.membership.view().borrow().leader == Some(peer);
                             if owner || leads {
-                                runtime::measure(&ctx.rt, &model)
-                                    .await
-                                    .map_or_else(NodeResponse::Error, NodeResponse::Measured)
+                                measure(&ctx, req).await
                             } else {
                                 NodeResponse::Error(ApiError::new(ErrorKind::Forbidden, "only the leader asks for measurements"))
                             }
@@ -246,11 +244,28 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
         NodeRequest::Stages => {
             Ok(NodeResponse::Stages(ctx.rt.stage.lock().map(|s| s.iter().cloned().collect()).unwrap_or_default()))
         }
-        NodeRequest::Generate { .. } | NodeRequest::Measure { .. } => {
+        NodeRequest::Generate { .. } | NodeRequest::Measure { .. } | NodeRequest::ProbeLinks { .. } => {
             Err(ApiError::new(ErrorKind::BadRequest, "served by the connection's loop"))
         }
     };
     result.unwrap_or_else(NodeResponse::Error)
+}
+
+/// Measure this node for the leader: its speed on a model, or its links.
+async fn measure(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
+    match req {
+        NodeRequest::Measure { model } => {
+            runtime::measure(&ctx.rt, &model).await.map_or_else(NodeResponse::Error, NodeResponse::Measured)
+        }
+        NodeRequest::ProbeLinks { frame_bytes } => {
+            // Membership probes and commits `links/<node>`, as for `shoal plan`.
+            match ctx.membership.ask(AdminRequest::ProbeLinks { frame_bytes }).await {
+                AdminResponse::Error(e) => NodeResponse::Error(ApiError::new(ErrorKind::Unavailable, e)),
+                _ => NodeResponse::Ok("probed".into()),
+            }
+        }
+        _ => NodeResponse::Error(ApiError::new(ErrorKind::BadRequest, "not a measurement")),
+    }
 }
 
 /// Forward a generation to the model's coordinator, streaming each token back; the

@@ -168,6 +168,11 @@ fn inputs(view: &View) -> Inputs {
             })
             .collect(),
         measuring: BTreeSet::new(),
+        links: typed::<shoal_membership::node::LinksEntry>(view, shoal_membership::node::LinksEntry::KEY_PREFIX)
+            .into_iter()
+            .filter_map(|(k, v)| Some((k.parse().ok()?, v)))
+            .collect(),
+        probing: BTreeSet::new(),
         index: view.state.as_ref().map_or(0, |s| s.version.index),
     }
 }
@@ -185,6 +190,12 @@ pub async fn lead(rt: Arc<Runtime>) {
     let mut answered: BTreeMap<(NodeId, String), shoal_types::Speed> = BTreeMap::new();
     let mut failed: BTreeMap<(NodeId, String), tokio::time::Instant> = BTreeMap::new();
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    // Link probes, one at a time (two would time each other): the member probing now,
+    // and the members probed lately, until when they are not asked again (a success
+    // shows in the view a beat later; a failure waits MEASURE_RETRY).
+    let mut probe_now: Option<NodeId> = None;
+    let mut probed: BTreeMap<NodeId, tokio::time::Instant> = BTreeMap::new();
+    let (probe_tx, mut probe_rx) = tokio::sync::mpsc::unbounded_channel::<(NodeId, Result<(), String>)>();
     loop {
         let v = view.borrow_and_update().clone();
         // Models a fresh plan would beat clearly: re-planned only once idle, so their
@@ -209,6 +220,32 @@ pub async fn lead(rt: Arc<Runtime>) {
                 });
             }
             i.measuring = asked.clone();
+            probed.retain(|_, until| tokio::time::Instant::now() < *until);
+            let skip: BTreeSet<NodeId> = probe_now.iter().chain(probed.keys()).copied().collect();
+            let queue = schedule::to_probe(&i, &skip);
+            // After the speed measurements: a busy CPU would slow the echoes.
+            if let (None, Some(&next), true) = (probe_now, queue.first(), asked.is_empty()) {
+                let frame_bytes = i
+                    .loads
+                    .iter()
+                    .find_map(|l| i.profiles.get(&l.model))
+                    .map_or(4096, |p| p.n_embd.saturating_mul(4).clamp(1, shoal_net::probe::MAX_FRAME_BYTES));
+                tracing::info!(node = %next, "asking for a link probe");
+                probe_now = Some(next);
+                let (rt, done) = (rt.clone(), probe_tx.clone());
+                tokio::spawn(async move {
+                    let req = crate::api::NodeRequest::ProbeLinks { frame_bytes };
+                    let r = match tokio::time::timeout(MEASURE_WAIT, ask_node(&rt, next, &req)).await {
+                        Ok(Ok(NodeResponse::Ok(_))) => Ok(()),
+                        Ok(Ok(NodeResponse::Error(e))) => Err(e.message),
+                        Ok(Ok(other)) => Err(format!("an unexpected answer {other:?}")),
+                        Ok(Err(e)) => Err(e),
+                        Err(_) => Err("no answer in time".into()),
+                    };
+                    let _ = done.send((next, r));
+                });
+            }
+            i.probing = probe_now.into_iter().chain(queue).collect();
             let better = schedule::better_if_idle(&i);
             if !better.is_empty() {
                 i.idle = idle_models(&rt, &v, &i.placements, &better).await;
@@ -253,6 +290,17 @@ pub async fn lead(rt: Arc<Runtime>) {
                     }
                 }
             }
+            Some((node, answer)) = probe_rx.recv() => {
+                probe_now = None;
+                let wait = match answer {
+                    Ok(()) => Duration::from_secs(60),
+                    Err(e) => {
+                        tracing::info!(%node, "no link probe: {e}; its links are assumed");
+                        MEASURE_RETRY
+                    }
+                };
+                probed.insert(node, tokio::time::Instant::now() + wait);
+            }
             () = recheck => {}
         }
     }
@@ -267,6 +315,16 @@ const MEASURE_RETRY: Duration = Duration::from_secs(600);
 
 /// Ask member `node` to measure `model`; its answer, checked.
 async fn ask_measure(rt: &Runtime, node: NodeId, model: &str) -> Result<shoal_types::Speed, String> {
+    let req = crate::api::NodeRequest::Measure { model: model.to_string() };
+    match ask_node(rt, node, &req).await? {
+        NodeResponse::Measured(speed) if speed.is_sane() => Ok(speed),
+        NodeResponse::Error(e) => Err(e.message),
+        other => Err(format!("an unexpected answer {other:?}")),
+    }
+}
+
+/// Send member `node` one node-protocol request; its answer.
+async fn ask_node(rt: &Runtime, node: NodeId, req: &crate::api::NodeRequest) -> Result<NodeResponse, String> {
     use shoal_membership::wire::{read_msg, write_msg};
     // A member that just joined may not have its address in the view yet.
     let mut tries = 0;
@@ -282,17 +340,11 @@ async fn ask_measure(rt: &Runtime, node: NodeId, model: &str) -> Result<shoal_ty
     };
     let conn = rt.node.connect(addr, node, shoal_net::alpn::NODE).await.map_err(|e| e.to_string())?;
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
-    let req = crate::api::NodeRequest::Measure { model: model.to_string() };
-    write_msg(&mut send, &req).await.map_err(|e| e.to_string())?;
+    write_msg(&mut send, req).await.map_err(|e| e.to_string())?;
     let _ = send.finish();
     let answer = read_msg::<NodeResponse>(&mut recv).await.map_err(|e| e.to_string())?;
     conn.close(0u32.into(), b"done");
-    match answer {
-        Some(NodeResponse::Measured(speed)) if speed.is_sane() => Ok(speed),
-        Some(NodeResponse::Error(e)) => Err(e.message),
-        Some(other) => Err(format!("an unexpected answer {other:?}")),
-        None => Err("no answer".into()),
-    }
+    answer.ok_or_else(|| "no answer".into())
 }
 
 /// How often the leader asks again whether a model it would move to a clearly better

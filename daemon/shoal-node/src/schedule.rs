@@ -29,7 +29,8 @@
 //!   ([`Inputs::measuring`]). A member that could not be measured is planned with a
 //!   speed estimated from memory bandwidth, and the explanation says so.
 
-use shoal_planner::{Cluster, Device, ModelProfile, Options, Sizing};
+use shoal_membership::node::LinksEntry;
+use shoal_planner::{Cluster, Device, Link, ModelProfile, Options, Sizing};
 use shoal_types::{CatalogEntry, LoadSpec, ModelPlacement, NodeId, PlacedStage, Speed};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -75,6 +76,11 @@ pub struct Inputs {
     /// Measurements the leader asked for and awaits: their models are not planned from
     /// scratch meanwhile (a plan made now would rest on estimates).
     pub measuring: BTreeSet<(NodeId, String)>,
+    /// What each member measured of its links to the others.
+    pub links: BTreeMap<NodeId, LinksEntry>,
+    /// Members whose link probe the leader asked for (or queued) and awaits: no model
+    /// is planned from scratch meanwhile.
+    pub probing: BTreeSet<NodeId>,
     /// The cluster state's change index now. New placements take a generation above
     /// it, so a generation is never used twice for a model, even after an unload
     /// (a node that missed the unload must not keep serving an old stage as the new).
@@ -167,9 +173,9 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
     out
 }
 
-/// Whether a measurement of `model` is awaited.
+/// Whether a measurement of `model`, or a link probe, is awaited.
 fn measuring(inputs: &Inputs, model: &str) -> bool {
-    inputs.measuring.iter().any(|(_, m)| m == model)
+    !inputs.probing.is_empty() || inputs.measuring.iter().any(|(_, m)| m == model)
 }
 
 /// The measurements the leader should ask for: for each model to keep loaded, each
@@ -322,7 +328,7 @@ fn place(
     }
     let hosts = host_names(&candidates);
     let mut measured = Vec::new();
-    let devices = candidates
+    let devices: Vec<Device> = candidates
         .iter()
         .zip(&hosts)
         .map(|(m, host)| {
@@ -338,7 +344,14 @@ fn place(
             d
         })
         .collect();
-    let cluster = Cluster { devices, links: Vec::new() };
+    let ids: Vec<(NodeId, String)> = candidates.iter().map(|m| m.id).zip(hosts.iter().cloned()).collect();
+    let (links, wake) = measured_links(&inputs.links, &ids);
+    let mut devices = devices;
+    for d in &mut devices {
+        // Waking a receiver's network thread is the receiver's cost, like its compute's.
+        d.wake_ms += wake.get(&d.host).copied().unwrap_or(0.0);
+    }
+    let cluster = Cluster { devices, links };
     let opts = Options {
         sizing: Sizing { context: load.context, sessions: load.sessions, chunk: placement.chunk },
         // The offer is what the node gives to models; its own reserve is outside it.
@@ -369,6 +382,69 @@ fn place(
         }
         Err(e) => fail(placement, e.to_string()),
     }
+}
+
+/// The measured links between the planned hosts (`hosts`: each member's id and host
+/// name), from the members' probes: for each pair, the mean of what either side
+/// measured towards the other, frames back to back (the receiver awake); pairs nobody
+/// probed are left out (the planner assumes a wired LAN for them). Also, per host,
+/// what waking it for a frame adds (the mean over the probes that reached it). Entries
+/// probed with another model's frame size are used as they are (a frame's size matters
+/// little next to the wake-ups and the link's delay).
+pub fn measured_links(
+    probes: &BTreeMap<NodeId, LinksEntry>,
+    hosts: &[(NodeId, String)],
+) -> (Vec<Link>, BTreeMap<String, f64>) {
+    let mut wakes: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for (from, probe) in probes {
+        for (id, host) in hosts {
+            if let Some(m) = probe.to(id).filter(|_| id != from) {
+                wakes.entry(host).or_default().push(m.wake_ms);
+            }
+        }
+    }
+    let wake = wakes.into_iter().map(|(h, v)| (h.to_string(), v.iter().sum::<f64>() / v.len() as f64)).collect();
+    let mut links = Vec::new();
+    for (i, (x, hx)) in hosts.iter().enumerate() {
+        for (y, hy) in &hosts[i + 1..] {
+            let seen: Vec<&shoal_net::LinkMeasure> =
+                [(x, y), (y, x)].iter().filter_map(|(from, to)| probes.get(from)?.to(to)).collect();
+            if seen.is_empty() {
+                continue;
+            }
+            let n = seen.len() as f64;
+            let mbit: Vec<f64> = seen.iter().map(|l| l.mbit_per_s).filter(|b| *b > 0.0).collect();
+            links.push(Link {
+                hosts: [hx.clone(), hy.clone()],
+                ms_per_frame: seen.iter().map(|l| l.hot_frame_ms).sum::<f64>() / n,
+                mbit_per_s: (!mbit.is_empty()).then(|| mbit.iter().sum::<f64>() / mbit.len() as f64),
+            });
+        }
+    }
+    (links, wake)
+}
+
+/// The members whose links the leader should have probed before it plans: live
+/// members offering memory, for every pair of which neither side measured the other
+/// (the first of the pair probes: one probe measures its links to all). Members in
+/// `skip` (probing now, or just probed) count as done. Nothing while no model is to be
+/// kept loaded.
+pub fn to_probe(inputs: &Inputs, skip: &BTreeSet<NodeId>) -> Vec<NodeId> {
+    if inputs.loads.is_empty() {
+        return Vec::new();
+    }
+    let offering: Vec<NodeId> = inputs.members.iter().filter(|m| m.alive && m.offer_bytes > 0).map(|m| m.id).collect();
+    let measured = |a: &NodeId, b: &NodeId| inputs.links.get(a).is_some_and(|e| e.to(b).is_some());
+    let mut out: Vec<NodeId> = Vec::new();
+    for (i, x) in offering.iter().enumerate() {
+        for y in &offering[i + 1..] {
+            let covered = [x, y].iter().any(|n| skip.contains(n) || out.contains(n));
+            if !covered && !measured(x, y) && !measured(y, x) {
+                out.push(*x);
+            }
+        }
+    }
+    out
 }
 
 /// Host names for the planner: member names, with an id prefix where two members
@@ -445,6 +521,8 @@ mod tests {
             idle: BTreeSet::new(),
             speeds: BTreeMap::new(),
             measuring: BTreeSet::new(),
+            links: BTreeMap::new(),
+            probing: BTreeSet::new(),
             index: 0,
         }
     }
@@ -527,6 +605,59 @@ mod tests {
         i.speeds.insert((id(1), hash(1)), speed(f64::NAN));
         step(&mut i);
         assert!(placed(&i).explanation.join("\n").contains("estimated"), "{:?}", placed(&i).explanation);
+    }
+
+    fn probe(peers: &[(u8, f64)]) -> LinksEntry {
+        let m = |ms: f64| shoal_net::LinkMeasure {
+            rtt_ms: 2.0 * ms,
+            frame_ms: ms + 0.5,
+            hot_frame_ms: ms,
+            wake_ms: 0.5,
+            frame_bytes: 2304,
+            idle_ms: 10.0,
+            mbit_per_s: 100.0,
+            samples: 21,
+        };
+        LinksEntry { frame_bytes: 2304, peers: peers.iter().map(|&(n, ms)| (id(n).to_string(), m(ms))).collect() }
+    }
+
+    #[test]
+    fn links_are_probed_once_per_unmeasured_pair_and_planned_with() {
+        let mut i = inputs(&[90 * MB, 90 * MB, 90 * MB, 0]);
+        let none = BTreeSet::new();
+        // Nobody measured anything: 1 probes (covering 1-2, 1-3), then 2 (for 2-3).
+        // Member 4 offers nothing: it is never planned, so never probed.
+        assert_eq!(to_probe(&i, &none), vec![id(1), id(2)]);
+        // 1 probing now: 2 still has 2-3 to cover.
+        assert_eq!(to_probe(&i, &[id(1)].into()), vec![id(2)]);
+        i.links.insert(id(1), probe(&[(2, 4.0), (3, 6.0)]));
+        assert_eq!(to_probe(&i, &none), vec![id(2)]);
+        i.links.insert(id(3), probe(&[(2, 8.0)]));
+        assert!(to_probe(&i, &none).is_empty());
+        // No load, no probes.
+        let mut idle = i.clone();
+        idle.links.clear();
+        idle.loads.clear();
+        assert!(to_probe(&idle, &none).is_empty());
+        // While a probe is awaited, nothing is planned from scratch.
+        i.probing = [id(2)].into();
+        assert!(schedule(&i).is_empty());
+        i.probing.clear();
+        // The plan uses every pair's measured link (2-3 measured from 3's side), and
+        // the receivers' wake-ups: no assumed link left in the explanation.
+        let hosts: Vec<(NodeId, String)> = (1..=3).map(|n| (id(n), format!("n{n}"))).collect();
+        let (links, wake) = measured_links(&i.links, &hosts);
+        let ms: Vec<(String, f64)> = links.iter().map(|l| (l.hosts.join("-"), l.ms_per_frame)).collect();
+        assert_eq!(ms, [("n1-n2".to_string(), 4.0), ("n1-n3".into(), 6.0), ("n2-n3".into(), 8.0)]);
+        assert_eq!(wake.get("n2"), Some(&0.5));
+        assert_eq!(wake.get("n1"), None, "nobody probed n1");
+        step(&mut i);
+        let p = placed(&i);
+        assert_eq!(p.stages.len(), 3);
+        let text = p.explanation.join("\n");
+        assert!(!text.contains("No measured link"), "{text}");
+        // Slow links cost: about 30 layers of ~0.15 ms plus three hops of 4-8 ms.
+        assert!(p.predicted_tok_s < 70.0, "{}", p.predicted_tok_s);
     }
 
     #[test]

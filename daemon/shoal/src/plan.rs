@@ -265,7 +265,7 @@ fn measurements(
     identity: &Arc<shoal_net::Identity>,
 ) -> BTreeMap<String, serde_json::Value> {
     let mut all = BTreeMap::new();
-    for prefix in ["profile/", "links/"] {
+    for prefix in ["profile/", node::LinksEntry::KEY_PREFIX] {
         if let Some(AdminResponse::Entries(e)) =
             ask_local(rt, dir, identity, AdminRequest::Entries { prefix: prefix.into() })
         {
@@ -319,7 +319,7 @@ fn measure_missing(live: &mut Live, model: &ModelProfile, model_path: &std::path
                 }
             }
         }
-        let key = format!("links/{}", m.node);
+        let key = node::LinksEntry::key(&m.node);
         let probed = live
             .entries
             .get(&key)
@@ -444,11 +444,8 @@ fn cluster_of(
     (Cluster { devices, links }, measured)
 }
 
-/// The measured links between the planned members' hosts: for each pair, the mean of
-/// what either side measured towards the other, frames back to back (the receiver
-/// awake). Also, per host, what waking it for a frame adds (the mean over the probes
-/// that reached it). Entries probed with another model's frame size are used as they
-/// are (a frame's size matters little next to the wake-ups and the link's delay).
+/// The measured links between the planned members' hosts, and what waking each adds
+/// (`shoal_node::schedule::measured_links`, which the leader plans with too).
 fn links_of(
     st: &ClusterStatus,
     entries: &BTreeMap<String, serde_json::Value>,
@@ -458,40 +455,17 @@ fn links_of(
         .members
         .iter()
         .filter_map(|m| {
-            let v = entries.get(&format!("links/{}", m.node))?;
+            let v = entries.get(&node::LinksEntry::key(&m.node))?;
             Some((m.node, serde_json::from_value(v.clone()).ok()?))
         })
         .collect();
-    let planned: Vec<&MemberStatus> =
-        st.members.iter().filter(|m| devices.iter().any(|d| d.host == host_name(st, m))).collect();
-    let mut wakes: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for (from, probe) in &probes {
-        for (to, m) in &probe.peers {
-            let Some(host) = planned.iter().find(|p| p.node.to_string() == *to && p.node != *from) else { continue };
-            wakes.entry(host_name(st, host)).or_default().push(m.wake_ms);
-        }
-    }
-    let wake = wakes.into_iter().map(|(h, v)| (h, v.iter().sum::<f64>() / v.len() as f64)).collect();
-    let mut links = Vec::new();
-    for (i, x) in planned.iter().enumerate() {
-        for y in &planned[i + 1..] {
-            let seen: Vec<&shoal_net::LinkMeasure> = [(x, y), (y, x)]
-                .iter()
-                .filter_map(|(from, to)| probes.get(&from.node)?.peers.get(&to.node.to_string()))
-                .collect();
-            if seen.is_empty() {
-                continue;
-            }
-            let n = seen.len() as f64;
-            let mbit: Vec<f64> = seen.iter().map(|l| l.mbit_per_s).filter(|b| *b > 0.0).collect();
-            links.push(Link {
-                hosts: [host_name(st, x), host_name(st, y)],
-                ms_per_frame: seen.iter().map(|l| l.hot_frame_ms).sum::<f64>() / n,
-                mbit_per_s: (!mbit.is_empty()).then(|| mbit.iter().sum::<f64>() / mbit.len() as f64),
-            });
-        }
-    }
-    (links, wake)
+    let hosts: Vec<(NodeId, String)> = st
+        .members
+        .iter()
+        .map(|m| (m.node, host_name(st, m)))
+        .filter(|(_, h)| devices.iter().any(|d| d.host == *h))
+        .collect();
+    shoal_node::schedule::measured_links(&probes, &hosts)
 }
 
 /// A member's host name in plans: its name, unless another member has the same one.
