@@ -113,12 +113,19 @@ pub fn load(a: LoadArgs) -> Result<()> {
     let before: Vec<(String, u64)> = pids.iter().map(|(n, p)| (n.clone(), rss(*p))).collect();
 
     let mut generation = 0;
-    println!("{:<6} {:>8} {:>8} {:>12} {:>12} {:>10}", "load", "stages", "ready s", "bytes moved", "MB/s", "vs link");
+    println!(
+        "{:<6} {:>8} {:>9} {:>8} {:>12} {:>12} {:>10}",
+        "load", "stages", "placed s", "ready s", "bytes moved", "MB/s", "vs link"
+    );
     let mut cold_stages = Vec::new();
     for round in ["cold", "warm"] {
         let req = NodeRequest::ModelLoad { model: name.clone(), context: a.context, sessions: 1, exclude: vec![] };
         let t0 = Instant::now();
         lab.ask(&format!("n{}", a.nodes - 1), req)?;
+        // Committed: after the members measured themselves and their links (the first
+        // time only), before shards move.
+        wait("the placement", 600, || Ok(lab.placement(&name)?.filter(|p| p.generation != generation)))?;
+        let placed = t0.elapsed().as_secs_f64();
         let (p, stages) = lab.running(&name, generation)?;
         let ready = t0.elapsed().as_secs_f64();
         generation = p.generation;
@@ -127,8 +134,9 @@ pub fn load(a: LoadArgs) -> Result<()> {
             stages.iter().filter(|(_, s)| s.shard_bytes_received > 0).map(|(_, s)| s.shard_seconds).fold(0.0, f64::max);
         let mb_s = if fetch_s > 0.0 { moved as f64 / 1e6 / fetch_s } else { 0.0 };
         println!(
-            "{round:<6} {:>8} {:>8.2} {:>12} {:>12.1} {:>10}",
+            "{round:<6} {:>8} {:>9.2} {:>8.2} {:>12} {:>12.1} {:>10}",
             stages.len(),
+            placed,
             ready,
             moved,
             mb_s,
