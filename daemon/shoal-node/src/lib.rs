@@ -196,7 +196,10 @@ async fn serve_api(mut incoming: Incoming, ctx: Arc<Ctx>) {
                             if owner || leads {
                                 measure(&ctx, req).await
                             } else {
-                                NodeResponse::Error(ApiError::new(ErrorKind::Forbidden, "only the leader asks for measurements"))
+                                NodeResponse::Error(ApiError::new(
+                                    ErrorKind::Forbidden,
+                                    "only the leader asks for measurements",
+                                ))
                             }
                         }
                         Ok(Some(req)) => handle(&ctx, req).await,

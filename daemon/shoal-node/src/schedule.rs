@@ -578,7 +578,11 @@ mod tests {
     }
 
     fn speed(ms_per_layer: f64) -> Speed {
-        Speed { ms_per_layer, prefill_ms_per_layer_token: ms_per_layer / 4.0, layers: shoal_types::LayerRange::new(1, 3) }
+        Speed {
+            ms_per_layer,
+            prefill_ms_per_layer_token: ms_per_layer / 4.0,
+            layers: shoal_types::LayerRange::new(1, 3),
+        }
     }
 
     #[test]
@@ -597,7 +601,10 @@ mod tests {
             // the estimate (20 GB/s over ~100 MiB) says about 190.
             assert!(p.predicted_tok_s > 250.0 && p.predicted_tok_s < 340.0, "{}", p.predicted_tok_s);
             let text = p.explanation.join("\n");
-            assert!(text.contains("Speeds measured by the members") && text.contains("n1 0.") && text.contains("n2 0."), "{text}");
+            assert!(
+                text.contains("Speeds measured by the members") && text.contains("n1 0.") && text.contains("n2 0."),
+                "{text}"
+            );
             assert!(!text.contains("estimated"), "{text}");
         }
         // A member's entry that makes no sense is not believed: estimated, and said so.

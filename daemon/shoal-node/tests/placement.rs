@@ -270,7 +270,8 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     // them.
     let why = p.explanation.join("\n");
     assert!(!why.contains("No measured link"), "{why}");
-    let measured = why.lines().find_map(|l| l.strip_prefix("Speeds measured by the members on a few layers")).unwrap_or("");
+    let measured =
+        why.lines().find_map(|l| l.strip_prefix("Speeds measured by the members on a few layers")).unwrap_or("");
     assert!(!why.contains("estimated"), "{why}");
     for s in &p.stages {
         let name = [&a].into_iter().chain(&others).find(|n| n.id == s.node).unwrap().dir.file_name().unwrap();

@@ -4,11 +4,14 @@
 //! it offers, set so the small model must split in three). The model is added on the
 //! first node only and loaded from the third; the other two receive only their shards
 //! (the bytes that travelled equal what their shard files hold); a generation through
-//! a node holding only its shard equals `shoal run` unsplit; then two spares join, and
-//! the middle stage's node, then the coordinator's, is SIGKILLed during a 300-token
-//! generation: the leader re-places the lost stage and each generation ends with the
-//! unsplit run's tokens and logits. Needs
-//! root (`ip netns`); without it the test says it skipped.
+//! a node holding only its shard equals `shoal run` unsplit; then three spares join (the
+//! last adds the model too: a second copy), and the middle stage's node, then another
+//! stage's (the coordinator's unless a model holder runs it), then the leader's (here
+//! also a stage's), is SIGKILLed during a 300-token generation: the
+//! leader (a new one in the last round) re-places the lost stage and each generation
+//! ends with the unsplit run's tokens and logits. Each dead member is removed, as an
+//! owner would, so that the living keep a majority. Needs root (`ip netns`); without it
+//! the test says it skipped.
 
 mod common;
 use common::*;
@@ -133,8 +136,8 @@ fn plain_nodes_on_their_own_hosts_split_a_model_move_only_shards_and_survive_a_k
     let model = model(SMOL);
     let model_bytes = std::fs::metadata(&model).unwrap().len();
     let tmp = tempfile::tempdir().unwrap();
-    let net = shoal_testnet::Net::new("one", 5).unwrap();
-    let dirs = (0..5).map(|k| tmp.path().join(format!("h{k}"))).collect();
+    let net = shoal_testnet::Net::new("one", 6).unwrap();
+    let dirs = (0..6).map(|k| tmp.path().join(format!("h{k}"))).collect();
     let mut h = Hosts { net, dirs, children: Vec::new() };
 
     // The first node, finding no cluster on the LAN, creates one; two more join it.
@@ -185,19 +188,31 @@ fn plain_nodes_on_their_own_hosts_split_a_model_move_only_shards_and_survive_a_k
     assert_eq!(g["tokens"], r["tokens"], "through host 1: tokens differ from the unsplit run");
     assert_eq!(g["logits_digest"], r["logits_digest"], "through host 1: logits differ from the unsplit run");
 
-    // Two spares join; the middle stage's node, and then the coordinator's (the first
-    // stage's), die each during a 300-token generation asked on host 0 (which holds the
-    // only copy of the model, so it is never the victim).
+    // Three spares join, the last with a copy of the model (the same file: the hosts
+    // share a disk); the middle stage's node, then the coordinator's (the first
+    // stage's), then the leader's, die each during a 300-token generation. Hosts 0 and
+    // 5 hold the model, so they are not among the first two victims; the generation is
+    // asked on host 0, and on host 5 when host 0 is the victim.
     h.join(3);
     h.join(4);
+    h.join(5);
+    let added = h.ok(5, &["models", "add", model.to_str().unwrap()]);
+    assert!(added.contains("llama 30 layers"), "{added}");
     let args = ["--prompt", PROMPT, "-n", "300", "--ignore-eos", "--json"];
     let r = unsplit(&model, &args);
     let mut dead = Vec::new();
-    for round in 0..2 {
-        let placed = h.placed(0);
-        let order = if round == 0 { [1, 0, 2] } else { [0, 1, 2] };
-        let victim = order.iter().map(|&i| placed[i]).find(|&k| k != 0).unwrap();
-        let (gen, mut lines) = spawn_generation(h.net.command(0, env!("CARGO_BIN_EXE_shoal")), SMOL, &args, &h.dirs[0]);
+    for round in 0..3 {
+        let placed = h.placed(5);
+        let (victim, ask) = if round < 2 {
+            let order = if round == 0 { [1, 0, 2] } else { [0, 1, 2] };
+            (order.iter().map(|&i| placed[i]).find(|&k| k != 0 && k != 5).unwrap(), 0)
+        } else {
+            let leader = h.host_of(h.status(5).unwrap()["leader"].as_str().unwrap());
+            assert_ne!(leader, 5, "the leader is the node the last generation is asked on");
+            (leader, 5)
+        };
+        let (gen, mut lines) =
+            spawn_generation(h.net.command(ask, env!("CARGO_BIN_EXE_shoal")), SMOL, &args, &h.dirs[ask]);
         let seen = lines.by_ref().map_while(Result::ok).filter(|l| l.starts_with("token ")).take(40).count();
         assert_eq!(seen, 40, "round {round}: the generation did not get under way");
         let killed_at = Instant::now();
@@ -207,14 +222,22 @@ fn plain_nodes_on_their_own_hosts_split_a_model_move_only_shards_and_survive_a_k
         let out = gen.wait_with_output().unwrap();
         assert!(out.status.success(), "round {round}: the generation failed: {rest:?}");
         eprintln!(
-            "round {round}: host {victim} (of stages on {placed:?}) killed; the generation ended {:.1} s later",
+            "round {round}: host {victim} (of stages on {placed:?}{}) killed; the generation ended {:.1} s later",
+            if round == 2 { ", the leader" } else { "" },
             killed_at.elapsed().as_secs_f64()
         );
         let g: Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(g["tokens"], r["tokens"], "round {round}: tokens differ from the unsplit run");
         assert_eq!(g["logits_digest"], r["logits_digest"], "round {round}: logits differ from the unsplit run");
         assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 260, "tokens missing or repeated");
-        let now = h.placed(0);
+        let now = h.placed(5);
         assert!(now.iter().all(|k| !dead.contains(k)) && now.len() == 3, "re-placed on the living: {now:?}");
+        if round == 2 {
+            let leader = h.status(5).unwrap()["leader"].as_str().map(|l| h.host_of(l));
+            assert!(leader.is_some_and(|l| !dead.contains(&l)), "a new leader among the living: {leader:?}");
+        } else {
+            // The owner removes the dead member: the living stay a majority of the rest.
+            h.ok(ask, &["nodes", "remove", &key(&h.dirs[victim])]);
+        }
     }
 }
