@@ -389,8 +389,26 @@ pub(crate) async fn stage_status(
 /// Publish this node's offer once it is a member (and whenever it differs).
 pub async fn offer(rt: Arc<Runtime>) {
     let mut view = rt.membership.view();
+    // This node's speeds measured by an earlier run are dropped once: its threads or
+    // its hardware may have changed since, and the leader measures a free member
+    // again when it lacks them (a second or so).
+    let mut stale_speeds = true;
     loop {
         let v = view.borrow_and_update().clone();
+        if let (Some(state), true, true) = (&v.state, stale_speeds, v.leader.is_some()) {
+            let mine = format!("{}{}/", shoal_types::Speed::KEY_PREFIX, rt.me);
+            let keys: Vec<String> = state
+                .entries
+                .range(mine.clone()..)
+                .map(|(k, _)| k.clone())
+                .take_while(|k| k.starts_with(&mine))
+                .collect();
+            let mut all = true;
+            for key in keys {
+                all &= !matches!(rt.membership.ask(AdminRequest::Delete { key }).await, AdminResponse::Error(_));
+            }
+            stale_speeds = !all;
+        }
         if let Some(state) = &v.state {
             let key = Offer::key(&rt.me);
             let current = state.entries.get(&key).and_then(|v| serde_json::from_value::<Offer>(v.clone()).ok());

@@ -318,6 +318,7 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
         (count.load(std::sync::atomic::Ordering::SeqCst) >= 30).then_some(())
     })
     .await;
+    let victim_dir = gone[0].dir.clone();
     for g in gone {
         g.stop().await;
     }
@@ -353,6 +354,26 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     }
     let e = keep[0].generate(request(4)).await.unwrap_err();
     assert!(e.contains("not loaded"), "{e}");
+
+    // The stopped node comes back: the speed it measured in its earlier run is dropped
+    // (its threads or hardware may have changed); with no model to place, nobody asks
+    // it to measure again. The other members' speeds stay.
+    let speeds = |of: NodeId| {
+        let a = &a;
+        async move {
+            let prefix = format!("{}{of}/", shoal_types::Speed::KEY_PREFIX);
+            match a.admin(shoal_membership::wire::AdminRequest::Entries { prefix }).await {
+                shoal_membership::wire::AdminResponse::Entries(e) => e.len(),
+                other => panic!("entries: {other:?}"),
+            }
+        }
+    };
+    assert_eq!(speeds(victim).await, 1, "the stopped node's speed on the model");
+    let name = victim_dir.file_name().unwrap().to_str().unwrap().to_string();
+    let back = start(&victim_dir, &name, CreatePolicy::Never, options());
+    wait_for("the old speed dropped", 30, || async { (speeds(victim).await == 0).then_some(()) }).await;
+    assert_eq!(speeds(a.id).await, 1, "A's speed stays");
+    back.stop().await;
 
     drop(keep);
     for n in rest {
