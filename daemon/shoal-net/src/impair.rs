@@ -1,6 +1,6 @@
 //! A userspace impairment layer for tests and benchmarks: a wrapper around the QUIC
-//! socket that delays (with jitter) and drops outgoing datagrams, because this
-//! kernel has no `tc netem`. Enabled only through an explicit option (`--impair`);
+//! socket that delays (with jitter), drops and rate-limits outgoing datagrams, because
+//! this kernel has no `tc netem`. Enabled only through an explicit option (`--impair`);
 //! never on by default.
 
 use quinn::udp::{RecvMeta, Transmit};
@@ -23,19 +23,28 @@ pub struct Impairment {
     pub jitter: Duration,
     /// Fraction of datagrams dropped (0.0 ..= 1.0).
     pub loss: f64,
+    /// The link's rate, bits per second (0: unlimited): datagrams leave one after the
+    /// other at this rate, queued behind each other, and a datagram that would wait more
+    /// than [`QUEUE_LIMIT`] is dropped, as a router's full buffer drops it (so that
+    /// congestion control sees a link of this speed, not an ever-growing delay).
+    pub rate_bps: u64,
 }
+
+/// Longest a datagram waits in a rate-limited link's queue before it is dropped.
+pub const QUEUE_LIMIT: Duration = Duration::from_millis(50);
 
 impl Impairment {
     /// Does this impair anything?
     pub fn is_none(&self) -> bool {
-        self.delay.is_zero() && self.jitter.is_zero() && self.loss == 0.0
+        self.delay.is_zero() && self.jitter.is_zero() && self.loss == 0.0 && self.rate_bps == 0
     }
 }
 
 impl FromStr for Impairment {
     type Err = String;
 
-    /// `delay=3ms,jitter=2ms,loss=1%` (any subset; `us`, `ms`, `s`; loss as % or fraction).
+    /// `delay=3ms,jitter=2ms,loss=1%,rate=100mbit` (any subset; `us`, `ms`, `s`; loss as %
+    /// or fraction; rate in `kbit`, `mbit` or `gbit` per second).
     fn from_str(s: &str) -> Result<Self, String> {
         let mut out = Impairment::default();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -55,11 +64,29 @@ impl FromStr for Impairment {
                     }
                     out.loss = f;
                 }
-                other => return Err(format!("unknown impairment {other:?} (delay, jitter, loss)")),
+                "rate" => out.rate_bps = rate(v)?,
+                other => return Err(format!("unknown impairment {other:?} (delay, jitter, loss, rate)")),
             }
         }
         Ok(out)
     }
+}
+
+fn rate(v: &str) -> Result<u64, String> {
+    let v = v.trim();
+    let (num, unit) = v.split_at(v.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(v.len()));
+    let n: f64 = num.trim().parse().map_err(|_| format!("{v:?} is not a rate"))?;
+    let scale = match unit {
+        "kbit" => 1e3,
+        "mbit" => 1e6,
+        "gbit" => 1e9,
+        _ => return Err(format!("{v:?}: unit must be kbit, mbit or gbit")),
+    };
+    let bps = n * scale;
+    if !(1e4..=1e11).contains(&bps) {
+        return Err(format!("{v:?} is out of range (10kbit..100gbit)"));
+    }
+    Ok(bps as u64)
 }
 
 fn duration(v: &str) -> Result<Duration, String> {
@@ -86,6 +113,8 @@ pub struct ImpairedSocket {
     rng: Mutex<u64>,
     /// Datagrams waiting for their send time, handed to the delay-line thread.
     line: Mutex<std::sync::mpsc::Sender<Delayed>>,
+    /// With a rate: when the link finishes sending what is queued on it.
+    link_free: Mutex<std::time::Instant>,
 }
 
 /// A datagram and when to send it.
@@ -136,7 +165,13 @@ impl ImpairedSocket {
             .name("impair".into())
             .spawn(move || delay_line(out, rx))
             .expect("spawning the impairment thread");
-        Self { inner, spec, rng: Mutex::new(seed), line: Mutex::new(tx) }
+        Self {
+            inner,
+            spec,
+            rng: Mutex::new(seed),
+            line: Mutex::new(tx),
+            link_free: Mutex::new(std::time::Instant::now()),
+        }
     }
 
     fn random(&self) -> f64 {
@@ -190,7 +225,21 @@ impl AsyncUdpSocket for ImpairedSocket {
             return Ok(()); // lost on the air
         }
         let jitter = self.spec.jitter.as_secs_f64() * (2.0 * self.random() - 1.0);
-        let delay = Duration::from_secs_f64((self.spec.delay.as_secs_f64() + jitter).max(0.0));
+        let mut delay = Duration::from_secs_f64((self.spec.delay.as_secs_f64() + jitter).max(0.0));
+        if self.spec.rate_bps > 0 {
+            // Serialised behind what is queued: it leaves when the link is free and its
+            // own bits are sent; dropped if that is too far off (a full buffer).
+            let now = std::time::Instant::now();
+            // A poisoned lock still holds a valid instant.
+            let mut free = self.link_free.lock().unwrap_or_else(|e| e.into_inner());
+            let start = (*free).max(now);
+            if start - now > QUEUE_LIMIT {
+                return Ok(());
+            }
+            let bits = t.contents.len() as f64 * 8.0;
+            *free = start + Duration::from_secs_f64(bits / self.spec.rate_bps as f64);
+            delay += *free - now;
+        }
         if delay.is_zero() {
             return self.inner.try_send(t);
         }
@@ -241,11 +290,19 @@ mod tests {
     #[test]
     fn parses_specs() {
         let i: Impairment = "delay=3ms, jitter=2ms, loss=1%".parse().unwrap();
-        assert_eq!(i, Impairment { delay: Duration::from_millis(3), jitter: Duration::from_millis(2), loss: 0.01 });
+        assert_eq!(
+            i,
+            Impairment { delay: Duration::from_millis(3), jitter: Duration::from_millis(2), loss: 0.01, rate_bps: 0 }
+        );
         assert_eq!("loss=0.5".parse::<Impairment>().unwrap().loss, 0.5);
         assert_eq!("delay=500us".parse::<Impairment>().unwrap().delay, Duration::from_micros(500));
         assert!("".parse::<Impairment>().unwrap().is_none());
-        for bad in ["delay=3", "loss=150%", "speed=1", "delay", "delay=-1ms", "jitter=100s"] {
+        assert_eq!("rate=100mbit".parse::<Impairment>().unwrap().rate_bps, 100_000_000);
+        assert_eq!("rate=1.5gbit".parse::<Impairment>().unwrap().rate_bps, 1_500_000_000);
+        assert!(!"rate=64kbit".parse::<Impairment>().unwrap().is_none());
+        for bad in
+            ["delay=3", "loss=150%", "speed=1", "delay", "delay=-1ms", "jitter=100s", "rate=5", "rate=1kbit", "rate=x"]
+        {
             assert!(bad.parse::<Impairment>().is_err(), "{bad} accepted");
         }
     }

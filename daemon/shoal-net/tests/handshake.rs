@@ -188,6 +188,38 @@ async fn impairment_delays_packets() {
     assert!(t0.elapsed() >= Duration::from_millis(60), "round trip took only {:?}", t0.elapsed());
 }
 
+/// A rate-limited link really is that slow: 2 MB from an endpoint limited to
+/// 40 Mbit/s take at least 0.4 s (a lower bound, so not timing-flaky), and arrive
+/// whole although the link's queue drops what would wait too long.
+#[tokio::test]
+async fn impairment_limits_the_rate() {
+    use shoal_net::Impairment;
+    let (a, b, _) = ids();
+    let (ia, ib) = (a.id(), b.id());
+    let slow = TransportOptions { impair: "rate=40mbit".parse::<Impairment>().unwrap(), ..TransportOptions::default() };
+    let na = Node::bind("127.0.0.1:0".parse().unwrap(), Arc::new(a), TrustedKeys::new([ib]), &slow).unwrap();
+    let nb =
+        Node::bind("127.0.0.1:0".parse().unwrap(), Arc::new(b), TrustedKeys::new([ia]), &TransportOptions::default())
+            .unwrap();
+    let addr = nb.local_addr().unwrap();
+    let received = tokio::spawn(async move {
+        let acc = nb.accept().await.unwrap();
+        let mut rx = acc.conn.accept_uni().await.unwrap();
+        rx.read_to_end(4 << 20).await.unwrap()
+    });
+    let conn = na.connect(addr, ib, alpn::CONTROL).await.unwrap();
+    let data: Vec<u8> = (0..2_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let t0 = std::time::Instant::now();
+    let mut tx = conn.open_uni().await.unwrap();
+    tx.write_all(&data).await.unwrap();
+    tx.finish().unwrap();
+    let got = received.await.unwrap();
+    let took = t0.elapsed();
+    assert_eq!(got, data);
+    assert!(took >= Duration::from_millis(400), "2 MB at 40 Mbit/s took only {took:?}");
+    eprintln!("2 MB at rate=40mbit: {took:?} ({:.1} Mbit/s)", 16.0 / took.as_secs_f64());
+}
+
 #[tokio::test]
 async fn the_open_join_endpoint_takes_any_key_but_only_the_join_protocol() {
     let (a, b, c) = ids();

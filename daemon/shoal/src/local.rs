@@ -37,6 +37,17 @@ impl Lab {
     /// [`Lab::start`], node `n1` (if any) serving the HTTP API at `api` (the others,
     /// and `n1` without one, at a port the system picks).
     pub fn start_with_api(n: usize, max_memory_mib: u64, api: Option<std::net::SocketAddr>) -> Result<Lab> {
+        Lab::start_with(n, max_memory_mib, api, &[])
+    }
+
+    /// [`Lab::start_with_api`], every node's `shoal serve` also given `extra`
+    /// (e.g. `--impair rate=100mbit`).
+    pub fn start_with(
+        n: usize,
+        max_memory_mib: u64,
+        api: Option<std::net::SocketAddr>,
+        extra: &[String],
+    ) -> Result<Lab> {
         let exe = std::env::current_exe().context("locating the shoal binary")?;
         let mut lab = Lab { exe, dir: tempfile::tempdir()?, nodes: Vec::new() };
         for i in 0..n {
@@ -47,6 +58,7 @@ impl Lab {
                 // Several nodes share this machine: one thread each, as every bench's
                 // unsplit reference run uses.
                 .args(["--threads", "1"])
+                .args(extra)
                 .arg("--http-listen")
                 .arg(api.filter(|_| i == 1).map_or("127.0.0.1:0".to_string(), |a| a.to_string()))
                 .arg(if i == 0 { "--create-cluster" } else { "--no-create" })

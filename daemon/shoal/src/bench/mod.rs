@@ -586,8 +586,12 @@ pub(crate) fn quinn_alone(bytes: usize, gap: std::time::Duration) -> Result<(f64
 }
 
 /// The command-line form of an impairment.
-fn impair_spec(i: &shoal_net::Impairment) -> String {
-    format!("delay={}us,jitter={}us,loss={}", i.delay.as_micros(), i.jitter.as_micros(), i.loss)
+pub(crate) fn impair_spec(i: &shoal_net::Impairment) -> String {
+    let mut spec = format!("delay={}us,jitter={}us,loss={}", i.delay.as_micros(), i.jitter.as_micros(), i.loss);
+    if i.rate_bps > 0 {
+        spec += &format!(",rate={}kbit", i.rate_bps / 1000);
+    }
+    spec
 }
 
 /// The decode prompt of both benches.

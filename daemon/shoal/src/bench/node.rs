@@ -42,6 +42,10 @@ pub struct LoadArgs {
     /// Positions per session of the loaded model.
     #[arg(long, default_value_t = 512)]
     context: u32,
+    /// Impair every node's sending (e.g. `rate=100mbit` for a LAN-like link, which
+    /// loopback is not: there a transfer is bound by the CPU, not the link).
+    #[arg(long)]
+    impair: Option<shoal_net::Impairment>,
 }
 
 /// `shoal bench replace`.
@@ -92,9 +96,13 @@ fn mib(b: u64) -> f64 {
 pub fn load(a: LoadArgs) -> Result<()> {
     let model = model_or_default(&a.model)?;
     let name = model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let lab = Lab::start(a.nodes, a.max_memory_mib)?;
+    let extra = match &a.impair {
+        Some(i) => vec!["--impair".to_string(), crate::bench::impair_spec(i)],
+        None => Vec::new(),
+    };
+    let lab = Lab::start_with(a.nodes, a.max_memory_mib, None, &extra)?;
     lab.ask("n0", NodeRequest::ModelAdd { path: model.display().to_string(), name: None })?;
-    // The loopback link's bandwidth as the nodes measure it (a 4 MiB transfer).
+    // The link's bandwidth as the nodes measure it (a 4 MiB transfer).
     lab.admin("n1", AdminRequest::ProbeLinks { frame_bytes: 2304 })?;
     let links = match lab.admin("n1", AdminRequest::Entries { prefix: "links/".into() })? {
         AdminResponse::Entries(e) => e,
@@ -153,7 +161,10 @@ pub fn load(a: LoadArgs) -> Result<()> {
             }
         }
     }
-    println!("loopback link as the nodes measured it: {link_mb_s:.1} MB/s");
+    println!(
+        "link as the nodes measured it: {link_mb_s:.1} MB/s ({})",
+        a.impair.as_ref().map_or("loopback".to_string(), crate::bench::impair_spec)
+    );
     println!();
     println!(
         "{:<6} {:>8} {:>14} {:>14} {:>10} {:>14} {:>10}",
