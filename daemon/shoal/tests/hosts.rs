@@ -10,8 +10,9 @@
 //! also a stage's), is SIGKILLed during a 300-token generation: the
 //! leader (a new one in the last round) re-places the lost stage and each generation
 //! ends with the unsplit run's tokens and logits. Each dead member is removed, as an
-//! owner would, so that the living keep a majority. Needs root (`ip netns`); without it
-//! the test says it skipped.
+//! owner would, so that the living keep a majority. A second test cuts a shard
+//! transfer with a link down. Needs root (`ip netns`); without it the test says it
+//! skipped.
 
 mod common;
 use common::*;
@@ -57,10 +58,17 @@ impl Hosts {
 
     /// Start a plain `shoal serve` on host `k`.
     fn serve(&mut self, k: usize) {
+        self.serve_with(k, &[]);
+    }
+
+    /// [`Hosts::serve`] with `extra` arguments.
+    fn serve_with(&mut self, k: usize, extra: &[&str]) {
         let child = self
             .net
             .command(k, env!("CARGO_BIN_EXE_shoal"))
-            .args(["serve", "--max-memory", "90M", "--data-dir"])
+            .args(["serve", "--max-memory", "90M"])
+            .args(extra)
+            .arg("--data-dir")
             .arg(&self.dirs[k])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -240,4 +248,67 @@ fn plain_nodes_on_their_own_hosts_split_a_model_move_only_shards_and_survive_a_k
             h.ok(ask, &["nodes", "remove", &key(&h.dirs[victim])]);
         }
     }
+}
+
+/// A shard transfer survives its receiver's link going down mid-way: host 0 (the only
+/// holder) sends at 40 Mbit/s (the impairment layer; loopback-fast veths would finish
+/// before the cut), and when a receiver holds a quarter of its shard its link goes
+/// down for 2.5 s (3 s of silence would mark it down, and the leader would move its
+/// stage). The transfer goes on where it stopped: the bytes received stay those of
+/// the shard (nothing fetched twice), and the model answers as unsplit.
+#[test]
+fn a_shard_transfer_cut_by_a_link_down_goes_on_where_it_stopped() {
+    if !namespaces_available() {
+        return;
+    }
+    let model = model(SMOL);
+    let tmp = tempfile::tempdir().unwrap();
+    let net = shoal_testnet::Net::new("cut", 3).unwrap();
+    let dirs = (0..3).map(|k| tmp.path().join(format!("h{k}"))).collect();
+    let mut h = Hosts { net, dirs, children: Vec::new() };
+    h.serve_with(0, &["--impair", "rate=40mbit"]);
+    wait_for("host 0's cluster", 60, || h.status(0).filter(|s| !s["cluster"].is_null()));
+    h.join(1);
+    h.join(2);
+    h.ok(0, &["models", "add", model.to_str().unwrap()]);
+    h.ok(0, &["models", "load", SMOL, "--context", "512"]);
+
+    // A receiver a quarter through its shard.
+    let (victim, of) = wait_for("a transfer under way", 120, || {
+        let plan: Value = serde_json::from_str(&h.ok(0, &["models", "plan", SMOL, "--json"])).ok()?;
+        let stages = plan["placement"]["stages"].as_array()?;
+        stages.iter().zip(plan["stages"].as_array()?).find_map(|(s, st)| {
+            let k = h.host_of(s["node"].as_str()?);
+            let (done, of) = (st["state"]["fetching"]["done"].as_u64()?, st["state"]["fetching"]["of"].as_u64()?);
+            (k != 0 && done * 4 >= of && done * 2 < of).then_some((k, of))
+        })
+    });
+    h.net.link(victim, false).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    h.net.link(victim, true).unwrap();
+    let loaded = h.ok(0, &["models", "load", SMOL, "--context", "512", "--wait"]);
+    assert!(loaded.contains("ready: 3 stage(s)"), "{loaded}");
+    let plan: Value = serde_json::from_str(&h.ok(0, &["models", "plan", SMOL, "--json"])).unwrap();
+    let stages = plan["placement"]["stages"].as_array().unwrap();
+    let i = stages.iter().position(|s| h.host_of(s["node"].as_str().unwrap()) == victim);
+    let i = i.unwrap_or_else(|| panic!("host {victim} lost its stage: {plan}"));
+    let st = &plan["stages"][i];
+    let received = st["shard_bytes_received"].as_u64().unwrap();
+    let on_disk = shard_bytes_on_disk(&h.dirs[victim]);
+    eprintln!(
+        "host {victim}: cut 2.5 s at a quarter of {of} chunks; received {received} bytes, shard {on_disk} on disk"
+    );
+    assert!(st["shard_origin"].as_str().unwrap().starts_with("fetched from"), "{st}");
+    // Nothing twice: at most the shard's bytes (a transfer resumed on a new connection
+    // counts only what that one moved, so this is an upper bound).
+    assert!(
+        received as f64 <= 1.05 * on_disk as f64 + (1 << 20) as f64,
+        "host {victim}: received {received} for a shard of {on_disk}"
+    );
+
+    let args = ["--prompt", PROMPT, "-n", "24", "--json"];
+    let r = unsplit(&model, &args);
+    let g: Value = serde_json::from_str(&h.ok(victim, &[&["generate", "--model", SMOL][..], &args].concat())).unwrap();
+    assert_eq!(g["tokens"], r["tokens"], "through host {victim}: tokens differ from the unsplit run");
+    assert_eq!(g["logits_digest"], r["logits_digest"], "through host {victim}: logits differ");
 }
