@@ -107,6 +107,12 @@ pub trait TextModel: Send + Sync {
     fn piece(&self, token: TokenId) -> Vec<u8>;
     /// The end-of-generation tokens.
     fn eog_tokens(&self) -> Vec<TokenId>;
+    /// The prompt asking the model to write what goes between `prefix` and `suffix`
+    /// (its fill-in-the-middle tokens), or `None` when it has none: Ollama's `suffix`.
+    fn fill_in_middle(&self, prefix: &str, suffix: &str) -> Option<Vec<TokenId>> {
+        let _ = (prefix, suffix);
+        None
+    }
 }
 
 /// One turn of a conversation.

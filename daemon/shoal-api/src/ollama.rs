@@ -220,16 +220,21 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
         let req: GenerateRequest = common::parse(&body)?;
         refuse_unsupported(req.images.as_ref().is_some_and(|i| !i.is_empty()), false)?;
         let grammar = format_grammar(&req.format)?;
-        if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-            return Err(Failure::bad("suffix (fill-in-the-middle) is not supported yet"));
-        }
         let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.prompt.is_empty() {
             return load_or_unload(&*backend, &model, &req.model, unload, Shape::Generate).await;
         }
         let (prompt, raw, system) = (req.prompt.clone(), req.raw, req.system.clone());
+        let suffix = req.suffix.clone().filter(|s| !s.is_empty());
         let job = job(&*backend, &model, &req.options, grammar, |text| {
+            if let Some(suffix) = &suffix {
+                // Fill in the middle: the model's own tokens around both texts, no
+                // template (as Ollama does for a model with the insert capability).
+                return text
+                    .fill_in_middle(&prompt, suffix)
+                    .ok_or_else(|| Failure::bad(format!("{} does not support insert", req.model)));
+            }
             if raw {
                 return Ok(text.tokenize(&prompt, false));
             }
@@ -511,6 +516,11 @@ pub(crate) async fn show<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         let m = common::resolve(&*backend, &req.model).await?;
         let ctx = m.context.unwrap_or(m.entry.context_length);
         let arch = &m.entry.arch;
+        let mut capabilities = vec!["completion"];
+        // Its vocabulary says whether it fills in (a node reads it without the weights).
+        if backend.text(&m.entry.name).await.is_ok_and(|t| t.fill_in_middle("", "").is_some()) {
+            capabilities.push("insert");
+        }
         Ok::<_, Failure>(
             Json(json!({
                 "parameters": format!("num_ctx {ctx}"),
@@ -521,7 +531,7 @@ pub(crate) async fn show<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
                     format!("{arch}.block_count"): m.entry.n_layer,
                     format!("{arch}.context_length"): m.entry.context_length,
                 },
-                "capabilities": ["completion"],
+                "capabilities": capabilities,
                 "modified_at": "1970-01-01T00:00:00Z",
             }))
             .into_response(),

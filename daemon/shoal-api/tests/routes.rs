@@ -22,9 +22,20 @@ const CONTEXT: u32 = 256;
 /// The one key the fake backend takes.
 const GOOD_KEY: &str = "sk-shoal-good";
 
-struct Bytes;
+/// Fill-in-the-middle tokens of the fake vocabulary (model `slow` has them).
+const FIM: [TokenId; 3] = [301, 302, 303];
+
+struct Bytes {
+    /// Whether it has fill-in-the-middle tokens.
+    fim: bool,
+}
 
 impl TextModel for Bytes {
+    fn fill_in_middle(&self, prefix: &str, suffix: &str) -> Option<Vec<TokenId>> {
+        let bytes = |t: &str| t.bytes().map(TokenId::from).collect::<Vec<_>>();
+        self.fim.then(|| [vec![FIM[0]], bytes(prefix), vec![FIM[1]], bytes(suffix), vec![FIM[2]]].concat())
+    }
+
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, String> {
         Ok(messages.iter().map(|m| format!("<{}>{}</{}>", m.role, m.content, m.role)).collect::<String>()
             + "<assistant>")
@@ -50,6 +61,8 @@ struct Fake {
     running: AtomicUsize,
     /// Prompts seen, as text.
     prompts: std::sync::Mutex<Vec<String>>,
+    /// Prompts seen, as tokens.
+    prompt_tokens: std::sync::Mutex<Vec<Vec<TokenId>>>,
     metrics: shoal_api::Metrics,
     /// Models a first request asked to load.
     loads: std::sync::Mutex<Vec<String>>,
@@ -121,8 +134,8 @@ impl Backend for Fake {
         Ok(source.rsplit('/').next().unwrap().to_string())
     }
 
-    async fn text(&self, _model: &str) -> Result<Arc<dyn TextModel>, Failure> {
-        Ok(Arc::new(Bytes))
+    async fn text(&self, model: &str) -> Result<Arc<dyn TextModel>, Failure> {
+        Ok(Arc::new(Bytes { fim: model == "slow" }))
     }
 
     async fn generate(
@@ -140,6 +153,7 @@ impl Backend for Fake {
             )));
         }
         self.prompts.lock().unwrap().push(request.prompt.iter().map(|&t| t as u8 as char).collect());
+        self.prompt_tokens.lock().unwrap().push(request.prompt.clone());
         struct Running<'a>(&'a AtomicUsize);
         impl Drop for Running<'_> {
             fn drop(&mut self) {
@@ -959,6 +973,38 @@ async fn every_routes_shape_matches_its_golden_file() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollama_suffix_fills_in_the_middle_with_the_models_own_tokens_or_is_refused() {
+    let (base, fake) = server().await;
+    // A model with fill-in-the-middle tokens: prefix, suffix and middle around them,
+    // no chat template; /api/show says it can insert.
+    let req = json!({"model": "slow", "prompt": "ab", "suffix": "cd", "stream": false,
+        "options": {"num_predict": 3, "temperature": 0}});
+    let (status, _, body) = post(format!("{base}/api/generate"), req).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["response"], "xxx");
+    let sent = fake.prompt_tokens.lock().unwrap().last().cloned().unwrap();
+    let want: Vec<TokenId> = [FIM[0], 97, 98, FIM[1], 99, 100, FIM[2]].into();
+    assert_eq!(sent, want);
+    let (status, _, body) = post(format!("{base}/api/show"), json!({"model": "slow"})).await;
+    assert_eq!(status, 200);
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["capabilities"], json!(["completion", "insert"]));
+    // A model without them: 400 in Ollama's words, nothing generated.
+    let before = fake.prompt_tokens.lock().unwrap().len();
+    let req = json!({"model": "tiny", "prompt": "def f(", "suffix": "return x", "stream": false});
+    let (status, _, body) = post(format!("{base}/api/generate"), req).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"], "tiny does not support insert");
+    assert_eq!(fake.prompt_tokens.lock().unwrap().len(), before);
+    let (_, _, body) = post(format!("{base}/api/show"), json!({"model": "tiny"})).await;
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["capabilities"], json!(["completion"]));
+    // An empty suffix is no suffix: the prompt goes through the template as usual.
+    let req = json!({"model": "tiny", "prompt": "hi", "suffix": "", "stream": false, "options": {"num_predict": 2}});
+    let (status, _, body) = post(format!("{base}/api/generate"), req).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(fake.prompts.lock().unwrap().last().unwrap(), "<user>hi</user><assistant>");
+}
+
+#[tokio::test]
 async fn ollama_pull_streams_progress_then_success_and_refuses_registry_names() {
     let (url, _) = server().await;
     let pull = format!("{url}/api/pull");

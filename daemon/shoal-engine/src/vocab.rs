@@ -57,6 +57,26 @@ impl Vocab {
         self.model.vocab().tokenize(text.as_bytes(), true, parse_special).into_iter().map(|t| t.0).collect()
     }
 
+    /// The prompt that asks the model to write what goes between `prefix` and `suffix`:
+    /// its fill-in-the-middle tokens in prefix-suffix-middle order (BOS where the model
+    /// wants one, as llama.cpp's infill builds it); `None` when the model has no such
+    /// tokens (it was not trained to fill in).
+    pub fn fill_in_middle(&self, prefix: &str, suffix: &str) -> Option<Vec<TokenId>> {
+        let v = self.model.vocab();
+        let (pre, suf, mid) = (v.fim_pre().0, v.fim_suf().0, v.fim_mid().0);
+        if pre < 0 || suf < 0 || mid < 0 {
+            return None;
+        }
+        let text = |t: &str| v.tokenize(t.as_bytes(), false, false).into_iter().map(|t| t.0).collect::<Vec<_>>();
+        let mut out = self.tokenize("", false);
+        out.push(pre);
+        out.extend(text(prefix));
+        out.push(suf);
+        out.extend(text(suffix));
+        out.push(mid);
+        Some(out)
+    }
+
     /// `prompt` as a single user turn in the model's chat template, ready for the
     /// assistant's answer.
     pub fn chat_prompt(&self, prompt: &str) -> Result<String, VocabError> {

@@ -88,4 +88,8 @@ impl TextModel for LlamaText {
     fn eog_tokens(&self) -> Vec<TokenId> {
         self.eog.clone()
     }
+
+    fn fill_in_middle(&self, prefix: &str, suffix: &str) -> Option<Vec<TokenId>> {
+        self.vocab.fill_in_middle(prefix, suffix)
+    }
 }

@@ -243,6 +243,16 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
         .and_then(|n| n.parse::<u64>().ok());
     assert!(streamed.is_some_and(|n| n >= 3 * 24), "{metrics}");
 
+    // SmolLM2 has no fill-in-the-middle tokens: Ollama's `suffix` is refused as Ollama
+    // refuses it, and /api/show does not list `insert`.
+    let req = serde_json::json!({"model": SMOL, "prompt": "def f(", "suffix": "return x", "stream": false});
+    let (status, body) = http_post(&format!("http://{api}/api/generate"), &req);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("does not support insert"), "{body}");
+    let (status, body) = http_post(&format!("http://{api}/api/show"), &serde_json::json!({"model": SMOL}));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["capabilities"], serde_json::json!(["completion"]));
+
     // Unloaded the way Ollama's clients do it (an empty request with keep_alive 0):
     // every stage stops.
     let (status, body) =
