@@ -81,6 +81,9 @@ impl Finish {
 /// A failure before any text is the error (the route answers with its status).
 /// Dropping the receiver (a client that went away) cancels the generation.
 pub(crate) async fn start<B: Backend>(backend: Arc<B>, job: Job) -> Result<(Event, mpsc::Receiver<Event>), Failure> {
+    // Out-of-range sampling parameters are the client's mistake: a 400 here, before
+    // any node sees them (the coordinator would refuse them too, later and farther).
+    job.sampling.validate().map_err(|e| Failure::bad(e.to_string()))?;
     // A few events of slack: the stream to the client drains it as fast as it can.
     let (tx, mut rx) = mpsc::channel(16);
     tokio::spawn(run(backend, job, tx));

@@ -35,6 +35,8 @@ struct Options {
     stop: Option<Vec<String>>,
     repeat_penalty: Option<f32>,
     repeat_last_n: Option<i32>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
 }
 
 impl Options {
@@ -48,6 +50,8 @@ impl Options {
             min_p: self.min_p.unwrap_or(d.min_p),
             repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
             repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
             seed: self.seed.map_or(d.seed, |s| s as u32),
             grammar,
         }

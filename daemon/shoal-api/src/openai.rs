@@ -94,11 +94,6 @@ impl Knobs {
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(Failure::bad("tools are not supported yet"));
         }
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(Failure::bad(format!("{name} is not supported yet (use repeat_penalty)")));
-            }
-        }
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -115,6 +110,8 @@ impl Knobs {
             min_p: self.min_p.unwrap_or(d.min_p),
             repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
             repeat_last_n: d.repeat_last_n,
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
             // Any integer is a seed; the sampler takes 32 bits of it.
             seed: self.seed.map_or(d.seed, |s| s as u32),
             grammar,

@@ -63,6 +63,8 @@ struct Fake {
     prompts: std::sync::Mutex<Vec<String>>,
     /// Prompts seen, as tokens.
     prompt_tokens: std::sync::Mutex<Vec<Vec<TokenId>>>,
+    /// Sampling parameters seen, as the wire carries them.
+    samplings: std::sync::Mutex<Vec<Value>>,
     metrics: shoal_api::Metrics,
     /// Models a first request asked to load.
     loads: std::sync::Mutex<Vec<String>>,
@@ -154,6 +156,7 @@ impl Backend for Fake {
         }
         self.prompts.lock().unwrap().push(request.prompt.iter().map(|&t| t as u8 as char).collect());
         self.prompt_tokens.lock().unwrap().push(request.prompt.clone());
+        self.samplings.lock().unwrap().push(request.sampling.clone());
         struct Running<'a>(&'a AtomicUsize);
         impl Drop for Running<'_> {
             fn drop(&mut self) {
@@ -1002,6 +1005,38 @@ async fn ollama_suffix_fills_in_the_middle_with_the_models_own_tokens_or_is_refu
     let (status, _, body) = post(format!("{base}/api/generate"), req).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(fake.prompts.lock().unwrap().last().unwrap(), "<user>hi</user><assistant>");
+}
+
+#[tokio::test]
+async fn presence_and_frequency_penalties_reach_the_sampler_from_openai_and_ollama_and_bad_ones_are_400() {
+    let (base, fake) = server().await;
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let openai = json!({"model": "tiny", "messages": msgs, "max_tokens": 2,
+        "presence_penalty": 0.5, "frequency_penalty": -0.25});
+    let ollama = json!({"model": "tiny", "messages": msgs, "stream": false,
+        "options": {"num_predict": 2, "presence_penalty": 0.5, "frequency_penalty": -0.25}});
+    for (path, body) in [("/v1/chat/completions", openai), ("/api/chat", ollama)] {
+        let (status, _, text) = post(format!("{base}{path}"), body).await;
+        assert_eq!(status, 200, "{path}: {text}");
+        let seen = fake.samplings.lock().unwrap().last().cloned().unwrap();
+        assert_eq!((seen["presence_penalty"].as_f64(), seen["frequency_penalty"].as_f64()), (Some(0.5), Some(-0.25)));
+    }
+    // Without them, none on the wire.
+    let (status, _, _) = post(format!("{base}/v1/chat/completions"), json!({"model": "tiny", "messages": msgs})).await;
+    assert_eq!(status, 200);
+    let seen = fake.samplings.lock().unwrap().last().cloned().unwrap();
+    assert!(seen.get("presence_penalty").is_none() && seen.get("frequency_penalty").is_none(), "{seen}");
+    // Out of OpenAI's range: 400 in each API's shape, nothing generated.
+    let before = fake.samplings.lock().unwrap().len();
+    let bad = json!({"model": "tiny", "messages": msgs, "presence_penalty": 2.5});
+    let (status, _, text) = post(format!("{base}/v1/chat/completions"), bad).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("presence_penalty 2.5 is outside"), "{text}");
+    let bad = json!({"model": "tiny", "messages": msgs, "stream": false, "options": {"frequency_penalty": -3}});
+    let (status, _, text) = post(format!("{base}/api/chat"), bad).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("frequency_penalty -3 is outside"), "{text}");
+    assert_eq!(fake.samplings.lock().unwrap().len(), before);
 }
 
 #[tokio::test]

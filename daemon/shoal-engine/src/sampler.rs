@@ -55,8 +55,14 @@ impl Sampler {
     fn build(params: &SamplingParams, grammar: Option<LlamaSampler>) -> Sampler {
         crate::backend::backend();
         let mut parts = Vec::new();
-        if params.repeat_penalty != 1.0 {
-            parts.push(LlamaSampler::penalties(0, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0));
+        if params.repeat_penalty != 1.0 || params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+            parts.push(LlamaSampler::penalties(
+                0,
+                params.repeat_last_n,
+                params.repeat_penalty,
+                params.frequency_penalty,
+                params.presence_penalty,
+            ));
         }
         // Before the choice: tokens that would leave the grammar are ruled out.
         parts.extend(grammar);

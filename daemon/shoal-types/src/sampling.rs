@@ -35,8 +35,16 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Penalise tokens seen in the last `repeat_last_n` (1: off).
     pub repeat_penalty: f32,
-    /// Window of the repetition penalty, in tokens (0: off; at most [`MAX_REPEAT_LAST_N`]).
+    /// Window of the repetition penalties, in tokens (0: off; at most [`MAX_REPEAT_LAST_N`]).
     pub repeat_last_n: i32,
+    /// Subtracted from a token's logit once per time it occurs in the window (OpenAI's
+    /// `frequency_penalty`; 0: off; -2 to 2).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub frequency_penalty: f32,
+    /// Subtracted from the logit of every token that occurs in the window (OpenAI's
+    /// `presence_penalty`; 0: off; -2 to 2).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub presence_penalty: f32,
     /// Random seed: the same seed and inputs give the same tokens.
     pub seed: u32,
     /// A GBNF grammar (llama.cpp's format, start rule `root`) every sampled token must
@@ -45,6 +53,14 @@ pub struct SamplingParams {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grammar: Option<String>,
 }
+
+/// Leaves an unused penalty off the wire (a node without it still reads the request).
+fn is_zero(v: &f32) -> bool {
+    *v == 0.0
+}
+
+/// Largest frequency or presence penalty, either sign (OpenAI's range).
+pub const MAX_PENALTY: f32 = 2.0;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -55,6 +71,8 @@ impl Default for SamplingParams {
             min_p: 0.05,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: 0,
             grammar: None,
         }
@@ -116,6 +134,14 @@ pub enum GenerationError {
          give the window in tokens (-1 for the whole context is not accepted)"
     )]
     RepeatLastN(i32),
+    /// A frequency or presence penalty outside -2..=2 or NaN.
+    #[error("{name} {value} is outside -{MAX_PENALTY} ..= {MAX_PENALTY} (0 is off)")]
+    Penalty {
+        /// `frequency_penalty` or `presence_penalty`.
+        name: &'static str,
+        /// What was given.
+        value: f32,
+    },
     /// The grammar is longer than [`MAX_GRAMMAR_BYTES`] or empty.
     #[error("a grammar must be 1 to {MAX_GRAMMAR_BYTES} bytes, not {0}")]
     Grammar(usize),
@@ -144,6 +170,13 @@ impl SamplingParams {
         // The penalties sampler allocates a ring of `repeat_last_n` tokens up front.
         if !(0..=MAX_REPEAT_LAST_N).contains(&self.repeat_last_n) {
             return Err(GenerationError::RepeatLastN(self.repeat_last_n));
+        }
+        for (name, value) in
+            [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)]
+        {
+            if !(-MAX_PENALTY..=MAX_PENALTY).contains(&value) {
+                return Err(GenerationError::Penalty { name, value });
+            }
         }
         if let Some(g) = &self.grammar {
             if g.is_empty() || g.len() > MAX_GRAMMAR_BYTES {
@@ -201,6 +234,8 @@ mod tests {
             min_p: 1.0,
             repeat_penalty: f32::MIN_POSITIVE,
             repeat_last_n: MAX_REPEAT_LAST_N,
+            frequency_penalty: -MAX_PENALTY,
+            presence_penalty: MAX_PENALTY,
             seed: u32::MAX,
             grammar: Some("x".repeat(MAX_GRAMMAR_BYTES)),
         };
@@ -218,6 +253,21 @@ mod tests {
         assert_eq!(validate_generation(&SamplingParams::default(), 1, 7, 8), Ok(()));
         // Prompt plus answer exactly filling the context is fine.
         assert_eq!(validate_generation(&SamplingParams::default(), 200, 56, CTX), Ok(()));
+    }
+
+    #[test]
+    fn penalties_outside_plus_minus_two_or_nan_are_refused_and_unused_ones_stay_off_the_wire() {
+        for v in [2.01, -2.01, f32::NAN, f32::INFINITY] {
+            let e = check(SamplingParams { frequency_penalty: v, ..Default::default() }).unwrap_err();
+            assert!(matches!(e, GenerationError::Penalty { name: "frequency_penalty", .. }), "{v}: {e}");
+            let e = check(SamplingParams { presence_penalty: v, ..Default::default() }).unwrap_err();
+            assert!(matches!(e, GenerationError::Penalty { name: "presence_penalty", .. }), "{v}: {e}");
+        }
+        let wire = serde_json::to_value(SamplingParams::default()).unwrap();
+        assert!(wire.get("frequency_penalty").is_none() && wire.get("presence_penalty").is_none(), "{wire}");
+        let p = SamplingParams { presence_penalty: 0.5, ..Default::default() };
+        let back: SamplingParams = serde_json::from_value(serde_json::to_value(&p).unwrap()).unwrap();
+        assert_eq!(back, p);
     }
 
     #[test]

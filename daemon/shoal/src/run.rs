@@ -39,6 +39,14 @@ pub struct TextArgs {
     /// Repetition penalty (1: off).
     #[arg(long, default_value_t = 1.0)]
     pub repeat_penalty: f32,
+    /// Subtracted from a token's logit per time it occurred in the last 64 tokens
+    /// (OpenAI's frequency_penalty; 0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Subtracted from the logit of each token that occurred in the last 64 tokens
+    /// (OpenAI's presence_penalty; 0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
     /// Use the prompt as is, without the chat template.
     #[arg(long)]
     pub raw: bool,
@@ -82,6 +90,8 @@ impl TextArgs {
             top_p: self.top_p,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
             seed: self.seed,
             grammar,
             ..SamplingParams::default()

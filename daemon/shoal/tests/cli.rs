@@ -66,6 +66,43 @@ fn bad_inputs_give_clear_errors() {
 }
 
 #[test]
+fn presence_and_frequency_penalties_change_a_greedy_answer_the_same_split_or_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let smol = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let run = |extra: &[&str]| -> Value {
+        let mut args = vec!["run", "--model", smol.to_str().unwrap(), "--json", "--ignore-eos"];
+        args.extend(["--prompt", "List the colours of the rainbow, again and again.", "-n", "80"]);
+        args.extend(extra);
+        let out = shoal(&args, dir.path());
+        assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let plain = run(&[]);
+    for penalty in [["--presence-penalty", "1.5"], ["--frequency-penalty", "1.0"]] {
+        let whole = run(&penalty);
+        assert_ne!(whole["tokens"], plain["tokens"], "{penalty:?} changed nothing");
+        // A penalised token comes back less often: the answer has more distinct tokens.
+        let distinct = |v: &Value| {
+            v["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_i64().unwrap())
+                .collect::<std::collections::BTreeSet<_>>()
+                .len()
+        };
+        assert!(distinct(&whole) > distinct(&plain), "{penalty:?}: {} vs {}", distinct(&whole), distinct(&plain));
+        let split = run(&[&penalty[..], &["--split", "15"]].concat());
+        assert_eq!(split["tokens"], whole["tokens"], "{penalty:?}");
+        assert_eq!(split["logits_digest"], whole["logits_digest"], "{penalty:?}");
+    }
+    assert_fails(
+        &["run", "--model", smol.to_str().unwrap(), "--prompt", "hi", "--presence-penalty", "2.5"],
+        "presence_penalty 2.5 is outside",
+    );
+}
+
+#[test]
 fn a_grammar_keeps_the_answer_within_it_split_or_not_and_a_bad_one_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let smol = model("SmolLM2-135M-Instruct.Q4_1.gguf");
