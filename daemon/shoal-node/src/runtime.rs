@@ -81,7 +81,7 @@ pub struct Runtime {
     /// The stage this node runs, as `Stages` reports it.
     pub stage: Mutex<Option<StageStatus>>,
     /// Keep the stage's threads spinning for this long after its last frame (no
-    /// wake-up cost between tokens; see `shoal bench keepalive`); `None`: sleep.
+    /// wake-up cost between tokens; see `shoal-lab bench keepalive`); `None`: sleep.
     pub keepalive: Option<std::time::Duration>,
     /// A measurement ([`measure`]) runs now: the next is refused.
     pub measuring: std::sync::atomic::AtomicBool,

@@ -173,7 +173,7 @@ const WAKE_STEPS: usize = 8;
 /// prefill of `chunk` tokens, then a few steps each after an idle pause.
 pub fn measure(model: &Path, tokens: usize, threads: u32, chunk: u32) -> Result<MeasuredProfile> {
     let (_, meta) = open_model(model)?;
-    let mid = crate::bench::even_split(meta.n_layer, 2, meta.layer_period())
+    let mid = crate::stats::even_split(meta.n_layer, 2, meta.layer_period())
         .with_context(|| format!("{} is too small to calibrate (it cannot be split in two)", model.display()))?;
     let tokens = tokens.max(1);
     let config = StageConfig {
@@ -219,7 +219,7 @@ pub fn measure(model: &Path, tokens: usize, threads: u32, chunk: u32) -> Result<
     if !(per_layer.is_finite() && per_layer > 0.0) {
         bail!("the measurement gave no usable time per layer");
     }
-    let wake = (crate::bench::median(&mut after_idle) - crate::bench::median(&mut back_to_back)).max(0.0);
+    let wake = (crate::stats::median(&mut after_idle) - crate::stats::median(&mut back_to_back)).max(0.0);
     Ok(MeasuredProfile {
         device: "cpu".into(),
         ms_per_layer: per_layer,

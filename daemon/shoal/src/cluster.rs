@@ -275,7 +275,7 @@ pub fn serve(
                 open: args.api_open,
                 cors_origins: args.cors_origin.clone(),
             },
-            // Only when asked: `shoal bench serve` measured no gain for one stream and a
+            // Only when asked: `shoal-lab bench serve` measured no gain for one stream and a
             // loss for concurrent ones with several nodes on one machine (they spin on
             // shared cores); machines of their own may differ (`--keepalive on`).
             keepalive: (stage.keepalive == crate::pipeline::KeepAlive::On).then_some(shoal_pipeline::KEEPALIVE_WINDOW),

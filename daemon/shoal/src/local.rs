@@ -48,7 +48,7 @@ impl Lab {
         api: Option<std::net::SocketAddr>,
         extra: &[String],
     ) -> Result<Lab> {
-        let exe = std::env::current_exe().context("locating the shoal binary")?;
+        let exe = crate::shoal_exe().context("locating the shoal binary")?;
         let mut lab = Lab { exe, dir: tempfile::tempdir()?, nodes: Vec::new() };
         for i in 0..n {
             let name = format!("n{i}");

@@ -1,21 +1,9 @@
 //! The `shoal` binary: command-line parsing and wiring. Each subcommand lives in its
-//! own module; this file only dispatches.
-
-mod bench;
-mod calibrate;
-mod chat;
-mod cluster;
-mod engine;
-mod inventory;
-mod keys;
-mod lab;
-mod local;
-mod models;
-mod pipeline;
-mod plan;
-mod run;
+//! own module of the library (`lib.rs`); this file only dispatches. Benchmarks and the
+//! namespace lab are another binary, `shoal-lab`.
 
 use clap::{Parser, Subcommand};
+use shoal::{calibrate, chat, cluster, inventory, keys, models, pipeline, plan, run};
 
 /// Shoal pools the memory of the computers you own into one LLM server.
 #[derive(Parser)]
@@ -69,19 +57,10 @@ enum Command {
     Calibrate(calibrate::CalibrateArgs),
     /// What this machine offers: host, OS, CPU, RAM and the GPUs llama.cpp sees.
     Inventory(inventory::InventoryArgs),
-    /// Benchmarks that print figures.
-    #[command(subcommand)]
-    Bench(bench::BenchCommand),
 }
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,llama.cpp=error")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    shoal::init_logging();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => run::run(a),
@@ -101,7 +80,6 @@ fn main() -> std::process::ExitCode {
         Command::Plan(a) => plan::plan(a),
         Command::Inventory(a) => inventory::inventory(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
-        Command::Bench(b) => bench::bench(b),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

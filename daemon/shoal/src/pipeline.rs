@@ -45,7 +45,7 @@ pub struct ServeArgs {
     /// Keep-alive: while a session generates, the stage's thread spins between tokens
     /// instead of sleeping (no wake-up per token; it yields to any other runnable
     /// thread, so it uses only idle CPU time). auto: for a `--placement` stage, on for
-    /// GPU stages and on machines with 2 or more CPUs, where `shoal bench keepalive`
+    /// GPU stages and on machines with 2 or more CPUs, where `shoal-lab bench keepalive`
     /// found it faster, off on one; for a cluster node's stages, off (`on` turns it on).
     #[arg(long, value_enum, default_value_t = KeepAlive::Auto)]
     keepalive: KeepAlive,
@@ -146,12 +146,12 @@ pub fn key(a: KeyArgs) -> Result<()> {
 }
 
 /// An endpoint on any local port, of the pipeline's address family, for a client of it.
-pub(crate) fn client_node(placement: &Placement, identity: Arc<Identity>) -> Result<Node> {
+pub fn client_node(placement: &Placement, identity: Arc<Identity>) -> Result<Node> {
     let any: SocketAddr = if placement.stages[0].addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse()?;
     Ok(Node::bind(any, identity, TrustedKeys::new(placement.trusted()), &TransportOptions::default())?)
 }
 
-pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

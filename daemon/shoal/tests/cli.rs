@@ -158,7 +158,7 @@ fn a_grammar_keeps_the_answer_within_it_split_or_not_and_a_bad_one_is_refused() 
 fn bench_split_prints_its_table() {
     let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal-lab"))
         .args([
             "bench",
             "split",
@@ -189,7 +189,7 @@ fn bench_split_prints_its_table() {
 #[test]
 fn bench_pipeline_prints_its_table() {
     let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal-lab"))
         .args(["bench", "pipeline", "--model", m.to_str().unwrap(), "--stages", "2", "-n", "8", "--rounds", "1"])
         .args(["--prompt-tokens", "100", "--impair", "delay=1ms"])
         .output()
@@ -211,7 +211,7 @@ fn bench_pipeline_prints_its_table() {
 #[test]
 fn bench_keepalive_prints_both_sides() {
     let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal-lab"))
         .args(["bench", "keepalive", "--json", "--model", m.to_str().unwrap(), "-n", "12", "--rounds", "1"])
         .output()
         .unwrap();

@@ -1,5 +1,5 @@
 //! Cluster nodes in Linux network namespaces on a bridge (real mDNS between separate
-//! network stacks, real QUIC), driven through `shoal bench cluster`: 3 and 5 nodes
+//! network stacks, real QUIC), driven through `shoal-lab bench cluster`: 3 and 5 nodes
 //! discover each other, join by CLI approval and by pairing code, elect one leader;
 //! killing the leader yields a new one; a partition with the leader on the minority
 //! side leaves only the majority with a leader, and healing converges. Needs root
@@ -11,7 +11,7 @@ use common::*;
 use serde_json::Value;
 
 fn bench_cluster(nodes: usize, repeats: usize) -> Value {
-    let child = shoal()
+    let child = shoal_lab()
         .args(["bench", "cluster", "--json", "--nodes", &nodes.to_string(), "--repeats", &repeats.to_string()])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -73,7 +73,7 @@ fn a_strangers_cluster_cannot_adopt_a_node_and_its_owner_can() {
     if !namespaces_available() {
         return;
     }
-    let child = shoal()
+    let child = shoal_lab()
         .args(["bench", "adoption", "--json"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -1,5 +1,5 @@
 //! Three hosts in Linux network namespaces on a bridge (real QUIC between separate
-//! network stacks), driven through `shoal bench reconnect`, which starts the stages,
+//! network stacks), driven through `shoal-lab bench reconnect`, which starts the stages,
 //! generates, compares with the unsplit model bit for bit and fails when they differ:
 //! with WiFi-like impairment on every host, and with the middle host's link taken
 //! down for 3 s three times during a 400-token generation. Needs root (`ip netns`);
@@ -13,7 +13,7 @@ use serde_json::Value;
 /// Run the bench; checks that it removed its namespaces.
 fn bench(args: &[&str]) -> Value {
     model("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let child = shoal()
+    let child = shoal_lab()
         .args(["bench", "reconnect", "--json"])
         .args(args)
         .stdout(std::process::Stdio::piped())
@@ -58,7 +58,7 @@ fn link_flaps_during_a_long_generation_change_nothing() {
 /// The planner's prediction check: SmolLM2 on 2-3 namespace hosts with link delays of
 /// 0, 3 and 10 ms, different splits, keep-alive off and on, predicted vs measured
 /// decode tok/s. Timing
-/// targets are the benchmark's business (`shoal bench plan`); the test checks that
+/// targets are the benchmark's business (`shoal-lab bench plan`); the test checks that
 /// every configuration ran and gave sane figures, and prints the table.
 #[test]
 fn planner_predictions_are_checked_against_runs() {
@@ -67,7 +67,7 @@ fn planner_predictions_are_checked_against_runs() {
     }
     model("SmolLM2-135M-Instruct.Q4_1.gguf");
     let out =
-        shoal().args(["bench", "plan", "--json", "--configs", "5", "-n", "48", "--rounds", "1"]).output().unwrap();
+        shoal_lab().args(["bench", "plan", "--json", "--configs", "5", "-n", "48", "--rounds", "1"]).output().unwrap();
     let v = json(out);
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 5, "{v}");

@@ -294,14 +294,17 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
     assert_eq!(split["logits_digest"], whole["logits_digest"]);
 }
 
-/// `shoal bench live-plan`: cluster nodes measure themselves when a placement is
+/// `shoal-lab bench live-plan`: cluster nodes measure themselves when a placement is
 /// planned, and the prediction is compared with runs. The figures are the bench's
 /// business; the test checks the chain ran on measured inputs and gave sane numbers.
 #[test]
 fn bench_live_plan_predicts_from_the_clusters_own_measurements() {
     model("SmolLM2-135M-Instruct.Q4_1.gguf");
     let v = json(
-        shoal().args(["bench", "live-plan", "--json", "--delays", "3", "-n", "16", "--rounds", "1"]).output().unwrap(),
+        shoal_lab()
+            .args(["bench", "live-plan", "--json", "--delays", "3", "-n", "16", "--rounds", "1"])
+            .output()
+            .unwrap(),
     );
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 1, "{v}");

@@ -18,6 +18,11 @@ pub fn shoal() -> Command {
     Command::new(env!("CARGO_BIN_EXE_shoal"))
 }
 
+/// The lab binary (benchmarks), which starts the `shoal` beside it.
+pub fn shoal_lab() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shoal-lab"))
+}
+
 /// The node id of the key in `dir` (created on first use).
 pub fn key(dir: &Path) -> String {
     let out = shoal().args(["key", "--data-dir"]).arg(dir).output().unwrap();

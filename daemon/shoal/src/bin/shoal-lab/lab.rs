@@ -126,7 +126,7 @@ impl Lab {
         let net =
             Net::new(tag, stages.len()).context("network namespaces unavailable here (they need root and iproute2)")?;
         let dir = tempfile::tempdir()?;
-        let exe = std::env::current_exe().context("locating the shoal binary")?;
+        let exe = shoal::shoal_exe().context("locating the shoal binary")?;
         let key = |name: &str| -> Result<String> {
             let out = Command::new(&exe).args(["key", "--data-dir"]).arg(dir.path().join(name)).output()?;
             Ok(String::from_utf8(out.stdout)?.trim().to_string())

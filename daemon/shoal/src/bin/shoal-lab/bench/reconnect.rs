@@ -1,4 +1,4 @@
-//! `shoal bench reconnect`: stages on namespace hosts; during one long generation the
+//! `shoal-lab bench reconnect`: stages on namespace hosts; during one long generation the
 //! middle host's link is taken down for a few seconds, several times. Prints, for
 //! each flap, the time from the link coming back up to the next token arriving, and
 //! checks that the output equals the unsplit model's bit for bit. With `--flaps 0`
@@ -119,7 +119,7 @@ pub fn reconnect(a: ReconnectArgs) -> Result<()> {
         bail!("shoal generate failed: {}", errors.join().unwrap_or_default());
     }
     let piped: GenOutput = serde_json::from_slice(&out.stdout).context("parsing shoal generate --json")?;
-    let mut run = Command::new(std::env::current_exe()?);
+    let mut run = Command::new(shoal::shoal_exe()?);
     run.arg("run").arg("--model").arg(&model);
     run.args(["--chunk", &CHUNK.to_string(), "--ctx", &CONTEXT.to_string()]).args(args);
     let unsplit: GenOutput = json_of(run, "run")?;

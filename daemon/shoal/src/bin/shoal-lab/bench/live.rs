@@ -1,4 +1,4 @@
-//! `shoal bench live-plan`: the live path's prediction against reality. Two cluster
+//! `shoal-lab bench live-plan`: the live path's prediction against reality. Two cluster
 //! nodes on loopback (their outgoing packets delayed by the impairment layer) form a
 //! cluster; `shoal plan --write-placement` makes them measure themselves (a quick
 //! calibration each, link probes) and predicts the placement's decode speed; the
@@ -82,7 +82,7 @@ pub fn live_plan(a: LivePlanArgs) -> Result<()> {
 
 /// Two fresh cluster nodes with `delay`, planned, served and measured.
 fn one_delay(model: &Path, n_layer: u32, split: u32, delay: u64, a: &LivePlanArgs) -> Result<Row> {
-    let exe = std::env::current_exe().context("locating the shoal binary")?;
+    let exe = shoal::shoal_exe().context("locating the shoal binary")?;
     let dir = tempfile::tempdir()?;
     let impair = if delay == 0 { String::new() } else { format!("delay={delay}ms") };
     let data = |n: &str| dir.path().join(n);

@@ -1,4 +1,4 @@
-//! `shoal bench load` and `shoal bench replace`: the one-daemon flow with plain
+//! `shoal-lab bench load` and `shoal-lab bench replace`: the one-daemon flow with plain
 //! `shoal serve` processes on loopback (real QUIC, mDNS on `lo`, llama.cpp), each
 //! offering little memory so that the model must split.
 //! - load: time from `models load` to every stage running, cold (shards travel) and
@@ -9,10 +9,10 @@
 //! - replace: during a generation, SIGKILL a stage's node; time from the kill to the
 //!   next token, and the tokens replayed on the new placement.
 
-use crate::local::{wait, Lab};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::Value;
+use shoal::local::{wait, Lab};
 use shoal_membership::wire::{AdminRequest, AdminResponse};
 use shoal_node::api::{NodeRequest, NodeResponse};
 use std::io::BufRead;
@@ -27,7 +27,7 @@ pub(crate) const PROMPT: &str =
     and was counted among the wonders of the ancient world. Later, Roman engineers raised towers along the coasts \
     of their empire, from Dover to the Black Sea.";
 
-/// `shoal bench load`.
+/// `shoal-lab bench load`.
 #[derive(Args, Debug)]
 pub struct LoadArgs {
     /// The GGUF model [default: the test model].
@@ -48,7 +48,7 @@ pub struct LoadArgs {
     impair: Option<shoal_net::Impairment>,
 }
 
-/// `shoal bench replace`.
+/// `shoal-lab bench replace`.
 #[derive(Args, Debug)]
 pub struct ReplaceArgs {
     /// The GGUF model [default: the test model].
@@ -92,7 +92,7 @@ fn mib(b: u64) -> f64 {
     b as f64 / f64::from(1u32 << 20)
 }
 
-/// `shoal bench load`.
+/// `shoal-lab bench load`.
 pub fn load(a: LoadArgs) -> Result<()> {
     let model = model_or_default(&a.model)?;
     let name = model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -191,7 +191,7 @@ pub fn load(a: LoadArgs) -> Result<()> {
     Ok(())
 }
 
-/// `shoal bench replace`.
+/// `shoal-lab bench replace`.
 pub fn replace(a: ReplaceArgs) -> Result<()> {
     let model = model_or_default(&a.model)?;
     let name = model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();

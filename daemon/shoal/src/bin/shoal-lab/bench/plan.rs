@@ -1,4 +1,4 @@
-//! `shoal bench plan`: checks the planner's predictions against reality. For each
+//! `shoal-lab bench plan`: checks the planner's predictions against reality. For each
 //! configuration (a split of SmolLM2 over 2–3 namespace hosts, a one-way delay on every
 //! link applied by the impairment layer, keep-alive off or on) it starts the stages,
 //! calibrates the profile as Shoal does when it first places a model (a generation;

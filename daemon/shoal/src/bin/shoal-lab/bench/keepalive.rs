@@ -1,4 +1,4 @@
-//! `shoal bench keepalive`: does keeping a stage awake between tokens pay? The same
+//! `shoal-lab bench keepalive`: does keeping a stage awake between tokens pay? The same
 //! split of a model runs twice on loopback, one set of stage processes with keep-alive
 //! off (their threads sleep between tokens) and one with it on (they spin while a
 //! session generates); generations alternate between the two, and the bench prints

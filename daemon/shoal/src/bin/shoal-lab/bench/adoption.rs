@@ -1,10 +1,10 @@
-//! `shoal bench adoption`: the cluster against a stranger, on namespace hosts (real
+//! `shoal-lab bench adoption`: the cluster against a stranger, on namespace hosts (real
 //! mDNS between network stacks, real QUIC). Host 0 runs a stranger's cluster, host 1 a
 //! fresh node, host 2 its owner's cluster. The stranger approves the fresh node (started
 //! with default flags, then `--no-create`): it must stay out. The owner lets it in with a
 //! pairing code; it leaves; the owner lets it in again with a join token. Last, the
 //! member restarts while host 0 floods the owner's node with spoofed QUIC Initials: the
-//! time until it is back is the figure. Also `shoal bench flood`, the hidden tool that
+//! time until it is back is the figure. Also `shoal-lab bench flood`, the hidden tool that
 //! sends the flood from inside a namespace.
 
 use super::cluster::{Cluster, WAIT};
@@ -152,7 +152,8 @@ pub fn adoption(a: AdoptionArgs) -> Result<()> {
     let targets = [SocketAddr::from((owner_ip, 47070)), SocketAddr::from((owner_ip, 47071))];
     let flooder = c
         .net()
-        .command(0, c.exe())
+        // The flood tool is this program's (`shoal-lab bench flood`), not `shoal`'s.
+        .command(0, std::env::current_exe().context("locating shoal-lab")?)
         .args(["bench", "flood", "--count", &a.flood.to_string()])
         .args(targets.iter().flat_map(|t| ["--target".to_string(), t.to_string()]))
         .stdout(Stdio::piped())
@@ -198,7 +199,7 @@ pub fn adoption(a: AdoptionArgs) -> Result<()> {
     Ok(())
 }
 
-/// `shoal bench flood`: print how many Initials left.
+/// `shoal-lab bench flood`: print how many Initials left.
 pub fn flood(a: FloodArgs) -> Result<()> {
     let from = SocketAddr::from(([0, 0, 0, 0], 0));
     let sent = shoal_testnet::flood::send_initials(from, &a.target, a.count, shoal_net::alpn::MEMBERSHIP, |_| {})?;

@@ -1,4 +1,4 @@
-//! `shoal bench …`: commands that print figures. Each measurement runs in a child
+//! `shoal-lab bench …`: commands that print figures. Each measurement runs in a child
 //! process (`shoal run --json`) so that peak RSS is per configuration, and the
 //! configurations alternate round by round so that a noisy machine hurts both alike.
 
@@ -138,30 +138,18 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
     }
 }
 
-/// Split points for `k` stages of `n_layer` layers, as even as the period allows.
-pub fn even_split(n_layer: u32, k: u32, period: u32) -> Result<Vec<u32>> {
-    let mut points = Vec::new();
-    for i in 1..k {
-        let ideal = f64::from(i) * f64::from(n_layer) / f64::from(k) / f64::from(period);
-        let p = (ideal.round() as u32) * period;
-        if p == 0 || p >= n_layer || points.last().is_some_and(|&l| p <= l) {
-            bail!("cannot split {n_layer} layers into {k} stages on a period of {period}");
-        }
-        points.push(p);
-    }
-    Ok(points)
-}
+pub use shoal::stats::{even_split, median};
 
 fn split(a: SplitArgs) -> Result<()> {
     let (_, meta) = open_model(&a.model)?;
     let points = even_split(meta.n_layer, a.stages, meta.layer_period())?;
-    let cache = ShardCache::new(a.cache.clone().unwrap_or_else(crate::run::default_cache));
+    let cache = ShardCache::new(a.cache.clone().unwrap_or_else(shoal::run::default_cache));
     let ranges = split_ranges(meta.n_layer, &points, meta.layer_period(), meta.arch.name())?;
     let mut files = vec![a.model.clone()];
     for r in ranges {
         files.push(cache.shard_path(&a.model, r)?);
     }
-    let exe = std::env::current_exe().context("locating the shoal binary")?;
+    let exe = shoal::shoal_exe().context("locating the shoal binary")?;
     let run_once = |split: &[u32]| -> Result<RunOutput> {
         // Every run starts with the model's files out of the page cache. Otherwise the
         // history of a file's pages decides the speed: a freshly written copy of the
@@ -281,7 +269,7 @@ impl LoopbackPipeline {
         serve_args: &[&str],
     ) -> Result<LoopbackPipeline> {
         let (_, meta) = open_model(model)?;
-        let exe = std::env::current_exe().context("locating the shoal binary")?;
+        let exe = shoal::shoal_exe().context("locating the shoal binary")?;
         let dir = tempfile::tempdir()?;
         let key = |name: &str| -> Result<String> {
             let out = Command::new(&exe).args(["key", "--data-dir"]).arg(dir.path().join(name)).output()?;
@@ -307,7 +295,7 @@ impl LoopbackPipeline {
         let placement = dir.path().join("placement.toml");
         std::fs::write(&placement, toml)?;
         // Stage processes: the page cache of their shards dropped first, like the unsplit runs.
-        let shard_cache = ShardCache::new(crate::run::default_cache());
+        let shard_cache = ShardCache::new(shoal::run::default_cache());
         for r in split_ranges(meta.n_layer, points, meta.layer_period(), meta.arch.name())? {
             drop_page_cache(&shard_cache.shard_path(model, r)?);
         }
@@ -334,7 +322,7 @@ impl LoopbackPipeline {
 
     /// A greedy generation of `n` tokens (EOS ignored) through the pipeline.
     pub(crate) fn generate(&self, prompt: &str, n: usize) -> Result<GenOutput> {
-        let exe = std::env::current_exe().context("locating the shoal binary")?;
+        let exe = shoal::shoal_exe().context("locating the shoal binary")?;
         let mut cmd = Command::new(exe);
         cmd.args(["generate", "--placement"]).arg(&self.placement).arg("--data-dir").arg(self.client());
         cmd.args(["--raw", "--ignore-eos", "--json", "--prompt", prompt, "-n", &n.to_string()]);
@@ -376,7 +364,7 @@ fn process_cpu_seconds(pid: u32) -> f64 {
 fn pipeline(a: PipelineArgs) -> Result<()> {
     let (_, meta) = open_model(&a.model)?;
     let points = even_split(meta.n_layer, a.stages, meta.layer_period())?;
-    let exe = std::env::current_exe().context("locating the shoal binary")?;
+    let exe = shoal::shoal_exe().context("locating the shoal binary")?;
     let impair = format!("{:?}", a.impair);
     let impair_arg = if a.impair.is_none() { String::new() } else { impair_spec(&a.impair) };
     let context = (a.prompt_tokens + a.tokens + 64).max(2048);
@@ -471,8 +459,8 @@ fn probe_frames(placement: &std::path::Path, client: &std::path::Path, n_embd: u
         sampling: serde_json::json!({}),
         resume: Vec::new(),
     };
-    crate::pipeline::runtime()?.block_on(async {
-        let node = crate::pipeline::client_node(&placement, identity)?;
+    shoal::pipeline::runtime()?.block_on(async {
+        let node = shoal::pipeline::client_node(&placement, identity)?;
         for _ in 0..40 {
             shoal_pipeline::generate(&node, &placement.stages[0], &req, |_| {}).await?;
         }
@@ -483,7 +471,7 @@ fn probe_frames(placement: &std::path::Path, client: &std::path::Path, n_embd: u
 
 /// Ask every stage for the latency of the frames it received, and print them by hop.
 fn print_hop_latencies(placement: &std::path::Path, client: &std::path::Path) -> Result<()> {
-    let mut cmd = Command::new(std::env::current_exe()?);
+    let mut cmd = Command::new(shoal::shoal_exe()?);
     cmd.args(["status", "--json", "--placement"]).arg(placement).arg("--data-dir").arg(client);
     let nodes: Vec<shoal_pipeline::NodeStatus> = json_of(cmd, "status")?;
     println!("per-hop frame latency (sender's protocol core to receiver's: queues, QUIC and wire, no compute):");
@@ -605,11 +593,6 @@ pub(crate) fn json_of<T: serde::de::DeserializeOwned>(mut cmd: Command, what: &s
         bail!("shoal {what} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     serde_json::from_slice(&out.stdout).with_context(|| format!("parsing shoal {what} --json"))
-}
-
-pub(crate) fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 #[cfg(test)]

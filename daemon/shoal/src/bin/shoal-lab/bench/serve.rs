@@ -1,4 +1,4 @@
-//! `shoal bench serve`: the HTTP API on a local cluster (three `shoal serve` processes
+//! `shoal-lab bench serve`: the HTTP API on a local cluster (three `shoal serve` processes
 //! on loopback, the model split over them), measured side by side with `shoal run`
 //! unsplit in the same run, rounds interleaved (these machines are noisy):
 //! - single-stream decode tok/s through the API vs unsplit;
@@ -7,16 +7,16 @@
 //!   no HTTP) on the same placement;
 //! - aggregate tok/s with 1, 2, 3 and 6 concurrent streams (a placement of 6 sessions).
 
-use crate::local::Lab;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
+use shoal::local::Lab;
 use shoal_node::api::NodeRequest;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-/// `shoal bench serve`.
+/// `shoal-lab bench serve`.
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// The GGUF model [default: the test model].

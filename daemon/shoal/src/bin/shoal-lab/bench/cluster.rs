@@ -1,4 +1,4 @@
-//! `shoal bench cluster`: N cluster nodes on namespace hosts (real mDNS over the
+//! `shoal-lab bench cluster`: N cluster nodes on namespace hosts (real mDNS over the
 //! bridge, real QUIC). Measures the time until the first node has discovered and
 //! verified all others, forms the cluster (half approved from the CLI, half with
 //! pairing codes), times a cold election (every node restarted at once), the failover
@@ -92,18 +92,13 @@ impl Cluster {
             children: (0..n).map(|_| None).collect(),
             net,
             dir: tempfile::tempdir()?,
-            exe: std::env::current_exe().context("locating the shoal binary")?,
+            exe: shoal::shoal_exe().context("locating the shoal binary")?,
         })
     }
 
     /// The namespace hosts.
     pub(crate) fn net(&self) -> &Net {
         &self.net
-    }
-
-    /// The shoal binary the nodes run.
-    pub(crate) fn exe(&self) -> &PathBuf {
-        &self.exe
     }
 
     fn data(&self, k: usize) -> PathBuf {

@@ -1,0 +1,46 @@
+//! The `shoal` binary's commands as a library: the product CLI (`src/main.rs`) and the
+//! lab tool (`src/bin/shoal-lab`, benchmarks and the namespace lab) share them. Each
+//! module is one command or one piece the commands share.
+
+pub mod calibrate;
+pub mod chat;
+pub mod cluster;
+pub mod engine;
+pub mod inventory;
+pub mod keys;
+pub mod local;
+pub mod models;
+pub mod pipeline;
+pub mod plan;
+pub mod run;
+pub mod stats;
+
+/// The `shoal` binary to start nodes and runs with: this program when it is `shoal`,
+/// else (`shoal-lab`) the `shoal` beside it, as cargo and packages install them.
+pub fn shoal_exe() -> std::io::Result<std::path::PathBuf> {
+    let me = std::env::current_exe()?;
+    let name = format!("shoal{}", std::env::consts::EXE_SUFFIX);
+    if me.file_name().is_some_and(|n| n == name.as_str()) {
+        return Ok(me);
+    }
+    let beside = me.with_file_name(&name);
+    if beside.exists() {
+        Ok(beside)
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("no {name} beside {} (build both: cargo build -p shoal)", me.display()),
+        ))
+    }
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default: warnings, llama.cpp's errors only).
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,llama.cpp=error")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
