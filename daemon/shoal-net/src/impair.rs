@@ -233,11 +233,13 @@ impl AsyncUdpSocket for ImpairedSocket {
             // A poisoned lock still holds a valid instant.
             let mut free = self.link_free.lock().unwrap_or_else(|e| e.into_inner());
             let start = (*free).max(now);
-            if start - now > QUEUE_LIMIT {
+            let bits = t.contents.len() as f64 * 8.0;
+            let sending = Duration::from_secs_f64(bits / self.spec.rate_bps as f64);
+            // Room for two datagrams at least, however slow the link.
+            if start - now > QUEUE_LIMIT.max(sending * 2) {
                 return Ok(());
             }
-            let bits = t.contents.len() as f64 * 8.0;
-            *free = start + Duration::from_secs_f64(bits / self.spec.rate_bps as f64);
+            *free = start + sending;
             delay += *free - now;
         }
         if delay.is_zero() {

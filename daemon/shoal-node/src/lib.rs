@@ -79,6 +79,7 @@ pub async fn run(
         offer_bytes: options.max_memory.unwrap_or(free.saturating_sub(RESERVE_BYTES)),
         stage: Mutex::new(None),
         keepalive: options.keepalive,
+        fingerprint: options.engine.as_ref().map(|e| e.fingerprint()).unwrap_or_default(),
         measuring: Default::default(),
     });
     let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, trusted: shared.trusted.clone(), rt: rt.clone() });

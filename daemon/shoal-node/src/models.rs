@@ -150,6 +150,20 @@ pub async fn remove(membership: &Handle, model: &str) -> Result<CatalogEntry, Ap
     commit(membership, AdminRequest::Delete { key: entry.key() }).await?;
     let profile_key = format!("{}{}", crate::runtime::PROFILE_PREFIX, entry.content_hash);
     commit(membership, AdminRequest::Delete { key: profile_key }).await?;
+    // The members' speeds on it go too (the state is bounded; nothing plans it now).
+    let suffix = format!("/{}", entry.content_hash);
+    let speeds: Vec<String> = view.state.as_ref().map_or_else(Vec::new, |s| {
+        let prefix = shoal_types::Speed::KEY_PREFIX;
+        s.entries
+            .range(prefix.to_string()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .filter(|(k, _)| k.ends_with(&suffix))
+            .map(|(k, _)| k.clone())
+            .collect()
+    });
+    for key in speeds {
+        commit(membership, AdminRequest::Delete { key }).await?;
+    }
     Ok(entry)
 }
 

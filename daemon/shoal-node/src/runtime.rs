@@ -55,6 +55,11 @@ pub trait Engine: Send + Sync {
     /// Samplers for the tail of the model whose file (or shard) is `gguf` (a grammar
     /// is read against its vocabulary).
     fn samplers(&self, gguf: &Path) -> SamplerFactory;
+    /// What the speed of this engine's stages depends on besides the machine (threads,
+    /// backends), e.g. "threads=8": a speed measured under another is stale.
+    fn fingerprint(&self) -> String {
+        String::new()
+    }
     /// The vocabulary and chat template of the GGUF at `gguf` (a model or a shard of
     /// it), loaded without weights, for the HTTP API. Blocking.
     fn text(&self, gguf: &Path) -> Result<Arc<dyn shoal_api::TextModel>, String> {
@@ -83,8 +88,12 @@ pub struct Runtime {
     /// Keep the stage's threads spinning for this long after its last frame (no
     /// wake-up cost between tokens; see `shoal-lab bench keepalive`); `None`: sleep.
     pub keepalive: Option<std::time::Duration>,
-    /// A measurement ([`measure`]) runs now: the next is refused.
-    pub measuring: std::sync::atomic::AtomicBool,
+    /// What this node's measured speeds depend on ([`Engine::fingerprint`]): a speed
+    /// measured under another (other threads, another build) is measured again.
+    pub fingerprint: String,
+    /// Held while a measurement ([`measure`]) runs: the next waits (two would time
+    /// each other; a leader may ask for several models, or a new leader again).
+    pub measuring: tokio::sync::Mutex<()>,
 }
 
 impl Runtime {
@@ -204,11 +213,14 @@ pub async fn lead(rt: Arc<Runtime>) {
         if v.leader == Some(rt.me) && v.state.is_some() {
             let mut i = inputs(&v);
             answered.retain(|k, _| !i.speeds.contains_key(k));
-            i.speeds.extend(answered.iter().map(|(k, s)| (k.clone(), *s)));
+            i.speeds.extend(answered.iter().map(|(k, s)| (k.clone(), s.clone())));
             failed.retain(|_, at| at.elapsed() < MEASURE_RETRY);
+            // A member that died with an ask out does not hold plans back.
+            asked.retain(|(n, _)| v.alive.contains(n));
             i.measuring = asked.clone();
             for pair in schedule::to_measure(&i) {
-                if failed.contains_key(&pair) {
+                // One ask at a time per member (it measures one model after the other).
+                if failed.contains_key(&pair) || asked.iter().any(|(n, _)| *n == pair.0) {
                     continue;
                 }
                 tracing::info!(node = %pair.0, model = %pair.1, "asking for a measurement");
@@ -221,8 +233,8 @@ pub async fn lead(rt: Arc<Runtime>) {
             }
             i.measuring = asked.clone();
             probed.retain(|_, until| tokio::time::Instant::now() < *until);
-            let skip: BTreeSet<NodeId> = probe_now.iter().chain(probed.keys()).copied().collect();
-            let queue = schedule::to_probe(&i, &skip);
+            let tried: BTreeSet<NodeId> = probed.keys().copied().collect();
+            let queue = schedule::to_probe(&i, probe_now, &tried);
             // After the speed measurements: a busy CPU would slow the echoes.
             if let (None, Some(&next), true) = (probe_now, queue.first(), asked.is_empty()) {
                 let frame_bytes = i
@@ -235,7 +247,7 @@ pub async fn lead(rt: Arc<Runtime>) {
                 let (rt, done) = (rt.clone(), probe_tx.clone());
                 tokio::spawn(async move {
                     let req = crate::api::NodeRequest::ProbeLinks { frame_bytes };
-                    let r = match tokio::time::timeout(MEASURE_WAIT, ask_node(&rt, next, &req)).await {
+                    let r = match tokio::time::timeout(PROBE_WAIT, ask_node(&rt, next, &req)).await {
                         Ok(Ok(NodeResponse::Ok(_))) => Ok(()),
                         Ok(Ok(NodeResponse::Error(e))) => Err(e.message),
                         Ok(Ok(other)) => Err(format!("an unexpected answer {other:?}")),
@@ -292,14 +304,12 @@ pub async fn lead(rt: Arc<Runtime>) {
             }
             Some((node, answer)) = probe_rx.recv() => {
                 probe_now = None;
-                let wait = match answer {
-                    Ok(()) => Duration::from_secs(60),
-                    Err(e) => {
-                        tracing::info!(%node, "no link probe: {e}; its links are assumed");
-                        MEASURE_RETRY
-                    }
-                };
-                probed.insert(node, tokio::time::Instant::now() + wait);
+                if let Err(e) = answer {
+                    tracing::info!(%node, "no link probe: {e}; its links are assumed");
+                }
+                // Tried, whatever came of it: a link it could not measure is left to the
+                // other end, and this member is not asked again for a while.
+                probed.insert(node, tokio::time::Instant::now() + MEASURE_RETRY);
             }
             () = recheck => {}
         }
@@ -308,6 +318,10 @@ pub async fn lead(rt: Arc<Runtime>) {
 
 /// How long the leader waits for a member's measurement before it plans without it.
 pub const MEASURE_WAIT: Duration = Duration::from_secs(120);
+
+/// How long the leader waits for a member's link probe (a few seconds per peer when
+/// the links work; a minute per peer at most when they do not).
+const PROBE_WAIT: Duration = Duration::from_secs(300);
 
 /// How long a member whose measurement failed is planned with an estimate before it is
 /// asked again.
@@ -389,9 +403,9 @@ pub(crate) async fn stage_status(
 /// Publish this node's offer once it is a member (and whenever it differs).
 pub async fn offer(rt: Arc<Runtime>) {
     let mut view = rt.membership.view();
-    // This node's speeds measured by an earlier run are dropped once: its threads or
-    // its hardware may have changed since, and the leader measures a free member
-    // again when it lacks them (a second or so).
+    // This node's speeds measured under another fingerprint (other threads, another
+    // build) are dropped once: the leader measures a free member again when it lacks
+    // them (a second or so).
     let mut stale_speeds = true;
     loop {
         let v = view.borrow_and_update().clone();
@@ -400,8 +414,12 @@ pub async fn offer(rt: Arc<Runtime>) {
             let keys: Vec<String> = state
                 .entries
                 .range(mine.clone()..)
+                .take_while(|(k, _)| k.starts_with(&mine))
+                .filter(|(_, v)| {
+                    let speed = serde_json::from_value::<shoal_types::Speed>((*v).clone());
+                    speed.map_or(true, |s| s.fingerprint != rt.fingerprint)
+                })
                 .map(|(k, _)| k.clone())
-                .take_while(|k| k.starts_with(&mine))
                 .collect();
             let mut all = true;
             for key in keys {
@@ -607,23 +625,21 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
         return Err(ApiError::new(ErrorKind::Busy, "this node runs a stage; it is measured while free"));
     }
     // One at a time: two would time each other.
-    if rt.measuring.swap(true, std::sync::atomic::Ordering::SeqCst) {
-        return Err(ApiError::new(ErrorKind::Busy, "a measurement already runs on this node"));
-    }
-    struct Done<'a>(&'a std::sync::atomic::AtomicBool);
-    impl Drop for Done<'_> {
-        fn drop(&mut self) {
-            self.0.store(false, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-    let _done = Done(&rt.measuring);
+    let _one = rt.measuring.lock().await;
     let view = rt.view();
+    if let Some(known) = typed::<shoal_types::Speed>(&view, shoal_types::Speed::KEY_PREFIX)
+        .get(&format!("{}/{model}", rt.me))
+        .filter(|s| s.is_sane() && s.fingerprint == rt.fingerprint)
+    {
+        // Measured while this ask waited its turn (an earlier leader asked too).
+        return Ok(known.clone());
+    }
     let entry = models::entries(&view)
         .into_iter()
         .find(|e| e.content_hash == model)
         .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("no model {model} in the catalog")))?;
     let source: SourceHash = entry.content_hash.parse().map_err(|_| unavailable("a malformed content hash".into()))?;
-    let layers = measured_layers(entry.n_layer);
+    let layers = measured_layers(entry.n_layer, entry.layer_period);
     let obtained = shoal_transfer::obtain(
         &rt.node,
         &CatalogSources::of(rt, &view),
@@ -657,9 +673,10 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
         ms_per_layer: decode_ms / n,
         prefill_ms_per_layer_token: prefill_ms / n / f64::from(MEASURE_SIZING.chunk),
         layers,
+        fingerprint: rt.fingerprint.clone(),
     };
     tracing::info!(model = %entry.name, %layers, ms_per_layer = speed.ms_per_layer, "measured");
-    let value = serde_json::to_value(speed).map_err(|e| unavailable(e.to_string()))?;
+    let value = serde_json::to_value(&speed).map_err(|e| unavailable(e.to_string()))?;
     match rt.membership.ask(AdminRequest::Put { key: shoal_types::Speed::key(&rt.me, model), value }).await {
         AdminResponse::Error(e) => Err(unavailable(format!("publishing the measurement: {e}"))),
         _ => Ok(speed),
@@ -672,12 +689,15 @@ const MEASURE_SIZING: StageSizing = StageSizing { context: 256, sessions: 1, chu
 /// Decode steps timed by a measurement (the fastest counts).
 const MEASURE_DECODE_STEPS: u32 = 32;
 
-/// The layers a measurement times: two middle blocks (a shard without embedding or LM
-/// head, small enough for any member to fetch and hold), or the whole model when it
-/// has fewer than four blocks.
-pub fn measured_layers(n_layer: u32) -> LayerRange {
-    if n_layer >= 4 {
-        LayerRange::new(1, 3)
+/// The layers a measurement times: at least two middle blocks, on the model's layer
+/// period (stage boundaries must fall on it: Gemma 3's is 6), so a shard without
+/// embedding or LM head, small enough for any member to fetch and hold; or the whole
+/// model when it is too short for that.
+pub fn measured_layers(n_layer: u32, period: u32) -> LayerRange {
+    let p = period.max(1);
+    let width = p * 2u32.div_ceil(p);
+    if n_layer > p + width {
+        LayerRange::new(p, p + width)
     } else {
         LayerRange::new(0, n_layer)
     }

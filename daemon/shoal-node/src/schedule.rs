@@ -130,7 +130,8 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
         let others: BTreeMap<NodeId, &str> = busy.iter().filter(|&(_, &m)| m != this).map(|(n, m)| (*n, *m)).collect();
         let generation = p.generation.max(inputs.index) + 1;
         let mut fresh = place(inputs, load, &alive, &others, generation);
-        if fresh.stages.is_empty() || fresh.predicted_tok_s < REPLAN_GAIN * p.predicted_tok_s {
+        // Written so that a NaN prediction never counts as better.
+        if fresh.stages.is_empty() || !(fresh.predicted_tok_s >= REPLAN_GAIN * p.predicted_tok_s) {
             continue;
         }
         fresh.explanation.insert(
@@ -333,7 +334,8 @@ fn place(
         .zip(&hosts)
         .map(|(m, host)| {
             let mut d = Device::estimated_cpu(host.clone(), m.offer_bytes, profile);
-            if let Some(speed) = inputs.speeds.get(&(m.id, load.model.clone())).filter(|s| s.is_sane()) {
+            let speed = inputs.speeds.get(&(m.id, load.model.clone())).filter(|s| s.is_sane());
+            if let Some(speed) = speed.filter(|_| d.ms_per_layer > 0.0) {
                 // The head was not timed: it scales like the layers (both read weights).
                 d.head_ms *= speed.ms_per_layer / d.ms_per_layer;
                 d.ms_per_layer = speed.ms_per_layer;
@@ -396,9 +398,14 @@ pub fn measured_links(
     hosts: &[(NodeId, String)],
 ) -> (Vec<Link>, BTreeMap<String, f64>) {
     let mut wakes: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    // A member's figures are believed only when they make sense.
+    let sane = |m: &&shoal_net::LinkMeasure| {
+        let ok = |v: f64| v.is_finite() && (0.0..60_000.0).contains(&v);
+        ok(m.hot_frame_ms) && ok(m.wake_ms) && m.mbit_per_s.is_finite() && m.mbit_per_s >= 0.0
+    };
     for (from, probe) in probes {
         for (id, host) in hosts {
-            if let Some(m) = probe.to(id).filter(|_| id != from) {
+            if let Some(m) = probe.to(id).filter(|_| id != from).filter(sane) {
                 wakes.entry(host).or_default().push(m.wake_ms);
             }
         }
@@ -408,7 +415,7 @@ pub fn measured_links(
     for (i, (x, hx)) in hosts.iter().enumerate() {
         for (y, hy) in &hosts[i + 1..] {
             let seen: Vec<&shoal_net::LinkMeasure> =
-                [(x, y), (y, x)].iter().filter_map(|(from, to)| probes.get(from)?.to(to)).collect();
+                [(x, y), (y, x)].iter().filter_map(|(from, to)| probes.get(from)?.to(to)).filter(sane).collect();
             if seen.is_empty() {
                 continue;
             }
@@ -425,11 +432,12 @@ pub fn measured_links(
 }
 
 /// The members whose links the leader should have probed before it plans: live
-/// members offering memory, for every pair of which neither side measured the other
-/// (the first of the pair probes: one probe measures its links to all). Members in
-/// `skip` (probing now, or just probed) count as done. Nothing while no model is to be
-/// kept loaded.
-pub fn to_probe(inputs: &Inputs, skip: &BTreeSet<NodeId>) -> Vec<NodeId> {
+/// members offering memory, for every pair of which neither side measured the other,
+/// one of the pair (one probe measures a member's links to all). A pair with the member
+/// probing `now` is covered; a member in `tried` (probed lately, whatever came of it)
+/// is not asked again, so the other end of a link it could not measure is, and a pair
+/// both ends tried is left assumed. Nothing while no model is to be kept loaded.
+pub fn to_probe(inputs: &Inputs, now: Option<NodeId>, tried: &BTreeSet<NodeId>) -> Vec<NodeId> {
     if inputs.loads.is_empty() {
         return Vec::new();
     }
@@ -438,9 +446,12 @@ pub fn to_probe(inputs: &Inputs, skip: &BTreeSet<NodeId>) -> Vec<NodeId> {
     let mut out: Vec<NodeId> = Vec::new();
     for (i, x) in offering.iter().enumerate() {
         for y in &offering[i + 1..] {
-            let covered = [x, y].iter().any(|n| skip.contains(n) || out.contains(n));
-            if !covered && !measured(x, y) && !measured(y, x) {
-                out.push(*x);
+            let covered = [x, y].iter().any(|n| Some(**n) == now || out.contains(n));
+            if covered || measured(x, y) || measured(y, x) {
+                continue;
+            }
+            if let Some(n) = [x, y].into_iter().find(|n| !tried.contains(n)) {
+                out.push(*n);
             }
         }
     }
@@ -582,6 +593,7 @@ mod tests {
             ms_per_layer,
             prefill_ms_per_layer_token: ms_per_layer / 4.0,
             layers: shoal_types::LayerRange::new(1, 3),
+            fingerprint: String::new(),
         }
     }
 
@@ -634,18 +646,30 @@ mod tests {
         let none = BTreeSet::new();
         // Nobody measured anything: 1 probes (covering 1-2, 1-3), then 2 (for 2-3).
         // Member 4 offers nothing: it is never planned, so never probed.
-        assert_eq!(to_probe(&i, &none), vec![id(1), id(2)]);
+        assert_eq!(to_probe(&i, None, &none), vec![id(1), id(2)]);
         // 1 probing now: 2 still has 2-3 to cover.
-        assert_eq!(to_probe(&i, &[id(1)].into()), vec![id(2)]);
+        assert_eq!(to_probe(&i, Some(id(1)), &none), vec![id(2)]);
+        // 1 probed and could not reach 2 (its entry lacks 2): 2 probes that link; when
+        // both tried, the link is left assumed rather than probed again and again.
+        i.links.insert(id(1), probe(&[(3, 6.0)]));
+        assert_eq!(to_probe(&i, None, &[id(1)].into()), vec![id(2)]);
+        // Both tried: 1-2 is left assumed; 2-3 falls to 3.
+        assert_eq!(to_probe(&i, None, &[id(1), id(2)].into()), vec![id(3)]);
+        assert!(to_probe(&i, None, &[id(1), id(2), id(3)].into()).is_empty());
         i.links.insert(id(1), probe(&[(2, 4.0), (3, 6.0)]));
-        assert_eq!(to_probe(&i, &none), vec![id(2)]);
+        assert_eq!(to_probe(&i, None, &none), vec![id(2)]);
         i.links.insert(id(3), probe(&[(2, 8.0)]));
-        assert!(to_probe(&i, &none).is_empty());
+        assert!(to_probe(&i, None, &none).is_empty());
         // No load, no probes.
         let mut idle = i.clone();
         idle.links.clear();
         idle.loads.clear();
-        assert!(to_probe(&idle, &none).is_empty());
+        assert!(to_probe(&idle, None, &none).is_empty());
+        // A member's nonsense is not believed: that link stays unmeasured.
+        let mut bad = probe(&[(2, 4.0)]);
+        bad.peers.values_mut().for_each(|m| m.hot_frame_ms = f64::NAN);
+        let (links, _) = measured_links(&[(id(1), bad)].into(), &[(id(1), "n1".into()), (id(2), "n2".into())]);
+        assert!(links.is_empty(), "{links:?}");
         // While a probe is awaited, nothing is planned from scratch.
         i.probing = [id(2)].into();
         assert!(schedule(&i).is_empty());

@@ -108,9 +108,14 @@ impl TokenSampler for Greedy {
 
 /// Loads a fake stage, after checking that the shard it was given is a real shard of
 /// exactly its layers (what arrived over the network is what the placement asked for).
-struct FakeEngine;
+/// The fake engine; its field is its fingerprint (what its speed depends on).
+struct FakeEngine(&'static str);
 
 impl Engine for FakeEngine {
+    fn fingerprint(&self) -> String {
+        self.0.to_string()
+    }
+
     fn load(&self, shard: &Path, layers: LayerRange, n_layer: u32, s: StageSizing) -> Result<Box<dyn Stage>, String> {
         let (g, meta) = shoal_gguf::open_model(shard).map_err(|e| e.to_string())?;
         let source = g.get(shoal_gguf::shard::KEY_SOURCE_LAYERS).map(|v| format!("{v:?}"));
@@ -137,7 +142,7 @@ impl Engine for FakeEngine {
 /// A node's options here: the fake engine, and a small memory offer.
 fn options() -> shoal_node::Options {
     shoal_node::Options {
-        engine: Some(Arc::new(FakeEngine)),
+        engine: Some(Arc::new(FakeEngine("fake threads=1"))),
         max_memory: Some(OFFER),
         shard_dir: None,
         http: None,
@@ -355,9 +360,9 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     let e = keep[0].generate(request(4)).await.unwrap_err();
     assert!(e.contains("not loaded"), "{e}");
 
-    // The stopped node comes back: the speed it measured in its earlier run is dropped
-    // (its threads or hardware may have changed); with no model to place, nobody asks
-    // it to measure again. The other members' speeds stay.
+    // The stopped node comes back as it was: the speed it measured stays. Back with
+    // another fingerprint (other threads, another build), its speed is dropped; with
+    // no model to place, nobody asks it to measure again. The others' speeds stay.
     let speeds = |of: NodeId| {
         let a = &a;
         async move {
@@ -371,9 +376,25 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     assert_eq!(speeds(victim).await, 1, "the stopped node's speed on the model");
     let name = victim_dir.file_name().unwrap().to_str().unwrap().to_string();
     let back = start(&victim_dir, &name, CreatePolicy::Never, options());
+    wait_for("back among the members", 30, || async {
+        (back.status().await.leader.is_some() && back.status().await.members.len() == 4).then_some(())
+    })
+    .await;
+    // Its offer is republished only if it changed; wait for a beat's worth of commits.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(speeds(victim).await, 1, "the same fingerprint keeps the speed");
+    back.stop().await;
+    let other = shoal_node::Options { engine: Some(Arc::new(FakeEngine("fake threads=2"))), ..options() };
+    let back = start(&victim_dir, &name, CreatePolicy::Never, other);
     wait_for("the old speed dropped", 30, || async { (speeds(victim).await == 0).then_some(()) }).await;
     assert_eq!(speeds(a.id).await, 1, "A's speed stays");
     back.stop().await;
+    // Removed from the catalog: the members' speeds on it go with it.
+    match a.ask(NodeRequest::ModelRemove { model: SMOL.into() }).await {
+        NodeResponse::Removed(_) => {}
+        other => panic!("remove: {other:?}"),
+    }
+    wait_for("the speeds removed", 10, || async { (speeds(a.id).await == 0).then_some(()) }).await;
 
     drop(keep);
     for n in rest {

@@ -116,7 +116,7 @@ impl Offer {
 /// A member's speed on one model, measured by the member itself on a few of the
 /// model's layers when the leader asks (so a member that cannot hold the whole model
 /// is measured too): the planner's device speeds for that member and model.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Speed {
     /// Decode time of one layer for one token, ms.
     pub ms_per_layer: f64,
@@ -124,6 +124,10 @@ pub struct Speed {
     pub prefill_ms_per_layer_token: f64,
     /// The layers that were timed.
     pub layers: LayerRange,
+    /// What the speed depends on besides the machine (the engine's threads and
+    /// backends): the member measures again when its own differs.
+    #[serde(default)]
+    pub fingerprint: String,
 }
 
 impl Speed {

@@ -34,6 +34,26 @@ impl Engine for LlamaEngine {
         sampler_factory(shard.to_owned())
     }
 
+    fn fingerprint(&self) -> String {
+        // What a stage's speed depends on besides the machine: a node restarted with
+        // other threads, or another build (version, GPU backends), is measured again.
+        let backends = if cfg!(feature = "cuda") {
+            "cuda"
+        } else if cfg!(feature = "vulkan") {
+            "vulkan"
+        } else if cfg!(feature = "metal") {
+            "metal"
+        } else {
+            "cpu"
+        };
+        format!(
+            "shoal {} {backends} threads={} gpu_layers={}",
+            env!("CARGO_PKG_VERSION"),
+            self.threads,
+            self.gpu_layers
+        )
+    }
+
     fn text(&self, gguf: &Path) -> Result<Arc<dyn TextModel>, String> {
         let vocab = Vocab::load(gguf).map_err(|e| e.to_string())?;
         Ok(Arc::new(LlamaText { eog: vocab.eog_tokens(), vocab }))

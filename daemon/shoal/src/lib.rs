@@ -15,12 +15,13 @@ pub mod plan;
 pub mod run;
 pub mod stats;
 
-/// The `shoal` binary to start nodes and runs with: this program when it is `shoal`,
-/// else (`shoal-lab`) the `shoal` beside it, as cargo and packages install them.
+/// The `shoal` binary to start nodes and runs with: this program, unless it is
+/// `shoal-lab`, which starts the `shoal` beside it (as cargo and packages install them).
 pub fn shoal_exe() -> std::io::Result<std::path::PathBuf> {
     let me = std::env::current_exe()?;
     let name = format!("shoal{}", std::env::consts::EXE_SUFFIX);
-    if me.file_name().is_some_and(|n| n == name.as_str()) {
+    // The product may be renamed (a release file `shoal-linux-x86_64`): it is itself.
+    if !me.file_stem().is_some_and(|n| n.to_string_lossy().starts_with("shoal-lab")) {
         return Ok(me);
     }
     let beside = me.with_file_name(&name);
