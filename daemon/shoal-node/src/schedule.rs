@@ -130,8 +130,9 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
         let others: BTreeMap<NodeId, &str> = busy.iter().filter(|&(_, &m)| m != this).map(|(n, m)| (*n, *m)).collect();
         let generation = p.generation.max(inputs.index) + 1;
         let mut fresh = place(inputs, load, &alive, &others, generation);
-        // Written so that a NaN prediction never counts as better.
-        if fresh.stages.is_empty() || !(fresh.predicted_tok_s >= REPLAN_GAIN * p.predicted_tok_s) {
+        // A NaN prediction never counts as better.
+        let better = fresh.predicted_tok_s.partial_cmp(&(REPLAN_GAIN * p.predicted_tok_s));
+        if fresh.stages.is_empty() || !matches!(better, Some(std::cmp::Ordering::Greater | std::cmp::Ordering::Equal)) {
             continue;
         }
         fresh.explanation.insert(
