@@ -20,5 +20,5 @@ pub use chain::{Chain, ChainError, Generation, Observer, StepTiming};
 pub use devices::devices;
 pub use sampler::{Sampler, SamplerError, SamplingParams};
 pub use shoal_gguf::{open_model, Arch, Gguf, ModelMeta, ShardCache};
-pub use stage::{load_split, LlamaStage, LoadError, StageConfig};
+pub use stage::{load_split, offload_split, GpuLayers, LlamaStage, LoadError, StageConfig};
 pub use vocab::{Utf8Stream, Vocab, VocabError};

@@ -26,13 +26,42 @@ pub struct StageConfig {
     pub chunk: u32,
     /// CPU threads for this stage.
     pub threads: u32,
-    /// Layers to offload to the GPU (0: CPU only). Passed through to llama.cpp.
+    /// Layers to offload to the GPU (0: CPU only). Passed through to llama.cpp, whose
+    /// count includes the output layer. Ignored when `gpus` names devices.
     pub gpu_layers: u32,
+    /// The stage's last layers on these GPUs, in this order (a leader's placement):
+    /// how many on each, and whether the head goes too. Empty: `gpu_layers` decides.
+    pub gpus: Vec<GpuLayers>,
+}
+
+/// Layers of a stage on one GPU, named by its backend device ("CUDA0", "Vulkan1").
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuLayers {
+    /// The backend device's name.
+    pub device: String,
+    /// How many layers.
+    pub layers: u32,
+    /// Whether the output norm and LM head go there too (the last GPU of a tail).
+    pub head: bool,
+}
+
+/// llama.cpp's offload parameters for `gpus` (non-empty): its `n_gpu_layers` (which
+/// counts the output layer first: n offloads the output and the last n − 1 layers), and
+/// the split per device in `gpus`' order (the layers, the output counted on the last
+/// device). llama.cpp gives layer `i` of the offloaded ones to the first device whose
+/// cumulative share exceeds `i / n`: with integer shares that is exact.
+pub fn offload_split(gpus: &[GpuLayers]) -> (u32, Vec<f32>) {
+    let layers: u32 = gpus.iter().map(|g| g.layers).sum();
+    let mut split: Vec<f32> = gpus.iter().map(|g| g.layers as f32).collect();
+    if let Some(last) = split.last_mut() {
+        *last += 1.0;
+    }
+    (layers + 1, split)
 }
 
 impl Default for StageConfig {
     fn default() -> Self {
-        Self { n_ctx_per_session: 2048, max_sessions: 4, chunk: 128, threads: 1, gpu_layers: 0 }
+        Self { n_ctx_per_session: 2048, max_sessions: 4, chunk: 128, threads: 1, gpu_layers: 0, gpus: Vec::new() }
     }
 }
 
@@ -51,6 +80,91 @@ pub enum LoadError {
     /// llama.cpp refused the file or the context.
     #[error("{path}: llama.cpp could not {what} (run with RUST_LOG=llama.cpp=trace for its log)")]
     Llama { path: PathBuf, what: &'static str },
+}
+
+/// The arrays llama.cpp's model parameters point at to place a stage's last layers on
+/// named GPUs ([`StageConfig::gpus`]); they must live until the model is loaded.
+struct Offload {
+    /// `n_gpu_layers` (output counted); `None`: no named GPUs, `gpu_layers` applies.
+    n_gpu_layers: Option<i32>,
+    /// The devices, NUL-terminated.
+    devices: Vec<sys::ggml_backend_dev_t>,
+    /// Each device's share of the offloaded layers, `llama_max_devices()` long.
+    split: Vec<f32>,
+    /// The output layer kept in RAM (the pattern, then the terminator), when the head
+    /// does not go to a GPU: llama.cpp offloads it first otherwise, and on a middle
+    /// stage it would copy a never-read head into VRAM (DESIGN point 7).
+    overrides: Vec<sys::llama_model_tensor_buft_override>,
+    /// The pattern's text, which `overrides` points at.
+    _pattern: CString,
+}
+
+impl Offload {
+    /// Resolve `gpus`' device names in this build's backend registry (initialised).
+    fn new(gpus: &[GpuLayers]) -> Result<Offload, LoadError> {
+        // Invariant: a literal without NUL.
+        // `token_embd` too: a model with tied embeddings reads its LM head from it, and
+        // llama.cpp would copy it to the output layer's GPU (the input embedding is
+        // looked up on the CPU whatever the offload).
+        let pattern = CString::new("^(output|output_norm|token_embd)\\.").expect("no NUL");
+        let mut o = Offload {
+            n_gpu_layers: None,
+            devices: Vec::new(),
+            split: Vec::new(),
+            overrides: Vec::new(),
+            _pattern: pattern,
+        };
+        if gpus.iter().all(|g| g.layers == 0 && !g.head) {
+            return Ok(o);
+        }
+        // SAFETY: a plain query of a constant.
+        let max = unsafe { sys::llama_max_devices() };
+        if gpus.len() > max {
+            return Err(LoadError::Config(format!("{} GPUs named; this build takes {max}", gpus.len())));
+        }
+        for g in gpus {
+            let name = CString::new(g.device.as_str())
+                .map_err(|_| LoadError::Config(format!("{:?} is not a device name", g.device)))?;
+            // SAFETY: the registry is initialised (the caller's `backend()`) and only read;
+            // the name outlives the call.
+            let dev = unsafe { sys::ggml_backend_dev_by_name(name.as_ptr()) };
+            if dev.is_null() {
+                let have: Vec<String> = crate::devices::devices().into_iter().map(|d| d.name).collect();
+                return Err(LoadError::Config(format!(
+                    "the placement offloads to {}, which this build does not have (its devices: {})",
+                    g.device,
+                    have.join(", ")
+                )));
+            }
+            o.devices.push(dev);
+        }
+        o.devices.push(std::ptr::null_mut());
+        let (n, split) = offload_split(gpus);
+        o.n_gpu_layers = Some(n.min(i32::MAX as u32) as i32);
+        o.split = split;
+        o.split.resize(max, 0.0);
+        if !gpus.iter().any(|g| g.head) {
+            // SAFETY: a plain query; the CPU buffer type is a static of ggml's.
+            let cpu = unsafe { sys::ggml_backend_cpu_buffer_type() };
+            o.overrides.push(sys::llama_model_tensor_buft_override { pattern: o._pattern.as_ptr(), buft: cpu });
+            o.overrides
+                .push(sys::llama_model_tensor_buft_override { pattern: std::ptr::null(), buft: std::ptr::null_mut() });
+        }
+        Ok(o)
+    }
+
+    /// Point `mp` at the arrays (which must outlive the load).
+    fn apply(&self, mp: &mut sys::llama_model_params) {
+        let Some(n) = self.n_gpu_layers else { return };
+        mp.n_gpu_layers = n;
+        // llama.cpp reads the list only; its type is not const.
+        mp.devices = self.devices.as_ptr().cast_mut();
+        mp.split_mode = sys::LLAMA_SPLIT_MODE_LAYER;
+        mp.tensor_split = self.split.as_ptr();
+        if !self.overrides.is_empty() {
+            mp.tensor_buft_overrides = self.overrides.as_ptr();
+        }
+    }
 }
 
 /// Where the captured hidden states land; the `cb_eval` callback's user data. Boxed so
@@ -129,10 +243,13 @@ impl LlamaStage {
         backend();
         let c_path =
             CString::new(shard.as_os_str().as_encoded_bytes()).map_err(|_| llama_err("open a path containing NUL"))?;
-        // SAFETY: default params are plain data; the path outlives the call.
+        let offload = Offload::new(&config.gpus)?;
+        // SAFETY: default params are plain data; the path and `offload`'s arrays (which
+        // llama.cpp reads during the call and copies what it keeps) outlive the call.
         let model = unsafe {
             let mut mp = sys::llama_model_default_params();
             mp.n_gpu_layers = config.gpu_layers.min(i32::MAX as u32) as i32;
+            offload.apply(&mut mp);
             // Map the shard: a middle stage's unused embedding and LM head stay unread.
             mp.load_mode = sys::LLAMA_LOAD_MODE_MMAP;
             sys::llama_model_load_from_file(c_path.as_ptr(), mp)

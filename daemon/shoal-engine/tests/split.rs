@@ -2,8 +2,11 @@
 //! the unsplit model's greedy tokens and logits, replays are exact, sessions do not
 //! disturb each other, and bad input changes nothing.
 
-use shoal_engine::{load_split, Chain, LlamaStage, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
-use shoal_types::{SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
+use shoal_engine::{
+    load_split, offload_split, Chain, GpuLayers, LlamaStage, Observer, Sampler, SamplingParams, ShardCache,
+    StageConfig, Vocab,
+};
+use shoal_types::{LayerRange, SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
 use std::path::PathBuf;
 
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -19,7 +22,14 @@ fn model(file: &str) -> PathBuf {
 
 /// Chunk of 32: the 100-token prompt crosses three chunk boundaries.
 fn config() -> StageConfig {
-    StageConfig { n_ctx_per_session: 512, max_sessions: 2, chunk: 32, threads: 1, gpu_layers: gpu_layers() }
+    StageConfig {
+        n_ctx_per_session: 512,
+        max_sessions: 2,
+        chunk: 32,
+        threads: 1,
+        gpu_layers: gpu_layers(),
+        gpus: Vec::new(),
+    }
 }
 
 /// `SHOAL_TEST_GPU_LAYERS=99` runs the same tests with the layers offloaded.
@@ -304,4 +314,26 @@ fn chat_template_and_detokenize() {
     assert!(t.iter().any(|&t| v.piece(t).is_empty()), "special tokens should be parsed as such");
     let text = "Fish 🐟 swim";
     assert_eq!(v.detokenize(&v.tokenize(text, false)).trim_start(), text);
+}
+
+/// A placement that offloads to a GPU this build does not have is refused with the
+/// devices it does have, before llama.cpp sees it (here: a CPU build).
+#[test]
+fn offloading_to_a_gpu_the_build_lacks_is_refused_clearly() {
+    let gpus = vec![GpuLayers { device: "NoSuchGPU0".into(), layers: 3, head: false }];
+    let config = StageConfig { gpus, ..config() };
+    let err = match LlamaStage::load(&model(SMOL), LayerRange::new(0, 30), 30, &config) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("loaded with a GPU that does not exist"),
+    };
+    assert!(err.contains("offloads to NoSuchGPU0, which this build does not have (its devices: CPU"), "{err}");
+}
+
+/// llama.cpp's split of the offloaded layers: its count includes the output layer, put
+/// on the last GPU; the shares are each GPU's layers.
+#[test]
+fn the_offload_split_counts_the_output_layer_on_the_last_gpu() {
+    let g = |layers, head| GpuLayers { device: "x".into(), layers, head };
+    assert_eq!(offload_split(&[g(16, false), g(10, false)]), (27, vec![16.0, 11.0]));
+    assert_eq!(offload_split(&[g(30, true)]), (31, vec![31.0]));
 }

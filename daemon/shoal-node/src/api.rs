@@ -252,6 +252,9 @@ pub struct StageStatus {
     pub predicted_bytes: u64,
     /// Memory it holds once loaded (llama.cpp's buffers), bytes.
     pub loaded_bytes: Option<u64>,
+    /// Its layers on GPUs, as the placement says (empty: all on the CPU).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<shoal_types::GpuShare>,
 }
 
 /// A stage's progress.

@@ -44,6 +44,8 @@ pub struct Options {
     /// Memory offered to models (`--max-memory`); default: what is free at start less
     /// a reserve for the system.
     pub max_memory: Option<u64>,
+    /// The GPUs offered to models (each with the VRAM the leader may plan on).
+    pub gpus: Vec<shoal_types::GpuOffer>,
     /// Where shards are kept [default: `<data dir>/shards`].
     pub shard_dir: Option<PathBuf>,
     /// Where the HTTP API listens (`None`: no API). Its bound address goes to the file
@@ -77,6 +79,7 @@ pub async fn run(
         cache: ShardCache::new(options.shard_dir.clone().unwrap_or_else(|| cfg.data_dir.join("shards"))),
         engine: options.engine.clone(),
         offer_bytes: options.max_memory.unwrap_or(free.saturating_sub(RESERVE_BYTES)),
+        gpus: options.gpus.clone(),
         stage: Mutex::new(None),
         keepalive: options.keepalive,
         fingerprint: options.engine.as_ref().map(|e| e.fingerprint()).unwrap_or_default(),

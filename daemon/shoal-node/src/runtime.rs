@@ -17,7 +17,7 @@ use shoal_membership::wire::{AdminRequest, AdminResponse};
 use shoal_net::{Dtype, Node, NodeId, Router};
 use shoal_pipeline::{GenerateRequest, Placement, Report, RetryPolicy, SamplerFactory, ServiceConfig, StagePlace};
 use shoal_planner::ModelProfile;
-use shoal_types::{CatalogEntry, LayerRange, LoadSpec, ModelPlacement, Offer, Stage};
+use shoal_types::{CatalogEntry, GpuShare, LayerRange, LoadSpec, ModelPlacement, Offer, Stage};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -44,13 +44,15 @@ pub struct StageSizing {
 /// this crate never links llama.cpp.
 pub trait Engine: Send + Sync {
     /// Load the stage of `layers` (of a model of `n_layer` blocks) from the shard at
-    /// `shard`. Blocking: called on a blocking thread.
+    /// `shard`, its last layers on the GPUs `gpus` names (none: all on the CPU).
+    /// Blocking: called on a blocking thread.
     fn load(
         &self,
         shard: &Path,
         layers: LayerRange,
         n_layer: u32,
         sizing: StageSizing,
+        gpus: &[GpuShare],
     ) -> Result<Box<dyn Stage>, String>;
     /// Samplers for the tail of the model whose file (or shard) is `gguf` (a grammar
     /// is read against its vocabulary).
@@ -83,6 +85,8 @@ pub struct Runtime {
     pub engine: Option<Arc<dyn Engine>>,
     /// Memory this node offers to models.
     pub offer_bytes: u64,
+    /// The GPUs this node offers to models.
+    pub gpus: Vec<shoal_types::GpuOffer>,
     /// The stage this node runs, as `Stages` reports it.
     pub stage: Mutex<Option<StageStatus>>,
     /// Keep the stage's threads spinning for this long after its last frame (no
@@ -158,6 +162,7 @@ fn inputs(view: &View) -> Inputs {
                     // could hold anything (a re-plan would pick it before it said what it
                     // gives).
                     offer_bytes: offers.get(&m.id.to_string()).map_or(0, |o| o.memory_bytes),
+                    gpus: offers.get(&m.id.to_string()).map(|o| o.gpus.clone()).unwrap_or_default(),
                 })
                 .collect()
         })
@@ -430,8 +435,9 @@ pub async fn offer(rt: Arc<Runtime>) {
         if let Some(state) = &v.state {
             let key = Offer::key(&rt.me);
             let current = state.entries.get(&key).and_then(|v| serde_json::from_value::<Offer>(v.clone()).ok());
-            if current.map(|o| o.memory_bytes) != Some(rt.offer_bytes) && v.leader.is_some() {
-                let value = serde_json::json!(Offer { memory_bytes: rt.offer_bytes });
+            let mine = Offer { memory_bytes: rt.offer_bytes, gpus: rt.gpus.clone() };
+            if current.as_ref() != Some(&mine) && v.leader.is_some() {
+                let value = serde_json::json!(mine);
                 if let AdminResponse::Error(e) = rt.membership.ask(AdminRequest::Put { key, value }).await {
                     tracing::info!("publishing this node's memory offer: {e} (retrying)");
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -502,6 +508,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         load_seconds: 0.0,
         predicted_bytes: stage.memory_bytes,
         loaded_bytes: None,
+        gpus: stage.gpus.clone(),
     };
     *lock(&rt.stage) = Some(status.clone());
     let fail = |rt: &Runtime, mut status: StageStatus, why: String| {
@@ -553,8 +560,8 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
     let sizing = StageSizing { context: placement.context, sessions: placement.sessions, chunk: placement.chunk };
     let (path, layers, n_layer) = (obtained.file.path.clone(), stage.layers, entry.n_layer);
     let loaded = {
-        let engine = engine.clone();
-        tokio::task::spawn_blocking(move || engine.load(&path, layers, n_layer, sizing)).await
+        let (engine, gpus) = (engine.clone(), stage.gpus.clone());
+        tokio::task::spawn_blocking(move || engine.load(&path, layers, n_layer, sizing, &gpus)).await
     };
     let loaded = match loaded {
         Ok(Ok(s)) => s,
@@ -654,7 +661,7 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
     let path = obtained.file.path.clone();
     let n_layer = entry.n_layer;
     let timed = tokio::task::spawn_blocking(move || {
-        let mut stage = engine.load(&path, layers, n_layer, MEASURE_SIZING)?;
+        let mut stage = engine.load(&path, layers, n_layer, MEASURE_SIZING, &[])?;
         time_stage(stage.as_mut(), MEASURE_SIZING.chunk, MEASURE_DECODE_STEPS)
     })
     .await

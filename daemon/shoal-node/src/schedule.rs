@@ -31,7 +31,7 @@
 
 use shoal_membership::node::LinksEntry;
 use shoal_planner::{Cluster, Device, Link, ModelProfile, Options, Sizing};
-use shoal_types::{CatalogEntry, LoadSpec, ModelPlacement, NodeId, PlacedStage, Speed};
+use shoal_types::{CatalogEntry, GpuOffer, GpuShare, LoadSpec, ModelPlacement, NodeId, PlacedStage, Speed};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Prefill chunk size C of placed models (DESIGN point 10: 128 loses ≤ 5% against 512).
@@ -51,8 +51,10 @@ pub struct MemberFacts {
     pub name: String,
     /// Whether it looks alive from the leader.
     pub alive: bool,
-    /// Memory it offers to models, bytes.
+    /// RAM it offers to models, bytes.
     pub offer_bytes: u64,
+    /// The GPUs it offers (their VRAM), each a device of the plan.
+    pub gpus: Vec<GpuOffer>,
 }
 
 /// What the scheduler decides from.
@@ -286,6 +288,9 @@ fn repair(
         ));
         taken.insert(spare.id);
         s.node = spare.id;
+        // The spare's RAM holds it all (checked above): its GPUs, if any, count at the
+        // next plan from scratch.
+        s.gpus.clear();
     }
     out.explanation = moves.into_iter().chain(p.explanation.iter().cloned()).collect();
     Some(out)
@@ -330,26 +335,36 @@ fn place(
     }
     let hosts = host_names(&candidates);
     let mut measured = Vec::new();
-    let devices: Vec<Device> = candidates
-        .iter()
-        .zip(&hosts)
-        .map(|(m, host)| {
-            let mut d = Device::estimated_cpu(host.clone(), m.offer_bytes, profile);
-            let speed = inputs.speeds.get(&(m.id, load.model.clone())).filter(|s| s.is_sane());
-            if let Some(speed) = speed.filter(|_| d.ms_per_layer > 0.0) {
-                // The head was not timed: it scales like the layers (both read weights).
-                d.head_ms *= speed.ms_per_layer / d.ms_per_layer;
-                d.ms_per_layer = speed.ms_per_layer;
-                d.prefill_ms_per_layer_token = Some(speed.prefill_ms_per_layer_token);
-                d.estimated = false;
-                measured.push(format!("{host} {:.3}", speed.ms_per_layer));
+    // Each member is its CPU (with the RAM it offers) and each GPU it offers, the CPU
+    // listed first: the planner keeps a host's devices in a row, and in that order the
+    // row matches llama.cpp's, which offloads a stage's *last* layers (see `merge`).
+    // Where a device runs (member, GPU name or `None` for the CPU), by device id.
+    let mut runs_on: BTreeMap<String, (usize, Option<String>)> = BTreeMap::new();
+    let mut devices: Vec<Device> = Vec::new();
+    for (i, (m, host)) in candidates.iter().zip(&hosts).enumerate() {
+        let mut d = Device::estimated_cpu(host.clone(), m.offer_bytes, profile);
+        let speed = inputs.speeds.get(&(m.id, load.model.clone())).filter(|s| s.is_sane());
+        if let Some(speed) = speed.filter(|_| d.ms_per_layer > 0.0) {
+            // The head was not timed: it scales like the layers (both read weights).
+            d.head_ms *= speed.ms_per_layer / d.ms_per_layer;
+            d.ms_per_layer = speed.ms_per_layer;
+            d.prefill_ms_per_layer_token = Some(speed.prefill_ms_per_layer_token);
+            d.estimated = false;
+            measured.push(format!("{host} {:.3}", speed.ms_per_layer));
+        }
+        runs_on.insert(d.id.clone(), (i, None));
+        devices.push(d);
+        for g in &m.gpus {
+            let d = Device::estimated_gpu(host.clone(), &g.device, g.memory_bytes, profile);
+            if runs_on.contains_key(&d.id) {
+                continue; // a member naming one GPU twice: the first counts
             }
-            d
-        })
-        .collect();
+            runs_on.insert(d.id.clone(), (i, Some(g.device.clone())));
+            devices.push(d);
+        }
+    }
     let ids: Vec<(NodeId, String)> = candidates.iter().map(|m| m.id).zip(hosts.iter().cloned()).collect();
     let (links, wake) = measured_links(&inputs.links, &ids);
-    let mut devices = devices;
     for d in &mut devices {
         // Waking a receiver's network thread is the receiver's cost, like its compute's.
         d.wake_ms += wake.get(&d.host).copied().unwrap_or(0.0);
@@ -363,16 +378,14 @@ fn place(
     };
     match shoal_planner::plan(profile, &cluster, &opts) {
         Ok(plan) => {
+            let mut placed = Vec::new();
             for s in &plan.stages {
-                let Some(i) = hosts.iter().position(|h| *h == s.host) else {
-                    return fail(placement, format!("the planner named an unknown host {}", s.host));
+                let Some((i, gpu)) = runs_on.get(&s.device) else {
+                    return fail(placement, format!("the planner named an unknown device {}", s.device));
                 };
-                placement.stages.push(PlacedStage {
-                    node: candidates[i].id,
-                    layers: shoal_types::LayerRange::new(s.first, s.last),
-                    memory_bytes: s.memory_bytes,
-                });
+                placed.push((candidates[*i].id, gpu.clone(), s));
             }
+            placement.stages = merge(&placed);
             placement.predicted_tok_s = plan.predicted_tok_s;
             placement.explanation = plan.explanation;
             if !measured.is_empty() {
@@ -385,6 +398,46 @@ fn place(
         }
         Err(e) => fail(placement, e.to_string()),
     }
+}
+
+/// The planner's stages as the nodes run them: one stage per node, its devices' runs of
+/// layers joined (`placed`: each planned stage with its node and GPU, `None` for the
+/// CPU), the layers on GPUs counted last, since llama.cpp offloads a model's last
+/// `n_gpu_layers` layers; the order of a node's devices changes neither its compute
+/// time nor what each device holds, only which of its layers go where. The head (output
+/// norm and LM head) goes where the planner counted it: on the tail's last GPU when the
+/// plan's last device is a GPU (llama.cpp offloads the output layer before any other),
+/// else in RAM (the engine pins it there).
+fn merge(placed: &[(NodeId, Option<String>, &shoal_planner::PlannedStage)]) -> Vec<PlacedStage> {
+    let mut out: Vec<PlacedStage> = Vec::new();
+    for (node, gpu, s) in placed {
+        let layers = s.last - s.first;
+        let stage = match out.last_mut() {
+            Some(last) if last.node == *node => {
+                last.layers = shoal_types::LayerRange::new(last.layers.start, s.last);
+                last.memory_bytes += s.memory_bytes;
+                last
+            }
+            _ => {
+                out.push(PlacedStage {
+                    node: *node,
+                    layers: shoal_types::LayerRange::new(s.first, s.last),
+                    memory_bytes: s.memory_bytes,
+                    gpus: Vec::new(),
+                });
+                // Invariant: pushed on the line above.
+                out.last_mut().expect("just pushed")
+            }
+        };
+        if let Some(device) = gpu {
+            stage.gpus.push(GpuShare { device: device.clone(), layers, head: false, memory_bytes: s.memory_bytes });
+        }
+    }
+    let head_planned_on_gpu = placed.last().is_some_and(|(_, g, _)| g.is_some());
+    if let Some(last) = out.last_mut().and_then(|tail| tail.gpus.last_mut()).filter(|_| head_planned_on_gpu) {
+        last.head = true;
+    }
+    out
 }
 
 /// The measured links between the planned hosts (`hosts`: each member's id and host
@@ -519,7 +572,7 @@ mod tests {
     }
 
     fn member(n: u8, offer: u64) -> MemberFacts {
-        MemberFacts { id: id(n), name: format!("n{n}"), alive: true, offer_bytes: offer }
+        MemberFacts { id: id(n), name: format!("n{n}"), alive: true, offer_bytes: offer, gpus: Vec::new() }
     }
 
     fn inputs(offers: &[u64]) -> Inputs {
@@ -852,5 +905,79 @@ mod tests {
         assert_ne!(a, b);
         i.loads.retain(|l| l.model != hash(2));
         assert_eq!(schedule(&i), vec![Decision::Remove(hash(2))]);
+    }
+
+    #[test]
+    fn a_members_gpus_are_devices_of_the_plan_and_its_devices_one_stage() {
+        // Node 1 offers 60 MiB of RAM and two GPUs; node 2 90 MiB of RAM. The GPUs
+        // (estimated far faster) take what they hold; node 1 runs one stage with its
+        // CPU's layers first and its GPUs' last, as llama.cpp offloads.
+        let mut i = inputs(&[60 * MB, 90 * MB]);
+        i.members[0].gpus = vec![
+            GpuOffer { device: "CUDA0".into(), description: "a".into(), memory_bytes: 120 * MB },
+            GpuOffer { device: "CUDA1".into(), description: "b".into(), memory_bytes: 100 * MB },
+        ];
+        step(&mut i);
+        let p = placed(&i).clone();
+        assert_eq!(p.error, None, "{:?}", p.explanation);
+        assert!(p.is_valid(30), "{:?}", p.stages);
+        let on_1 = p.stages.iter().find(|s| s.node == id(1)).expect("node 1 runs a stage");
+        let names: Vec<&str> = on_1.gpus.iter().map(|g| g.device.as_str()).collect();
+        assert_eq!(names.len(), 2, "both GPUs used: {:?}", p.stages);
+        assert!(names.contains(&"CUDA0") && names.contains(&"CUDA1"));
+        assert!(on_1.gpus.iter().all(|g| g.layers > 0));
+        let vram = |d: &str| on_1.gpus.iter().find(|g| g.device == d).map_or(0, |g| g.memory_bytes);
+        assert!(vram("CUDA0") <= 120 * MB && vram("CUDA1") <= 100 * MB, "{:?}", on_1.gpus);
+        assert!(on_1.ram_bytes() <= 60 * MB, "{on_1:?}");
+        assert!(p.explanation.iter().any(|l| l.contains("n1/CUDA0's speed is estimated")), "{:?}", p.explanation);
+        // The same cluster without GPUs cannot use node 1's VRAM: a slower plan.
+        let mut cpu_only = inputs(&[60 * MB, 90 * MB]);
+        step(&mut cpu_only);
+        assert!(placed(&cpu_only).predicted_tok_s < p.predicted_tok_s);
+        // Node 1 goes down: its stage moves to a spare's CPU whole (the spare's GPUs, if
+        // it had any, count at the next plan from scratch).
+        i.members.push(member(3, 200 * MB));
+        i.members[0].alive = false;
+        let copy = Holder { path: "/m.gguf".into(), size: 100 * MB, mtime_ns: 1 };
+        i.catalog.get_mut(&hash(1)).unwrap().holders.insert(id(2), copy);
+        step(&mut i);
+        let moved = placed(&i);
+        assert!(moved.is_valid(30), "{:?}", moved.stages);
+        assert!(moved.stages.iter().all(|s| s.node != id(1) && s.gpus.is_empty()), "{:?}", moved.stages);
+    }
+
+    #[test]
+    fn merged_stages_offload_their_last_layers_and_the_head_where_it_was_planned() {
+        let st = |device: &str, first, last, memory_bytes| shoal_planner::PlannedStage {
+            device: device.into(),
+            host: "h".into(),
+            first,
+            last,
+            memory_bytes,
+            ms_per_token: 1.0,
+        };
+        let (cpu, g0, g1, other) =
+            (st("a/cpu", 0, 4, 10), st("a/g0", 4, 20, 50), st("a/g1", 20, 30, 40), st("b/cpu", 20, 30, 40));
+        // Node a: its CPU then two GPUs, the tail: one stage, the head on g1 as planned.
+        let merged = merge(&[(id(1), None, &cpu), (id(1), Some("g0".into()), &g0), (id(1), Some("g1".into()), &g1)]);
+        assert_eq!(merged.len(), 1);
+        let s = &merged[0];
+        assert_eq!((s.layers, s.memory_bytes, s.gpu_layers()), (shoal_types::LayerRange::new(0, 30), 100, 26));
+        assert_eq!(
+            s.gpus.iter().map(|g| (g.layers, g.head, g.memory_bytes)).collect::<Vec<_>>(),
+            [(16, false, 50), (10, true, 40)]
+        );
+        assert_eq!(s.ram_bytes(), 10);
+        // The plan's tail on the node's CPU: its GPU still takes the stage's last layers
+        // (llama.cpp offloads the last ones), the head stays in RAM, where it was counted.
+        let merged =
+            merge(&[(id(1), Some("g0".into()), &st("a/g0", 0, 26, 90)), (id(1), None, &st("a/cpu", 26, 30, 10))]);
+        assert_eq!(merged[0].layers, shoal_types::LayerRange::new(0, 30));
+        assert_eq!(merged.len(), 1);
+        assert_eq!((merged[0].gpu_layers(), merged[0].gpus[0].head, merged[0].ram_bytes()), (26, false, 10));
+        // Two nodes: two stages; the head planned on a CPU stays there.
+        let merged = merge(&[(id(1), Some("g0".into()), &st("a/g0", 0, 20, 50)), (id(2), None, &other)]);
+        assert_eq!(merged.len(), 2);
+        assert_eq!((merged[0].gpu_layers(), merged[0].gpus[0].head, merged[1].gpus.len()), (20, false, 0));
     }
 }

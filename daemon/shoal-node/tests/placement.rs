@@ -12,8 +12,8 @@ use shoal_node::api::{NodeRequest, NodeResponse, StageState, StageStatus};
 use shoal_node::runtime::{Engine, StageSizing};
 use shoal_pipeline::{GenerateRequest, SamplerFactory};
 use shoal_types::{
-    LayerRange, ModelPlacement, NodeId, SessionId, Stage, StageError, StageInfo, StageInput, StageMemory, StageOutput,
-    TokenId, TokenSampler,
+    GpuOffer, GpuShare, LayerRange, ModelPlacement, NodeId, SessionId, Stage, StageError, StageInfo, StageInput,
+    StageMemory, StageOutput, TokenId, TokenSampler,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -108,15 +108,34 @@ impl TokenSampler for Greedy {
 
 /// Loads a fake stage, after checking that the shard it was given is a real shard of
 /// exactly its layers (what arrived over the network is what the placement asked for).
-/// The fake engine; its field is its fingerprint (what its speed depends on).
-struct FakeEngine(&'static str);
+/// The fake engine; its field is its fingerprint (what its speed depends on). It keeps
+/// the GPU shares each stage was loaded with (the fake "offloads" nothing: it computes
+/// the same either way, as a real GPU stage computes the same layers).
+struct FakeEngine(&'static str, Loads);
+
+/// Each stage a [`FakeEngine`] loaded: its layers and GPU shares.
+type Loads = Arc<std::sync::Mutex<Vec<(LayerRange, Vec<GpuShare>)>>>;
+
+impl FakeEngine {
+    fn new(fingerprint: &'static str) -> FakeEngine {
+        FakeEngine(fingerprint, Default::default())
+    }
+}
 
 impl Engine for FakeEngine {
     fn fingerprint(&self) -> String {
         self.0.to_string()
     }
 
-    fn load(&self, shard: &Path, layers: LayerRange, n_layer: u32, s: StageSizing) -> Result<Box<dyn Stage>, String> {
+    fn load(
+        &self,
+        shard: &Path,
+        layers: LayerRange,
+        n_layer: u32,
+        s: StageSizing,
+        gpus: &[GpuShare],
+    ) -> Result<Box<dyn Stage>, String> {
+        self.1.lock().unwrap().push((layers, gpus.to_vec()));
         let (g, meta) = shoal_gguf::open_model(shard).map_err(|e| e.to_string())?;
         let source = g.get(shoal_gguf::shard::KEY_SOURCE_LAYERS).map(|v| format!("{v:?}"));
         if meta.n_layer != layers.len() {
@@ -142,8 +161,9 @@ impl Engine for FakeEngine {
 /// A node's options here: the fake engine, and a small memory offer.
 fn options() -> shoal_node::Options {
     shoal_node::Options {
-        engine: Some(Arc::new(FakeEngine("fake threads=1"))),
+        engine: Some(Arc::new(FakeEngine::new("fake threads=1"))),
         max_memory: Some(OFFER),
+        gpus: Vec::new(),
         shard_dir: None,
         http: None,
         api_access: Default::default(),
@@ -384,7 +404,7 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(speeds(victim).await, 1, "the same fingerprint keeps the speed");
     back.stop().await;
-    let other = shoal_node::Options { engine: Some(Arc::new(FakeEngine("fake threads=2"))), ..options() };
+    let other = shoal_node::Options { engine: Some(Arc::new(FakeEngine::new("fake threads=2"))), ..options() };
     let back = start(&victim_dir, &name, CreatePolicy::Never, other);
     wait_for("the old speed dropped", 30, || async { (speeds(victim).await == 0).then_some(()) }).await;
     assert_eq!(speeds(a.id).await, 1, "A's speed stays");
@@ -400,5 +420,50 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     for n in rest {
         n.stop().await;
     }
+    a.stop().await;
+}
+
+/// A member that offers a GPU: the leader plans it as a device of its own (its speed
+/// estimated), puts layers on it, and the node loads its stage with those layers
+/// offloaded to that GPU (one stage per node, whatever the plan's devices on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_leader_offloads_layers_to_a_gpu_a_member_offers() {
+    let model = shoal_gguf::models_dir().join(SMOL);
+    assert!(model.exists(), "{} missing: scripts/test.sh fetches it", model.display());
+    let tmp = tempfile::tempdir().unwrap();
+    let a = start(&tmp.path().join("a"), "a", CreatePolicy::Now, options());
+    wait_for("A's cluster", 10, || async { a.status().await.cluster }).await;
+    let engine = Arc::new(FakeEngine::new("fake threads=1"));
+    let loads = engine.1.clone();
+    let gpu = GpuOffer { device: "FakeGPU0".into(), description: "a GPU of the test".into(), memory_bytes: 120 << 20 };
+    let b_options = shoal_node::Options { engine: Some(engine), gpus: vec![gpu], ..options() };
+    let b = start(&tmp.path().join("b"), "b", CreatePolicy::Never, b_options);
+    join(&a, &b).await;
+    wait_for("two members", 30, || async { (a.status().await.members.len() == 2).then_some(()) }).await;
+    match a.ask(NodeRequest::ModelAdd { path: model.display().to_string(), name: None }).await {
+        NodeResponse::Added(_) => {}
+        other => panic!("add: {other:?}"),
+    }
+    let load = NodeRequest::ModelLoad { model: SMOL.into(), context: 512, sessions: 1, exclude: vec![] };
+    assert!(matches!(a.ask(load).await, NodeResponse::Ok(_)));
+    let p = placement(&a, 0).await;
+    assert!(p.is_valid(30), "{p:?}");
+    // The GPU (estimated 15x faster than a CPU) takes all the layers it can hold.
+    let on_b = p.stages.iter().find(|s| s.node == b.id).expect("a stage on the GPU's node");
+    assert_eq!(on_b.gpus.len(), 1, "{p:?}");
+    assert_eq!(on_b.gpus[0].device, "FakeGPU0");
+    assert!(on_b.gpu_layers() > 0 && on_b.gpus[0].memory_bytes <= 120 << 20, "{p:?}");
+    assert!(on_b.ram_bytes() <= OFFER, "{p:?}");
+    let why = p.explanation.join("\n");
+    assert!(why.contains("b/FakeGPU0's speed is estimated"), "{why}");
+    let nodes = [&a, &b];
+    let stages = running(&nodes, &p).await;
+    assert_eq!(stages[&b.id].gpus, on_b.gpus, "the status shows the offload");
+    // B's engine loaded its stage with exactly the placement's GPU share.
+    assert!(loads.lock().unwrap().iter().any(|(l, g)| *l == on_b.layers && *g == on_b.gpus), "{:?}", loads);
+    let ranges: Vec<LayerRange> = p.stages.iter().map(|s| s.layers).collect();
+    let want = reference(&ranges, 30, p.chunk, &request(12).prompt, 12);
+    assert_eq!(a.generate(request(12)).await.unwrap(), want);
+    b.stop().await;
     a.stop().await;
 }

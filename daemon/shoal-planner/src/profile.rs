@@ -45,6 +45,10 @@ pub struct Device {
 
 /// Memory bandwidth assumed for a CPU whose speed was not measured (DDR4 dual channel).
 pub const ASSUMED_GB_PER_S: f64 = 20.0;
+/// Memory bandwidth assumed for a GPU whose speed was not measured: a mid-range card
+/// (an RTX 3060 has 360 GB/s, an RX 7600 288, an Arc A750 512), so a GPU is planned as
+/// about 15× a CPU, which is what token generation on one measures.
+pub const ASSUMED_GPU_GB_PER_S: f64 = 300.0;
 
 impl Device {
     /// A machine's CPU with `memory` bytes for `model`, its speed estimated from
@@ -63,6 +67,19 @@ impl Device {
             wake_ms: 0.0,
             keepalive: false,
             estimated: true,
+        }
+    }
+
+    /// A machine's GPU (backend device `name`, e.g. "CUDA0") with `memory` bytes for
+    /// `model`, its speed estimated from [`ASSUMED_GPU_GB_PER_S`].
+    pub fn estimated_gpu(host: String, name: &str, memory: u64, model: &ModelProfile) -> Device {
+        let cpu = Device::estimated_cpu(host, memory, model);
+        let scale = ASSUMED_GB_PER_S / ASSUMED_GPU_GB_PER_S;
+        Device {
+            id: format!("{}/{name}", cpu.host),
+            ms_per_layer: cpu.ms_per_layer * scale,
+            head_ms: cpu.head_ms * scale,
+            ..cpu
         }
     }
 

@@ -12,7 +12,7 @@ pub use catalog::{CatalogEntry, Holder};
 mod inventory;
 pub use inventory::{BadClusterId, BadNodeId, ClusterId, DeviceInventory, NodeId, NodeInventory, Role};
 pub mod placement;
-pub use placement::{LoadSpec, ModelPlacement, Offer, PlacedStage, Speed};
+pub use placement::{GpuOffer, GpuShare, LoadSpec, ModelPlacement, Offer, PlacedStage, Speed};
 pub mod sampling;
 pub mod text;
 pub use sampling::{validate_generation, GenerationError, SamplingParams, MAX_GRAMMAR_BYTES};

@@ -64,8 +64,41 @@ pub struct PlacedStage {
     pub node: NodeId,
     /// Its layers.
     pub layers: LayerRange,
-    /// The memory the planner predicts it takes, bytes.
+    /// The memory the planner predicts it takes, bytes (RAM and VRAM together).
     pub memory_bytes: u64,
+    /// Its last `gpu_layers` layers run on the node's GPUs, `gpus` saying how many on
+    /// which; the others on the CPU (llama.cpp's `n_gpu_layers` offloads a model's last
+    /// layers). Absent in placements of nodes that offer no GPU.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuShare>,
+}
+
+/// The layers of a stage that one of its node's GPUs holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuShare {
+    /// The backend device's name on that node, e.g. "CUDA0" or "Vulkan1".
+    pub device: String,
+    /// How many of the stage's layers it holds.
+    pub layers: u32,
+    /// Whether it holds the output norm and LM head too (only the tail's last GPU,
+    /// where the planner counted the head).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub head: bool,
+    /// The memory the planner predicts it takes on that device, bytes (part of the
+    /// stage's `memory_bytes`).
+    pub memory_bytes: u64,
+}
+
+impl PlacedStage {
+    /// Layers offloaded to GPUs (llama.cpp's `n_gpu_layers`, not counting the head).
+    pub fn gpu_layers(&self) -> u32 {
+        self.gpus.iter().map(|g| g.layers).sum()
+    }
+
+    /// The memory the planner predicts it takes in RAM (the rest is on GPUs).
+    pub fn ram_bytes(&self) -> u64 {
+        self.memory_bytes.saturating_sub(self.gpus.iter().map(|g| g.memory_bytes).sum())
+    }
 }
 
 impl ModelPlacement {
@@ -82,11 +115,21 @@ impl ModelPlacement {
         self.stages.iter().position(|s| s.node == node)
     }
 
-    /// Whether the stages cover `n_layer` blocks in order, one stage per node.
+    /// Whether the stages cover `n_layer` blocks in order, one stage per node, each
+    /// offloading at most its own layers (the head only on the tail's last GPU).
     pub fn is_valid(&self, n_layer: u32) -> bool {
         let mut next = 0;
         for (i, s) in self.stages.iter().enumerate() {
             if s.layers.start != next || s.layers.is_empty() || self.stages[..i].iter().any(|o| o.node == s.node) {
+                return false;
+            }
+            let gpu = s.gpus.iter().try_fold(0u32, |a, g| a.checked_add(g.layers));
+            let head = s.gpus.iter().filter(|g| g.head).count();
+            let tail = i + 1 == self.stages.len();
+            if gpu.is_none_or(|g| g > s.layers.len())
+                || head > 1
+                || (head == 1 && !(tail && s.gpus.last().is_some_and(|g| g.head)))
+            {
                 return false;
             }
             next = s.layers.end;
@@ -97,9 +140,23 @@ impl ModelPlacement {
 
 /// The memory a node offers to models (`shoal serve --max-memory`, else what it has
 /// free when it starts), so the leader plans within it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Offer {
-    /// Bytes.
+    /// RAM, bytes.
+    pub memory_bytes: u64,
+    /// Its GPUs, each a device the leader may put layers on (absent: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuOffer>,
+}
+
+/// One GPU a node offers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuOffer {
+    /// The backend device's name, e.g. "CUDA0" (what a [`GpuShare`] names).
+    pub device: String,
+    /// For people, e.g. "NVIDIA GeForce RTX 4070".
+    pub description: String,
+    /// VRAM offered, bytes (free at start less a reserve for the driver and display).
     pub memory_bytes: u64,
 }
 
@@ -153,7 +210,7 @@ mod tests {
     use super::*;
 
     fn stage(n: u8, a: u32, b: u32) -> PlacedStage {
-        PlacedStage { node: NodeId([n; 32]), layers: LayerRange::new(a, b), memory_bytes: 1 }
+        PlacedStage { node: NodeId([n; 32]), layers: LayerRange::new(a, b), memory_bytes: 1, gpus: Vec::new() }
     }
 
     #[test]
@@ -184,5 +241,41 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(back.error, None);
+    }
+
+    #[test]
+    fn gpu_shares_must_fit_their_stage_and_the_head_goes_only_with_the_tails_last_layers() {
+        let share = |layers, head| GpuShare { device: "CUDA0".into(), layers, head, memory_bytes: 1 };
+        let mut p = ModelPlacement {
+            model: "ab".repeat(32),
+            generation: 1,
+            context: 256,
+            sessions: 1,
+            chunk: 64,
+            stages: vec![stage(1, 0, 10), stage(2, 10, 30)],
+            predicted_tok_s: 1.0,
+            explanation: vec![],
+            error: None,
+        };
+        p.stages[0].gpus = vec![share(4, false), GpuShare { device: "CUDA1".into(), ..share(6, false) }];
+        assert!(p.is_valid(30));
+        assert_eq!(p.stages[0].gpu_layers(), 10);
+        p.stages[0].gpus[1].layers = 7;
+        assert!(!p.is_valid(30), "11 layers offloaded of 10");
+        p.stages[0].gpus = vec![share(10, true)];
+        assert!(!p.is_valid(30), "the head is on the tail");
+        p.stages[0].gpus.clear();
+        p.stages[1].gpus = vec![share(19, true)];
+        assert!(p.is_valid(30), "the tail's last layers and the head on the GPU");
+        p.stages[1].gpus = vec![share(10, true), GpuShare { device: "CUDA1".into(), ..share(9, false) }];
+        assert!(!p.is_valid(30), "the head goes with the last layers, on the last GPU");
+        // An offer and a stage written before GPUs existed are still read.
+        let offer: Offer = serde_json::from_value(serde_json::json!({ "memory_bytes": 5 })).unwrap();
+        assert!(offer.gpus.is_empty());
+        let s: PlacedStage = serde_json::from_value(serde_json::json!({
+            "node": NodeId([1; 32]), "layers": LayerRange::new(0, 3), "memory_bytes": 9
+        }))
+        .unwrap();
+        assert_eq!((s.gpu_layers(), s.ram_bytes()), (0, 9));
     }
 }

@@ -182,6 +182,7 @@ pub fn measure(model: &Path, tokens: usize, threads: u32, chunk: u32) -> Result<
         chunk,
         threads: threads.max(1),
         gpu_layers: 0,
+        gpus: Vec::new(),
     };
     let cache = ShardCache::new(crate::run::default_cache());
     let (_, stages) = load_split(model, &mid, &cache, &config)?;

@@ -102,13 +102,32 @@ fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(1u64 << shift).ok_or_else(|| format!("{s:?} is too large"))
 }
 
+/// VRAM kept free on each GPU for the driver, the display and other programs.
+pub const GPU_RESERVE_BYTES: u64 = 512 << 20;
+
+/// The GPUs a node offers to models: each discrete GPU with what it has free less
+/// [`GPU_RESERVE_BYTES`]. Integrated GPUs are left out: their memory is the RAM the
+/// node already offers (counting it twice would plan layers into memory that is not
+/// there), and llama.cpp gains little from them over the CPU on the same memory.
+pub fn gpu_offers(inv: &shoal_types::NodeInventory) -> Vec<shoal_types::GpuOffer> {
+    inv.gpus
+        .iter()
+        .filter(|g| g.kind == "gpu" && g.free_bytes > GPU_RESERVE_BYTES)
+        .map(|g| shoal_types::GpuOffer {
+            device: g.name.clone(),
+            description: g.description.clone(),
+            memory_bytes: g.free_bytes - GPU_RESERVE_BYTES,
+        })
+        .collect()
+}
+
 /// How the node runs the stages the leader gives it.
 #[derive(Debug, Clone)]
 pub struct StageArgs {
     /// CPU threads per stage.
     pub threads: u32,
-    /// Layers offloaded to a GPU.
-    pub gpu_layers: u32,
+    /// Whether the node offers its GPUs to models.
+    pub offer_gpus: bool,
     /// Where shards are kept.
     pub cache: Option<PathBuf>,
     /// Whether stages spin between tokens.
@@ -216,6 +235,7 @@ pub fn serve(
     let identity = Arc::new(Identity::load_or_create(&data_dir)?);
     let mut refresher = Refresher::new();
     let inventory = refresher.refresh();
+    let inventory_now = inventory.clone();
     let name = args.name.clone().unwrap_or_else(|| inventory.hostname.clone());
     let create = if args.create_cluster {
         CreatePolicy::Now
@@ -266,8 +286,9 @@ pub fn serve(
             }
         });
         let options = shoal_node::Options {
-            engine: Some(Arc::new(crate::engine::LlamaEngine { threads: stage.threads, gpu_layers: stage.gpu_layers })),
+            engine: Some(Arc::new(crate::engine::LlamaEngine { threads: stage.threads })),
             max_memory: args.max_memory,
+            gpus: if stage.offer_gpus { gpu_offers(&inventory_now) } else { Vec::new() },
             shard_dir: stage.cache,
             http: (!args.no_http).then_some(args.http_listen),
             api_access: shoal_api::Access {
@@ -478,7 +499,8 @@ fn shown(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{gpu_offers, parse_size, GPU_RESERVE_BYTES};
+    use shoal_types::{DeviceInventory, NodeInventory};
 
     #[test]
     fn sizes_take_binary_suffixes_and_refuse_nonsense() {
@@ -488,5 +510,32 @@ mod tests {
         assert!(parse_size("12X").is_err());
         assert!(parse_size("G").is_err());
         assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn a_node_offers_its_discrete_gpus_less_a_reserve_and_no_igpu() {
+        let dev = |name: &str, kind: &str, free: u64| DeviceInventory {
+            name: name.into(),
+            description: format!("{name} card"),
+            kind: kind.into(),
+            free_bytes: free,
+            total_bytes: free,
+        };
+        let inv = NodeInventory {
+            gpus: vec![
+                dev("CUDA0", "gpu", 8 << 30),
+                // Its memory is the RAM the node already offers.
+                dev("Vulkan1", "igpu", 4 << 30),
+                // Less free than the reserve: nothing to offer.
+                dev("CUDA1", "gpu", GPU_RESERVE_BYTES - 1),
+            ],
+            ..NodeInventory::default()
+        };
+        let offers = gpu_offers(&inv);
+        assert_eq!(offers.len(), 1, "{offers:?}");
+        assert_eq!(offers[0].device, "CUDA0");
+        assert_eq!(offers[0].description, "CUDA0 card");
+        assert_eq!(offers[0].memory_bytes, (8 << 30) - GPU_RESERVE_BYTES);
+        assert!(gpu_offers(&NodeInventory::default()).is_empty());
     }
 }

@@ -2,10 +2,10 @@
 //! the samplers the tail uses. The node crate never links llama.cpp; it gets this.
 
 use shoal_api::{ChatMessage, TextModel};
-use shoal_engine::{LlamaStage, Sampler, SamplingParams, StageConfig, Vocab};
+use shoal_engine::{GpuLayers, LlamaStage, Sampler, SamplingParams, StageConfig, Vocab};
 use shoal_node::runtime::{Engine, StageSizing};
 use shoal_pipeline::SamplerFactory;
-use shoal_types::{LayerRange, Stage, TokenId, TokenSampler};
+use shoal_types::{GpuShare, LayerRange, Stage, TokenId, TokenSampler};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
@@ -13,18 +13,25 @@ use std::sync::{Arc, OnceLock};
 pub struct LlamaEngine {
     /// CPU threads per stage.
     pub threads: u32,
-    /// Layers to offload to a GPU.
-    pub gpu_layers: u32,
 }
 
 impl Engine for LlamaEngine {
-    fn load(&self, shard: &Path, layers: LayerRange, n_layer: u32, s: StageSizing) -> Result<Box<dyn Stage>, String> {
+    fn load(
+        &self,
+        shard: &Path,
+        layers: LayerRange,
+        n_layer: u32,
+        s: StageSizing,
+        gpus: &[GpuShare],
+    ) -> Result<Box<dyn Stage>, String> {
         let config = StageConfig {
             n_ctx_per_session: s.context,
             max_sessions: s.sessions,
             chunk: s.chunk,
             threads: self.threads,
-            gpu_layers: self.gpu_layers,
+            gpu_layers: 0,
+            // The placement's offload: its last layers on these GPUs.
+            gpus: gpus.iter().map(|g| GpuLayers { device: g.device.clone(), layers: g.layers, head: g.head }).collect(),
         };
         let stage = LlamaStage::load(shard, layers, n_layer, &config).map_err(|e| e.to_string())?;
         Ok(Box::new(stage))
@@ -46,12 +53,8 @@ impl Engine for LlamaEngine {
         } else {
             "cpu"
         };
-        format!(
-            "shoal {} {backends} threads={} gpu_layers={}",
-            env!("CARGO_PKG_VERSION"),
-            self.threads,
-            self.gpu_layers
-        )
+        // (Measurements run on the CPU: GPU layers are the plan's, estimated.)
+        format!("shoal {} {backends} threads={}", env!("CARGO_PKG_VERSION"), self.threads)
     }
 
     fn text(&self, gguf: &Path) -> Result<Arc<dyn TextModel>, String> {

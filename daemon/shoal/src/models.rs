@@ -276,8 +276,17 @@ fn plan(a: PlanArgs) -> Result<()> {
                 }
             }
         };
+        // The plan's offload: each stage's last layers on its node's GPUs.
+        let offload: String = s
+            .gpus
+            .iter()
+            .map(|g| {
+                let head = if g.head { " + head" } else { "" };
+                format!(", {} on {}{head} ({})", g.layers, g.device, gib(g.memory_bytes))
+            })
+            .collect();
         println!(
-            "  stage {i}: layers {:>7} on {}  ({} predicted)  {state}",
+            "  stage {i}: layers {:>7} on {}  ({} predicted{offload})  {state}",
             s.layers.to_string(),
             &s.node.to_string()[..12],
             gib(s.memory_bytes)

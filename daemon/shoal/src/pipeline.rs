@@ -39,9 +39,14 @@ pub struct ServeArgs {
     /// CPU threads for the stage [default: this machine's physical cores].
     #[arg(long)]
     threads: Option<u32>,
-    /// Layers to offload to a GPU (needs a GPU build).
+    /// With --placement: layers to offload to a GPU (needs a GPU build). A cluster node
+    /// offers its GPUs instead, and the leader's plan says how many of each stage's
+    /// layers go on which (see --no-gpu).
     #[arg(long, default_value_t = 0)]
     gpu_layers: u32,
+    /// A cluster node: offer no GPU to models (their layers stay in RAM).
+    #[arg(long)]
+    no_gpu: bool,
     /// Keep-alive: while a session generates, the stage's thread spins between tokens
     /// instead of sleeping (no wake-up per token; it yields to any other runnable
     /// thread, so it uses only idle CPU time). auto: for a `--placement` stage, on for
@@ -161,9 +166,15 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     let Some(placement_file) = a.placement.clone() else {
+        if a.gpu_layers != 0 {
+            bail!(
+                "--gpu-layers is for --placement stages: a cluster node offers its GPUs and the leader \
+                 chooses each stage's GPU layers (`shoal models plan` shows them; --no-gpu offers none)"
+            );
+        }
         let stage = crate::cluster::StageArgs {
             threads: a.threads.unwrap_or_else(crate::inventory::default_threads),
-            gpu_layers: a.gpu_layers,
+            offer_gpus: !a.no_gpu,
             cache: a.cache.clone(),
             keepalive: a.keepalive,
         };
@@ -193,6 +204,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         chunk: placement.chunk,
         threads: a.threads.unwrap_or_else(crate::inventory::default_threads),
         gpu_layers: a.gpu_layers,
+        gpus: Vec::new(),
     };
     let stage = LlamaStage::load(&shard.path, place.layers, meta.n_layer, &config)?;
     let samplers: SamplerFactory = crate::engine::sampler_factory(shard.path.clone());

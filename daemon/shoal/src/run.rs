@@ -190,6 +190,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         chunk: g.chunk,
         threads: g.threads.unwrap_or_else(crate::inventory::default_threads),
         gpu_layers: g.gpu_layers,
+        gpus: Vec::new(),
     };
     let t = &g.text;
     // One vocabulary for the prompt, the printer and a grammar's sampler.
