@@ -102,6 +102,24 @@ impl Net {
         c
     }
 
+    /// Run `f` on a thread of its own inside host `k`'s network namespace: the sockets
+    /// it opens (and the threads it starts) are that host's, as for a process started
+    /// with [`Net::command`]; the calling thread stays where it was.
+    pub fn within<T: Send>(&self, k: usize, f: impl FnOnce() -> T + Send) -> Result<T, NetnsError> {
+        use std::os::fd::AsFd;
+        let path = format!("/run/netns/{}", self.hosts[k]);
+        let ns = std::fs::File::open(&path).map_err(|e| NetnsError(format!("{path}: {e}")))?;
+        std::thread::scope(|scope| {
+            let inside = scope.spawn(|| {
+                // setns on a network namespace moves only the calling thread, which ends after `f`.
+                rustix::thread::move_into_link_name_space(ns.as_fd(), Some(rustix::thread::LinkNameSpaceType::Network))
+                    .map_err(|e| NetnsError(format!("entering {path}: {e}")))?;
+                Ok(f())
+            });
+            inside.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    }
+
     /// Take host `k`'s link to the bridge down or up.
     pub fn link(&self, k: usize, up: bool) -> Result<(), NetnsError> {
         ip(&["netns", "exec", &self.hosts[k], "ip", "link", "set", &format!("v{k}"), if up { "up" } else { "down" }])

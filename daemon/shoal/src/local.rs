@@ -1,6 +1,7 @@
 //! A local cluster: `shoal serve` processes on loopback, each with its own data
 //! directory, mDNS on `lo` only, joined with pairing codes. The demo runs Shoal's main
-//! job on it; the node benches measure on it.
+//! job on it; the node benches measure on it, on loopback or with each node on a
+//! namespace host of its own ([`Lab::start_on_hosts`]).
 
 use anyhow::{bail, Context, Result};
 use shoal_membership::wire::{AdminRequest, AdminResponse};
@@ -18,6 +19,9 @@ pub struct Lab {
     dir: tempfile::TempDir,
     /// The node processes by name.
     nodes: Vec<(String, Child)>,
+    /// The namespace hosts, node `n<k>` on host `k`, when the nodes do not share
+    /// loopback (dropped after the nodes are killed: fields drop after `drop`).
+    net: Option<shoal_testnet::Net>,
 }
 
 impl Drop for Lab {
@@ -48,19 +52,42 @@ impl Lab {
         api: Option<std::net::SocketAddr>,
         extra: &[String],
     ) -> Result<Lab> {
+        Lab::launch(n, max_memory_mib, api, extra, None)
+    }
+
+    /// `n` nodes, each on a network namespace host of its own on one bridge, started
+    /// as a user would (default ports, mDNS on every interface) but for `--max-memory`,
+    /// one thread and `extra`. Needs root and iproute2.
+    pub fn start_on_hosts(n: usize, max_memory_mib: u64, extra: &[String]) -> Result<Lab> {
+        let net = shoal_testnet::Net::new("lab", n).context("network namespaces (they need root and iproute2)")?;
+        Lab::launch(n, max_memory_mib, None, extra, Some(net))
+    }
+
+    fn launch(
+        n: usize,
+        max_memory_mib: u64,
+        api: Option<std::net::SocketAddr>,
+        extra: &[String],
+        net: Option<shoal_testnet::Net>,
+    ) -> Result<Lab> {
         let exe = crate::shoal_exe().context("locating the shoal binary")?;
-        let mut lab = Lab { exe, dir: tempfile::tempdir()?, nodes: Vec::new() };
+        let mut lab = Lab { exe, dir: tempfile::tempdir()?, nodes: Vec::new(), net };
         for i in 0..n {
             let name = format!("n{i}");
-            let child = Command::new(&lab.exe)
-                .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
+            let mut serve = lab.command(&name);
+            serve.arg("serve");
+            if lab.net.is_none() {
+                serve
+                    .args(["--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
+                    .arg("--http-listen")
+                    .arg(api.filter(|_| i == 1).map_or("127.0.0.1:0".to_string(), |a| a.to_string()));
+            }
+            let child = serve
                 .args(["--name", &name, "--max-memory", &format!("{max_memory_mib}M")])
                 // Several nodes share this machine: one thread each, as every bench's
                 // unsplit reference run uses.
                 .args(["--threads", "1"])
                 .args(extra)
-                .arg("--http-listen")
-                .arg(api.filter(|_| i == 1).map_or("127.0.0.1:0".to_string(), |a| a.to_string()))
                 .arg(if i == 0 { "--create-cluster" } else { "--no-create" })
                 .arg("--data-dir")
                 .arg(lab.dir(&name))
@@ -106,14 +133,30 @@ impl Lab {
         Ok(Arc::new(shoal_net::Identity::load_or_create(&self.dir(name))?))
     }
 
+    /// A command running the `shoal` CLI where node `name` runs (its host, if any).
+    pub fn command(&self, name: &str) -> Command {
+        match &self.net {
+            Some(net) => net.command(host_of(name), &self.exe),
+            None => Command::new(&self.exe),
+        }
+    }
+
+    /// Run `f` where node `name` runs: its local addresses are then the node's.
+    fn near<T: Send>(&self, name: &str, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+        match &self.net {
+            Some(net) => net.within(host_of(name), f)?,
+            None => f(),
+        }
+    }
+
     pub fn admin(&self, name: &str, req: AdminRequest) -> Result<AdminResponse> {
         let (dir, id) = (self.dir(name), self.identity(name)?);
-        Ok(crate::pipeline::runtime()?.block_on(shoal_membership::node::admin(&dir, id, &req))?)
+        self.near(name, || Ok(crate::pipeline::runtime()?.block_on(shoal_membership::node::admin(&dir, id, &req))?))
     }
 
     pub fn ask(&self, name: &str, req: NodeRequest) -> Result<NodeResponse> {
         let (dir, id) = (self.dir(name), self.identity(name)?);
-        match crate::pipeline::runtime()?.block_on(shoal_node::api::request(&dir, id, &req))? {
+        match self.near(name, || Ok(crate::pipeline::runtime()?.block_on(shoal_node::api::request(&dir, id, &req))?))? {
             NodeResponse::Error(e) => bail!("{e}"),
             r => Ok(r),
         }
@@ -181,6 +224,12 @@ impl Lab {
             Ok(Some((p.clone(), out)))
         })
     }
+}
+
+/// The host of node `n<k>`: `k`.
+fn host_of(name: &str) -> usize {
+    // Invariant: every node of a lab is named `n<k>` by `Lab::launch`.
+    name.strip_prefix('n').and_then(|k| k.parse().ok()).expect("a lab node's name")
 }
 
 /// An error that waiting longer cannot cure (a model that does not fit).

@@ -1,6 +1,7 @@
 //! `shoal-lab bench load` and `shoal-lab bench replace`: the one-daemon flow with plain
-//! `shoal serve` processes on loopback (real QUIC, mDNS on `lo`, llama.cpp), each
-//! offering little memory so that the model must split.
+//! `shoal serve` processes on loopback (real QUIC, mDNS on `lo`, llama.cpp) or, with
+//! `--netns`, each on a namespace host of its own, each offering little memory so that
+//! the model must split.
 //! - load: time from `models load` to every stage running, cold (shards travel) and
 //!   warm (unloaded and loaded again: shards from the cache); transfer throughput
 //!   against the loopback link's bandwidth as a node measures it; per stage, the
@@ -46,6 +47,10 @@ pub struct LoadArgs {
     /// loopback is not: there a transfer is bound by the CPU, not the link).
     #[arg(long)]
     impair: Option<shoal_net::Impairment>,
+    /// Each node on a host of its own (network namespaces on a bridge, default ports,
+    /// mDNS on every interface; needs root), not all on loopback.
+    #[arg(long)]
+    netns: bool,
 }
 
 /// `shoal-lab bench replace`.
@@ -68,6 +73,9 @@ pub struct ReplaceArgs {
     /// last); another when n0 runs that one (n0 holds the only copy and asks).
     #[arg(long, default_value_t = 1)]
     stage: usize,
+    /// Each node on a host of its own (network namespaces on a bridge; needs root).
+    #[arg(long)]
+    netns: bool,
 }
 
 pub(crate) fn model_or_default(m: &Option<PathBuf>) -> Result<PathBuf> {
@@ -100,7 +108,11 @@ pub fn load(a: LoadArgs) -> Result<()> {
         Some(i) => vec!["--impair".to_string(), crate::bench::impair_spec(i)],
         None => Vec::new(),
     };
-    let lab = Lab::start_with(a.nodes, a.max_memory_mib, None, &extra)?;
+    let lab = if a.netns {
+        Lab::start_on_hosts(a.nodes, a.max_memory_mib, &extra)?
+    } else {
+        Lab::start_with(a.nodes, a.max_memory_mib, None, &extra)?
+    };
     lab.ask("n0", NodeRequest::ModelAdd { path: model.display().to_string(), name: None })?;
     // The link's bandwidth as the nodes measure it (a 4 MiB transfer).
     lab.admin("n1", AdminRequest::ProbeLinks { frame_bytes: 2304 })?;
@@ -162,8 +174,9 @@ pub fn load(a: LoadArgs) -> Result<()> {
         }
     }
     println!(
-        "link as the nodes measured it: {link_mb_s:.1} MB/s ({})",
-        a.impair.as_ref().map_or("loopback".to_string(), crate::bench::impair_spec)
+        "link as the nodes measured it: {link_mb_s:.1} MB/s ({}{})",
+        if a.netns { "namespace hosts on a bridge" } else { "loopback" },
+        a.impair.as_ref().map_or(String::new(), |i| format!(", {}", crate::bench::impair_spec(i)))
     );
     println!();
     println!(
@@ -195,7 +208,11 @@ pub fn load(a: LoadArgs) -> Result<()> {
 pub fn replace(a: ReplaceArgs) -> Result<()> {
     let model = model_or_default(&a.model)?;
     let name = model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let mut lab = Lab::start(3 + a.rounds, a.max_memory_mib)?;
+    let mut lab = if a.netns {
+        Lab::start_on_hosts(3 + a.rounds, a.max_memory_mib, &[])?
+    } else {
+        Lab::start(3 + a.rounds, a.max_memory_mib)?
+    };
     lab.ask("n0", NodeRequest::ModelAdd { path: model.display().to_string(), name: None })?;
     // Room for the prompt (about 100 tokens) and the answer; small, so that the
     // offers force three stages and the spares can take a stage each.
@@ -222,7 +239,8 @@ pub fn replace(a: ReplaceArgs) -> Result<()> {
             .into_iter()
             .find(|n| lab.id_of(n).ok().as_deref() == Some(victim_id.as_str()))
             .context("victim")?;
-        let mut gen = Command::new(&lab.exe)
+        let mut gen = lab
+            .command("n0")
             .args(["generate", "--model", &name, "--progress", "--ignore-eos", "--json", "--prompt", prompt])
             .args(["-n", &a.tokens.to_string()])
             .arg("--data-dir")
