@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http_body_util::BodyExt;
 use libfuzzer_sys::fuzz_target;
-use shoal_api::{Access, Backend, ChatMessage, Failure, ModelInfo, ModelState, PullProgress, TextModel};
+use shoal_api::{Access, Backend, ChatMessage, Failure, ModelInfo, ModelState, PullProgress, Sampled, TextModel};
 use shoal_pipeline::{GenerateRequest, Report};
 use shoal_types::{CatalogEntry, TokenId};
 use std::sync::Arc;
@@ -89,14 +89,21 @@ impl Backend for Fake {
         &self,
         _model: &str,
         request: GenerateRequest,
-        tokens: mpsc::UnboundedSender<TokenId>,
+        tokens: mpsc::UnboundedSender<Sampled>,
     ) -> Result<Report, Failure> {
         // What the coordinator would refuse is refused here too.
         request.validate(256).map_err(Failure::bad)?;
         let answer = b"{\"a\":1}".iter().map(|&b| TokenId::from(b)).chain([256]);
         let made: Vec<TokenId> = answer.take(request.max_new as usize).collect();
+        // Log-probabilities when asked, as a tail reports them (a token outside the
+        // vocabulary among the alternatives too: its piece is empty).
+        let top_n = request.sampling.get("logprobs").and_then(serde_json::Value::as_u64);
         for &t in &made {
-            let _ = tokens.send(t);
+            let lp = top_n.map(|n| shoal_types::TokenLogprobs {
+                logprob: if t == 256 { f32::NEG_INFINITY } else { -0.5 },
+                top: (0..n as i32).map(|i| (t + i * 100, -0.5 - i as f32)).collect(),
+            });
+            let _ = tokens.send((t, lp));
         }
         Ok(Report { tokens: made, ..Report::default() })
     }

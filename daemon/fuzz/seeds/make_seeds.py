@@ -26,6 +26,7 @@ def frame(kind, dtype, n_tokens, payload):
 write("frame", "hidden_f32", frame(2, 2, 1, struct.pack("<8f", *range(8))))
 write("frame", "hidden_f16", frame(2, 3, 2, bytes(32)))
 write("frame", "token", frame(3, 1, 1, struct.pack("<i", 42)))
+write("frame", "token_logprobs", frame(3, 0, 1, struct.pack("<ifif", 42, -0.5, 42, -0.5)))
 write("frame", "open", frame(1, 0, 0, b'{"max_tokens":4}'))
 write("frame", "close", frame(4, 0, 0, b""))
 
@@ -145,6 +146,9 @@ bodies = [
     (5, {"model": "tiny"}),
     (6, {"model": "hf://org/repo/file.gguf", "stream": True}),
     (7, {"model": "tiny"}),
+    (0, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+         "top_logprobs": 3, "stream": True}),
+    (1, {"model": "tiny", "prompt": "abc", "logprobs": 2}),
 ]
 for i, (route, body) in enumerate(bodies):
     write("http_body", f"route{route}-{i}", bytes([route]) + json.dumps(body).encode())

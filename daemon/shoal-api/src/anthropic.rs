@@ -170,7 +170,7 @@ async fn answer<B: Backend>(backend: Arc<B>, job: Job, model: String, streamed: 
                 None => events.recv().await?,
             };
             match event {
-                Event::Text(t) => queue.push_back(named(
+                Event::Text(t, _) => queue.push_back(named(
                     "content_block_delta",
                     json!({"type": "content_block_delta",
                     "index": 0, "delta": {"type": "text_delta", "text": t}}),

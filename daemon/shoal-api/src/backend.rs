@@ -51,15 +51,19 @@ pub trait Backend: Send + Sync + 'static {
     fn authorized(&self, key: &str) -> bool;
 
     /// Run `request` on `model` wherever its stages run, sending each token to
-    /// `tokens` as it comes; the report at the end. Dropping the future cancels the
+    /// `tokens` as it comes (with its log-probabilities when the request's sampling
+    /// asked for them); the report at the end. Dropping the future cancels the
     /// generation (its session is freed on every stage).
     fn generate(
         &self,
         model: &str,
         request: GenerateRequest,
-        tokens: mpsc::UnboundedSender<TokenId>,
+        tokens: mpsc::UnboundedSender<Sampled>,
     ) -> impl Future<Output = Result<Report, Failure>> + Send;
 }
+
+/// A generated token, with its log-probabilities when they were asked for.
+pub type Sampled = (TokenId, Option<shoal_types::TokenLogprobs>);
 
 /// How far a pull has come.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 
 use crate::backend::{Backend, Failure, TextModel};
 use shoal_pipeline::GenerateRequest;
-use shoal_types::{SamplingParams, StopText, TokenId, Utf8Stream};
+use shoal_types::{SamplingParams, StopText, TokenId, TokenLogprobs, Utf8Stream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -31,12 +31,37 @@ pub(crate) struct Job {
 /// What a generation says, in order: text pieces, then one end or failure.
 #[derive(Debug)]
 pub(crate) enum Event {
-    /// More of the answer.
-    Text(String),
+    /// More of the answer, and the log-probabilities of the tokens it released (when
+    /// the job's sampling asked for them; else empty). A token's entry comes with the
+    /// first text after it: text held back (a partial UTF-8 character, a possible stop
+    /// sequence) carries its tokens' entries along, and the tokens that completed a stop
+    /// sequence come with the text before it; end-of-generation tokens have none.
+    Text(String, Vec<Logprob>),
     /// The answer is complete.
     End(Outcome),
     /// It failed (before any text: the route answers with the failure's status).
     Failed(Failure),
+}
+
+/// One generated token's log-probability and the most likely tokens at its step.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Logprob {
+    /// The token's bytes (maybe part of a UTF-8 character).
+    pub bytes: Vec<u8>,
+    /// Its natural-log probability.
+    pub logprob: f32,
+    /// The most likely tokens' bytes and theirs, most likely first.
+    pub top: Vec<(Vec<u8>, f32)>,
+}
+
+impl Logprob {
+    fn new(text: &dyn TextModel, token: TokenId, lp: TokenLogprobs) -> Logprob {
+        Logprob {
+            bytes: text.piece(token),
+            logprob: lp.logprob,
+            top: lp.top.into_iter().map(|(t, x)| (text.piece(t), x)).collect(),
+        }
+    }
 }
 
 /// How a generation ended.
@@ -96,12 +121,23 @@ pub(crate) async fn start<B: Backend>(backend: Arc<B>, job: Job) -> Result<(Even
 /// The whole answer of a generation whose first event was `first`: its text and how
 /// it ended.
 pub(crate) async fn collect(first: Event, events: &mut mpsc::Receiver<Event>) -> Result<(String, Outcome), Failure> {
-    let mut text = String::new();
+    collect_scored(first, events).await.map(|(text, _, o)| (text, o))
+}
+
+/// [`collect`], with the tokens' log-probabilities (empty unless asked for).
+pub(crate) async fn collect_scored(
+    first: Event,
+    events: &mut mpsc::Receiver<Event>,
+) -> Result<(String, Vec<Logprob>, Outcome), Failure> {
+    let (mut text, mut logprobs) = (String::new(), Vec::new());
     let mut event = first;
     loop {
         match event {
-            Event::Text(t) => text += &t,
-            Event::End(o) => return Ok((text, o)),
+            Event::Text(t, lp) => {
+                text += &t;
+                logprobs.extend(lp);
+            }
+            Event::End(o) => return Ok((text, logprobs, o)),
             Event::Failed(f) => return Err(f),
         }
         event = events.recv().await.ok_or_else(vanished)?;
@@ -134,12 +170,14 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
     let (mut first_at, mut last_at) = (None, t0);
     let mut result = None;
     let mut stopped_by_text = false;
+    // Entries of tokens whose text is not out yet.
+    let mut scored = Vec::new();
     loop {
         tokio::select! {
             r = &mut generation, if result.is_none() => result = Some(r),
             t = tokens.recv() => {
                 // The channel closes when the generation is over and dropped its sender.
-                let Some(t) = t else { break };
+                let Some((t, lp)) = t else { break };
                 made += 1;
                 last = Some(t);
                 last_at = Instant::now();
@@ -147,8 +185,9 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
                 if eog.contains(&t) {
                     continue;
                 }
+                scored.extend(lp.map(|lp| Logprob::new(&*job.text, t, lp)));
                 let (text, stop) = stops.push(&utf8.push(&job.text.piece(t)));
-                if !text.is_empty() && events.send(Event::Text(text)).await.is_err() {
+                if !text.is_empty() && events.send(Event::Text(text, std::mem::take(&mut scored))).await.is_err() {
                     // The client went away: returning drops (cancels) the generation.
                     return;
                 }
@@ -173,7 +212,7 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
     if !stopped_by_text {
         let (text, _) = stops.push(&utf8.finish());
         let text = text + &stops.finish();
-        if !text.is_empty() && events.send(Event::Text(text)).await.is_err() {
+        if !(text.is_empty() && scored.is_empty()) && events.send(Event::Text(text, scored)).await.is_err() {
             return;
         }
     }

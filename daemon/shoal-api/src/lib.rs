@@ -20,7 +20,9 @@ mod openai;
 mod serve;
 pub use serve::{serve_router, Limits};
 
-pub use backend::{Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PullProgress, TextModel};
+pub use backend::{
+    Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PullProgress, Sampled, TextModel,
+};
 
 use axum::extract::{ConnectInfo, MatchedPath, Request, State};
 use axum::http::{header, StatusCode};

@@ -54,6 +54,7 @@ impl Options {
             presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
             seed: self.seed.map_or(d.seed, |s| s as u32),
             grammar,
+            logprobs: None,
         }
     }
 
@@ -336,7 +337,7 @@ async fn respond<B: Backend>(
                 None => events.recv().await?,
             };
             let (v, done) = match event {
-                Event::Text(t) => (line(shape, &model, &t, None), false),
+                Event::Text(t, _) => (line(shape, &model, &t, None), false),
                 Event::End(o) => (line(shape, &model, "", Some(&o)), true),
                 Event::Failed(f) => (json!({"error": f.message}), true),
             };

@@ -1,11 +1,12 @@
 //! OpenAI's routes: `POST /v1/chat/completions`, `POST /v1/completions` (both streamed
 //! as server-sent events or answered whole), `GET /v1/models` and `/v1/models/{id}`.
 //! Fields Shoal cannot honour yet are refused with a 400 that says so, never ignored
-//! into a silently different answer.
+//! into a silently different answer. Log-probabilities are the model's (log-softmax
+//! of the tail's logits, before sampling), computed only when asked for.
 
 use crate::backend::{Backend, ChatMessage, Failure};
 use crate::common::{self, error_response, Dialect};
-use crate::gen::{self, Event, Job, Outcome};
+use crate::gen::{self, Event, Job, Logprob, Outcome};
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -41,7 +42,10 @@ struct Knobs {
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     n: Option<u32>,
+    /// Chat: true or false; completions: how many alternatives (0 to 5).
     logprobs: Option<Value>,
+    /// Chat: alternatives per token (0 to 20), with `logprobs: true`.
+    top_logprobs: Option<u32>,
     response_format: Option<Value>,
     tools: Option<Vec<Value>>,
     #[serde(default)]
@@ -66,14 +70,35 @@ struct StreamOptions {
 }
 
 impl Knobs {
+    /// How many alternatives each token's log-probabilities list, if they are asked
+    /// for: chat takes `logprobs: true` and `top_logprobs` (0-20), completions take
+    /// `logprobs: N` (0-5), as OpenAI does.
+    fn logprobs(&self, kind: Kind) -> Result<Option<u32>, Failure> {
+        let asked = match (kind, &self.logprobs) {
+            (_, None | Some(Value::Null)) => None,
+            (Kind::Chat, Some(Value::Bool(b))) => b.then_some(()),
+            (Kind::Chat, Some(_)) => return Err(Failure::bad("logprobs must be true or false")),
+            (Kind::Text, Some(v)) => match v.as_u64() {
+                Some(n) if n <= 5 => return Ok(Some(n as u32)),
+                _ => return Err(Failure::bad("logprobs must be an integer from 0 to 5")),
+            },
+        };
+        match (asked, self.top_logprobs) {
+            (None, Some(_)) => Err(Failure::bad("top_logprobs needs logprobs: true")),
+            (None, None) => Ok(None),
+            (Some(()), Some(n)) if n > shoal_types::MAX_TOP_LOGPROBS => {
+                Err(Failure::bad(format!("top_logprobs must be from 0 to {}", shoal_types::MAX_TOP_LOGPROBS)))
+            }
+            (Some(()), n) => Ok(Some(n.unwrap_or(0))),
+        }
+    }
+
     /// Refuse what Shoal cannot honour yet; the sampling parameters and stop strings.
-    fn check(&self) -> Result<(SamplingParams, Vec<String>), Failure> {
+    fn check(&self, kind: Kind) -> Result<(SamplingParams, Vec<String>), Failure> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(Failure::bad("n must be 1: Shoal makes one choice per request"));
         }
-        if self.logprobs.as_ref().is_some_and(|v| v != &Value::Bool(false) && !v.is_null()) {
-            return Err(Failure::bad("logprobs are not supported yet"));
-        }
+        let logprobs = self.logprobs(kind)?;
         let grammar = match &self.response_format {
             None => None,
             Some(f) => match f.get("type").and_then(Value::as_str) {
@@ -115,6 +140,7 @@ impl Knobs {
             // Any integer is a seed; the sampler takes 32 bits of it.
             seed: self.seed.map_or(d.seed, |s| s as u32),
             grammar,
+            logprobs,
         };
         Ok((params, stop))
     }
@@ -207,7 +233,7 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         if messages.is_empty() {
             return Err(Failure::bad("messages must not be empty"));
         }
-        let (job, knobs) = prepare(&*backend, &req.model, req.knobs, |text| {
+        let (job, knobs) = prepare(&*backend, &req.model, req.knobs, Kind::Chat, |text| {
             let prompt = text.chat_prompt(&messages).map_err(Failure::bad)?;
             Ok(text.tokenize(&prompt, true))
         })
@@ -227,7 +253,8 @@ pub(crate) async fn completions<B: Backend>(State(backend): State<Arc<B>>, body:
             Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
             Prompt::Many(_) => return Err(Failure::bad("prompt: one string per request")),
         };
-        let (job, knobs) = prepare(&*backend, &req.model, req.knobs, |text| Ok(text.tokenize(&prompt, false))).await?;
+        let (job, knobs) =
+            prepare(&*backend, &req.model, req.knobs, Kind::Text, |text| Ok(text.tokenize(&prompt, false))).await?;
         answer(backend, job, knobs, Kind::Text).await
     }
     .await;
@@ -239,9 +266,10 @@ async fn prepare<B: Backend>(
     backend: &B,
     name: &str,
     knobs: Knobs,
+    kind: Kind,
     tokens: impl FnOnce(&dyn crate::backend::TextModel) -> Result<Vec<shoal_types::TokenId>, Failure>,
 ) -> Result<(Job, Knobs), Failure> {
-    let (sampling, stop) = knobs.check()?;
+    let (sampling, stop) = knobs.check(kind)?;
     let model = common::resolve(backend, name).await?;
     common::ready_or_failure(backend, &model).await?;
     let text = backend.text(&model.entry.name).await?;
@@ -261,23 +289,82 @@ enum Kind {
 /// text come back as an error status.
 async fn answer<B: Backend>(backend: Arc<B>, job: Job, knobs: Knobs, kind: Kind) -> Result<Response, Failure> {
     let model = job.model.clone();
+    let scored = job.sampling.logprobs.is_some();
     let (first, mut events) = gen::start(backend, job).await?;
     let (id, created) = (common::new_id(if kind == Kind::Chat { "chatcmpl-" } else { "cmpl-" }), common::unix_now());
     if knobs.stream {
         let usage = knobs.stream_options.is_some_and(|o| o.include_usage);
-        let chunks = Chunks { id, created, model, kind, usage };
+        let chunks = Chunks { id, created, model, kind, usage, scored, offset: Default::default() };
         return Ok(Sse::new(sse(chunks, first, events)).into_response());
     }
-    let (text, outcome) = gen::collect(first, &mut events).await?;
+    let (text, logprobs, outcome) = gen::collect_scored(first, &mut events).await?;
+    let logprobs = if scored { logprobs_json(kind, &logprobs, 0) } else { Value::Null };
     let choice = match kind {
-        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null,
+        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": outcome.finish.as_str()}),
-        Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": outcome.finish.as_str()}),
+        Kind::Text => json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": outcome.finish.as_str()}),
     };
     let object = if kind == Kind::Chat { "chat.completion" } else { "text_completion" };
     Ok(Json(json!({"id": id, "object": object, "created": created, "model": model,
         "choices": [choice], "usage": usage(&outcome)}))
     .into_response())
+}
+
+/// Tokens' log-probabilities in OpenAI's shape: chat's `{"content": [{token, logprob,
+/// bytes, top_logprobs}], "refusal": null}`, or the completions route's older
+/// `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets in characters from
+/// `offset`, where this part of the answer starts). A token that is part of a UTF-8
+/// character shows as U+FFFD in `token`; `bytes` holds its real bytes.
+fn logprobs_json(kind: Kind, entries: &[Logprob], offset: usize) -> Value {
+    let shown = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    match kind {
+        Kind::Chat => {
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let top: Vec<Value> = e
+                        .top
+                        .iter()
+                        .map(|(b, x)| json!({"token": shown(b), "logprob": finite(*x), "bytes": b}))
+                        .collect();
+                    json!({"token": shown(&e.bytes), "logprob": finite(e.logprob), "bytes": e.bytes,
+                        "top_logprobs": top})
+                })
+                .collect();
+            json!({"content": content, "refusal": null})
+        }
+        Kind::Text => {
+            let mut at = offset;
+            let mut offsets = Vec::new();
+            for e in entries {
+                offsets.push(at);
+                at += shown(&e.bytes).chars().count();
+            }
+            let top: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let mut m = serde_json::Map::new();
+                    for (b, x) in &e.top {
+                        m.entry(shown(b)).or_insert(json!(finite(*x)));
+                    }
+                    Value::Object(m)
+                })
+                .collect();
+            json!({"tokens": entries.iter().map(|e| shown(&e.bytes)).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|e| finite(e.logprob)).collect::<Vec<_>>(),
+                "top_logprobs": top, "text_offset": offsets})
+        }
+    }
+}
+
+/// A log-probability JSON can hold: -inf (a token the model gave no chance) as -9999,
+/// the floor OpenAI's own answers use.
+fn finite(x: f32) -> f64 {
+    if x.is_finite() {
+        f64::from(x)
+    } else {
+        -9999.0
+    }
 }
 
 fn usage(o: &Outcome) -> Value {
@@ -293,6 +380,10 @@ struct Chunks {
     kind: Kind,
     /// Send a last chunk with the usage and no choices (`stream_options.include_usage`).
     usage: bool,
+    /// Whether chunks carry their tokens' log-probabilities (else `"logprobs": null`).
+    scored: bool,
+    /// Characters of the answer sent so far (the completions route's `text_offset`).
+    offset: std::cell::Cell<usize>,
 }
 
 impl Chunks {
@@ -306,12 +397,14 @@ impl Chunks {
         SseEvent::default().data(v.to_string())
     }
 
-    fn text(&self, text: &str, first: bool) -> SseEvent {
+    fn text(&self, text: &str, logprobs: &[Logprob], first: bool) -> SseEvent {
+        let lp = if self.scored { logprobs_json(self.kind, logprobs, self.offset.get()) } else { Value::Null };
+        self.offset.set(self.offset.get() + text.chars().count());
         let choice = match self.kind {
             Kind::Chat if first => json!({"index": 0, "delta": {"role": "assistant", "content": text},
-                "logprobs": null, "finish_reason": null}),
-            Kind::Chat => json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": null}),
-            Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": null}),
+                "logprobs": lp, "finish_reason": null}),
+            Kind::Chat => json!({"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}),
+            Kind::Text => json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": null}),
         };
         self.chunk(Some(choice), None)
     }
@@ -368,8 +461,8 @@ fn sse(
                 },
             };
             match event {
-                Event::Text(t) => {
-                    st.out.push_back(st.chunks.text(&t, !st.sent_text));
+                Event::Text(t, lp) => {
+                    st.out.push_back(st.chunks.text(&t, &lp, !st.sent_text));
                     st.sent_text = true;
                 }
                 Event::End(o) => {

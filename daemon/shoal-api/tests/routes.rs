@@ -4,7 +4,7 @@
 //! and a client that goes away cancelling its generation.
 
 use serde_json::{json, Value};
-use shoal_api::{Backend, ChatMessage, Failure, ModelInfo, ModelState, TextModel};
+use shoal_api::{Backend, ChatMessage, Failure, ModelInfo, ModelState, Sampled, TextModel};
 use shoal_pipeline::{GenerateRequest, Report};
 use shoal_types::{CatalogEntry, TokenId};
 use std::io::{BufRead, BufReader, Read};
@@ -144,7 +144,7 @@ impl Backend for Fake {
         &self,
         model: &str,
         request: GenerateRequest,
-        tokens: mpsc::UnboundedSender<TokenId>,
+        tokens: mpsc::UnboundedSender<Sampled>,
     ) -> Result<Report, Failure> {
         let ctx = if model == "slow" { 100_000 } else { CONTEXT };
         if request.prompt.len() + request.max_new as usize > ctx as usize {
@@ -171,12 +171,19 @@ impl Backend for Fake {
             ANSWER.bytes().map(TokenId::from).chain([EOG]).collect()
         };
         let mut made = Vec::new();
+        // Log-probabilities as a tail would report them, made up from the token: its
+        // own -0.25, then the next ids, each 1 less likely.
+        let top_n = request.sampling.get("logprobs").and_then(serde_json::Value::as_u64);
         for t in answer.into_iter().take(request.max_new as usize) {
             if model == "slow" {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             made.push(t);
-            let _ = tokens.send(t);
+            let lp = top_n.map(|n| shoal_types::TokenLogprobs {
+                logprob: -0.25,
+                top: (0..n as i32).map(|i| (t + i, -0.25 - i as f32)).collect(),
+            });
+            let _ = tokens.send((t, lp));
             if request.stop.contains(&t) {
                 break;
             }
@@ -1064,4 +1071,83 @@ async fn ollama_pull_streams_progress_then_success_and_refuses_registry_names() 
     let (status, _, body) = post(pull, json!({"model": "llama3.2"})).await;
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("hf://") && body.contains("models import --from ollama"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_logprobs_come_per_token_in_both_routes_shapes_and_bad_asks_are_400() {
+    let (base, fake) = server().await;
+    let chat = format!("{base}/v1/chat/completions");
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    // The fake's tokens are bytes: "H" is 72, and its made-up alternatives the next ids.
+    let entry = |b: u8| {
+        let s = (b as char).to_string();
+        json!({"token": s, "logprob": -0.25, "bytes": [b], "top_logprobs": [
+            {"token": s, "logprob": -0.25, "bytes": [b]},
+            {"token": ((b + 1) as char).to_string(), "logprob": -1.25, "bytes": [b + 1]}]})
+    };
+    let req = json!({"model": "tiny", "messages": msgs, "max_tokens": 5, "logprobs": true, "top_logprobs": 2});
+    let (status, _, body) = post(chat.clone(), req).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(fake.samplings.lock().unwrap().last().unwrap()["logprobs"], 2, "the tail is asked for 2");
+    let want: Vec<Value> = b"Hello".iter().map(|&b| entry(b)).collect();
+    assert_eq!(v["choices"][0]["logprobs"], json!({"content": want, "refusal": null}));
+    // Not asked: null, and nothing asked of the tail.
+    let (_, _, body) = post(chat.clone(), json!({"model": "tiny", "messages": msgs, "max_tokens": 2})).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+    assert!(fake.samplings.lock().unwrap().last().unwrap().get("logprobs").is_none());
+
+    // Streamed: each chunk lists the tokens of its text; together, every token of the
+    // answer but the end-of-generation one, a character split over two tokens as two
+    // entries (U+FFFD as text, the real bytes in `bytes`).
+    let req = json!({"model": "tiny", "messages": msgs, "logprobs": true, "stream": true});
+    let (status, _, body) = post(chat.clone(), req).await;
+    assert_eq!(status, 200, "{body}");
+    let data = sse_data(&body);
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let mut bytes = Vec::new();
+    for c in &chunks {
+        let choice = &c["choices"][0];
+        if choice["finish_reason"].is_null() {
+            let content = choice["logprobs"]["content"].as_array().unwrap();
+            assert!(!content.is_empty(), "a chunk with text has its tokens: {c}");
+            for e in content {
+                assert_eq!(e["top_logprobs"], json!([]), "top_logprobs defaults to 0");
+                bytes.extend(e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8));
+            }
+        }
+    }
+    assert_eq!(String::from_utf8(bytes).unwrap(), ANSWER);
+    let split: Vec<&Value> =
+        chunks.iter().flat_map(|c| c["choices"][0]["logprobs"]["content"].as_array().into_iter().flatten()).collect();
+    assert!(split.iter().any(|e| e["token"] == "\u{FFFD}" && e["bytes"] == json!([0xC3])), "the first byte of ö");
+
+    // Completions: the older shape, `logprobs` being the number of alternatives.
+    let req = json!({"model": "tiny", "prompt": "Once", "max_tokens": 3, "logprobs": 1});
+    let (status, _, body) = post(format!("{base}/v1/completions"), req).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["choices"][0]["logprobs"],
+        json!({"tokens": ["H", "e", "l"], "token_logprobs": [-0.25, -0.25, -0.25],
+            "top_logprobs": [{"H": -0.25}, {"e": -0.25}, {"l": -0.25}], "text_offset": [0, 1, 2]})
+    );
+
+    // Asked wrongly: 400 in OpenAI's shape, nothing generated.
+    let before = fake.samplings.lock().unwrap().len();
+    for (path, extra, says) in [
+        ("/v1/chat/completions", json!({"top_logprobs": 2}), "top_logprobs needs logprobs: true"),
+        ("/v1/chat/completions", json!({"logprobs": true, "top_logprobs": 21}), "top_logprobs must be from 0 to 20"),
+        ("/v1/chat/completions", json!({"logprobs": 3}), "logprobs must be true or false"),
+        ("/v1/completions", json!({"logprobs": 6}), "logprobs must be an integer from 0 to 5"),
+    ] {
+        let mut req = json!({"model": "tiny", "messages": msgs, "prompt": "Once"});
+        req.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, _, body) = post(format!("{base}{path}"), req).await;
+        assert_eq!(status, 400, "{path} {extra}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{body}");
+    }
+    assert_eq!(fake.samplings.lock().unwrap().len(), before);
 }

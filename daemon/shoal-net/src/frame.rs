@@ -14,6 +14,9 @@
 //! hop's latency (wire and queues). Exact between processes of one host; across
 //! hosts it is off by their clock offset, so it is a statistic, never a decision input.
 
+/// Most alternatives a Token frame's log-probabilities list.
+pub const MAX_TOP_LOGPROBS: usize = shoal_types::MAX_TOP_LOGPROBS as usize;
+
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 40;
 const MAGIC: [u8; 2] = *b"SF";
@@ -27,7 +30,9 @@ pub enum FrameKind {
     Open = 1,
     /// Hidden states for positions `first_pos..first_pos + n_tokens`.
     Hidden = 2,
-    /// Sampled token ids, tail → coordinator.
+    /// Sampled token ids, tail → coordinator (dtype I32); or one token with its
+    /// log-probabilities (dtype Bytes: the id, its logprob, then (id, logprob) pairs of
+    /// the most likely tokens, all little-endian 32-bit, at most [`MAX_TOP_LOGPROBS`]).
     Token = 3,
     /// Ends a session; stages free it. The tail's answer carries the logits digest.
     Close = 4,
@@ -257,6 +262,14 @@ impl Frame {
                 let per_token = if kind == FrameKind::Hidden { limits.n_embd as usize } else { 1 };
                 n_tokens as usize * per_token * dtype.size()
             }
+            (FrameKind::Token, Dtype::Bytes) => {
+                // One token with its log-probabilities: 8 bytes, then 8 per alternative.
+                let alternatives = payload_len.checked_sub(8).map(|b| (b / 8, b % 8));
+                if n_tokens != 1 || !matches!(alternatives, Some((k, 0)) if k <= MAX_TOP_LOGPROBS) {
+                    return Err(FrameError::Length { got: payload_len, want: 8 + 8 * MAX_TOP_LOGPROBS });
+                }
+                payload_len
+            }
             (FrameKind::Open | FrameKind::Close | FrameKind::Error | FrameKind::Lost, Dtype::Bytes) => {
                 if payload_len > limits.max_message as usize {
                     return Err(FrameError::Length { got: payload_len, want: limits.max_message as usize });
@@ -303,9 +316,47 @@ impl Frame {
         }
     }
 
+    /// One sampled token with its log-probabilities ([`FrameKind::Token`], dtype Bytes).
+    pub fn token_with_logprobs(
+        session: u64,
+        step: u32,
+        epoch: u32,
+        first_pos: u32,
+        token: i32,
+        lp: &shoal_types::TokenLogprobs,
+    ) -> Frame {
+        let top = &lp.top[..lp.top.len().min(MAX_TOP_LOGPROBS)];
+        let mut payload = Vec::with_capacity(8 + 8 * top.len());
+        payload.extend_from_slice(&token.to_le_bytes());
+        payload.extend_from_slice(&lp.logprob.to_le_bytes());
+        for (t, x) in top {
+            payload.extend_from_slice(&t.to_le_bytes());
+            payload.extend_from_slice(&x.to_le_bytes());
+        }
+        Frame { dtype: Dtype::Bytes, payload, ..Frame::tokens(session, step, epoch, first_pos, &[token]) }
+    }
+
     /// The token ids of a Token frame.
     pub fn token_ids(&self) -> Vec<i32> {
-        self.payload.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+        let ids = match self.dtype {
+            // With log-probabilities: the one token, first.
+            Dtype::Bytes => &self.payload[..self.payload.len().min(4)],
+            _ => &self.payload[..],
+        };
+        ids.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    }
+
+    /// The log-probabilities a Token frame carries, if any.
+    pub fn token_logprobs(&self) -> Option<shoal_types::TokenLogprobs> {
+        if self.kind != FrameKind::Token || self.dtype != Dtype::Bytes || self.payload.len() < 8 {
+            return None;
+        }
+        let word = |b: &[u8]| [b[0], b[1], b[2], b[3]];
+        let top = self.payload[8..]
+            .chunks_exact(8)
+            .map(|p| (i32::from_le_bytes(word(&p[..4])), f32::from_le_bytes(word(&p[4..]))))
+            .collect();
+        Some(shoal_types::TokenLogprobs { logprob: f32::from_le_bytes(word(&self.payload[4..8])), top })
     }
 }
 
@@ -314,6 +365,26 @@ mod tests {
     use super::*;
 
     const L: FrameLimits = FrameLimits { n_embd: 4, max_tokens: 8, max_message: 64 };
+
+    #[test]
+    fn a_token_with_logprobs_round_trips_and_bad_lengths_are_refused() {
+        let lp = shoal_types::TokenLogprobs { logprob: -0.5, top: vec![(7, -0.5), (3, -1.25)] };
+        let f = Frame::token_with_logprobs(9, 4, 1, 12, 7, &lp);
+        let back = Frame::decode(&f.encode(), &L).unwrap();
+        assert_eq!((back.kind, back.token_ids(), back.first_pos), (FrameKind::Token, vec![7], 12));
+        assert_eq!(back.token_logprobs(), Some(lp));
+        assert_eq!(Frame::tokens(9, 4, 1, 12, &[7]).token_logprobs(), None);
+        // Not a whole number of pairs, more pairs than allowed, or two tokens: refused.
+        for (n_tokens, len) in [(1u32, 12usize), (1, 8 + 8 * (MAX_TOP_LOGPROBS + 1)), (2, 16), (1, 4)] {
+            let mut b = f.encode();
+            b.truncate(HEADER_LEN);
+            b[24..28].copy_from_slice(&n_tokens.to_le_bytes());
+            b[32..36].copy_from_slice(&(len as u32).to_le_bytes());
+            b.resize(HEADER_LEN + len, 0);
+            let limits = FrameLimits { max_message: 4096, ..L };
+            assert!(matches!(Frame::decode(&b, &limits), Err(FrameError::Length { .. })), "{n_tokens} {len}");
+        }
+    }
 
     #[test]
     fn frames_round_trip() {

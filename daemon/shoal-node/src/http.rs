@@ -5,9 +5,8 @@
 use crate::api::{ApiError, CopyState, ErrorKind};
 use crate::models;
 use crate::runtime::{self, Runtime};
-use shoal_api::{Backend, Failure, FailureKind, ModelInfo, ModelState, TextModel};
+use shoal_api::{Backend, Failure, FailureKind, ModelInfo, ModelState, Sampled, TextModel};
 use shoal_pipeline::{GenerateRequest, Report};
-use shoal_types::TokenId;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -197,10 +196,10 @@ impl Backend for NodeBackend {
         &self,
         model: &str,
         request: GenerateRequest,
-        tokens: mpsc::UnboundedSender<TokenId>,
+        tokens: mpsc::UnboundedSender<Sampled>,
     ) -> Result<Report, Failure> {
-        runtime::generate(&self.rt, model, &request, |t| {
-            let _ = tokens.send(t);
+        runtime::generate(&self.rt, model, &request, |t, lp| {
+            let _ = tokens.send((t, lp));
         })
         .await
         .map_err(failure)

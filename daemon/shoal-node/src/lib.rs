@@ -289,7 +289,8 @@ async fn generate(
     let run = tokio::spawn(async move {
         // Tokens are few (one per step) and the stream drains them as they come: an
         // unbounded channel cannot grow past the generation's length.
-        runtime::generate(&rt, &model, &request, |t| {
+        // (The CLI's protocol carries tokens only.)
+        runtime::generate(&rt, &model, &request, |t, _| {
             let _ = tx.send(t);
         })
         .await

@@ -815,7 +815,7 @@ pub async fn generate(
     rt: &Runtime,
     model: &str,
     request: &GenerateRequest,
-    mut on_token: impl FnMut(shoal_types::TokenId),
+    mut on_token: impl FnMut(shoal_types::TokenId, Option<shoal_types::TokenLogprobs>),
 ) -> Result<Report, ApiError> {
     let mut view_rx = rt.membership.view();
     let hash = {
@@ -852,10 +852,10 @@ pub async fn generate(
                 }
                 let place = StagePlace { node: first.node, addr, layers: first.layers };
                 let req = GenerateRequest { resume: made.clone(), ..request.clone() };
-                let run = shoal_pipeline::generate(&rt.node, &place, &req, |t| {
+                let run = shoal_pipeline::generate(&rt.node, &place, &req, |t, lp| {
                     made.push(t);
                     progress_at = tokio::time::Instant::now();
-                    on_token(t);
+                    on_token(t, lp);
                 });
                 // A new placement replaces every stage of this one: stop waiting on it
                 // at once. (A coordinator that died would otherwise be noticed only when

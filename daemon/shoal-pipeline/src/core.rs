@@ -31,7 +31,7 @@
 use crate::protocol::{GenEvent, GenerateRequest, Report};
 use shoal_net::frame::FLAG_SAMPLE;
 use shoal_net::{Dtype, Frame, FrameKind};
-use shoal_types::{LogitsDigest, TokenId, TokenSampler};
+use shoal_types::{LogitsDigest, TokenId, TokenLogprobs, TokenSampler};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -206,8 +206,12 @@ struct Session {
 struct TailState {
     sampler: Box<dyn TokenSampler>,
     digest: LogitsDigest,
-    /// Token sampled at each step (by step number).
-    sampled: HashMap<u32, TokenId>,
+    /// Token sampled at each step (by step number), with its log-probabilities when
+    /// asked for: a re-sent step answers the same without sampling again.
+    sampled: HashMap<u32, (TokenId, Option<TokenLogprobs>)>,
+    /// Alternatives per token's log-probabilities (`SamplingParams::logprobs`); `None`:
+    /// the request wants none (nothing computed).
+    logprobs: Option<usize>,
 }
 
 /// The coordinator's view of a generation.
@@ -489,7 +493,11 @@ impl NodeCore {
         d.progress_at = now;
         d.replays_in_row = 0;
         d.tokens.push(token);
-        out.push(Action::Reply(d.client, GenEvent::Token(token)));
+        let event = match f.token_logprobs() {
+            Some(lp) => GenEvent::Scored(token, lp),
+            None => GenEvent::Token(token),
+        };
+        out.push(Action::Reply(d.client, event));
         if d.tokens.len() >= d.max_new || d.stop.contains(&token) {
             d.closing = true;
             d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
@@ -818,9 +826,9 @@ impl NodeCore {
         // The coordinator checked the parameters, but they arrive here from the network:
         // check them again before the factory makes a sampler of them.
         let value: Result<serde_json::Value, String> = serde_json::from_slice(params).map_err(|e| e.to_string());
-        let checked = value.and_then(|v| crate::protocol::sampling_params(&v).map(|_| v));
-        match checked.and_then(|v| (self.cfg.samplers)(&v).map(|s| (v, s))) {
-            Ok((v, sampler)) => {
+        let checked = value.and_then(|v| crate::protocol::sampling_params(&v).map(|p| (v, p.logprobs)));
+        match checked.and_then(|(v, logprobs)| (self.cfg.samplers)(&v).map(|s| (v, s, logprobs))) {
+            Ok((v, sampler, logprobs)) => {
                 let s = self.sessions.entry(session).or_insert(Session {
                     epoch,
                     last_step: None,
@@ -828,7 +836,12 @@ impl NodeCore {
                     tail: None,
                     driver: None,
                 });
-                s.tail = Some(TailState { sampler, digest: LogitsDigest::default(), sampled: HashMap::new() });
+                s.tail = Some(TailState {
+                    sampler,
+                    digest: LogitsDigest::default(),
+                    sampled: HashMap::new(),
+                    logprobs: logprobs.map(|n| n as usize),
+                });
             }
             Err(e) => {
                 let f = Frame::message(
@@ -922,20 +935,25 @@ impl NodeCore {
                     let f = self.lost_frame(job.session, job.step, job.epoch);
                     return self.send_to_coordinator(f, now, out);
                 };
-                let token = match tail.sampled.get(&job.step) {
-                    Some(&t) => {
+                let (token, lp) = match tail.sampled.get(&job.step) {
+                    Some(t) => {
                         self.counters.cached_tokens_resent += 1;
-                        t
+                        t.clone()
                     }
                     None => {
                         tail.digest.update(&logits);
                         let t = tail.sampler.sample(&logits);
-                        tail.sampled.insert(job.step, t);
-                        t
+                        // The model's distribution (the sampler reshapes its own copy).
+                        let lp = tail.logprobs.map(|n| TokenLogprobs::of(&logits, t, n));
+                        tail.sampled.insert(job.step, (t, lp.clone()));
+                        (t, lp)
                     }
                 };
                 let next_pos = job.first_pos + job.input.n_tokens(self.cfg.n_embd);
-                let f = Frame::tokens(job.session, job.step, job.epoch, next_pos, &[token]);
+                let f = match &lp {
+                    Some(lp) => Frame::token_with_logprobs(job.session, job.step, job.epoch, next_pos, token, lp),
+                    None => Frame::tokens(job.session, job.step, job.epoch, next_pos, &[token]),
+                };
                 self.send_to_coordinator(f, now, out);
             }
         }

@@ -136,6 +136,8 @@ pub struct NodeStatus {
 pub enum GenEvent {
     /// A token was generated.
     Token(TokenId),
+    /// A token was generated, with the log-probabilities the request asked for.
+    Scored(TokenId, shoal_types::TokenLogprobs),
     /// The generation finished.
     Done(Report),
     /// The generation failed.
@@ -144,13 +146,21 @@ pub enum GenEvent {
     Busy(String),
 }
 
+impl GenEvent {
+    /// Whether more events follow this one (a token's).
+    pub fn is_token(&self) -> bool {
+        matches!(self, GenEvent::Token(_) | GenEvent::Scored(..))
+    }
+}
+
 /// Run a generation on the pipeline whose coordinator is `coordinator`, calling
-/// `on_token` for each token as it arrives.
+/// `on_token` for each token as it arrives (with its log-probabilities when the
+/// request's sampling asked for them).
 pub async fn generate(
     node: &Node,
     coordinator: &StagePlace,
     request: &GenerateRequest,
-    mut on_token: impl FnMut(TokenId),
+    mut on_token: impl FnMut(TokenId, Option<shoal_types::TokenLogprobs>),
 ) -> Result<Report, PipelineError> {
     let stream_err = |e: &dyn std::fmt::Display| PipelineError::Stream(e.to_string());
     let conn = node.connect(coordinator.addr, coordinator.node, alpn::CONTROL).await?;
@@ -168,7 +178,8 @@ pub async fn generate(
             return Err(PipelineError::Generation("the coordinator closed the stream without a result".into()));
         }
         match serde_json::from_str::<GenEvent>(&line) {
-            Ok(GenEvent::Token(t)) => on_token(t),
+            Ok(GenEvent::Token(t)) => on_token(t, None),
+            Ok(GenEvent::Scored(t, lp)) => on_token(t, Some(lp)),
             Ok(GenEvent::Done(report)) => {
                 conn.close(0u32.into(), b"done");
                 return Ok(report);

@@ -275,7 +275,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                         }
                     }
                     Action::Reply(id, ev) => {
-                        let end = !matches!(ev, GenEvent::Token(_));
+                        let end = !ev.is_token();
                         let Some(client) = clients.get(&id) else { continue };
                         // Never wait here: one client that does not read would stall
                         // every other generation on this coordinator.
@@ -730,7 +730,7 @@ async fn serve_control(conn: quinn::Connection, events: mpsc::Sender<Event>, adm
             }
             let writing = async {
                 while let Some(ev) = rx.recv().await {
-                    let end = !matches!(ev, GenEvent::Token(_));
+                    let end = !ev.is_token();
                     if send.write_all(&reply(ev)).await.is_err() {
                         return false;
                     }

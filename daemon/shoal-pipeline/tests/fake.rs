@@ -100,7 +100,7 @@ async fn three_nodes_match_in_process_stages() {
     let prompt: Vec<TokenId> = (0..11).map(|i| (i * 7 % 50) as TokenId).collect();
     let (want_tokens, want_digest) = reference(&ranges, &prompt, 40);
     let mut streamed = Vec::new();
-    let report = generate(&client, &placement.stages[0], &request(&prompt, 40), |t| streamed.push(t)).await.unwrap();
+    let report = generate(&client, &placement.stages[0], &request(&prompt, 40), |t, _| streamed.push(t)).await.unwrap();
     assert_eq!(report.tokens, want_tokens);
     assert_eq!(streamed, want_tokens);
     assert_eq!(report.logits_digest, want_digest);
@@ -109,8 +109,8 @@ async fn three_nodes_match_in_process_stages() {
     let other: Vec<TokenId> = (0..6).map(|i| (i * 3 % 50) as TokenId).collect();
     let (ra, rb) = (request(&prompt, 20), request(&other, 20));
     let (a, b) = tokio::join!(
-        generate(&client, &placement.stages[0], &ra, |_| {}),
-        generate(&client, &placement.stages[0], &rb, |_| {})
+        generate(&client, &placement.stages[0], &ra, |_, _| {}),
+        generate(&client, &placement.stages[0], &rb, |_, _| {})
     );
     assert_eq!(a.unwrap().tokens, reference(&ranges, &prompt, 20).0);
     assert_eq!(b.unwrap().tokens, reference(&ranges, &other, 20).0);
@@ -133,7 +133,7 @@ async fn requests_past_the_sessions_queue_in_order_and_past_the_queue_are_refuse
         let (client, coord, started_tx) = (client.clone(), coord.clone(), started_tx.clone());
         long.push(tokio::spawn(async move {
             let mut first = true;
-            generate(&client, &coord, &request(&prompt(i), 4000), |_| {
+            generate(&client, &coord, &request(&prompt(i), 4000), |_, _| {
                 if std::mem::take(&mut first) {
                     let _ = started_tx.send(());
                 }
@@ -148,7 +148,7 @@ async fn requests_past_the_sessions_queue_in_order_and_past_the_queue_are_refuse
     let mut queued = Vec::new();
     for i in 4..4 + queue {
         let (client, coord) = (client.clone(), coord.clone());
-        queued.push(tokio::spawn(async move { generate(&client, &coord, &request(&prompt(i), 20), |_| {}).await }));
+        queued.push(tokio::spawn(async move { generate(&client, &coord, &request(&prompt(i), 20), |_, _| {}).await }));
     }
     let t0 = std::time::Instant::now();
     loop {
@@ -161,7 +161,7 @@ async fn requests_past_the_sessions_queue_in_order_and_past_the_queue_are_refuse
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     // … and one more is refused at once, saying why.
-    match generate(&client, &coord, &request(&prompt(99), 20), |_| {}).await {
+    match generate(&client, &coord, &request(&prompt(99), 20), |_, _| {}).await {
         Err(shoal_pipeline::PipelineError::Busy(why)) => assert!(why.contains("busy"), "{why}"),
         other => panic!("past the queue: {other:?}"),
     }
@@ -183,7 +183,7 @@ async fn keepalive_spins_while_generating_then_stops_and_changes_no_output() {
     let window = std::time::Duration::from_millis(1500);
     let (placement, client, _) = start_full(&ranges, Some(window)).await;
     let prompt: Vec<TokenId> = (0..11).map(|i| (i * 5 % 50) as TokenId).collect();
-    let report = generate(&client, &placement.stages[0], &request(&prompt, 30), |_| {}).await.unwrap();
+    let report = generate(&client, &placement.stages[0], &request(&prompt, 30), |_, _| {}).await.unwrap();
     assert_eq!((report.tokens, report.logits_digest), reference(&ranges, &prompt, 30));
     // Every node reports keep-alive on and spins right after the generation; none
     // spins once the window after its last frame has passed (status requests do not
@@ -213,7 +213,7 @@ async fn one_node_placement_works() {
     let ranges = [LayerRange::new(0, 6)];
     let (placement, client) = start(&ranges).await;
     let prompt: Vec<TokenId> = (0..9).collect();
-    let report = generate(&client, &placement.stages[0], &request(&prompt, 12), |_| {}).await.unwrap();
+    let report = generate(&client, &placement.stages[0], &request(&prompt, 12), |_, _| {}).await.unwrap();
     assert_eq!((report.tokens, report.logits_digest), reference(&ranges, &prompt, 12));
 }
 
@@ -221,9 +221,9 @@ async fn one_node_placement_works() {
 async fn requests_that_cannot_run_fail_clearly() {
     let ranges = [LayerRange::new(0, 3), LayerRange::new(3, 6)];
     let (placement, client) = start(&ranges).await;
-    let e = generate(&client, &placement.stages[0], &request(&[1; 250], 10), |_| {}).await.unwrap_err();
+    let e = generate(&client, &placement.stages[0], &request(&[1; 250], 10), |_, _| {}).await.unwrap_err();
     assert!(e.to_string().contains("exceeds the context"), "{e}");
-    let e = generate(&client, &placement.stages[0], &request(&[], 10), |_| {}).await.unwrap_err();
+    let e = generate(&client, &placement.stages[0], &request(&[], 10), |_, _| {}).await.unwrap_err();
     assert!(e.to_string().contains("empty prompt"), "{e}");
     // A client whose key is not in the placement cannot connect at all.
     let stranger = Node::bind(
@@ -235,12 +235,12 @@ async fn requests_that_cannot_run_fail_clearly() {
     .unwrap();
     let r = tokio::time::timeout(
         std::time::Duration::from_secs(10),
-        generate(&stranger, &placement.stages[0], &request(&[1, 2], 2), |_| {}),
+        generate(&stranger, &placement.stages[0], &request(&[1, 2], 2), |_, _| {}),
     )
     .await;
     assert!(matches!(r, Ok(Err(_))), "an unknown key got an answer: {r:?}");
     // The pipeline still works for trusted clients afterwards.
-    assert!(generate(&client, &placement.stages[0], &request(&[1, 2, 3], 3), |_| {}).await.is_ok());
+    assert!(generate(&client, &placement.stages[0], &request(&[1, 2, 3], 3), |_, _| {}).await.is_ok());
 }
 
 /// Sampling parameters come from the network: a huge `repeat_last_n` (which would make
@@ -252,14 +252,14 @@ async fn huge_repeat_last_n_is_refused_and_the_client_is_told() {
     let (placement, client) = start(&ranges).await;
     let mut req = request(&[1, 2, 3], 4);
     req.sampling = serde_json::json!({"repeat_penalty": 1.1, "repeat_last_n": i32::MAX});
-    let e = generate(&client, &placement.stages[0], &req, |_| {}).await.unwrap_err();
+    let e = generate(&client, &placement.stages[0], &req, |_, _| {}).await.unwrap_err();
     assert!(e.to_string().contains("repeat_last_n 2147483647 is outside 0 (off) ..= 65536"), "{e}");
     req.sampling = serde_json::json!({"top_p": 2.0});
-    let e = generate(&client, &placement.stages[0], &req, |_| {}).await.unwrap_err();
+    let e = generate(&client, &placement.stages[0], &req, |_, _| {}).await.unwrap_err();
     assert!(e.to_string().contains("top_p 2 is outside [0, 1]"), "{e}");
     // The pipeline still serves sane requests afterwards.
     req.sampling = serde_json::json!({"repeat_penalty": 1.1, "repeat_last_n": 65536});
-    assert!(generate(&client, &placement.stages[0], &req, |_| {}).await.is_ok());
+    assert!(generate(&client, &placement.stages[0], &req, |_, _| {}).await.is_ok());
 }
 
 /// Even the previous stage's own key cannot derail a session: malformed frames (bad
@@ -288,7 +288,7 @@ async fn injected_bad_frames_do_not_disturb_a_session() {
     let prompt: Vec<TokenId> = (0..23).map(|i| (i * 5 % 50) as TokenId).collect();
     let (want, digest) = reference(&ranges, &prompt, 60);
     let req = request(&prompt, 60);
-    let gen = generate(&client, &placement.stages[0], &req, |_| {});
+    let gen = generate(&client, &placement.stages[0], &req, |_, _| {});
     let inject = async {
         for i in 0..200u32 {
             let good = Frame::hidden(u64::from(i), 0, 0, 0, &[0.5; N_EMBD as usize], N_EMBD, Dtype::F32);
@@ -421,7 +421,7 @@ async fn a_client_that_stops_reading_cannot_stall_other_generations() {
     let prompt: Vec<TokenId> = (0..9).map(|i| (i * 4 % 50) as TokenId).collect();
     let mut streamed = Vec::new();
     let b_request = request(&prompt, 300);
-    let b = generate(&client, coordinator, &b_request, |t| streamed.push(t));
+    let b = generate(&client, coordinator, &b_request, |t, _| streamed.push(t));
     // A generous bound: this guards a deadlock, not a speed.
     let report = tokio::time::timeout(Duration::from_secs(120), b)
         .await
@@ -458,7 +458,7 @@ async fn a_long_generation_on_one_node_does_not_cut_off_its_reading_client() {
     let ranges = [LayerRange::new(0, 6)];
     let (placement, client, _) = start_custom(&ranges, None, 2048, &[]).await;
     let prompt: Vec<TokenId> = (0..5).collect();
-    let report = generate(&client, &placement.stages[0], &request(&prompt, 1000), |_| {}).await.unwrap();
+    let report = generate(&client, &placement.stages[0], &request(&prompt, 1000), |_, _| {}).await.unwrap();
     assert_eq!((report.tokens, report.logits_digest), reference(&ranges, &prompt, 1000));
     let st = shoal_pipeline::status(&client, &placement.stages[0]).await.unwrap();
     assert_eq!(st.slow_clients_dropped, 0, "{st:?}");
@@ -474,18 +474,18 @@ async fn a_resumed_generation_streams_only_what_follows_and_ends_as_the_uninterr
     let mut req = request(&prompt, 30);
     req.resume = want[..12].to_vec();
     let mut streamed = Vec::new();
-    let report = generate(&client, &placement.stages[0], &req, |t| streamed.push(t)).await.unwrap();
+    let report = generate(&client, &placement.stages[0], &req, |t, _| streamed.push(t)).await.unwrap();
     assert_eq!(streamed, want[12..], "only the tokens after the resumed ones are streamed");
     assert_eq!(report.tokens, want);
     assert_eq!(report.logits_digest, digest, "the tail's digest covers every step, as uninterrupted");
     // A resume that leaves nothing to make, or holds a stop token, is refused.
     let mut done = request(&prompt, 12);
     done.resume = want[..12].to_vec();
-    let e = generate(&client, &placement.stages[0], &done, |_| {}).await.unwrap_err().to_string();
+    let e = generate(&client, &placement.stages[0], &done, |_, _| {}).await.unwrap_err().to_string();
     assert!(e.contains("tokens left to make"), "{e}");
     let mut stopped = request(&prompt, 30);
     stopped.resume = want[..3].to_vec();
     stopped.stop = vec![want[1]];
-    let e = generate(&client, &placement.stages[0], &stopped, |_| {}).await.unwrap_err().to_string();
+    let e = generate(&client, &placement.stages[0], &stopped, |_, _| {}).await.unwrap_err().to_string();
     assert!(e.contains("stop token"), "{e}");
 }

@@ -121,7 +121,7 @@ fn simulate(
         while let Some((node, input)) = inputs.pop_front() {
             for a in cores[node].handle(input, now) {
                 match a {
-                    Action::Reply(_, GenEvent::Token(t)) => streamed.push(t),
+                    Action::Reply(_, GenEvent::Token(t) | GenEvent::Scored(t, _)) => streamed.push(t),
                     Action::Reply(_, GenEvent::Done(r)) => result = Some(r),
                     Action::Reply(_, GenEvent::Error(e) | GenEvent::Busy(e)) => {
                         panic!("seed {seed}: generation failed: {e}")

@@ -15,7 +15,9 @@ pub mod placement;
 pub use placement::{GpuOffer, GpuShare, LoadSpec, ModelPlacement, Offer, PlacedStage, Speed};
 pub mod sampling;
 pub mod text;
-pub use sampling::{validate_generation, GenerationError, SamplingParams, MAX_GRAMMAR_BYTES};
+pub use sampling::{
+    validate_generation, GenerationError, SamplingParams, TokenLogprobs, MAX_GRAMMAR_BYTES, MAX_TOP_LOGPROBS,
+};
 pub use text::{StopText, Utf8Stream};
 
 /// A token id in the model's vocabulary (llama.cpp's `llama_token`).

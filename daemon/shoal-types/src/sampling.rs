@@ -52,6 +52,51 @@ pub struct SamplingParams {
     /// builds its sampler (llama.cpp parses it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grammar: Option<String>,
+    /// Report each sampled token's log-probability and this many most likely
+    /// alternatives (0 to [`MAX_TOP_LOGPROBS`]), from the model's logits before any
+    /// sampler changes them (OpenAI's `logprobs`/`top_logprobs`). `None`: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<u32>,
+}
+
+/// Most alternatives a token's log-probabilities list (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// A sampled token's log-probability and the most likely tokens at its step, in the
+/// model's distribution (log-softmax of the logits): what the tail reports when a
+/// request asks for [`SamplingParams::logprobs`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// The sampled token's natural-log probability.
+    pub logprob: f32,
+    /// The most likely tokens and theirs, most likely first (ties: lower id first).
+    pub top: Vec<(crate::TokenId, f32)>,
+}
+
+impl TokenLogprobs {
+    /// The log-probability of `token` and the `top` most likely tokens under `logits`
+    /// (one value per vocabulary entry). A token outside the vocabulary gets -inf.
+    pub fn of(logits: &[f32], token: crate::TokenId, top: usize) -> TokenLogprobs {
+        // log-softmax: x - max - ln(sum(exp(x - max))), in f64 for a stable sum.
+        let max = logits.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().filter(|x| !x.is_nan()).map(|&x| f64::from(x - max).exp()).sum();
+        let log_z = f64::from(max) + sum.ln();
+        let lp = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { (f64::from(x) - log_z) as f32 };
+        let logprob = usize::try_from(token).ok().and_then(|i| logits.get(i)).map_or(f32::NEG_INFINITY, |&x| lp(x));
+        // The `top` best in one pass (a small sorted list), not a sort of the vocabulary.
+        let mut best: Vec<(crate::TokenId, f32)> = Vec::with_capacity(top + 1);
+        if top > 0 {
+            for (i, &x) in logits.iter().enumerate() {
+                if x.is_nan() || (best.len() == top && x <= best[top - 1].1) {
+                    continue;
+                }
+                let at = best.partition_point(|&(_, b)| b >= x);
+                best.insert(at, (i as crate::TokenId, x));
+                best.truncate(top);
+            }
+        }
+        TokenLogprobs { logprob, top: best.into_iter().map(|(t, x)| (t, lp(x))).collect() }
+    }
 }
 
 /// Leaves an unused penalty off the wire (a node without it still reads the request).
@@ -75,6 +120,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             seed: 0,
             grammar: None,
+            logprobs: None,
         }
     }
 }
@@ -145,6 +191,9 @@ pub enum GenerationError {
     /// The grammar is longer than [`MAX_GRAMMAR_BYTES`] or empty.
     #[error("a grammar must be 1 to {MAX_GRAMMAR_BYTES} bytes, not {0}")]
     Grammar(usize),
+    /// More alternatives asked for than [`MAX_TOP_LOGPROBS`].
+    #[error("top_logprobs {0} is outside 0 ..= {MAX_TOP_LOGPROBS}")]
+    TopLogprobs(u32),
 }
 
 impl SamplingParams {
@@ -182,6 +231,9 @@ impl SamplingParams {
             if g.is_empty() || g.len() > MAX_GRAMMAR_BYTES {
                 return Err(GenerationError::Grammar(g.len()));
             }
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(GenerationError::TopLogprobs(n));
         }
         Ok(())
     }
@@ -238,6 +290,7 @@ mod tests {
             presence_penalty: MAX_PENALTY,
             seed: u32::MAX,
             grammar: Some("x".repeat(MAX_GRAMMAR_BYTES)),
+            logprobs: Some(MAX_TOP_LOGPROBS),
         };
         assert_eq!(check(edges), Ok(()));
         for g in [String::new(), "x".repeat(MAX_GRAMMAR_BYTES + 1)] {
@@ -362,5 +415,26 @@ mod tests {
         assert!(e.to_string().contains("mirostat"), "{e}");
         let p: SamplingParams = serde_json::from_str(r#"{"repeat_last_n": 8}"#).unwrap();
         assert_eq!(p, SamplingParams { repeat_last_n: 8, ..Default::default() });
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_with_the_best_alternatives_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, f32::NAN, -1.0];
+        let lp = TokenLogprobs::of(&logits, 2, 3);
+        // log-softmax over the numbers (NaN counts for nothing).
+        let z: f64 = [1.0f64, 3.0, 2.0, 3.0, -1.0].iter().map(|x| x.exp()).sum::<f64>().ln();
+        assert!((f64::from(lp.logprob) - (2.0 - z)).abs() < 1e-6, "{lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 2], "ties keep the lower id first");
+        assert!((f64::from(lp.top[0].1) - (3.0 - z)).abs() < 1e-6);
+        let p: f64 = logits.iter().filter(|x| !x.is_nan()).map(|&x| (f64::from(x) - z).exp()).sum();
+        assert!((p - 1.0).abs() < 1e-9);
+        assert!(TokenLogprobs::of(&logits, 4, 0).top.is_empty());
+        assert_eq!(TokenLogprobs::of(&logits, 4, 0).logprob, f32::NEG_INFINITY, "NaN logit");
+        assert_eq!(TokenLogprobs::of(&logits, 99, 1).logprob, f32::NEG_INFINITY, "outside the vocabulary");
+        assert_eq!(TokenLogprobs::of(&logits, 0, 50).top.len(), 5, "at most the vocabulary");
+        // Asked for more than OpenAI's 20: refused before any node sees it.
+        let p = SamplingParams { logprobs: Some(21), ..Default::default() };
+        assert_eq!(check(p), Err(GenerationError::TopLogprobs(21)));
+        assert!(!serde_json::to_string(&SamplingParams::default()).unwrap().contains("logprobs"));
     }
 }

@@ -304,7 +304,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let report = runtime()?.block_on(async {
         let node = client_node(&placement, identity)?;
         let mut count = 0;
-        let r = run_generation(&node, &placement.stages[0], &request, |tok| {
+        let r = run_generation(&node, &placement.stages[0], &request, |tok, _| {
             out.token(tok);
             count += 1;
             if a.progress {

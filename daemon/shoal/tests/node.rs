@@ -157,6 +157,29 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["choices"][0]["message"]["content"], want, "OpenAI whole: {v}");
     assert_eq!(v["choices"][0]["finish_reason"], finish);
+    // Log-probabilities from the tail (on another node), through the coordinator: the
+    // same greedy answer, each token the most likely of its step, the alternatives in
+    // order, and the tokens' bytes making the answer.
+    let req = serde_json::json!({"model": SMOL, "messages": msgs, "temperature": 0, "max_tokens": 24,
+        "logprobs": true, "top_logprobs": 3});
+    let (status, body) = http_post(&chat, &req);
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], want, "with logprobs: {v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let mut bytes = Vec::new();
+    for e in content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{e}");
+        let lp = e["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0 && lp == top[0]["logprob"].as_f64().unwrap(), "greedy takes the most likely: {e}");
+        assert_eq!(e["bytes"], top[0]["bytes"], "{e}");
+        assert!(top.windows(2).all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()), "{e}");
+        let p: f64 = top.iter().map(|t| t["logprob"].as_f64().unwrap().exp()).sum();
+        assert!(p <= 1.0 + 1e-4, "{e}");
+        bytes.extend(e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8));
+    }
+    assert_eq!(String::from_utf8_lossy(&bytes), want, "the tokens' bytes make the answer");
     let req = serde_json::json!({"model": SMOL, "messages": msgs, "temperature": 0, "max_tokens": 24, "stream": true});
     let (status, body) = http_post(&chat, &req);
     assert_eq!(status, 200, "{body}");

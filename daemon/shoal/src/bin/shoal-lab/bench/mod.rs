@@ -462,7 +462,7 @@ fn probe_frames(placement: &std::path::Path, client: &std::path::Path, n_embd: u
     shoal::pipeline::runtime()?.block_on(async {
         let node = shoal::pipeline::client_node(&placement, identity)?;
         for _ in 0..40 {
-            shoal_pipeline::generate(&node, &placement.stages[0], &req, |_| {}).await?;
+            shoal_pipeline::generate(&node, &placement.stages[0], &req, |_, _| {}).await?;
         }
         node.close();
         anyhow::Ok(())
