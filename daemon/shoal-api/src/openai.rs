@@ -75,8 +75,11 @@ impl Knobs {
     /// `logprobs: N` (0-5), as OpenAI does.
     fn logprobs(&self, kind: Kind) -> Result<Option<u32>, Failure> {
         let asked = match (kind, &self.logprobs) {
-            (_, None | Some(Value::Null)) => None,
-            (Kind::Chat, Some(Value::Bool(b))) => b.then_some(()),
+            (Kind::Text, _) if self.top_logprobs.is_some() => {
+                return Err(Failure::bad("top_logprobs is for chat completions; completions take logprobs: N"))
+            }
+            (_, None | Some(Value::Null | Value::Bool(false))) => None,
+            (Kind::Chat, Some(Value::Bool(_))) => Some(()),
             (Kind::Chat, Some(_)) => return Err(Failure::bad("logprobs must be true or false")),
             (Kind::Text, Some(v)) => match v.as_u64() {
                 Some(n) if n <= 5 => return Ok(Some(n as u32)),
@@ -334,11 +337,14 @@ fn logprobs_json(kind: Kind, entries: &[Logprob], offset: usize) -> Value {
             json!({"content": content, "refusal": null})
         }
         Kind::Text => {
+            // Offsets in the text as released: a character split over tokens counts
+            // once, at the token that completes it.
             let mut at = offset;
+            let mut utf8 = shoal_types::Utf8Stream::default();
             let mut offsets = Vec::new();
             for e in entries {
                 offsets.push(at);
-                at += shown(&e.bytes).chars().count();
+                at += utf8.push(&e.bytes).chars().count();
             }
             let top: Vec<Value> = entries
                 .iter()

@@ -1134,6 +1134,18 @@ async fn openai_logprobs_come_per_token_in_both_routes_shapes_and_bad_asks_are_4
             "top_logprobs": [{"H": -0.25}, {"e": -0.25}, {"l": -0.25}], "text_offset": [0, 1, 2]})
     );
 
+    // A character split over two tokens counts once in the offsets, at its last byte.
+    let req = json!({"model": "tiny", "prompt": "Once", "max_tokens": 11, "logprobs": 0});
+    let (_, _, body) = post(format!("{base}/v1/completions"), req).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["text"], "Hello, wör");
+    assert_eq!(v["choices"][0]["logprobs"]["text_offset"], json!([0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 9]));
+    // `logprobs: false` asks for none (the completions route too).
+    let req = json!({"model": "tiny", "prompt": "Once", "max_tokens": 2, "logprobs": false});
+    let (status, _, body) = post(format!("{base}/v1/completions"), req).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["choices"][0]["logprobs"], Value::Null);
+
     // Asked wrongly: 400 in OpenAI's shape, nothing generated.
     let before = fake.samplings.lock().unwrap().len();
     for (path, extra, says) in [
@@ -1141,6 +1153,7 @@ async fn openai_logprobs_come_per_token_in_both_routes_shapes_and_bad_asks_are_4
         ("/v1/chat/completions", json!({"logprobs": true, "top_logprobs": 21}), "top_logprobs must be from 0 to 20"),
         ("/v1/chat/completions", json!({"logprobs": 3}), "logprobs must be true or false"),
         ("/v1/completions", json!({"logprobs": 6}), "logprobs must be an integer from 0 to 5"),
+        ("/v1/completions", json!({"logprobs": 2, "top_logprobs": 2}), "top_logprobs is for chat completions"),
     ] {
         let mut req = json!({"model": "tiny", "messages": msgs, "prompt": "Once"});
         req.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());

@@ -102,8 +102,13 @@ impl Vocab {
     }
 
     /// The bytes a token stands for (may be part of a UTF-8 character). Control
-    /// tokens render as nothing.
+    /// tokens, and ids outside the vocabulary, render as nothing.
     pub fn piece(&self, token: TokenId) -> Vec<u8> {
+        // llama.cpp indexes its table with `at()`: an id from another node that is
+        // outside the vocabulary would throw through the FFI and abort the process.
+        if !(0..self.n_vocab() as TokenId).contains(&token) {
+            return Vec::new();
+        }
         self.model.vocab().token_to_piece(LlamaToken(token), false, None)
     }
 

@@ -369,35 +369,111 @@ fn place(
         // Waking a receiver's network thread is the receiver's cost, like its compute's.
         d.wake_ms += wake.get(&d.host).copied().unwrap_or(0.0);
     }
-    let cluster = Cluster { devices, links };
+    let mut cluster = Cluster { devices, links };
     let opts = Options {
         sizing: Sizing { context: load.context, sessions: load.sessions, chunk: placement.chunk },
         // The offer is what the node gives to models; its own reserve is outside it.
         reserve_bytes: 0,
         ..Options::default()
     };
-    match shoal_planner::plan(profile, &cluster, &opts) {
-        Ok(plan) => {
-            let mut placed = Vec::new();
-            for s in &plan.stages {
-                let Some((i, gpu)) = runs_on.get(&s.device) else {
-                    return fail(placement, format!("the planner named an unknown device {}", s.device));
-                };
-                placed.push((candidates[*i].id, gpu.clone(), s));
-            }
-            placement.stages = merge(&placed);
-            placement.predicted_tok_s = plan.predicted_tok_s;
-            placement.explanation = plan.explanation;
-            if !measured.is_empty() {
-                placement.explanation.push(format!(
-                    "Speeds measured by the members on a few layers (ms per layer and token): {}.",
-                    measured.join(", ")
-                ));
-            }
-            placement
+    // Members whose GPUs were left out, and why (see `over_offer`).
+    let mut left_out: Vec<String> = Vec::new();
+    loop {
+        let plan = match shoal_planner::plan(profile, &cluster, &opts) {
+            Ok(plan) => plan,
+            Err(e) => return fail(placement, e.to_string()),
+        };
+        let mut placed = Vec::new();
+        for s in &plan.stages {
+            let Some((i, gpu)) = runs_on.get(&s.device) else {
+                return fail(placement, format!("the planner named an unknown device {}", s.device));
+            };
+            placed.push((candidates[*i].id, gpu.clone(), s));
         }
-        Err(e) => fail(placement, e.to_string()),
+        let mut stages = merge(&placed);
+        for st in &mut stages {
+            let runs: Vec<_> =
+                placed.iter().filter(|(n, _, _)| *n == st.node).map(|(_, g, s)| (g.clone(), *s)).collect();
+            held(st, &runs, profile);
+        }
+        if let Some((i, why)) = over_offer(&stages, &candidates) {
+            // Plan again without this member's GPUs: its layers then stay in its RAM.
+            let host = &hosts[i];
+            cluster.devices.retain(|d| !(d.host == *host && runs_on.get(&d.id).is_some_and(|(_, g)| g.is_some())));
+            left_out.push(why);
+            continue;
+        }
+        placement.stages = stages;
+        placement.predicted_tok_s = plan.predicted_tok_s;
+        placement.explanation = plan.explanation;
+        placement.explanation.extend(left_out);
+        if !measured.is_empty() {
+            placement.explanation.push(format!(
+                "Speeds measured by the members on a few layers (ms per layer and token): {}.",
+                measured.join(", ")
+            ));
+        }
+        return placement;
     }
+}
+
+/// Recompute a merged stage's GPU shares for the layers llama.cpp really puts on them
+/// (`runs`: the node's planned runs, in plan order). The planner may put a node's GPU
+/// before its CPU (stage 0's device first), but llama.cpp offloads a stage's *last*
+/// layers and always keeps the input embedding in RAM, so each share holds its actual
+/// layers' blocks, never the embedding (it moves to RAM), and the stage's total is
+/// unchanged but for a tied LM head on a GPU (llama.cpp copies the embedding there).
+fn held(stage: &mut PlacedStage, runs: &[(Option<String>, &shoal_planner::PlannedStage)], profile: &ModelProfile) {
+    let blocks = |a: u32, b: u32| -> u64 {
+        profile.layer_bytes.get(a as usize..(b as usize).min(profile.layer_bytes.len())).unwrap_or(&[]).iter().sum()
+    };
+    let planned: Vec<&shoal_planner::PlannedStage> =
+        runs.iter().filter(|(g, _)| g.is_some()).map(|(_, s)| *s).collect();
+    let mut next = stage.layers.end - stage.gpu_layers().min(stage.layers.len());
+    let mut added = 0u64;
+    for (share, p) in stage.gpus.iter_mut().zip(planned) {
+        let (a, b) = (next, next + share.layers);
+        next = b;
+        let mut bytes = share.memory_bytes.saturating_sub(blocks(p.first, p.last)).saturating_add(blocks(a, b));
+        if p.first == 0 {
+            bytes = bytes.saturating_sub(profile.embed_bytes);
+            if share.head && profile.tied_embeddings {
+                // The plan counted no head for a stage 0 with tied embeddings; the GPU
+                // gets its own copy of the table as the LM head.
+                bytes = bytes.saturating_add(profile.head_bytes);
+                added = added.saturating_add(profile.head_bytes);
+            }
+        }
+        share.memory_bytes = bytes;
+    }
+    stage.memory_bytes = stage.memory_bytes.saturating_add(added);
+}
+
+/// The first member (index into `members`) that a stage puts over one of its offers,
+/// RAM or a GPU, and what to say about it.
+fn over_offer(stages: &[PlacedStage], members: &[&MemberFacts]) -> Option<(usize, String)> {
+    for s in stages.iter().filter(|s| !s.gpus.is_empty()) {
+        let Some(i) = members.iter().position(|m| m.id == s.node) else { continue };
+        let m = members[i];
+        let over_gpu = s
+            .gpus
+            .iter()
+            .find(|g| m.gpus.iter().find(|o| o.device == g.device).is_none_or(|o| g.memory_bytes > o.memory_bytes));
+        if s.ram_bytes() > m.offer_bytes || over_gpu.is_some() {
+            return Some((
+                i,
+                format!(
+                    "{}'s GPUs left out: as llama.cpp runs a stage (its last layers on the GPU, the embedding \
+                     in RAM) the plan needed {} MiB of RAM of the {} MiB offered{}.",
+                    m.name,
+                    s.ram_bytes() >> 20,
+                    m.offer_bytes >> 20,
+                    over_gpu.map(|g| format!(" and {} MiB on {}", g.memory_bytes >> 20, g.device)).unwrap_or_default()
+                ),
+            ));
+        }
+    }
+    None
 }
 
 /// The planner's stages as the nodes run them: one stage per node, its devices' runs of
@@ -944,6 +1020,43 @@ mod tests {
         let moved = placed(&i);
         assert!(moved.is_valid(30), "{:?}", moved.stages);
         assert!(moved.stages.iter().all(|s| s.node != id(1) && s.gpus.is_empty()), "{:?}", moved.stages);
+    }
+
+    #[test]
+    fn a_gpu_planned_first_holds_the_stages_last_layers_and_no_embedding_and_over_an_offer_is_left_out() {
+        let st = |device: &str, first, last, memory_bytes| shoal_planner::PlannedStage {
+            device: device.into(),
+            host: "h".into(),
+            first,
+            last,
+            memory_bytes,
+            ms_per_token: 1.0,
+        };
+        // Layers 0-9 of 1 MB, 10-29 of 3 MB; the plan: node 1's GPU first (stage 0,
+        // the 8 MB embedding counted there), then its CPU.
+        let (_, mut profile) = model(1);
+        profile.layer_bytes = [vec![MB; 10], vec![3 * MB; 20]].concat();
+        let (gpu, cpu) = (st("n1/CUDA0", 0, 10, 10 * MB + 8 * MB + 5 * MB), st("n1/cpu", 10, 30, 60 * MB + 5 * MB));
+        let runs = [(Some("CUDA0".to_string()), &gpu), (None, &cpu)];
+        let mut stages = merge(&[(id(1), Some("CUDA0".into()), &gpu), (id(1), None, &cpu)]);
+        let total = stages[0].memory_bytes;
+        held(&mut stages[0], &runs, &profile);
+        // llama.cpp puts layers 20-29 (30 MB) on the GPU, and the embedding in RAM.
+        assert_eq!(stages[0].gpus[0].memory_bytes, 30 * MB + 5 * MB);
+        assert_eq!(stages[0].memory_bytes, total);
+        assert_eq!(stages[0].ram_bytes(), total - 35 * MB);
+        // Node 1 offering 50 MiB of RAM and a 100 MiB GPU: with the embedding and the
+        // small layers in RAM (53 MiB), the RAM is over.
+        assert_eq!(stages[0].ram_bytes(), 53 * MB);
+        let mut m = member(1, 50 * MB);
+        m.gpus = vec![GpuOffer { device: "CUDA0".into(), description: String::new(), memory_bytes: 100 * MB }];
+        let (i, why) = over_offer(&stages, &[&m]).expect("over the RAM offer");
+        assert_eq!(i, 0);
+        assert!(why.contains("n1's GPUs left out") && why.contains("53 MiB of RAM of the 50 MiB offered"), "{why}");
+        m.offer_bytes = 200 * MB;
+        assert!(over_offer(&stages, &[&m]).is_none());
+        m.gpus[0].memory_bytes = 20 * MB;
+        assert!(over_offer(&stages, &[&m]).unwrap().1.contains("on CUDA0"));
     }
 
     #[test]

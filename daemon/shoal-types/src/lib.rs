@@ -16,7 +16,8 @@ pub use placement::{GpuOffer, GpuShare, LoadSpec, ModelPlacement, Offer, PlacedS
 pub mod sampling;
 pub mod text;
 pub use sampling::{
-    validate_generation, GenerationError, SamplingParams, TokenLogprobs, MAX_GRAMMAR_BYTES, MAX_TOP_LOGPROBS,
+    validate_generation, GenerationError, SamplingParams, TokenLogprobs, LOGPROB_FLOOR, MAX_GRAMMAR_BYTES,
+    MAX_TOP_LOGPROBS,
 };
 pub use text::{StopText, Utf8Stream};
 

@@ -62,6 +62,10 @@ pub struct SamplingParams {
 /// Most alternatives a token's log-probabilities list (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
+/// The log-probability of a token the model gives no chance (OpenAI's answers use
+/// -9999 for it too).
+pub const LOGPROB_FLOOR: f32 = -9999.0;
+
 /// A sampled token's log-probability and the most likely tokens at its step, in the
 /// model's distribution (log-softmax of the logits): what the tail reports when a
 /// request asks for [`SamplingParams::logprobs`].
@@ -75,14 +79,24 @@ pub struct TokenLogprobs {
 
 impl TokenLogprobs {
     /// The log-probability of `token` and the `top` most likely tokens under `logits`
-    /// (one value per vocabulary entry). A token outside the vocabulary gets -inf.
+    /// (one value per vocabulary entry). Every value is finite, in
+    /// [`LOGPROB_FLOOR`, 0] (JSON has no infinities): a token the model gives no chance
+    /// (a -inf or NaN logit, or one outside the vocabulary) gets the floor.
     pub fn of(logits: &[f32], token: crate::TokenId, top: usize) -> TokenLogprobs {
-        // log-softmax: x - max - ln(sum(exp(x - max))), in f64 for a stable sum.
-        let max = logits.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = logits.iter().filter(|x| !x.is_nan()).map(|&x| f64::from(x - max).exp()).sum();
+        // log-softmax over the finite logits: x - max - ln(sum(exp(x - max))), in f64
+        // for a stable sum. (A +inf logit would be certain: it gets 0.)
+        let max = logits.iter().copied().filter(|x| x.is_finite()).fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().filter(|x| x.is_finite()).map(|&x| (f64::from(x) - f64::from(max)).exp()).sum();
         let log_z = f64::from(max) + sum.ln();
-        let lp = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { (f64::from(x) - log_z) as f32 };
-        let logprob = usize::try_from(token).ok().and_then(|i| logits.get(i)).map_or(f32::NEG_INFINITY, |&x| lp(x));
+        let lp = |x: f32| {
+            let v = f64::from(x) - log_z;
+            if v.is_nan() {
+                LOGPROB_FLOOR
+            } else {
+                v.clamp(f64::from(LOGPROB_FLOOR), 0.0) as f32
+            }
+        };
+        let logprob = usize::try_from(token).ok().and_then(|i| logits.get(i)).map_or(LOGPROB_FLOOR, |&x| lp(x));
         // The `top` best in one pass (a small sorted list), not a sort of the vocabulary.
         let mut best: Vec<(crate::TokenId, f32)> = Vec::with_capacity(top + 1);
         if top > 0 {
@@ -429,8 +443,17 @@ mod tests {
         let p: f64 = logits.iter().filter(|x| !x.is_nan()).map(|&x| (f64::from(x) - z).exp()).sum();
         assert!((p - 1.0).abs() < 1e-9);
         assert!(TokenLogprobs::of(&logits, 4, 0).top.is_empty());
-        assert_eq!(TokenLogprobs::of(&logits, 4, 0).logprob, f32::NEG_INFINITY, "NaN logit");
-        assert_eq!(TokenLogprobs::of(&logits, 99, 1).logprob, f32::NEG_INFINITY, "outside the vocabulary");
+        assert_eq!(TokenLogprobs::of(&logits, 4, 0).logprob, LOGPROB_FLOOR, "NaN logit");
+        assert_eq!(TokenLogprobs::of(&logits, 99, 1).logprob, LOGPROB_FLOOR, "outside the vocabulary");
+        // Infinities give finite values (they travel as JSON): -inf the floor, +inf 0.
+        let odd = [f32::NEG_INFINITY, 1.0, f32::INFINITY];
+        let lp = TokenLogprobs::of(&odd, 0, 3);
+        assert_eq!(lp.logprob, LOGPROB_FLOOR);
+        assert_eq!(lp.top[0], (2, 0.0));
+        assert!(lp.top.iter().all(|t| t.1.is_finite()), "{lp:?}");
+        let json = serde_json::to_string(&lp).unwrap();
+        assert_eq!(serde_json::from_str::<TokenLogprobs>(&json).unwrap(), lp, "round-trips as JSON");
+        assert!(TokenLogprobs::of(&[f32::NAN; 3], 1, 2).top.iter().all(|t| t.1 == LOGPROB_FLOOR));
         assert_eq!(TokenLogprobs::of(&logits, 0, 50).top.len(), 5, "at most the vocabulary");
         // Asked for more than OpenAI's 20: refused before any node sees it.
         let p = SamplingParams { logprobs: Some(21), ..Default::default() };
