@@ -335,9 +335,9 @@ fn place(
     }
     let hosts = host_names(&candidates);
     let mut measured = Vec::new();
-    // Each member is its CPU (with the RAM it offers) and each GPU it offers, the CPU
-    // listed first: the planner keeps a host's devices in a row, and in that order the
-    // row matches llama.cpp's, which offloads a stage's *last* layers (see `merge`).
+    // Each member is its CPU (with the RAM it offers) and each GPU it offers, marked
+    // `offload`: the planner keeps a host's devices in a row with its GPUs after its
+    // CPU, which is llama.cpp's order (it offloads a stage's *last* layers; see `merge`).
     // Where a device runs (member, GPU name or `None` for the CPU), by device id.
     let mut runs_on: BTreeMap<String, (usize, Option<String>)> = BTreeMap::new();
     let mut devices: Vec<Device> = Vec::new();
@@ -418,11 +418,12 @@ fn place(
 }
 
 /// Recompute a merged stage's GPU shares for the layers llama.cpp really puts on them
-/// (`runs`: the node's planned runs, in plan order). The planner may put a node's GPU
-/// before its CPU (stage 0's device first), but llama.cpp offloads a stage's *last*
-/// layers and always keeps the input embedding in RAM, so each share holds its actual
-/// layers' blocks, never the embedding (it moves to RAM), and the stage's total is
-/// unchanged but for a tied LM head on a GPU (llama.cpp copies the embedding there).
+/// (`runs`: the node's planned runs, in plan order). llama.cpp offloads a stage's *last*
+/// layers and always keeps the input embedding in RAM; the planner keeps a node's GPUs
+/// after its CPU, but a GPU can still start the chain when its CPU takes no layer. So
+/// each share holds its actual layers' blocks, never the embedding (it moves to RAM),
+/// and the stage's total is unchanged but for a tied LM head on a GPU (llama.cpp copies
+/// the embedding there).
 fn held(stage: &mut PlacedStage, runs: &[(Option<String>, &shoal_planner::PlannedStage)], profile: &ModelProfile) {
     let blocks = |a: u32, b: u32| -> u64 {
         profile.layer_bytes.get(a as usize..(b as usize).min(profile.layer_bytes.len())).unwrap_or(&[]).iter().sum()

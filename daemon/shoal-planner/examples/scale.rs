@@ -63,6 +63,7 @@ fn cluster(devices: usize, seed: u64) -> Cluster {
             wake_ms: 0.2,
             keepalive: false,
             estimated: false,
+            offload: false,
         });
         let gpus = 1 + r.below(3) as usize;
         for g in 0..gpus.min(devices - out.len()) {
@@ -76,6 +77,7 @@ fn cluster(devices: usize, seed: u64) -> Cluster {
                 wake_ms: 0.5,
                 keepalive: true,
                 estimated: false,
+                offload: false,
             });
         }
         // One host in four is on WiFi.

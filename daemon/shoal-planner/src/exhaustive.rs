@@ -99,6 +99,13 @@ impl Problem<'_> {
                 if last_host != Some(host) && chain.iter().any(|&c| &p.devices[c].host == host) {
                     continue;
                 }
+                // An offloading GPU comes after its host's other devices.
+                if last_host == Some(host)
+                    && chain.last().is_some_and(|&l| p.devices[l].offload)
+                    && !p.devices[d].offload
+                {
+                    continue;
+                }
                 used[d] = true;
                 chain.push(d);
                 grow(p, chain, used, out);

@@ -793,6 +793,46 @@ mod tests {
     use super::*;
     use crate::profile::Link;
 
+    /// A host's CPU (32 MB) and a fast GPU (90 MB), a 30-layer model of 3 MB layers
+    /// with an 8 MB embedding and a 20 MB head: the GPU holds 27 layers when it takes
+    /// the embedding (stage 0 first on it), 23 when it takes the head. As llama.cpp runs a
+    /// node's CPU and GPU in one context (the embedding in RAM, the GPU's layers the
+    /// last), an offloading GPU never goes first.
+    #[test]
+    fn an_offloading_gpu_never_starts_its_hosts_run() {
+        const MB: u64 = 1 << 20;
+        let model = ModelProfile {
+            layers: 30,
+            layer_bytes: vec![3 * MB; 30],
+            embed_bytes: 8 * MB,
+            head_bytes: 20 * MB,
+            tied_embeddings: false,
+            other_bytes: 0,
+            n_embd: 8,
+            n_vocab: 16,
+            n_ff: 8,
+            period: 1,
+            kv_bytes_per_token_per_layer: 0,
+        };
+        let opts =
+            Options { sizing: Sizing { context: 16, sessions: 1, chunk: 16 }, reserve_bytes: 0, ..Options::default() };
+        let cluster = |offload: bool| Cluster {
+            devices: vec![
+                device("a/cpu", "a", 32 * MB, 1.0),
+                Device { offload, ..device("a/gpu", "a", 90 * MB, 0.05) },
+            ],
+            links: vec![],
+        };
+        let order = |p: &Plan| p.stages.iter().map(|s| s.device.clone()).collect::<Vec<_>>();
+        for plan in [plan, plan_exhaustive] {
+            let free = plan(&model, &cluster(false), &opts).unwrap();
+            assert_eq!(order(&free), ["a/gpu", "a/cpu"], "without the rule the GPU takes stage 0");
+            let offload = plan(&model, &cluster(true), &opts).unwrap();
+            assert_eq!(order(&offload), ["a/cpu", "a/gpu"]);
+            assert!(offload.predicted_tok_s <= free.predicted_tok_s);
+        }
+    }
+
     fn device(id: &str, host: &str, memory_bytes: u64, ms: f64) -> Device {
         Device {
             id: id.into(),
@@ -804,6 +844,7 @@ mod tests {
             wake_ms: ms,
             keepalive: false,
             estimated: false,
+            offload: false,
         }
     }
 

@@ -41,6 +41,11 @@ pub struct Device {
     /// The speeds are estimates (from memory bandwidth), not measurements.
     #[serde(default)]
     pub estimated: bool,
+    /// A GPU that runs a node's layers beside its CPU in one llama.cpp context, which
+    /// offloads a stage's *last* layers and keeps the input embedding in RAM: in its
+    /// host's run it comes after the host's other devices, never first.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub offload: bool,
 }
 
 /// Memory bandwidth assumed for a CPU whose speed was not measured (DDR4 dual channel).
@@ -67,6 +72,7 @@ impl Device {
             wake_ms: 0.0,
             keepalive: false,
             estimated: true,
+            offload: false,
         }
     }
 
@@ -79,6 +85,7 @@ impl Device {
             id: format!("{}/{name}", cpu.host),
             ms_per_layer: cpu.ms_per_layer * scale,
             head_ms: cpu.head_ms * scale,
+            offload: true,
             ..cpu
         }
     }

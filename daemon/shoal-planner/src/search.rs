@@ -17,7 +17,8 @@
 //! order of middle devices does not matter, so blocks are run in cluster order, with
 //! each candidate for stage 0 moved to the front of the first block and each
 //! candidate for the tail moved to the back (a pinned host tries every order of its
-//! devices, since pins fix positions). Between blocks, the cost of the ring of hosts
+//! devices, since pins fix positions); an offloading GPU never precedes its host's
+//! other devices (`Device::offload`). Between blocks, the cost of the ring of hosts
 //! does depend on their order: up to [`EXACT_HOSTS`] hosts every order is covered (a
 //! DP over the set of hosts visited, as in Held–Karp); beyond, the hosts are visited
 //! as a subsequence of a short tour (nearest neighbour, then 2-opt) and the hosts the
@@ -399,6 +400,8 @@ impl Dp<'_, '_> {
             }
             out
         };
+        // A GPU run beside its host's CPU never comes before it (llama.cpp's order).
+        let orders = orders.into_iter().filter(|o| offload_last(self.p, o));
         let mut out = self.layer();
         for order in orders {
             let l = self.run_block(h, &order, input);
@@ -524,6 +527,12 @@ impl Dp<'_, '_> {
 }
 
 /// Every order of `items`.
+/// Whether `order` (one host's devices) puts no [`crate::Device::offload`] device
+/// before one that is not.
+pub(crate) fn offload_last(p: &Problem<'_>, order: &[usize]) -> bool {
+    order.windows(2).all(|w| !p.devices[w[0]].offload || p.devices[w[1]].offload)
+}
+
 fn permutations(items: &[usize]) -> Vec<Vec<usize>> {
     if items.len() <= 1 {
         return vec![items.to_vec()];

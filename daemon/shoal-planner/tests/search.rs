@@ -122,6 +122,7 @@ fn home_of_32() -> Cluster {
             wake_ms: 0.3,
             keepalive: false,
             estimated: false,
+            offload: false,
         };
         devices.push(device(format!("{host}/cpu"), 16 * GB, 8.0 + f64::from(h) / 4.0, 20.0));
         for g in 0..3 {

@@ -71,6 +71,7 @@ pub fn random_problem_sized(
                 wake_ms: r.float(0.0, 1.0),
                 keepalive: r.below(2) == 0,
                 estimated: false,
+                offload: false,
             }
         })
         .collect();

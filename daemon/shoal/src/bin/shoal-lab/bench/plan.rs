@@ -148,6 +148,7 @@ pub fn plan(a: PlanBenchArgs) -> Result<()> {
                         wake_ms,
                         keepalive: *keepalive,
                         estimated: false,
+                        offload: false,
                     })
                     .collect(),
                 links: hosts
