@@ -55,9 +55,10 @@ pub(crate) struct Logprob {
 }
 
 impl Logprob {
-    fn new(text: &dyn TextModel, token: TokenId, lp: TokenLogprobs) -> Logprob {
+    /// The entry of a token whose bytes are `piece` (the alternatives' from `text`).
+    fn new(text: &dyn TextModel, piece: Vec<u8>, lp: TokenLogprobs) -> Logprob {
         Logprob {
-            bytes: text.piece(token),
+            bytes: piece,
             logprob: lp.logprob,
             top: lp.top.into_iter().map(|(t, x)| (text.piece(t), x)).collect(),
         }
@@ -185,8 +186,9 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
                 if eog.contains(&t) {
                     continue;
                 }
-                scored.extend(lp.map(|lp| Logprob::new(&*job.text, t, lp)));
-                let (text, stop) = stops.push(&utf8.push(&job.text.piece(t)));
+                let piece = job.text.piece(t);
+                let (text, stop) = stops.push(&utf8.push(&piece));
+                scored.extend(lp.map(|lp| Logprob::new(&*job.text, piece, lp)));
                 if !text.is_empty() && events.send(Event::Text(text, std::mem::take(&mut scored))).await.is_err() {
                     // The client went away: returning drops (cancels) the generation.
                     return;

@@ -153,16 +153,19 @@ fn inputs(view: &View) -> Inputs {
         .map(|s| {
             s.members
                 .values()
-                .map(|m| MemberFacts {
-                    id: m.id,
-                    name: m.name.clone(),
-                    alive: view.alive.contains(&m.id),
-                    // Nothing until the member published its offer: the advert's memory is
-                    // the whole machine's, and a member that just joined would look like it
-                    // could hold anything (a re-plan would pick it before it said what it
-                    // gives).
-                    offer_bytes: offers.get(&m.id.to_string()).map_or(0, |o| o.memory_bytes),
-                    gpus: offers.get(&m.id.to_string()).map(|o| o.gpus.clone()).unwrap_or_default(),
+                .map(|m| {
+                    let offer = offers.get(&m.id.to_string());
+                    MemberFacts {
+                        id: m.id,
+                        name: m.name.clone(),
+                        alive: view.alive.contains(&m.id),
+                        // Nothing until the member published its offer: the advert's memory
+                        // is the whole machine's, and a member that just joined would look
+                        // like it could hold anything (a re-plan would pick it before it
+                        // said what it gives).
+                        offer_bytes: offer.map_or(0, |o| o.memory_bytes),
+                        gpus: offer.map(|o| o.gpus.clone()).unwrap_or_default(),
+                    }
                 })
                 .collect()
         })

@@ -425,9 +425,7 @@ fn place(
 /// and the stage's total is unchanged but for a tied LM head on a GPU (llama.cpp copies
 /// the embedding there).
 fn held(stage: &mut PlacedStage, runs: &[(Option<String>, &shoal_planner::PlannedStage)], profile: &ModelProfile) {
-    let blocks = |a: u32, b: u32| -> u64 {
-        profile.layer_bytes.get(a as usize..(b as usize).min(profile.layer_bytes.len())).unwrap_or(&[]).iter().sum()
-    };
+    let blocks = |a: u32, b: u32| profile.block_bytes(shoal_types::LayerRange::new(a, b));
     let planned: Vec<&shoal_planner::PlannedStage> =
         runs.iter().filter(|(g, _)| g.is_some()).map(|(_, s)| *s).collect();
     let mut next = stage.layers.end - stage.gpu_layers().min(stage.layers.len());
@@ -646,6 +644,18 @@ mod tests {
             kv_bytes_per_token_per_layer: 1024,
         };
         (entry, profile)
+    }
+
+    /// A planned stage of `device`, layers `first..last`, taking `memory_bytes`.
+    fn st(device: &str, first: u32, last: u32, memory_bytes: u64) -> shoal_planner::PlannedStage {
+        shoal_planner::PlannedStage {
+            device: device.into(),
+            host: "h".into(),
+            first,
+            last,
+            memory_bytes,
+            ms_per_token: 1.0,
+        }
     }
 
     fn member(n: u8, offer: u64) -> MemberFacts {
@@ -1025,14 +1035,6 @@ mod tests {
 
     #[test]
     fn a_gpu_planned_first_holds_the_stages_last_layers_and_no_embedding_and_over_an_offer_is_left_out() {
-        let st = |device: &str, first, last, memory_bytes| shoal_planner::PlannedStage {
-            device: device.into(),
-            host: "h".into(),
-            first,
-            last,
-            memory_bytes,
-            ms_per_token: 1.0,
-        };
         // Layers 0-9 of 1 MB, 10-29 of 3 MB; the plan: node 1's GPU first (stage 0,
         // the 8 MB embedding counted there), then its CPU.
         let (_, mut profile) = model(1);
@@ -1062,14 +1064,6 @@ mod tests {
 
     #[test]
     fn merged_stages_offload_their_last_layers_and_the_head_where_it_was_planned() {
-        let st = |device: &str, first, last, memory_bytes| shoal_planner::PlannedStage {
-            device: device.into(),
-            host: "h".into(),
-            first,
-            last,
-            memory_bytes,
-            ms_per_token: 1.0,
-        };
         let (cpu, g0, g1, other) =
             (st("a/cpu", 0, 4, 10), st("a/g0", 4, 20, 50), st("a/g1", 20, 30, 40), st("b/cpu", 20, 30, 40));
         // Node a: its CPU then two GPUs, the tail: one stage, the head on g1 as planned.

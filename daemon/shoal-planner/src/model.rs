@@ -86,10 +86,15 @@ impl ModelProfile {
     /// of overflowing: an absurd model needs `u64::MAX` bytes and fits nowhere. A range
     /// past the profile's blocks counts the blocks it has.
     pub fn stage_memory(&self, layers: LayerRange, s: &Sizing) -> StageMemory {
+        self.memory_of(self.block_bytes(layers), layers.len(), layers.start == 0, layers.end == self.layers, s)
+    }
+
+    /// Bytes of the blocks in `layers` (saturating; a range past the profile's blocks
+    /// counts the blocks it has).
+    pub fn block_bytes(&self, layers: LayerRange) -> u64 {
         let (start, end) = (layers.start as usize, layers.end as usize);
         let held = self.layer_bytes.get(start..end.min(self.layer_bytes.len())).unwrap_or(&[]);
-        let blocks = held.iter().fold(0u64, |a, &b| a.saturating_add(b));
-        self.memory_of(blocks, layers.len(), layers.start == 0, layers.end == self.layers, s)
+        held.iter().fold(0u64, |a, &b| a.saturating_add(b))
     }
 
     /// [`ModelProfile::stage_memory`] of `n_layers` blocks of `block_bytes` in all,

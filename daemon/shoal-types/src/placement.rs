@@ -209,13 +209,9 @@ impl Speed {
 mod tests {
     use super::*;
 
-    fn stage(n: u8, a: u32, b: u32) -> PlacedStage {
-        PlacedStage { node: NodeId([n; 32]), layers: LayerRange::new(a, b), memory_bytes: 1, gpus: Vec::new() }
-    }
-
-    #[test]
-    fn a_placement_is_valid_only_when_it_covers_the_model_in_order_once_per_node() {
-        let mut p = ModelPlacement {
+    /// Nodes 1 and 2 run layers 0-10 and 10-30.
+    fn two_stages() -> ModelPlacement {
+        ModelPlacement {
             model: "ab".repeat(32),
             generation: 1,
             context: 256,
@@ -225,7 +221,16 @@ mod tests {
             predicted_tok_s: 1.0,
             explanation: vec![],
             error: None,
-        };
+        }
+    }
+
+    fn stage(n: u8, a: u32, b: u32) -> PlacedStage {
+        PlacedStage { node: NodeId([n; 32]), layers: LayerRange::new(a, b), memory_bytes: 1, gpus: Vec::new() }
+    }
+
+    #[test]
+    fn a_placement_is_valid_only_when_it_covers_the_model_in_order_once_per_node() {
+        let mut p = two_stages();
         assert!(p.is_valid(30));
         assert!(!p.is_valid(31));
         p.stages[1] = stage(1, 10, 30);
@@ -246,17 +251,7 @@ mod tests {
     #[test]
     fn gpu_shares_must_fit_their_stage_and_the_head_goes_only_with_the_tails_last_layers() {
         let share = |layers, head| GpuShare { device: "CUDA0".into(), layers, head, memory_bytes: 1 };
-        let mut p = ModelPlacement {
-            model: "ab".repeat(32),
-            generation: 1,
-            context: 256,
-            sessions: 1,
-            chunk: 64,
-            stages: vec![stage(1, 0, 10), stage(2, 10, 30)],
-            predicted_tok_s: 1.0,
-            explanation: vec![],
-            error: None,
-        };
+        let mut p = two_stages();
         p.stages[0].gpus = vec![share(4, false), GpuShare { device: "CUDA1".into(), ..share(6, false) }];
         assert!(p.is_valid(30));
         assert_eq!(p.stages[0].gpu_layers(), 10);

@@ -14,19 +14,24 @@ use serde_json::Value;
 /// Run the bench; checks that it removed its namespaces.
 fn bench(args: &[&str]) -> Value {
     model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    json(run_leaving_no_namespace(&[&["bench", "reconnect", "--json"], args].concat(), "rc"))
+}
+
+/// `shoal-lab ARGS`'s output, once checked that it removed the namespaces it made
+/// (named `shoal-<tag>-<its pid>-…` by `shoal_testnet::Net`).
+fn run_leaving_no_namespace(args: &[&str], tag: &str) -> std::process::Output {
     let child = shoal_lab()
-        .args(["bench", "reconnect", "--json"])
         .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let prefix = format!("shoal-rc-{}-", child.id() % 60000);
+    let prefix = format!("shoal-{tag}-{}-", child.id() % 60000);
     let out = child.wait_with_output().unwrap();
     let listed = std::process::Command::new("ip").args(["netns", "list"]).output().unwrap();
     let left = String::from_utf8_lossy(&listed.stdout).lines().filter(|l| l.starts_with(&prefix)).count();
     assert_eq!(left, 0, "the bench left {left} namespaces behind");
-    json(out)
+    out
 }
 
 #[test]
@@ -100,17 +105,7 @@ fn bench_replace_on_namespace_hosts_resumes_and_matches_unsplit() {
         return;
     }
     model("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let child = shoal_lab()
-        .args(["bench", "replace", "--netns", "--rounds", "1", "-n", "80"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let prefix = format!("shoal-lab-{}-", child.id() % 60000);
-    let out = child.wait_with_output().unwrap();
-    let listed = std::process::Command::new("ip").args(["netns", "list"]).output().unwrap();
-    let left = String::from_utf8_lossy(&listed.stdout).lines().filter(|l| l.starts_with(&prefix)).count();
-    assert_eq!(left, 0, "the bench left {left} namespaces behind");
+    let out = run_leaving_no_namespace(&["bench", "replace", "--netns", "--rounds", "1", "-n", "80"], "lab");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     eprintln!("{text}");
