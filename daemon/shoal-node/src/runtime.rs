@@ -665,7 +665,7 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
     let n_layer = entry.n_layer;
     let timed = tokio::task::spawn_blocking(move || {
         let mut stage = engine.load(&path, layers, n_layer, MEASURE_SIZING, &[])?;
-        time_stage(stage.as_mut(), MEASURE_SIZING.chunk, MEASURE_DECODE_STEPS)
+        time_stage(stage.as_mut(), MEASURE_SIZING.chunk, MEASURE_DECODE_STEPS, MEASURE_ROUNDS)
     })
     .await
     .map_err(|e| unavailable(e.to_string()))
@@ -696,8 +696,17 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
 /// How a measured stage is sized: one session, one prefill chunk of context to spare.
 const MEASURE_SIZING: StageSizing = StageSizing { context: 256, sessions: 1, chunk: 64 };
 
-/// Decode steps timed by a measurement (the fastest counts).
+/// Decode steps timed by each round of a measurement (the fastest of all counts).
 const MEASURE_DECODE_STEPS: u32 = 32;
+
+/// Rounds of a measurement, and the pause between them: what else runs on the machine
+/// (a browser, another program, on a shared test machine the other nodes) comes in
+/// bursts, and a burst must cover every round to spoil the figure. A member that joins
+/// while others generate is measured then; one contiguous round of 32 short steps on
+/// a loaded two-core machine could all fall in one burst and make a faster machine
+/// look like the others (it then never won a re-plan).
+const MEASURE_ROUNDS: u32 = 4;
+const MEASURE_PAUSE: Duration = Duration::from_millis(250);
 
 /// The layers a measurement times: at least two middle blocks, on the model's layer
 /// period (stage boundaries must fall on it: Gemma 3's is 6), so a shard without
@@ -713,13 +722,15 @@ pub fn measured_layers(n_layer: u32, period: u32) -> LayerRange {
     }
 }
 
-/// Time `stage`: a prefill chunk of `chunk` positions (three runs after a warm-up, the
-/// stage's contract lets a chunk re-run), then `steps` one-position decode steps after
-/// two warm-up steps. Returns (fastest decode step, fastest prefill chunk) in ms: what
-/// else runs on the machine only ever adds time, so the minimum is the machine's own
-/// speed (the median would carry a browser's or another process's burst into the
-/// plan). Inputs are a fixed pattern: the matrix work's time does not depend on values.
-fn time_stage(stage: &mut dyn Stage, chunk: u32, steps: u32) -> Result<(f64, f64), String> {
+/// Time `stage` in `rounds` spaced by [`MEASURE_PAUSE`]: each round runs a prefill
+/// chunk of `chunk` positions (the stage's contract lets a chunk re-run: a replay
+/// drops the positions after it), then `steps` one-position decode steps; a warm-up
+/// chunk and two warm-up steps come first. Returns (fastest decode step, fastest
+/// prefill chunk) in ms: what else runs on the machine only ever adds time, so the
+/// minimum is the machine's own speed (the median would carry a browser's or another
+/// process's burst into the plan). Inputs are a fixed pattern: the matrix work's time
+/// does not depend on values.
+fn time_stage(stage: &mut dyn Stage, chunk: u32, steps: u32, rounds: u32) -> Result<(f64, f64), String> {
     let info = stage.info().clone();
     let session = shoal_types::SessionId(0);
     let tokens = |n: u32, pos: u32| -> Vec<shoal_types::TokenId> {
@@ -740,15 +751,17 @@ fn time_stage(stage: &mut dyn Stage, chunk: u32, steps: u32) -> Result<(f64, f64
         Ok(t0.elapsed().as_secs_f64() * 1e3)
     };
     run(0, chunk)?;
-    let mut prefill = f64::INFINITY;
-    for _ in 0..3 {
-        prefill = prefill.min(run(0, chunk)?);
-    }
     run(chunk, 1)?;
     run(chunk + 1, 1)?;
-    let mut decode = f64::INFINITY;
-    for i in 0..steps {
-        decode = decode.min(run(chunk + 2 + i, 1)?);
+    let (mut decode, mut prefill) = (f64::INFINITY, f64::INFINITY);
+    for round in 0..rounds {
+        if round > 0 {
+            std::thread::sleep(MEASURE_PAUSE);
+        }
+        prefill = prefill.min(run(0, chunk)?);
+        for i in 0..steps {
+            decode = decode.min(run(chunk + i, 1)?);
+        }
     }
     stage.free_session(session);
     Ok((decode, prefill))
