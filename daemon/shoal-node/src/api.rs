@@ -252,6 +252,12 @@ pub struct StageStatus {
     pub predicted_bytes: u64,
     /// Memory it holds once loaded (llama.cpp's buffers), bytes.
     pub loaded_bytes: Option<u64>,
+    /// How much this node's resident memory (RSS) grew from just before the stage
+    /// loaded to when this status was asked, bytes: what the stage really holds in
+    /// RAM, mapped weights counted once paged in (after the first generations). `None`
+    /// before it runs, or where the system does not say (only Linux's `/proc` is read).
+    #[serde(default)]
+    pub resident_bytes: Option<u64>,
     /// Its layers on GPUs, as the placement says (empty: all on the CPU).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<shoal_types::GpuShare>,

@@ -142,14 +142,17 @@ impl Backend for NodeBackend {
     async fn node_metrics(&self) -> String {
         use std::fmt::Write;
         let mut out = String::new();
-        let stage = lock(&self.rt.stage).clone();
-        out += "# HELP shoal_stage_memory_bytes The stage this node runs: memory predicted by the planner, and held once loaded.\n";
+        let stage = crate::runtime::stage_report(&self.rt);
+        out += "# HELP shoal_stage_memory_bytes The stage this node runs: memory predicted by the planner, held once loaded (llama.cpp's buffers), and resident (this process's RSS growth since the stage loaded).\n";
         out += "# TYPE shoal_stage_memory_bytes gauge\n";
         if let Some(st) = &stage {
             let labels = format!("model=\"{}\",layers=\"{}\"", &st.model[..st.model.len().min(12)], st.layers);
             let _ = writeln!(out, "shoal_stage_memory_bytes{{{labels},kind=\"predicted\"}} {}", st.predicted_bytes);
             if let Some(b) = st.loaded_bytes {
                 let _ = writeln!(out, "shoal_stage_memory_bytes{{{labels},kind=\"loaded\"}} {b}");
+            }
+            if let Some(b) = st.resident_bytes {
+                let _ = writeln!(out, "shoal_stage_memory_bytes{{{labels},kind=\"resident\"}} {b}");
             }
             let running = u8::from(st.state == crate::api::StageState::Running);
             let _ = writeln!(out, "# TYPE shoal_stage_running gauge\nshoal_stage_running{{{labels}}} {running}");

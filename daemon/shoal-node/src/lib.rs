@@ -81,6 +81,7 @@ pub async fn run(
         offer_bytes: options.max_memory.unwrap_or(free.saturating_sub(RESERVE_BYTES)),
         gpus: options.gpus.clone(),
         stage: Mutex::new(None),
+        rss_before_stage: Default::default(),
         keepalive: options.keepalive,
         fingerprint: options.engine.as_ref().map(|e| e.fingerprint()).unwrap_or_default(),
         measuring: Default::default(),
@@ -248,9 +249,7 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
                 .await
                 .unwrap_or_else(|e| Err(ApiError::new(ErrorKind::Unavailable, e.to_string())))
         }
-        NodeRequest::Stages => {
-            Ok(NodeResponse::Stages(ctx.rt.stage.lock().map(|s| s.iter().cloned().collect()).unwrap_or_default()))
-        }
+        NodeRequest::Stages => Ok(NodeResponse::Stages(runtime::stage_report(&ctx.rt).into_iter().collect())),
         NodeRequest::Generate { .. } | NodeRequest::Measure { .. } | NodeRequest::ProbeLinks { .. } => {
             Err(ApiError::new(ErrorKind::BadRequest, "served by the connection's loop"))
         }

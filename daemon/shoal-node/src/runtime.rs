@@ -89,6 +89,9 @@ pub struct Runtime {
     pub gpus: Vec<shoal_types::GpuOffer>,
     /// The stage this node runs, as `Stages` reports it.
     pub stage: Mutex<Option<StageStatus>>,
+    /// This process's resident memory just before its stage loaded (0: none loaded):
+    /// the stage's own resident memory is the growth since (a node runs one stage).
+    pub rss_before_stage: std::sync::atomic::AtomicU64,
     /// Keep the stage's threads spinning for this long after its last frame (no
     /// wake-up cost between tokens; see `shoal-lab bench keepalive`); `None`: sleep.
     pub keepalive: Option<std::time::Duration>,
@@ -511,6 +514,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         load_seconds: 0.0,
         predicted_bytes: stage.memory_bytes,
         loaded_bytes: None,
+        resident_bytes: None,
         gpus: stage.gpus.clone(),
     };
     *lock(&rt.stage) = Some(status.clone());
@@ -562,6 +566,9 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
     *lock(&rt.stage) = Some(status.clone());
     let sizing = StageSizing { context: placement.context, sessions: placement.sessions, chunk: placement.chunk };
     let (path, layers, n_layer) = (obtained.file.path.clone(), stage.layers, entry.n_layer);
+    // A stage this node ran before is gone by now (its memory freed), so the growth
+    // from here is this stage's.
+    rt.rss_before_stage.store(resident_bytes().unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
     let loaded = {
         let (engine, gpus) = (engine.clone(), stage.gpus.clone());
         tokio::task::spawn_blocking(move || engine.load(&path, layers, n_layer, sizing, &gpus)).await
@@ -609,6 +616,24 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
     if let Err(e) = shoal_pipeline::serve_on(rt.node.clone(), &rt.router, cfg).await {
         fail(&rt, status, format!("the stage stopped: {e}"));
     }
+}
+
+/// The stage this node runs as `Stages` reports it: its status, with its resident
+/// memory read now.
+pub fn stage_report(rt: &Runtime) -> Option<StageStatus> {
+    let mut st = lock(&rt.stage).clone()?;
+    let before = rt.rss_before_stage.load(std::sync::atomic::Ordering::Relaxed);
+    if st.state == StageState::Running && before > 0 {
+        st.resident_bytes = resident_bytes().map(|now| now.saturating_sub(before));
+    }
+    Some(st)
+}
+
+/// This process's resident memory (VmRSS), bytes; `None` where `/proc` does not say.
+fn resident_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// The live members other than this node that hold `entry`'s file, as the shard

@@ -261,6 +261,12 @@ fn plan(a: PlanArgs) -> Result<()> {
     }
     let states = if committed { stage_states(&a.dir, &placement)? } else { vec![None; placement.stages.len()] };
     for (i, (s, st)) in placement.stages.iter().zip(states).enumerate() {
+        // What the node measures of it: llama.cpp's buffers, and its RSS growth.
+        let measured = st.as_ref().map_or(String::new(), |st| {
+            let loaded = st.loaded_bytes.map(|b| format!(", {} loaded", gib(b))).unwrap_or_default();
+            let resident = st.resident_bytes.map(|b| format!(", {} resident", gib(b))).unwrap_or_default();
+            loaded + &resident
+        });
         let state = match st {
             None if committed => "not answering".to_string(),
             None => String::new(),
@@ -286,7 +292,7 @@ fn plan(a: PlanArgs) -> Result<()> {
             })
             .collect();
         println!(
-            "  stage {i}: layers {:>7} on {}  ({} predicted{offload})  {state}",
+            "  stage {i}: layers {:>7} on {}  ({} predicted{offload}{measured})  {state}",
             s.layers.to_string(),
             &s.node.to_string()[..12],
             gib(s.memory_bytes)

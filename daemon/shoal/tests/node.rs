@@ -144,6 +144,18 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
         assert_eq!(g["logits_digest"], r["logits_digest"], "through {n}: logits differ from the unsplit run");
     }
 
+    // Each stage's memory as its node measures it, against the planner's promise
+    // (within 5% or 64 MiB): the node's RSS growth since the stage loaded, its weights
+    // paged in by the generations above; `models plan` shows it beside the prediction.
+    for n in ["a", "b", "c"] {
+        let s = &stages(&dir(n))[0];
+        let resident = s.resident_bytes.unwrap_or_else(|| panic!("{n}: no resident memory: {s:?}"));
+        let slack = (s.predicted_bytes / 20).max(64 << 20);
+        assert!(resident > 0 && resident <= s.predicted_bytes + slack, "{n}: {s:?}");
+    }
+    let shown = run_ok(&["models", "plan", SMOL], &dir("c"));
+    assert_eq!(shown.matches(" resident)").count(), 3, "{shown}");
+
     // B's HTTP API (B holds only its shard, and tokenizes with it): OpenAI whole and
     // streamed, and Ollama's stream, all give the unsplit run's greedy text.
     let api = std::fs::read_to_string(dir("b").join("http")).unwrap().trim().to_string();
@@ -259,7 +271,9 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     // What B did, as Prometheus reads it: its stage's memory, the tokens it streamed.
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
     let metrics = agent.get(&format!("http://{api}/metrics")).call().unwrap().body_mut().read_to_string().unwrap();
-    assert!(metrics.contains("kind=\"predicted\"") && metrics.contains("kind=\"loaded\""), "{metrics}");
+    for kind in ["predicted", "loaded", "resident"] {
+        assert!(metrics.contains(&format!("kind=\"{kind}\"")), "{kind}: {metrics}");
+    }
     let streamed = metrics
         .lines()
         .find_map(|l| l.strip_prefix("shoal_completion_tokens_total "))
