@@ -1,10 +1,13 @@
 //! Anthropic's Messages route, `POST /v1/messages`, for clients that speak it: the
 //! whole message, or its stream of named events (`message_start`,
 //! `content_block_start`, `content_block_delta`…, `message_delta`, `message_stop`).
+//! Tools (`tools`, `tool_choice`, `tool_use` and `tool_result` blocks) go through the
+//! same generic format as OpenAI's (see `tools`).
 
-use crate::backend::{Backend, ChatMessage, Failure};
+use crate::backend::{Backend, Failure};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Finish, Job, Outcome};
+use crate::tools::{self, Call, Reply, Toolbox, Turn};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -33,6 +36,8 @@ struct Request {
     stream: bool,
     #[serde(default)]
     tools: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -55,6 +60,18 @@ struct Block {
     kind: String,
     #[serde(default)]
     text: Option<String>,
+    /// A `tool_use` block's id, tool name and input.
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    input: Option<Value>,
+    /// The call a `tool_result` block answers, and its result (text or text blocks).
+    #[serde(default)]
+    tool_use_id: Option<String>,
+    #[serde(default)]
+    content: Option<Value>,
 }
 
 impl Content {
@@ -72,25 +89,99 @@ impl Content {
     }
 }
 
+impl Message {
+    /// The message as turns: a user message's `tool_result` blocks become tool turns
+    /// (in their place among its text), an assistant message's `tool_use` blocks its
+    /// calls.
+    fn turns(&self) -> Result<Vec<Turn>, Failure> {
+        let blocks = match &self.content {
+            Content::Text(s) => {
+                return Ok(vec![Turn { role: self.role.clone(), content: s.clone(), ..Turn::default() }])
+            }
+            Content::Blocks(b) => b,
+        };
+        let mut out = Vec::new();
+        let mut turn = Turn { role: self.role.clone(), ..Turn::default() };
+        for b in blocks {
+            match (b.kind.as_str(), self.role.as_str()) {
+                ("text", _) => turn.content += b.text.as_deref().unwrap_or_default(),
+                ("tool_use", "assistant") => {
+                    let name = b.name.clone().ok_or_else(|| Failure::bad("a tool_use block without name"))?;
+                    let arguments = b.input.clone().unwrap_or_else(|| json!({}));
+                    turn.calls.push(Call { id: b.id.clone(), name, arguments });
+                }
+                ("tool_result", "user") => {
+                    if !turn.content.is_empty() {
+                        out.push(std::mem::replace(&mut turn, Turn { role: "user".into(), ..Turn::default() }));
+                    }
+                    let content = match &b.content {
+                        None | Some(Value::Null) => String::new(),
+                        Some(Value::String(s)) => s.clone(),
+                        Some(Value::Array(parts)) => parts.iter().filter_map(|p| p.get("text")?.as_str()).collect(),
+                        Some(_) => return Err(Failure::bad("a tool_result's content must be text or text blocks")),
+                    };
+                    out.push(Turn { role: "tool".into(), content, call_id: b.tool_use_id.clone(), ..Turn::default() });
+                }
+                (kind, role) => {
+                    return Err(Failure::bad(format!(
+                        "content blocks of type {kind:?} are not supported in {role} turns"
+                    )))
+                }
+            }
+        }
+        if !turn.content.is_empty() || !turn.calls.is_empty() || out.is_empty() {
+            out.push(turn);
+        }
+        Ok(out)
+    }
+}
+
+/// Anthropic's `tools` and `tool_choice` as the generic toolbox: each tool's
+/// `input_schema` is its parameters; `any` is OpenAI's `required`, `tool` names one.
+fn toolbox(tools: &[Value], choice: Option<&Value>) -> Result<Option<Toolbox>, Failure> {
+    let tools = tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if t.get("type").is_some_and(|k| k != "custom") {
+                return Err(Failure::bad(format!("tools[{i}]: only client tools (name, input_schema) are supported")));
+            }
+            let mut f = json!({"name": t.get("name"), "parameters": t.get("input_schema")});
+            if let Some(d) = t.get("description") {
+                f["description"] = d.clone();
+            }
+            Ok(json!({"type": "function", "function": f}))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let kind = choice.and_then(|c| c.get("type")).and_then(Value::as_str);
+    let openai_choice = match kind {
+        None | Some("auto") => json!("auto"),
+        Some("any") => json!("required"),
+        Some("none") => json!("none"),
+        Some("tool") => json!({"type": "function", "function": {"name": choice.and_then(|c| c.get("name"))}}),
+        Some(other) => return Err(Failure::bad(format!("tool_choice type {other:?}: auto, any, tool or none"))),
+    };
+    let parallel = choice.and_then(|c| c.get("disable_parallel_tool_use")).and_then(Value::as_bool).map(|d| !d);
+    Toolbox::new(&tools, Some(&openai_choice), parallel).map_err(Failure::bad)
+}
+
 /// `POST /v1/messages`.
 pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
     let r = async {
         let req: Request = common::parse(&body)?;
-        if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(Failure::bad("tools are not supported yet"));
-        }
         if req.max_tokens == 0 {
             return Err(Failure::bad("max_tokens: must be at least 1"));
         }
+        let toolbox = toolbox(req.tools.as_deref().unwrap_or_default(), req.tool_choice.as_ref())?;
         let mut turns = Vec::new();
         if let Some(system) = &req.system {
-            turns.push(ChatMessage { role: "system".into(), content: system.text()? });
+            turns.push(Turn { role: "system".into(), content: system.text()?, ..Turn::default() });
         }
         for m in &req.messages {
             if m.role != "user" && m.role != "assistant" {
                 return Err(Failure::bad(format!("messages: role {:?} (user or assistant)", m.role)));
             }
-            turns.push(ChatMessage { role: m.role.clone(), content: m.content.text()? });
+            turns.extend(m.turns()?);
         }
         if req.messages.is_empty() {
             return Err(Failure::bad("messages: at least one"));
@@ -98,13 +189,15 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
         let model = common::resolve(&*backend, &req.model).await?;
         common::ready_or_failure(&*backend, &model).await?;
         let text = backend.text(&model.entry.name).await?;
-        let prompt = text.tokenize(&text.chat_prompt(&turns).map_err(Failure::bad)?, true);
+        let messages = tools::prompt_turns(&turns, toolbox.as_ref());
+        let prompt = text.tokenize(&text.chat_prompt(&messages).map_err(Failure::bad)?, true);
         let d = SamplingParams::default();
         let sampling = SamplingParams {
             // Anthropic's default temperature is 1.0; Shoal's, for every API, 0.8.
             temperature: req.temperature.unwrap_or(crate::openai::DEFAULT_TEMPERATURE),
             top_k: req.top_k.unwrap_or(d.top_k),
             top_p: req.top_p.unwrap_or(d.top_p),
+            grammar: toolbox.as_ref().map(Toolbox::grammar),
             ..d
         };
         let job = Job {
@@ -116,7 +209,10 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
             stop: req.stop_sequences.clone(),
             ignore_eos: false,
         };
-        answer(backend, job, req.model, req.stream).await
+        match toolbox {
+            Some(toolbox) => answer_with_tools(backend, job, req.model, req.stream, toolbox).await,
+            None => answer(backend, job, req.model, req.stream).await,
+        }
     }
     .await;
     r.unwrap_or_else(|f| error_response(Dialect::Anthropic, &f))
@@ -128,6 +224,68 @@ fn stop_reason(o: &Outcome) -> &'static str {
         (Finish::Stop, Some(_)) => "stop_sequence",
         (Finish::Stop, None) => "end_turn",
     }
+}
+
+/// Run `job` whose answer a [`Toolbox`] grammar holds: read whole, then sent as
+/// `tool_use` blocks (stop reason `tool_use`) or one text block; streamed, each block
+/// is sent whole (a call's input as one `input_json_delta`).
+async fn answer_with_tools<B: Backend>(
+    backend: Arc<B>,
+    job: Job,
+    model: String,
+    streamed: bool,
+    toolbox: Toolbox,
+) -> Result<Response, Failure> {
+    let prompt_tokens = job.prompt.len();
+    let (first, mut events) = gen::start(backend, job).await?;
+    let (text, o) = gen::collect(first, &mut events).await?;
+    let id = common::new_id("msg_");
+    let (blocks, stop) = match toolbox.read(&text) {
+        Reply::Calls(calls) => {
+            let blocks = calls
+                .iter()
+                .map(|c| json!({"type": "tool_use", "id": common::new_id("toolu_"), "name": c.name, "input": c.arguments}))
+                .collect();
+            (blocks, "tool_use")
+        }
+        Reply::Text(t) => (vec![json!({"type": "text", "text": t})], stop_reason(&o)),
+    };
+    let usage = json!({"input_tokens": o.prompt_tokens, "output_tokens": o.completion_tokens});
+    if !streamed {
+        return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model,
+            "content": blocks, "stop_reason": stop, "stop_sequence": o.stop_sequence, "usage": usage}))
+        .into_response());
+    }
+    let named = |name: &str, v: Value| SseEvent::default().event(name).data(v.to_string());
+    let mut out = vec![named(
+        "message_start",
+        json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
+            "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
+    )];
+    for (index, b) in blocks.into_iter().enumerate() {
+        let (start, delta) = if b["type"] == "tool_use" {
+            let input = b["input"].to_string();
+            let mut start = b;
+            start["input"] = json!({});
+            (start, json!({"type": "input_json_delta", "partial_json": input}))
+        } else {
+            (json!({"type": "text", "text": ""}), json!({"type": "text_delta", "text": b["text"]}))
+        };
+        out.push(named(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": start}),
+        ));
+        out.push(named("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": delta})));
+        out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": index})));
+    }
+    out.push(named(
+        "message_delta",
+        json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": o.stop_sequence},
+            "usage": {"output_tokens": o.completion_tokens}}),
+    ));
+    out.push(named("message_stop", json!({"type": "message_stop"})));
+    Ok(Sse::new(stream::iter(out.into_iter().map(Ok::<_, Infallible>))).into_response())
 }
 
 async fn answer<B: Backend>(backend: Arc<B>, job: Job, model: String, streamed: bool) -> Result<Response, Failure> {

@@ -55,7 +55,7 @@ pub fn json_object() -> String {
 
 /// The grammar of the JSON values `schema` describes, or why it cannot be followed.
 pub fn from_schema(schema: &Value) -> Result<String, String> {
-    let mut c = Converter { root: schema, rules: BTreeMap::new(), defs_done: Vec::new() };
+    let mut c = Converter { root: schema, prefix: String::new(), rules: BTreeMap::new(), defs_done: Vec::new() };
     let root = c.expr(schema, 0)?;
     let mut out = format!("root ::= ws {root} ws\n{BASE}");
     for (name, body) in &c.rules {
@@ -67,9 +67,71 @@ pub fn from_schema(schema: &Value) -> Result<String, String> {
     Ok(out)
 }
 
+/// Most tool calls one answer may make (a bound, so a looping model stops).
+const MAX_CALLS: usize = 8;
+
+/// The grammar of a tool-calling answer (see `tools`): `{"tool_calls": [{"name",
+/// "arguments"}]}` naming one of `tools` (name, parameter schema) with arguments its
+/// schema allows, several calls when `parallel`, or, when `reply`, `{"response": "…"}`
+/// instead. A schema the grammar cannot follow (or one making the grammar too large)
+/// allows any JSON object.
+pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool) -> String {
+    let build = |strict: bool| {
+        let mut rules = BTreeMap::new();
+        let mut calls = Vec::new();
+        for (i, (name, params)) in tools.iter().enumerate() {
+            let mut c =
+                Converter { root: params, prefix: format!("t{i}-"), rules: BTreeMap::new(), defs_done: Vec::new() };
+            let args = if strict { c.expr(params, 0).ok() } else { None };
+            let args = match args {
+                Some(a) => {
+                    rules.append(&mut c.rules);
+                    a
+                }
+                None => "object".to_string(),
+            };
+            let rule = format!("call-{i}");
+            let name = literal(&Value::String((*name).to_string()).to_string());
+            rules.insert(
+                rule.clone(),
+                format!(
+                    "\"{{\" ws {} ws \":\" ws {name} ws \",\" ws {} ws \":\" ws {args} ws \"}}\"",
+                    literal("\"name\""),
+                    literal("\"arguments\"")
+                ),
+            );
+            calls.push(rule);
+        }
+        let more = if parallel { format!("( \",\" ws call ws ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
+        let head = format!(
+            "root ::= ws {} ws\ncalls ::= \"{{\" ws {} ws \":\" ws \"[\" ws call ws {more} \"]\" ws \"}}\"\ncall ::= {}\n",
+            if reply { "( calls | reply )" } else { "calls" },
+            literal("\"tool_calls\""),
+            alternatives(calls.into_iter()),
+        );
+        let mut out = head;
+        if reply {
+            out += &format!("reply ::= \"{{\" ws {} ws \":\" ws string ws \"}}\"\n", literal("\"response\""));
+        }
+        out += BASE;
+        for (name, body) in &rules {
+            out += &format!("{name} ::= {body}\n");
+        }
+        out
+    };
+    let strict = build(true);
+    if strict.len() <= shoal_types::MAX_GRAMMAR_BYTES {
+        strict
+    } else {
+        build(false)
+    }
+}
+
 struct Converter<'a> {
     /// The whole schema, where `$ref`s point.
     root: &'a Value,
+    /// Put before the names of the rules made (several schemas in one grammar).
+    prefix: String,
     /// Named rules made so far (definitions), by name.
     rules: BTreeMap<String, String>,
     /// Definitions whose rule exists or is being made (recursion stops here).
@@ -228,7 +290,7 @@ impl Converter<'_> {
             .strip_prefix("#/$defs/")
             .or_else(|| path.strip_prefix("#/definitions/"))
             .ok_or_else(|| format!("`$ref` {path:?}: only #/$defs/NAME and #/definitions/NAME are supported"))?;
-        let rule = format!("def-{}", rule_name(name));
+        let rule = format!("{}def-{}", self.prefix, rule_name(name));
         if !self.defs_done.contains(&rule) {
             self.defs_done.push(rule.clone());
             let def = ["$defs", "definitions"]

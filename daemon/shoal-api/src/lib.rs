@@ -18,6 +18,7 @@ pub mod grammar;
 mod ollama;
 mod openai;
 mod serve;
+mod tools;
 pub use serve::{serve_router, Limits};
 
 pub use backend::{

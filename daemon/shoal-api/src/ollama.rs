@@ -9,6 +9,7 @@
 use crate::backend::{Backend, ChatMessage, Failure, ModelInfo, ModelState, TextModel};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Job, Outcome};
+use crate::tools::{self, Reply, Toolbox, Turn};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::header;
@@ -96,6 +97,12 @@ struct InMessage {
     content: String,
     #[serde(default)]
     images: Option<Vec<Value>>,
+    /// An assistant turn's calls (`[{"function": {"name", "arguments": {…}}}]`).
+    #[serde(default)]
+    tool_calls: Option<Value>,
+    /// The tool a tool turn's result is from.
+    #[serde(default)]
+    tool_name: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -182,12 +189,9 @@ fn format_grammar(format: &Option<Value>) -> Result<Option<String>, Failure> {
     }
 }
 
-fn refuse_unsupported(images: bool, tools: bool) -> Result<(), Failure> {
+fn refuse_images(images: bool) -> Result<(), Failure> {
     if images {
         return Err(Failure::bad("images are not supported: Shoal serves text models"));
-    }
-    if tools {
-        return Err(Failure::bad("tools are not supported yet"));
     }
     Ok(())
 }
@@ -197,21 +201,40 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
     let r = async {
         let req: ChatRequest = common::parse(&body)?;
         let images = req.messages.iter().any(|m| m.images.as_ref().is_some_and(|i| !i.is_empty()));
-        refuse_unsupported(images, req.tools.as_ref().is_some_and(|t| !t.is_empty()))?;
-        let grammar = format_grammar(&req.format)?;
+        refuse_images(images)?;
+        // Ollama has no tool_choice: the model calls tools or answers.
+        let toolbox = Toolbox::new(req.tools.as_deref().unwrap_or_default(), None, None).map_err(Failure::bad)?;
+        let grammar = match (format_grammar(&req.format)?, &toolbox) {
+            (Some(_), Some(_)) => return Err(Failure::bad("tools and format cannot be used together")),
+            (g, t) => g.or_else(|| t.as_ref().map(Toolbox::grammar)),
+        };
         let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.messages.is_empty() {
             return load_or_unload(&*backend, &model, &req.model, unload, Shape::Chat).await;
         }
-        let messages: Vec<ChatMessage> =
-            req.messages.iter().map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect();
+        let turns = req
+            .messages
+            .iter()
+            .map(|m| {
+                let calls = match &m.tool_calls {
+                    None | Some(Value::Null) => Vec::new(),
+                    Some(c) => tools::calls_of(c).map_err(|e| Failure::bad(format!("messages: {e}")))?,
+                };
+                let (role, content, tool) = (m.role.clone(), m.content.clone(), m.tool_name.clone());
+                Ok(Turn { role, content, calls, call_id: None, tool })
+            })
+            .collect::<Result<Vec<_>, Failure>>()?;
+        let messages = tools::prompt_turns(&turns, toolbox.as_ref());
         let job = job(&*backend, &model, &req.options, grammar, |text| {
             let prompt = text.chat_prompt(&messages).map_err(Failure::bad)?;
             Ok(text.tokenize(&prompt, true))
         })
         .await?;
         let then_unload = unload.then(|| model.entry.name.clone());
+        if let Some(toolbox) = toolbox {
+            return respond_with_tools(backend, job, req.model, req.stream, toolbox, then_unload).await;
+        }
         respond(backend, job, req.model, req.stream, Shape::Chat, then_unload).await
     }
     .await;
@@ -223,7 +246,7 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
 pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
     let r = async {
         let req: GenerateRequest = common::parse(&body)?;
-        refuse_unsupported(req.images.as_ref().is_some_and(|i| !i.is_empty()), false)?;
+        refuse_images(req.images.as_ref().is_some_and(|i| !i.is_empty()))?;
         let grammar = format_grammar(&req.format)?;
         let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
@@ -345,6 +368,39 @@ async fn respond<B: Backend>(
         }
     });
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(lines)).into_response())
+}
+
+/// Answer a chat `job` whose answer a [`Toolbox`] grammar holds: read whole, then
+/// sent as a message with `tool_calls` (Ollama's shape: arguments as an object) or
+/// with the reply's text; streamed, that message is one line before the end line.
+async fn respond_with_tools<B: Backend>(
+    backend: Arc<B>,
+    job: Job,
+    model: String,
+    streamed: bool,
+    toolbox: Toolbox,
+    then_unload: Option<String>,
+) -> Result<Response, Failure> {
+    let _guard = UnloadOnDrop(then_unload.map(|name| (backend.clone(), name)));
+    let (first, mut events) = gen::start(backend, job).await?;
+    let (text, o) = gen::collect(first, &mut events).await?;
+    let message = match toolbox.read(&text) {
+        Reply::Calls(calls) => {
+            let calls: Vec<Value> =
+                calls.iter().map(|c| json!({"function": {"name": c.name, "arguments": c.arguments}})).collect();
+            json!({"role": "assistant", "content": "", "tool_calls": calls})
+        }
+        Reply::Text(t) => json!({"role": "assistant", "content": t}),
+    };
+    let mut end = line(Shape::Chat, &model, "", Some(&o));
+    if !streamed {
+        end["message"] = message;
+        return Ok(Json(end).into_response());
+    }
+    let mut said = line(Shape::Chat, &model, "", None);
+    said["message"] = message;
+    let body = format!("{said}\n{end}\n");
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
 }
 
 /// Unloads a model when dropped: what `keep_alive: 0` asks once the answer is over.
@@ -522,9 +578,15 @@ pub(crate) async fn show<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         let ctx = m.context.unwrap_or(m.entry.context_length);
         let arch = &m.entry.arch;
         let mut capabilities = vec!["completion"];
-        // Its vocabulary says whether it fills in (a node reads it without the weights).
-        if backend.text(&m.entry.name).await.is_ok_and(|t| t.fill_in_middle("", "").is_some()) {
-            capabilities.push("insert");
+        // Its vocabulary says whether it fills in (a node reads it without the weights);
+        // any model with a chat template calls tools (Shoal's generic tool format).
+        if let Ok(t) = backend.text(&m.entry.name).await {
+            if t.fill_in_middle("", "").is_some() {
+                capabilities.push("insert");
+            }
+            if t.chat_prompt(&[ChatMessage { role: "user".into(), content: "Hi".into() }]).is_ok() {
+                capabilities.push("tools");
+            }
         }
         Ok::<_, Failure>(
             Json(json!({

@@ -4,9 +4,10 @@
 //! into a silently different answer. Log-probabilities are the model's (log-softmax
 //! of the tail's logits, before sampling), computed only when asked for.
 
-use crate::backend::{Backend, ChatMessage, Failure};
+use crate::backend::{Backend, Failure};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Job, Logprob, Outcome};
+use crate::tools::{self, Reply, Toolbox, Turn};
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -48,6 +49,8 @@ struct Knobs {
     top_logprobs: Option<u32>,
     response_format: Option<Value>,
     tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
@@ -96,8 +99,9 @@ impl Knobs {
         }
     }
 
-    /// Refuse what Shoal cannot honour yet; the sampling parameters and stop strings.
-    fn check(&self, kind: Kind) -> Result<(SamplingParams, Vec<String>), Failure> {
+    /// Refuse what Shoal cannot honour yet; the sampling parameters, stop strings and
+    /// the tools the model may call.
+    fn check(&self, kind: Kind) -> Result<(SamplingParams, Vec<String>, Option<Toolbox>), Failure> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(Failure::bad("n must be 1: Shoal makes one choice per request"));
         }
@@ -119,9 +123,22 @@ impl Knobs {
                 _ => return Err(Failure::bad("response_format: type must be text, json_object or json_schema")),
             },
         };
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(Failure::bad("tools are not supported yet"));
+        let toolbox = match (kind, &self.tools) {
+            (Kind::Text, Some(t)) if !t.is_empty() => {
+                return Err(Failure::bad("tools are for chat completions (/v1/chat/completions)"))
+            }
+            (_, tools) => {
+                Toolbox::new(tools.as_deref().unwrap_or_default(), self.tool_choice.as_ref(), self.parallel_tool_calls)
+                    .map_err(Failure::bad)?
+            }
+        };
+        if toolbox.is_some() && grammar.is_some() {
+            return Err(Failure::bad("tools and response_format cannot be used together"));
         }
+        if toolbox.is_some() && logprobs.is_some() {
+            return Err(Failure::bad("logprobs are not available with tools"));
+        }
+        let grammar = grammar.or_else(|| toolbox.as_ref().map(Toolbox::grammar));
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -145,7 +162,7 @@ impl Knobs {
             grammar,
             logprobs,
         };
-        Ok((params, stop))
+        Ok((params, stop, toolbox))
     }
 
     fn max_tokens(&self) -> Option<u32> {
@@ -166,6 +183,12 @@ struct InMessage {
     role: String,
     #[serde(default)]
     content: Content,
+    /// An assistant turn's calls.
+    #[serde(default)]
+    tool_calls: Option<Value>,
+    /// The call a tool turn answers.
+    #[serde(default)]
+    tool_call_id: Option<String>,
 }
 
 /// A message's content: text, or parts of which only text ones are taken.
@@ -221,7 +244,7 @@ enum Prompt {
 pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
     let r = async {
         let req: ChatRequest = common::parse(&body)?;
-        let messages = req
+        let turns = req
             .messages
             .iter()
             .map(|m| {
@@ -230,18 +253,27 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
                 }
                 // `developer` is OpenAI's newer name for `system`.
                 let role = if m.role == "developer" { "system".to_string() } else { m.role.clone() };
-                Ok(ChatMessage { role, content: m.content.text()? })
+                let calls = match (&m.tool_calls, role.as_str()) {
+                    (None | Some(Value::Null), _) => Vec::new(),
+                    (Some(c), "assistant") => tools::calls_of(c).map_err(|e| Failure::bad(format!("messages: {e}")))?,
+                    (Some(_), _) => return Err(Failure::bad("messages: only assistant turns carry tool_calls")),
+                };
+                let (content, call_id) = (m.content.text()?, m.tool_call_id.clone());
+                Ok(Turn { role, content, calls, call_id, tool: None })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        if messages.is_empty() {
+        if turns.is_empty() {
             return Err(Failure::bad("messages must not be empty"));
         }
-        let (job, knobs) = prepare(&*backend, &req.model, req.knobs, Kind::Chat, |text| {
-            let prompt = text.chat_prompt(&messages).map_err(Failure::bad)?;
+        let (job, knobs, toolbox) = prepare(&*backend, &req.model, req.knobs, Kind::Chat, |text, toolbox| {
+            let prompt = text.chat_prompt(&tools::prompt_turns(&turns, toolbox)).map_err(Failure::bad)?;
             Ok(text.tokenize(&prompt, true))
         })
         .await?;
-        answer(backend, job, knobs, Kind::Chat).await
+        match toolbox {
+            Some(toolbox) => answer_with_tools(backend, job, knobs, toolbox).await,
+            None => answer(backend, job, knobs, Kind::Chat).await,
+        }
     }
     .await;
     r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
@@ -256,30 +288,31 @@ pub(crate) async fn completions<B: Backend>(State(backend): State<Arc<B>>, body:
             Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
             Prompt::Many(_) => return Err(Failure::bad("prompt: one string per request")),
         };
-        let (job, knobs) =
-            prepare(&*backend, &req.model, req.knobs, Kind::Text, |text| Ok(text.tokenize(&prompt, false))).await?;
+        let (job, knobs, _) =
+            prepare(&*backend, &req.model, req.knobs, Kind::Text, |text, _| Ok(text.tokenize(&prompt, false))).await?;
         answer(backend, job, knobs, Kind::Text).await
     }
     .await;
     r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
 }
 
-/// The model, its vocabulary, the prompt's tokens (by `tokens`) and the job.
+/// The model, its vocabulary, the prompt's tokens (by `tokens`, told the tools the
+/// model may call), the job, and those tools.
 async fn prepare<B: Backend>(
     backend: &B,
     name: &str,
     knobs: Knobs,
     kind: Kind,
-    tokens: impl FnOnce(&dyn crate::backend::TextModel) -> Result<Vec<shoal_types::TokenId>, Failure>,
-) -> Result<(Job, Knobs), Failure> {
-    let (sampling, stop) = knobs.check(kind)?;
+    tokens: impl FnOnce(&dyn crate::backend::TextModel, Option<&Toolbox>) -> Result<Vec<shoal_types::TokenId>, Failure>,
+) -> Result<(Job, Knobs, Option<Toolbox>), Failure> {
+    let (sampling, stop, toolbox) = knobs.check(kind)?;
     let model = common::resolve(backend, name).await?;
     common::ready_or_failure(backend, &model).await?;
     let text = backend.text(&model.entry.name).await?;
-    let prompt = tokens(&*text)?;
+    let prompt = tokens(&*text, toolbox.as_ref())?;
     let max_tokens = knobs.max_tokens().unwrap_or_else(|| common::default_max_tokens(&model, prompt.len()));
     let ignore_eos = knobs.ignore_eos;
-    Ok((Job { model: model.entry.name.clone(), text, prompt, max_tokens, sampling, stop, ignore_eos }, knobs))
+    Ok((Job { model: model.entry.name.clone(), text, prompt, max_tokens, sampling, stop, ignore_eos }, knobs, toolbox))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -311,6 +344,65 @@ async fn answer<B: Backend>(backend: Arc<B>, job: Job, knobs: Knobs, kind: Kind)
     Ok(Json(json!({"id": id, "object": object, "created": created, "model": model,
         "choices": [choice], "usage": usage(&outcome)}))
     .into_response())
+}
+
+/// Run `job` whose answer a [`Toolbox`] grammar holds: the whole answer is read
+/// before anything is sent (a call is parsed, not streamed as JSON text), then sent as
+/// a message with `tool_calls` (finish reason `tool_calls`) or with the reply's text;
+/// a stream sends it as one chunk, then the end.
+async fn answer_with_tools<B: Backend>(
+    backend: Arc<B>,
+    job: Job,
+    knobs: Knobs,
+    toolbox: Toolbox,
+) -> Result<Response, Failure> {
+    let model = job.model.clone();
+    let (first, mut events) = gen::start(backend, job).await?;
+    let (text, _, outcome) = gen::collect_scored(first, &mut events).await?;
+    let (created, id) = (common::unix_now(), common::new_id("chatcmpl-"));
+    let (calls, content, finish) = match toolbox.read(&text) {
+        Reply::Calls(calls) => {
+            let calls: Vec<Value> = calls
+                .iter()
+                .map(|c| {
+                    json!({"id": common::new_id("call_"), "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments.to_string()}})
+                })
+                .collect();
+            (Some(calls), Value::Null, "tool_calls")
+        }
+        Reply::Text(t) => (None, Value::String(t), outcome.finish.as_str()),
+    };
+    if !knobs.stream {
+        let mut message = json!({"role": "assistant", "content": content});
+        if let Some(calls) = calls {
+            message["tool_calls"] = Value::Array(calls);
+        }
+        return Ok(Json(json!({"id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+            "usage": usage(&outcome)}))
+        .into_response());
+    }
+    let usage_asked = knobs.stream_options.is_some_and(|o| o.include_usage);
+    let chunks =
+        Chunks { id, created, model, kind: Kind::Chat, usage: usage_asked, scored: false, offset: Default::default() };
+    let mut delta = json!({"role": "assistant", "content": content});
+    if let Some(calls) = calls {
+        // A streamed call says its place in the list (clients join deltas by index).
+        let indexed = calls.into_iter().enumerate().map(|(i, mut c)| {
+            c["index"] = json!(i);
+            c
+        });
+        delta["tool_calls"] = Value::Array(indexed.collect());
+    }
+    let mut out =
+        vec![chunks.chunk(Some(json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null})), None)];
+    out.push(chunks.chunk(Some(json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish})), None));
+    if usage_asked {
+        out.push(chunks.chunk(None, Some(usage(&outcome))));
+    }
+    out.push(SseEvent::default().data("[DONE]"));
+    Ok(Sse::new(stream::iter(out.into_iter().map(Ok::<_, Infallible>))).into_response())
 }
 
 /// Tokens' log-probabilities in OpenAI's shape: chat's `{"content": [{token, logprob,

@@ -15,10 +15,12 @@ use tokio::sync::mpsc;
 
 /// What the fake model answers (then its end-of-generation token).
 const ANSWER: &str = "Hello, wörld! 🐟 Bye.";
+/// What the fake model answers under a grammar that offers the tool get_weather.
+const CALL: &str = r#"{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]}"#;
 /// The fake vocabulary's end-of-generation token.
 const EOG: TokenId = 300;
 /// The context of the ready model.
-const CONTEXT: u32 = 256;
+const CONTEXT: u32 = 1024;
 /// The one key the fake backend takes.
 const GOOD_KEY: &str = "sk-shoal-good";
 
@@ -165,10 +167,18 @@ impl Backend for Fake {
         }
         self.running.fetch_add(1, Ordering::SeqCst);
         let _running = Running(&self.running);
+        // Under a tool grammar, an answer it allows (as a real model's sampler would
+        // make it): a call when the tool get_weather is offered, else a reply.
+        let grammar = request.sampling.get("grammar").and_then(Value::as_str).unwrap_or_default();
+        let text = match (grammar.contains("tool_calls"), grammar.contains("get_weather")) {
+            (true, true) => CALL,
+            (true, false) => r#"{"response": "Just text."}"#,
+            _ => ANSWER,
+        };
         let answer: Vec<TokenId> = if model == "slow" {
             std::iter::repeat_n(b'x' as TokenId, 100_000).collect()
         } else {
-            ANSWER.bytes().map(TokenId::from).chain([EOG]).collect()
+            text.bytes().map(TokenId::from).chain([EOG]).collect()
         };
         let mut made = Vec::new();
         // Log-probabilities as a tail would report them, made up from the token: its
@@ -343,9 +353,10 @@ async fn every_failure_has_its_status_and_its_apis_shape() {
     assert_eq!(status, 400, "messages missing");
     let (status, _, body) = post(chat.clone(), json!({"model": "tiny", "messages": msgs, "n": 2})).await;
     assert_eq!((status, openai_error(&body)["message"].as_str().unwrap().contains("n must be 1")), (400, true));
-    let (status, _, _) =
+    let (status, _, body) =
         post(chat.clone(), json!({"model": "tiny", "messages": msgs, "tools": [{"type": "function"}]})).await;
-    assert_eq!(status, 400, "tools are refused, not ignored");
+    assert_eq!(status, 400, "a tool without a function is refused, not ignored: {body}");
+    assert!(openai_error(&body)["message"].as_str().unwrap().contains("tools[0]"), "{body}");
 
     // Not loaded: the first request loads it and says to come back.
     let (status, retry, body) = post(chat.clone(), json!({"model": "cold", "messages": msgs})).await;
@@ -356,7 +367,7 @@ async fn every_failure_has_its_status_and_its_apis_shape() {
     assert_eq!((status, retry.as_deref()), (503, Some("5")));
 
     // Over the context: a 400 that gives both numbers, before any stream starts.
-    let long = "x".repeat(300);
+    let long = "x".repeat(CONTEXT as usize + 44);
     let req = json!({"model": "tiny", "messages": [{"role": "user", "content": long}], "stream": true});
     let (status, _, body) = post(chat.clone(), req).await;
     assert_eq!(status, 400, "{body}");
@@ -419,7 +430,10 @@ async fn ollama_routes_stream_ndjson_and_answer_whole() {
     assert!(version["version"].as_str().unwrap().split('.').all(|p| p.parse::<u32>().is_ok()));
     let (status, _, body) = post(format!("{url}/api/show"), json!({"model": "tiny"})).await;
     assert_eq!(status, 200);
-    assert!(serde_json::from_str::<Value>(&body).unwrap()["parameters"].as_str().unwrap().contains("num_ctx 256"));
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["parameters"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("num_ctx {CONTEXT}")));
     let (_, models) = get(format!("{url}/v1/models")).await;
     assert_eq!(models["data"].as_array().unwrap().len(), 4);
     let (status, m) = get(format!("{url}/v1/models/tiny")).await;
@@ -956,6 +970,32 @@ async fn every_routes_shape_matches_its_golden_file() {
             Some(json!({"model": "warming", "messages": msgs})),
         ),
         ("health", "GET", format!("{url}/health"), None),
+        (
+            "openai_chat_tools",
+            "POST",
+            format!("{url}/v1/chat/completions"),
+            Some(json!({"model": "tiny", "messages": msgs, "tools": [weather_tool()]})),
+        ),
+        (
+            "openai_chat_tools_stream",
+            "POST",
+            format!("{url}/v1/chat/completions"),
+            Some(json!({"model": "tiny", "messages": msgs, "tools": [weather_tool()], "stream": true,
+                "stream_options": {"include_usage": true}})),
+        ),
+        (
+            "anthropic_tools_stream",
+            "POST",
+            format!("{url}/v1/messages"),
+            Some(json!({"model": "tiny", "max_tokens": 200, "messages": msgs, "stream": true,
+                "tools": [{"name": "get_weather", "input_schema": weather_tool()["function"]["parameters"]}]})),
+        ),
+        (
+            "ollama_chat_tools",
+            "POST",
+            format!("{url}/api/chat"),
+            Some(json!({"model": "tiny", "messages": msgs, "tools": [weather_tool()]})),
+        ),
     ];
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
     let update = std::env::var_os("SHOAL_UPDATE_GOLDEN").is_some();
@@ -997,7 +1037,7 @@ async fn ollama_suffix_fills_in_the_middle_with_the_models_own_tokens_or_is_refu
     assert_eq!(sent, want);
     let (status, _, body) = post(format!("{base}/api/show"), json!({"model": "slow"})).await;
     assert_eq!(status, 200);
-    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["capabilities"], json!(["completion", "insert"]));
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["capabilities"], json!(["completion", "insert", "tools"]));
     // A model without them: 400 in Ollama's words, nothing generated.
     let before = fake.prompt_tokens.lock().unwrap().len();
     let req = json!({"model": "tiny", "prompt": "def f(", "suffix": "return x", "stream": false});
@@ -1006,7 +1046,7 @@ async fn ollama_suffix_fills_in_the_middle_with_the_models_own_tokens_or_is_refu
     assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"], "tiny does not support insert");
     assert_eq!(fake.prompt_tokens.lock().unwrap().len(), before);
     let (_, _, body) = post(format!("{base}/api/show"), json!({"model": "tiny"})).await;
-    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["capabilities"], json!(["completion"]));
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["capabilities"], json!(["completion", "tools"]));
     // An empty suffix is no suffix: the prompt goes through the template as usual.
     let req = json!({"model": "tiny", "prompt": "hi", "suffix": "", "stream": false, "options": {"num_predict": 2}});
     let (status, _, body) = post(format!("{base}/api/generate"), req).await;
@@ -1163,4 +1203,183 @@ async fn openai_logprobs_come_per_token_in_both_routes_shapes_and_bad_asks_are_4
         assert!(v["error"]["message"].as_str().unwrap().contains(says), "{body}");
     }
     assert_eq!(fake.samplings.lock().unwrap().len(), before);
+}
+
+/// A tool as OpenAI's and Ollama's clients describe it.
+fn weather_tool() -> Value {
+    json!({"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"]}}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_are_offered_in_the_prompt_held_by_a_grammar_and_calls_come_back_parsed() {
+    let openai_error = |body: &str| -> Value { serde_json::from_str::<Value>(body).unwrap()["error"].clone() };
+    let (base, fake) = server().await;
+    let chat = format!("{base}/v1/chat/completions");
+    let msgs = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]);
+    let req = json!({"model": "tiny", "messages": msgs, "tools": [weather_tool()], "temperature": 0});
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert_eq!(choice["message"]["content"], Value::Null);
+    let call = &choice["message"]["tool_calls"][0];
+    assert!(call["id"].as_str().unwrap().starts_with("call_"), "{call}");
+    assert_eq!((&call["type"], &call["function"]["name"]), (&json!("function"), &json!("get_weather")));
+    // Arguments are JSON text, as OpenAI sends them.
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris", "unit": "c"}));
+    // The model was told the tools after the client's system text, and the sampler got
+    // a grammar naming the tool and allowing a reply.
+    let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+    assert!(prompt.starts_with("<system>Be brief.\n\nYou can call any of the following tools"), "{prompt}");
+    assert!(prompt.contains("The weather in a city"), "{prompt}");
+    let grammar = fake.samplings.lock().unwrap().last().unwrap()["grammar"].as_str().unwrap().to_string();
+    assert!(grammar.contains("get_weather") && grammar.contains("response"), "{grammar}");
+
+    // tool_choice required: no reply allowed; none: no tools, no grammar, plain text.
+    let mut required = req.clone();
+    required["tool_choice"] = json!("required");
+    assert_eq!(post(chat.clone(), required).await.0, 200);
+    let grammar = fake.samplings.lock().unwrap().last().unwrap()["grammar"].as_str().unwrap().to_string();
+    assert!(!grammar.contains("response"), "{grammar}");
+    let mut none = req.clone();
+    none["tool_choice"] = json!("none");
+    let (_, _, body) = post(chat.clone(), none).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], ANSWER);
+    assert!(fake.samplings.lock().unwrap().last().unwrap().get("grammar").is_none_or(Value::is_null));
+
+    // A reply (the tools offered do not fit): the response's text, finish stop.
+    let other = json!({"type": "function", "function": {"name": "noop"}});
+    let (_, _, body) = post(chat.clone(), json!({"model": "tiny", "messages": msgs, "tools": [other]})).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (&v["choices"][0]["message"]["content"], &v["choices"][0]["finish_reason"]),
+        (&json!("Just text."), &json!("stop"))
+    );
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none(), "{v}");
+
+    // The conversation goes on: the call and its result reach the model in the format
+    // it answers in, the result named after the call it answers.
+    let history = json!([{"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "18 C"}]);
+    let (status, _, body) =
+        post(chat.clone(), json!({"model": "tiny", "messages": history, "tools": [weather_tool()]})).await;
+    assert_eq!(status, 200, "{body}");
+    let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+    assert!(
+        prompt.contains(
+            r#"<assistant>{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris","unit":"c"}}]}</assistant>"#
+        ),
+        "{prompt}"
+    );
+    assert!(prompt.contains(r#"<user>{"tool_response":{"content":"18 C","tool":"get_weather""#), "{prompt}");
+
+    // Ollama: the same tools, arguments as an object, the history in its shape.
+    let (status, _, body) = post(
+        format!("{base}/api/chat"),
+        json!({"model": "tiny", "messages": msgs, "stream": false,
+        "tools": [weather_tool()]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["message"]["tool_calls"][0]["function"],
+        json!({"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}})
+    );
+    assert_eq!((&v["done"], &v["done_reason"]), (&json!(true), &json!("stop")));
+    let history = json!([{"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_name": "get_weather", "content": "18 C"}]);
+    let (status, _, body) = post(
+        format!("{base}/api/chat"),
+        json!({"model": "tiny", "messages": history, "stream": false,
+        "tools": [weather_tool()]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+    assert!(prompt.contains(r#"<user>{"tool_response":{"content":"18 C","tool":"get_weather"}}</user>"#), "{prompt}");
+
+    // Anthropic: tools with input_schema; tool_use blocks back, tool_result blocks in.
+    let weather = &weather_tool()["function"];
+    let anthropic_tool = json!({"name": "get_weather", "description": weather["description"],
+        "input_schema": weather["parameters"]});
+    let messages = format!("{base}/v1/messages");
+    let ask = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    let (status, _, body) = post(
+        messages.clone(),
+        json!({"model": "tiny", "max_tokens": 200, "messages": ask,
+        "tools": [anthropic_tool], "tool_choice": {"type": "any"}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["stop_reason"], "tool_use");
+    let block = &v["content"][0];
+    assert_eq!((&block["type"], &block["name"]), (&json!("tool_use"), &json!("get_weather")));
+    assert_eq!(block["input"], json!({"city": "Paris", "unit": "c"}));
+    assert!(block["id"].as_str().unwrap().starts_with("toolu_"), "{block}");
+    let grammar = fake.samplings.lock().unwrap().last().unwrap()["grammar"].as_str().unwrap().to_string();
+    assert!(!grammar.contains("response"), "any: a call, no reply: {grammar}");
+    let history = json!([{"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}, block]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block["id"],
+            "content": [{"type": "text", "text": "18 C"}]}, {"type": "text", "text": "Thanks"}]}]);
+    let (status, _, body) = post(
+        messages.clone(),
+        json!({"model": "tiny", "max_tokens": 200, "messages": history,
+        "tools": [anthropic_tool]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+    assert!(prompt.contains(r#"<user>{"tool_response":{"content":"18 C","tool":"get_weather""#), "{prompt}");
+    assert!(prompt.contains("</user><user>Thanks</user>"), "{prompt}");
+    let (status, _, body) = post(
+        messages.clone(),
+        json!({"model": "tiny", "max_tokens": 200, "messages": ask,
+        "tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+    )
+    .await;
+    assert_eq!(status, 400, "server tools are refused: {body}");
+
+    // Bad asks are 400s and reach no model.
+    let seen = fake.prompts.lock().unwrap().len();
+    let named = |n: &str| json!({"type": "function", "function": {"name": n}});
+    for (bad, why) in [
+        (json!({"tool_choice": named("nope")}), "not a tool"),
+        (json!({"tool_choice": "sometimes"}), "tool_choice"),
+        (json!({"response_format": {"type": "json_object"}}), "together"),
+        (json!({"logprobs": true}), "logprobs"),
+        (json!({"tools": [weather_tool(), weather_tool()]}), "twice"),
+    ] {
+        let mut r = req.clone();
+        for (k, x) in bad.as_object().unwrap() {
+            r[k] = x.clone();
+        }
+        let (status, _, body) = post(chat.clone(), r).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert!(openai_error(&body)["message"].as_str().unwrap().contains(why), "{bad}: {body}");
+    }
+    let (status, _, body) = post(
+        format!("{base}/v1/completions"),
+        json!({"model": "tiny", "prompt": "x",
+        "tools": [weather_tool()]}),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    let (status, _, body) = post(
+        format!("{base}/api/chat"),
+        json!({"model": "tiny", "messages": msgs,
+        "tools": [weather_tool()], "format": "json"}),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(fake.prompts.lock().unwrap().len(), seen);
 }

@@ -6,6 +6,7 @@ greedy answer below must equal it (or its stated prefix). Exits non-zero on the 
 difference, saying what differed.
 """
 
+import json
 import sys
 
 import ollama
@@ -75,4 +76,49 @@ try:
     sys.exit("ollama unknown model: no error")
 except ollama.ResponseError as e:
     check("ollama unknown model status", e.status_code, 404)
+
+# Tools: any model calls them (Shoal describes them in the system message and a
+# grammar holds the answer to a call); the clients parse the calls.
+tools = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}]
+ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+r = oa.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                               temperature=0, max_tokens=100)
+call = r.choices[0].message.tool_calls[0]
+args = json.loads(call.function.arguments)
+check("openai tool call", (r.choices[0].finish_reason, call.type, call.function.name, list(args)),
+      ("tool_calls", "function", "get_weather", ["city", "unit"]))
+check("openai tool call arguments", (isinstance(args["city"], str), args["unit"] in ("celsius", "fahrenheit")),
+      (True, True))
+chunks = list(oa.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                         temperature=0, max_tokens=100, stream=True))
+deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+# Clients join a call's deltas by its index; the greedy stream makes the same calls.
+streamed = {}
+for d in deltas:
+    name, text = streamed.get(d.index, ("", ""))
+    streamed[d.index] = (name + (d.function.name or ""), text + (d.function.arguments or ""))
+whole = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+check("openai streamed tool calls", [(n, json.loads(a)) for _, (n, a) in sorted(streamed.items())], whole)
+# The conversation goes on with the tool's result; tool_choice none: a text answer.
+follow = ask + [
+    {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function",
+                                          "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+    {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius and sunny"},
+]
+r = oa.chat.completions.create(model=model, messages=follow, tools=tools, tool_choice="none",
+                               temperature=0, max_tokens=16)
+check("openai answer after the tool", (r.choices[0].message.tool_calls, bool(r.choices[0].message.content)),
+      (None, True))
+# Ollama's client: tools without tool_choice, the model decides; a call's arguments
+# come as an object.
+r = ol.chat(model=model, messages=ask, tools=tools, options={"temperature": 0, "num_predict": 100})
+if r.message.tool_calls:
+    f = r.message.tool_calls[0].function
+    check("ollama tool call", (f.name, sorted(f.arguments)), ("get_weather", ["city", "unit"]))
+else:
+    check("ollama reply instead of a call", bool(r.message.content), True)
 print("all client checks passed")

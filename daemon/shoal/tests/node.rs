@@ -288,7 +288,10 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     assert!(body.contains("does not support insert"), "{body}");
     let (status, body) = http_post(&format!("http://{api}/api/show"), &serde_json::json!({"model": SMOL}));
     assert_eq!(status, 200, "{body}");
-    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["capabilities"], serde_json::json!(["completion"]));
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["capabilities"],
+        serde_json::json!(["completion", "tools"])
+    );
 
     // Unloaded the way Ollama's clients do it (an empty request with keep_alive 0):
     // every stage stops.

@@ -1,0 +1,400 @@
+//! Tool calling for any model, whatever its chat template: the tools are described in
+//! the system message, and a grammar holds the answer to one JSON object, either
+//! `{"tool_calls": [{"name": …, "arguments": {…}}]}` or `{"response": "…"}` (the
+//! generic format llama.cpp falls back to for templates without a tool syntax of their
+//! own). A call names one of the request's tools, and its arguments follow the tool's
+//! parameter schema, by construction. Earlier turns (the assistant's calls, the tools'
+//! results) are written back in the same format, so the model reads its own
+//! conversation. Pure: requests in, prompt turns and grammar out; the model's text in,
+//! calls or a reply out.
+//!
+//! Shared by OpenAI's `tools`/`tool_choice` and Ollama's `tools` (whose `tool_choice`
+//! is always auto).
+
+use crate::backend::ChatMessage;
+use serde_json::{json, Value};
+
+/// The tools a request offers and how the model may use them.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Toolbox {
+    /// Offered tools, in the request's order.
+    tools: Vec<Tool>,
+    /// Whether the model must call, may call, or must call one named tool.
+    choice: Choice,
+    /// Several calls in one answer (OpenAI's `parallel_tool_calls`, default true).
+    parallel: bool,
+}
+
+/// One function the model may call.
+#[derive(Clone, Debug, PartialEq)]
+struct Tool {
+    name: String,
+    /// The request's whole `function` object, shown to the model as given.
+    described: Value,
+    /// The arguments' JSON schema (`{"type": "object"}` when none was given).
+    parameters: Value,
+}
+
+/// OpenAI's `tool_choice` (less `none`, which offers no toolbox at all).
+#[derive(Clone, Debug, PartialEq)]
+enum Choice {
+    /// Call tools or answer: the model decides.
+    Auto,
+    /// Call at least one tool.
+    Required,
+    /// Call this tool.
+    Named(String),
+}
+
+/// A tool call the model made.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Call {
+    /// The call's id, as the client's history gives it (calls the model makes get
+    /// theirs when they are sent).
+    pub id: Option<String>,
+    /// The tool's name (one of the request's).
+    pub name: String,
+    /// Its arguments (a JSON object, following the tool's schema).
+    pub arguments: Value,
+}
+
+/// What the model's answer was, read back.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Reply {
+    /// One or more tool calls.
+    Calls(Vec<Call>),
+    /// A reply to the user.
+    Text(String),
+}
+
+/// A turn of the conversation as a client sent it, tool fields included.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Turn {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Its text.
+    pub content: String,
+    /// The calls an assistant turn made.
+    pub calls: Vec<Call>,
+    /// Which call a tool turn answers (OpenAI's `tool_call_id`).
+    pub call_id: Option<String>,
+    /// The tool a tool turn is from, when the client says (Ollama's `tool_name`).
+    pub tool: Option<String>,
+}
+
+/// Most tools one request may offer (each is a grammar alternative).
+const MAX_TOOLS: usize = 128;
+
+impl Toolbox {
+    /// The toolbox of `tools` (OpenAI's and Ollama's shape: `{"type": "function",
+    /// "function": {"name", "description", "parameters"}}`) used as `choice` says
+    /// (OpenAI's `tool_choice`: `"auto"` when absent, `"none"`, `"required"`, or
+    /// `{"type": "function", "function": {"name"}}`). `None` when no tool may be
+    /// called: none offered, or `"none"`.
+    pub fn new(tools: &[Value], choice: Option<&Value>, parallel: Option<bool>) -> Result<Option<Toolbox>, String> {
+        if tools.len() > MAX_TOOLS {
+            return Err(format!("tools: at most {MAX_TOOLS}"));
+        }
+        let tools = tools.iter().enumerate().map(|(i, t)| Tool::of(t).map_err(|e| format!("tools[{i}]: {e}")));
+        let tools = tools.collect::<Result<Vec<_>, _>>()?;
+        for (i, t) in tools.iter().enumerate() {
+            if tools[..i].iter().any(|o| o.name == t.name) {
+                return Err(format!("tools: the name {:?} is given twice", t.name));
+            }
+        }
+        let choice = match choice {
+            None | Some(Value::Null) => Choice::Auto,
+            Some(Value::String(s)) => match s.as_str() {
+                "auto" => Choice::Auto,
+                "none" => return Ok(None),
+                "required" => Choice::Required,
+                other => return Err(format!("tool_choice {other:?}: expected auto, none, required or a function")),
+            },
+            Some(v) => {
+                let name = v.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+                match (v.get("type").and_then(Value::as_str), name) {
+                    (Some("function"), Some(n)) if tools.iter().any(|t| t.name == n) => Choice::Named(n.to_string()),
+                    (Some("function"), Some(n)) => return Err(format!("tool_choice names {n:?}, which is not a tool")),
+                    _ => {
+                        return Err("tool_choice: expected {\"type\": \"function\", \"function\": {\"name\": …}}".into())
+                    }
+                }
+            }
+        };
+        if tools.is_empty() {
+            return match choice {
+                Choice::Auto => Ok(None),
+                _ => Err("tool_choice asks for a tool call, but no tools are given".into()),
+            };
+        }
+        Ok(Some(Toolbox { tools, choice, parallel: parallel.unwrap_or(true) }))
+    }
+
+    /// The grammar that holds the answer to a call of the offered tools (or, with
+    /// `auto`, a reply). A tool whose parameter schema uses keywords the grammar
+    /// cannot follow (`pattern`, `minimum`, …) gets any JSON object as arguments: the
+    /// tool then checks them, as it must anyway.
+    pub fn grammar(&self) -> String {
+        let callable: Vec<(&str, &Value)> = self
+            .tools
+            .iter()
+            .filter(|t| {
+                matches!(&self.choice, Choice::Named(n) if *n == t.name) || !matches!(self.choice, Choice::Named(_))
+            })
+            .map(|t| (t.name.as_str(), &t.parameters))
+            .collect();
+        crate::grammar::tool_answer(&callable, self.choice == Choice::Auto, self.parallel)
+    }
+
+    /// What the model is told, after any system text of the client's: the tools, and
+    /// the one JSON object its answer must be.
+    fn instructions(&self) -> String {
+        let described: Vec<&Value> = self.tools.iter().map(|t| &t.described).collect();
+        let list = Value::from(described.into_iter().cloned().collect::<Vec<_>>()).to_string();
+        let example = r#"{"tool_calls": [{"name": "tool_name", "arguments": {"arg1": "some_value"}}]}"#;
+        let answer = match &self.choice {
+            Choice::Auto => {
+                "Respond in JSON format, either with `tool_calls` (a request to call tools) or with `response` \
+                 (a reply to the user's request), as in {\"response\": \"…\"}."
+                    .to_string()
+            }
+            Choice::Required => "Respond in JSON format with `tool_calls` (a request to call tools).".to_string(),
+            Choice::Named(n) => format!("Respond in JSON format with `tool_calls`, calling the tool {n:?}."),
+        };
+        format!(
+            "You can call any of the following tools to satisfy the user's requests: {list}\n\n\
+             Example tool call syntax:\n\n{example}\n\n{answer}"
+        )
+    }
+
+    /// The model's answer (held by [`Toolbox::grammar`]) read back: its calls, or its
+    /// reply. Text that is not such an object (an answer cut by `max_tokens`) is
+    /// returned as it is, as a reply.
+    pub fn read(&self, text: &str) -> Reply {
+        let Ok(v) = serde_json::from_str::<Value>(text.trim()) else { return Reply::Text(text.to_string()) };
+        if let Some(calls) = v.get("tool_calls").and_then(Value::as_array) {
+            let calls: Option<Vec<Call>> = calls
+                .iter()
+                .map(|c| {
+                    let name = c.get("name")?.as_str()?;
+                    let arguments = c.get("arguments").cloned().unwrap_or(json!({}));
+                    Some(Call { id: None, name: name.to_string(), arguments })
+                })
+                .collect();
+            if let Some(calls) = calls.filter(|c| !c.is_empty()) {
+                return Reply::Calls(calls);
+            }
+        }
+        match v.get("response").and_then(Value::as_str) {
+            Some(r) => Reply::Text(r.to_string()),
+            None => Reply::Text(text.to_string()),
+        }
+    }
+}
+
+impl Tool {
+    fn of(v: &Value) -> Result<Tool, String> {
+        if v.get("type").and_then(Value::as_str) != Some("function") {
+            return Err("only tools of type \"function\" are supported".into());
+        }
+        let f = v.get("function").filter(|f| f.is_object()).ok_or("function is missing")?;
+        let name = f.get("name").and_then(Value::as_str).ok_or("function.name is missing")?;
+        // OpenAI's own rule: what a call's name can be matched against.
+        let valid = !name.is_empty()
+            && name.len() <= 64
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.');
+        if !valid {
+            return Err(format!("function.name {name:?}: 1 to 64 letters, digits, _ - or ."));
+        }
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object"}),
+            Some(p) if p.is_object() => p.clone(),
+            Some(_) => return Err("function.parameters must be a JSON schema object".into()),
+        };
+        Ok(Tool { name: name.to_string(), described: f.clone(), parameters })
+    }
+}
+
+/// The conversation as the chat template gets it: the toolbox's instructions joined to
+/// the system message (one is added first when the client sent none), an assistant's
+/// calls and every assistant reply (while tools are offered) written as the JSON the
+/// model answers in, and a tool's result as a user turn holding a `tool_response`
+/// (templates without a tool role would drop or garble it).
+pub(crate) fn prompt_turns(turns: &[Turn], toolbox: Option<&Toolbox>) -> Vec<ChatMessage> {
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(turns.len() + 1);
+    // Tool names by call id, for results that give only the id (OpenAI's).
+    let mut names: Vec<(String, String)> = Vec::new();
+    for t in turns {
+        let content = match t.role.as_str() {
+            "assistant" if !t.calls.is_empty() => {
+                names.extend(t.calls.iter().filter_map(|c| Some((c.id.clone()?, c.name.clone()))));
+                let calls: Vec<Value> =
+                    t.calls.iter().map(|c| json!({"name": c.name, "arguments": c.arguments})).collect();
+                json!({"tool_calls": calls}).to_string()
+            }
+            "assistant" if toolbox.is_some() => json!({"response": t.content}).to_string(),
+            "tool" => {
+                let tool = t.tool.clone().or_else(|| {
+                    let id = t.call_id.as_ref()?;
+                    names.iter().find(|(i, _)| i == id).map(|(_, n)| n.clone())
+                });
+                let mut r = json!({"content": t.content});
+                if let Some(tool) = tool {
+                    r["tool"] = json!(tool);
+                }
+                if let Some(id) = &t.call_id {
+                    r["tool_call_id"] = json!(id);
+                }
+                json!({"tool_response": r}).to_string()
+            }
+            _ => t.content.clone(),
+        };
+        let role = if t.role == "tool" { "user" } else { t.role.as_str() };
+        out.push(ChatMessage { role: role.to_string(), content });
+    }
+    if let Some(b) = toolbox {
+        let text = b.instructions();
+        match out.first_mut() {
+            Some(first) if first.role == "system" => first.content = format!("{}\n\n{text}", first.content),
+            _ => out.insert(0, ChatMessage { role: "system".into(), content: text }),
+        }
+    }
+    out
+}
+
+/// The calls of an assistant turn in OpenAI's shape (`[{"id", "type": "function",
+/// "function": {"name", "arguments": "<JSON text>"}}]`) or Ollama's
+/// (`[{"function": {"name", "arguments": {…}}}]`); arguments given as JSON text are
+/// parsed (text that is not JSON stays a string).
+pub(crate) fn calls_of(v: &Value) -> Result<Vec<Call>, String> {
+    let Some(list) = v.as_array() else { return Err("tool_calls must be a list".into()) };
+    list.iter()
+        .map(|c| {
+            let f = c.get("function").ok_or("a tool call without function")?;
+            let name = f.get("name").and_then(Value::as_str).ok_or("a tool call without function.name")?;
+            let arguments = match f.get("arguments") {
+                None | Some(Value::Null) => json!({}),
+                Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+                Some(a) => a.clone(),
+            };
+            let id = c.get("id").and_then(Value::as_str).map(str::to_string);
+            Ok(Call { id, name: name.to_string(), arguments })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weather() -> Value {
+        json!({"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}})
+    }
+
+    fn time() -> Value {
+        json!({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+            "properties": {"zone": {"type": "string", "pattern": "^[A-Z]"}}}}})
+    }
+
+    #[test]
+    fn choices_are_read_as_openai_defines_them_and_bad_ones_refused() {
+        let tools = [weather(), time()];
+        let b = Toolbox::new(&tools, None, None).unwrap().unwrap();
+        assert_eq!(b.choice, Choice::Auto);
+        assert!(b.parallel);
+        assert_eq!(Toolbox::new(&tools, Some(&json!("none")), None).unwrap(), None);
+        assert_eq!(Toolbox::new(&[], None, None).unwrap(), None);
+        let named = json!({"type": "function", "function": {"name": "get_time"}});
+        let b = Toolbox::new(&tools, Some(&named), Some(false)).unwrap().unwrap();
+        assert_eq!(b.choice, Choice::Named("get_time".into()));
+        assert!(!b.parallel);
+        for (tools, choice, why) in [
+            (vec![weather()], json!("sometimes"), "tool_choice \"sometimes\""),
+            (vec![weather()], json!({"type": "function", "function": {"name": "nope"}}), "not a tool"),
+            (vec![], json!("required"), "no tools are given"),
+            (vec![weather(), weather()], json!("auto"), "given twice"),
+            (vec![json!({"type": "retrieval"})], json!("auto"), "tools[0]: only tools of type"),
+            (vec![json!({"type": "function", "function": {"name": "a b"}})], json!("auto"), "function.name"),
+            (vec![json!({"type": "function", "function": {"name": "a", "parameters": 3}})], json!("auto"), "schema"),
+        ] {
+            let e = Toolbox::new(&tools, Some(&choice), None).unwrap_err();
+            assert!(e.contains(why), "{e} (wanted {why})");
+        }
+    }
+
+    #[test]
+    fn the_grammar_offers_the_tools_by_name_and_a_reply_only_with_auto() {
+        let tools = [weather(), time()];
+        let auto = Toolbox::new(&tools, None, None).unwrap().unwrap().grammar();
+        assert!(auto.contains("\"\\\"get_weather\\\"\"") && auto.contains("\"\\\"get_time\\\"\""), "{auto}");
+        assert!(auto.contains("\\\"response\\\""), "{auto}");
+        // get_time's `pattern` cannot be followed: its arguments are any object.
+        assert!(auto.contains("\"\\\"c\\\"\""), "the weather's enum is followed: {auto}");
+        let required = Toolbox::new(&tools, Some(&json!("required")), None).unwrap().unwrap().grammar();
+        assert!(!required.contains("\\\"response\\\""), "{required}");
+        let named = json!({"type": "function", "function": {"name": "get_time"}});
+        let one = Toolbox::new(&tools, Some(&named), None).unwrap().unwrap().grammar();
+        assert!(!one.contains("get_weather") && one.contains("get_time"), "{one}");
+    }
+
+    #[test]
+    fn answers_read_back_as_calls_or_a_reply_and_anything_else_as_text() {
+        let b = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        let calls =
+            b.read(r#" {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]}"#);
+        assert_eq!(
+            calls,
+            Reply::Calls(vec![Call {
+                id: None,
+                name: "get_weather".into(),
+                arguments: json!({"city": "Paris", "unit": "c"})
+            }])
+        );
+        assert_eq!(b.read(r#"{"response": "Hello"}"#), Reply::Text("Hello".into()));
+        // Cut short by max_tokens: what came, as text.
+        assert_eq!(
+            b.read(r#"{"tool_calls": [{"name": "get_we"#),
+            Reply::Text(r#"{"tool_calls": [{"name": "get_we"#.into())
+        );
+    }
+
+    #[test]
+    fn the_conversation_carries_the_instructions_the_calls_and_the_results() {
+        let b = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        let call = Call { id: Some("call_1".into()), name: "get_weather".into(), arguments: json!({"city": "Paris"}) };
+        let turns = vec![
+            Turn { role: "system".into(), content: "Be brief.".into(), ..Turn::default() },
+            Turn { role: "user".into(), content: "Weather in Paris?".into(), ..Turn::default() },
+            Turn { role: "assistant".into(), calls: vec![call], ..Turn::default() },
+            Turn { role: "tool".into(), content: "18 C".into(), call_id: Some("call_1".into()), ..Turn::default() },
+            Turn { role: "assistant".into(), content: "18 C.".into(), ..Turn::default() },
+        ];
+        let m = prompt_turns(&turns, Some(&b));
+        assert_eq!(m.len(), 5);
+        assert!(m[0].content.starts_with("Be brief.\n\nYou can call") && m[0].content.contains("\"get_weather\""));
+        assert_eq!(m[2].content, r#"{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}}]}"#);
+        assert_eq!(m[3].role, "user");
+        let r: Value = serde_json::from_str(&m[3].content).unwrap();
+        assert_eq!(r, json!({"tool_response": {"content": "18 C", "tool": "get_weather", "tool_call_id": "call_1"}}));
+        assert_eq!(m[4].content, r#"{"response":"18 C."}"#);
+        // Without a toolbox nothing is added and replies stay text.
+        let plain = prompt_turns(&turns[..2], None);
+        assert_eq!(plain[0].content, "Be brief.");
+        assert_eq!(prompt_turns(&turns[1..2], Some(&b))[0].role, "system");
+    }
+
+    #[test]
+    fn calls_are_read_in_openais_and_ollamas_shapes() {
+        let openai = json!([{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]);
+        let ollama = json!([{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]);
+        let (a, b) = (calls_of(&openai).unwrap(), calls_of(&ollama).unwrap());
+        assert_eq!(a[0].id.as_deref(), Some("call_1"));
+        assert_eq!((&a[0].name, &a[0].arguments), (&b[0].name, &b[0].arguments));
+        assert_eq!(b[0].arguments, json!({"city": "Paris"}));
+        assert!(calls_of(&json!({})).is_err());
+        assert!(calls_of(&json!([{"function": {}}])).unwrap_err().contains("function.name"));
+    }
+}
