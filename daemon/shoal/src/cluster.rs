@@ -416,8 +416,37 @@ pub fn status(dir: &Option<PathBuf>, json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&st)?);
     } else {
         print_status(&st);
+        print_stage(dir);
     }
     Ok(())
+}
+
+/// The stage this node runs, with its memory: the planner's prediction, llama.cpp's
+/// buffers and the resident growth (`shoal models plan NAME` shows every stage).
+/// Nothing when it runs none or does not answer.
+fn print_stage(dir: &Option<PathBuf>) {
+    let data_dir = data_dir(dir);
+    let Ok(identity) = Identity::load_or_create(&data_dir) else { return };
+    let ask = shoal_node::api::request(&data_dir, Arc::new(identity), &shoal_node::api::NodeRequest::Stages);
+    let Ok(Ok(shoal_node::api::NodeResponse::Stages(stages))) = runtime().map(|rt| rt.block_on(ask)) else { return };
+    for st in stages {
+        let mib = |b: Option<u64>| b.map_or("?".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64));
+        let state = match &st.state {
+            shoal_node::api::StageState::Fetching { done, of } => format!("fetching its shard ({done}/{of} chunks)"),
+            shoal_node::api::StageState::Loading => "loading".to_string(),
+            shoal_node::api::StageState::Running => "running".to_string(),
+            shoal_node::api::StageState::Failed(why) => format!("failed: {why}"),
+        };
+        println!(
+            "this node's stage: layers {} of model {}, generation {}: {state}; memory predicted {}, loaded {}, resident {}",
+            st.layers,
+            &st.model[..st.model.len().min(12)],
+            st.generation,
+            mib(Some(st.predicted_bytes)),
+            mib(st.loaded_bytes),
+            mib(st.resident_bytes),
+        );
+    }
 }
 
 fn gib(b: Option<u64>) -> String {

@@ -155,6 +155,9 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     }
     let shown = run_ok(&["models", "plan", SMOL], &dir("c"));
     assert_eq!(shown.matches(" resident)").count(), 3, "{shown}");
+    let status = run_ok(&["status"], &dir("b"));
+    assert!(status.contains("this node's stage: layers") && status.contains("running; memory predicted"), "{status}");
+    assert!(!status.contains("resident ?"), "{status}");
 
     // B's HTTP API (B holds only its shard, and tokenizes with it): OpenAI whole and
     // streamed, and Ollama's stream, all give the unsplit run's greedy text.

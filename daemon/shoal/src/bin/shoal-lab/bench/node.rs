@@ -86,16 +86,6 @@ pub(crate) fn model_or_default(m: &Option<PathBuf>) -> Result<PathBuf> {
     Ok(std::fs::canonicalize(&p)?)
 }
 
-/// Resident memory of process `pid`, bytes (Linux; 0 elsewhere).
-fn rss(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024)
-}
-
 fn mib(b: u64) -> f64 {
     b as f64 / f64::from(1u32 << 20)
 }
@@ -129,8 +119,6 @@ pub fn load(a: LoadArgs) -> Result<()> {
         .filter(|b| *b > 0.0)
         .collect();
     let link_mb_s = if mbit.is_empty() { 0.0 } else { mbit.iter().sum::<f64>() / mbit.len() as f64 / 8.0 };
-    let pids: Vec<(String, u32)> = lab.names().into_iter().filter_map(|n| Some((n.clone(), lab.pid_of(&n)?))).collect();
-    let before: Vec<(String, u64)> = pids.iter().map(|(n, p)| (n.clone(), rss(*p))).collect();
 
     let mut generation = 0;
     println!(
@@ -138,6 +126,7 @@ pub fn load(a: LoadArgs) -> Result<()> {
         "load", "stages", "placed s", "ready s", "bytes moved", "MB/s", "vs link"
     );
     let mut cold_stages = Vec::new();
+    let mut warm_stages = Vec::new();
     for round in ["cold", "warm"] {
         let req = NodeRequest::ModelLoad { model: name.clone(), context: a.context, sessions: 1, exclude: vec![] };
         let t0 = Instant::now();
@@ -162,6 +151,21 @@ pub fn load(a: LoadArgs) -> Result<()> {
             mb_s,
             if link_mb_s > 0.0 && mb_s > 0.0 { format!("{:.2}", mb_s / link_mb_s) } else { "-".into() }
         );
+        if round == "warm" {
+            // One short generation first: a stage's weights are mapped, and count as
+            // resident once its layers have run.
+            let out = lab
+                .command("n0")
+                .args(["generate", "--model", &name, "--ignore-eos", "--json", "-n", "8", "--prompt", "Hello"])
+                .arg("--data-dir")
+                .arg(lab.dir("n0"))
+                .output()?;
+            if !out.status.success() {
+                bail!("the generation after the warm load failed: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            let (_, after) = lab.running(&name, u64::MAX)?;
+            warm_stages = after;
+        }
         if round == "cold" {
             cold_stages = stages.clone();
             lab.ask("n0", NodeRequest::ModelUnload { model: name.clone() })?;
@@ -181,13 +185,15 @@ pub fn load(a: LoadArgs) -> Result<()> {
     println!();
     println!(
         "{:<6} {:>8} {:>14} {:>14} {:>10} {:>14} {:>10}",
-        "node", "layers", "predicted MiB", "llama.cpp MiB", "ratio", "RSS grew MiB", "ratio"
+        "node", "layers", "predicted MiB", "llama.cpp MiB", "ratio", "resident MiB", "ratio"
     );
     for (n, s) in &cold_stages {
-        let grew = pids
+        // The node's own figure (`shoal status`), of its warm stage: RSS growth since
+        // that stage started loading.
+        let grew = warm_stages
             .iter()
-            .find(|(m, _)| m == n)
-            .map(|(_, p)| rss(*p).saturating_sub(before.iter().find(|(m, _)| m == n).map_or(0, |(_, b)| *b)))
+            .find(|(m, w)| m == n && w.layers == s.layers)
+            .and_then(|(_, w)| w.resident_bytes)
             .unwrap_or(0);
         let loaded = s.loaded_bytes.unwrap_or(0);
         println!(
@@ -200,7 +206,7 @@ pub fn load(a: LoadArgs) -> Result<()> {
             grew as f64 / s.predicted_bytes.max(1) as f64
         );
     }
-    println!("(RSS grew: after the warm load, against before the first; mmapped weights count once paged in)");
+    println!("(resident: as each node reports its warm stage after an 8-token generation: its RSS growth since the stage loaded)");
     Ok(())
 }
 
