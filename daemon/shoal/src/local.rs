@@ -141,8 +141,20 @@ impl Lab {
         }
     }
 
-    /// Run `f` where node `name` runs: its local addresses are then the node's.
-    fn near<T: Send>(&self, name: &str, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    /// The base URL of node `name`'s HTTP API as another host reaches it: its
+    /// namespace host's address on a lab of hosts, else the address it listens on.
+    pub fn api_url(&self, name: &str) -> Result<String> {
+        let listen: std::net::SocketAddr = std::fs::read_to_string(self.dir(name).join("http"))?.trim().parse()?;
+        Ok(match &self.net {
+            Some(net) => format!("http://{}:{}", net.addr(host_of(name)), listen.port()),
+            None => format!("http://{listen}"),
+        })
+    }
+
+    /// Run `f` where node `name` runs: its local addresses are then the node's (on a
+    /// lab of hosts, a thread inside its namespace; the threads `f` starts are there
+    /// too).
+    pub fn near<T: Send>(&self, name: &str, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
         match &self.net {
             Some(net) => net.within(host_of(name), f)?,
             None => f(),

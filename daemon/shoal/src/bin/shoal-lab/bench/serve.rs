@@ -1,5 +1,7 @@
 //! `shoal-lab bench serve`: the HTTP API on a local cluster (three `shoal serve` processes
-//! on loopback, the model split over them), measured side by side with `shoal run`
+//! on loopback, or with `--netns` each on a namespace host of its own, the client on
+//! the first host calling the second's API over the bridge with a key, as another
+//! machine would; the model split over them), measured side by side with `shoal run`
 //! unsplit in the same run, rounds interleaved (these machines are noisy):
 //! - single-stream decode tok/s through the API vs unsplit;
 //! - time to first token of a ~1,000-token prompt through the API vs unsplit;
@@ -31,6 +33,34 @@ pub struct ServeArgs {
     /// Rounds of each single-stream measurement (the median is printed).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Each node on a network namespace host of its own (needs root and iproute2).
+    #[arg(long)]
+    netns: bool,
+}
+
+/// Where the bench sends its HTTP: the API's base URL, the key it needs from another
+/// host, and the lab node whose host the client runs on.
+struct Api<'a> {
+    lab: &'a Lab,
+    url: String,
+    key: Option<String>,
+    client: &'static str,
+}
+
+impl Api<'_> {
+    /// A POST of `body` to `path`, the client's headers set.
+    fn request(&self, path: &str, body: &Value) -> Result<ureq::http::Response<ureq::Body>> {
+        let mut r = agent().post(&format!("{}{path}", self.url)).header("content-type", "application/json");
+        if let Some(k) = &self.key {
+            r = r.header("authorization", &format!("Bearer {k}"));
+        }
+        Ok(r.send(body.to_string())?)
+    }
+
+    /// Run `f` on the client's host.
+    fn on_client<T: Send>(&self, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+        self.lab.near(self.client, f)
+    }
 }
 
 /// What one generation took.
@@ -48,10 +78,24 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let model = super::node::model_or_default(&a.model)?;
     let name = model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let long_prompt = long_prompt(1000);
-    eprintln!("[bench] three nodes on loopback, {} MiB each …", a.max_memory_mib);
-    let lab = Lab::start(3, a.max_memory_mib)?;
+    let lab = if a.netns {
+        eprintln!("[bench] three nodes on namespace hosts, {} MiB each …", a.max_memory_mib);
+        Lab::start_on_hosts(3, a.max_memory_mib, &[])?
+    } else {
+        eprintln!("[bench] three nodes on loopback, {} MiB each …", a.max_memory_mib);
+        Lab::start(3, a.max_memory_mib)?
+    };
     lab.ask("n0", NodeRequest::ModelAdd { path: model.display().to_string(), name: None })?;
-    let api = format!("http://{}", std::fs::read_to_string(lab.dir("n1").join("http"))?.trim());
+    // On hosts, the client is on n0's host and calls n1's API over the bridge: not
+    // loopback, so with a key, as another machine would.
+    let key = match a.netns {
+        true => match lab.ask("n0", NodeRequest::KeyCreate { name: "bench".into() })? {
+            shoal_node::api::NodeResponse::KeyCreated { secret, .. } => Some(secret),
+            other => bail!("creating a key: {other:?}"),
+        },
+        false => None,
+    };
+    let api = Api { lab: &lab, url: lab.api_url("n1")?, key, client: if a.netns { "n0" } else { "n1" } };
 
     // Single stream: one session, a context for the long prompt.
     let ctx = 1024 + a.tokens + 64;
@@ -63,10 +107,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     for round in 0..a.rounds {
         eprintln!("[bench] round {} of {}", round + 1, a.rounds);
         unsplit.push(run_unsplit(&lab.exe, &model, super::node::PROMPT, a.tokens, ctx)?);
-        via_api.push(api_stream(&api, &name, super::node::PROMPT, a.tokens)?);
+        via_api.push(api.on_client(|| api_stream(&api, &name, super::node::PROMPT, a.tokens))?);
         via_node.push(node_generate(&lab, &name, super::node::PROMPT, a.tokens)?);
         ttft_unsplit.push(run_unsplit(&lab.exe, &model, &long_prompt, 2, ctx)?.ttft);
-        ttft_api.push(api_stream(&api, &name, &long_prompt, 2)?.ttft);
+        ttft_api.push(api.on_client(|| api_stream(&api, &name, &long_prompt, 2))?.ttft);
     }
     let med = |v: &mut Vec<f64>| -> f64 {
         v.sort_by(f64::total_cmp);
@@ -79,7 +123,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     println!("  decode tok/s   unsplit {u:>7.1}   API {api_tps:>7.1}   ratio {:.3}   (target >= 0.95)", api_tps / u);
     println!(
         "  TTFT of a {}-token prompt   unsplit {tu:.3} s   API {ta:.3} s   ratio {:.3}",
-        long_prompt_tokens(&lab, &name, &long_prompt).unwrap_or(0),
+        api.on_client(|| long_prompt_tokens(&api, &name, &long_prompt)).unwrap_or(0),
         ta / tu
     );
     let per_token = |t: f64| if t > 0.0 { 1e3 / t } else { f64::NAN };
@@ -98,20 +142,27 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     println!("concurrent streams ({} stages, 6 sessions), {} tokens each:", p6.stages.len(), a.tokens);
     let mut one = 0.0;
     for k in [1usize, 2, 3, 6] {
-        let t0 = Instant::now();
-        let handles: Vec<_> = (0..k)
-            .map(|i| {
-                let (api, name) = (api.clone(), name.clone());
-                let prompt = format!("{} (Variation {i}.)", super::node::PROMPT);
-                let n = a.tokens;
-                std::thread::spawn(move || api_stream(&api, &name, &prompt, n))
-            })
-            .collect();
-        let mut tokens = 0;
-        for h in handles {
-            tokens += h.join().map_err(|_| anyhow::anyhow!("a stream thread panicked"))??.tokens;
-        }
-        let agg = tokens as f64 / t0.elapsed().as_secs_f64();
+        // The streams' threads start inside the client's host (they inherit it).
+        let (tokens, took) = api.on_client(|| {
+            let t0 = Instant::now();
+            let tokens = std::thread::scope(|scope| -> Result<u64> {
+                let handles: Vec<_> = (0..k)
+                    .map(|i| {
+                        let (api, name) = (&api, &name);
+                        let prompt = format!("{} (Variation {i}.)", super::node::PROMPT);
+                        let n = a.tokens;
+                        scope.spawn(move || api_stream(api, name, &prompt, n))
+                    })
+                    .collect();
+                let mut tokens = 0;
+                for h in handles {
+                    tokens += h.join().map_err(|_| anyhow::anyhow!("a stream thread panicked"))??.tokens;
+                }
+                Ok(tokens)
+            })?;
+            Ok((tokens, t0.elapsed().as_secs_f64()))
+        })?;
+        let agg = tokens as f64 / took;
         if k == 1 {
             one = agg;
         }
@@ -126,11 +177,15 @@ fn long_prompt(tokens: usize) -> String {
     (0..tokens * 17 / 20).map(|i| words[i % words.len()]).collect::<Vec<_>>().join(" ")
 }
 
-/// The long prompt's length in the model's tokens (`/v1/completions` usage, 1 token).
-fn long_prompt_tokens(lab: &Lab, name: &str, prompt: &str) -> Result<u64> {
-    let api = format!("http://{}", std::fs::read_to_string(lab.dir("n1").join("http"))?.trim());
+/// The long prompt's length in the model's tokens (the chat route's usage, 1 token).
+fn long_prompt_tokens(api: &Api, name: &str, prompt: &str) -> Result<u64> {
     let body = json!({"model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1});
-    let v = post(&format!("{api}/v1/chat/completions"), &body)?;
+    let mut r = api.request("/v1/chat/completions", &body)?;
+    let text = r.body_mut().read_to_string()?;
+    if r.status() != 200 {
+        bail!("the API answered {} {text}", r.status());
+    }
+    let v: Value = serde_json::from_str(&text)?;
     v["usage"]["prompt_tokens"].as_u64().context("no usage")
 }
 
@@ -138,26 +193,14 @@ fn agent() -> ureq::Agent {
     ureq::Agent::config_builder().http_status_as_error(false).build().into()
 }
 
-fn post(url: &str, body: &Value) -> Result<Value> {
-    let mut r = agent().post(url).header("content-type", "application/json").send(body.to_string())?;
-    let text = r.body_mut().read_to_string()?;
-    if r.status() != 200 {
-        bail!("{url}: {} {text}", r.status());
-    }
-    Ok(serde_json::from_str(&text)?)
-}
-
 /// One greedy streamed chat through the API: first token and decode speed as the
 /// client sees them.
-fn api_stream(api: &str, model: &str, prompt: &str, n: u32) -> Result<Timing> {
+fn api_stream(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Timing> {
     use std::io::BufRead;
     let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
         "max_tokens": n, "stream": true, "stream_options": {"include_usage": true}});
     let t0 = Instant::now();
-    let mut r = agent()
-        .post(&format!("{api}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .send(body.to_string())?;
+    let mut r = api.request("/v1/chat/completions", &body)?;
     if r.status() != 200 {
         bail!("the API answered {}", r.status());
     }
@@ -186,7 +229,8 @@ fn api_stream(api: &str, model: &str, prompt: &str, n: u32) -> Result<Timing> {
 
 /// `shoal generate --model` through node n1 (the node protocol, no HTTP).
 fn node_generate(lab: &Lab, model: &str, prompt: &str, n: u32) -> Result<Timing> {
-    let out = Command::new(&lab.exe)
+    let out = lab
+        .command("n1")
         .args(["generate", "--model", model, "--prompt", prompt, "-n", &n.to_string(), "--json", "--ignore-eos"])
         .arg("--data-dir")
         .arg(lab.dir("n1"))
