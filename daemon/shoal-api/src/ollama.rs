@@ -88,6 +88,10 @@ struct ChatRequest {
     tools: Option<Vec<Value>>,
     #[serde(default)]
     keep_alive: Option<Value>,
+    #[serde(default)]
+    logprobs: bool,
+    #[serde(default)]
+    top_logprobs: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -126,6 +130,10 @@ struct GenerateRequest {
     images: Option<Vec<Value>>,
     #[serde(default)]
     keep_alive: Option<Value>,
+    #[serde(default)]
+    logprobs: bool,
+    #[serde(default)]
+    top_logprobs: Option<u32>,
 }
 
 /// Whether `keep_alive` asks for the model to be unloaded: 0 (seconds), or a zero
@@ -189,6 +197,19 @@ fn format_grammar(format: &Option<Value>) -> Result<Option<String>, Failure> {
     }
 }
 
+/// How many alternatives each token's log-probabilities list, if asked for (newer
+/// Ollama's `logprobs: true` with `top_logprobs` 0-20, as OpenAI's chat).
+fn logprobs(asked: bool, top: Option<u32>) -> Result<Option<u32>, Failure> {
+    match (asked, top) {
+        (false, None) => Ok(None),
+        (false, Some(_)) => Err(Failure::bad("top_logprobs needs logprobs: true")),
+        (true, Some(n)) if n > shoal_types::MAX_TOP_LOGPROBS => {
+            Err(Failure::bad(format!("top_logprobs must be from 0 to {}", shoal_types::MAX_TOP_LOGPROBS)))
+        }
+        (true, n) => Ok(Some(n.unwrap_or(0))),
+    }
+}
+
 fn refuse_images(images: bool) -> Result<(), Failure> {
     if images {
         return Err(Failure::bad("images are not supported: Shoal serves text models"));
@@ -208,6 +229,10 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
             (Some(_), Some(_)) => return Err(Failure::bad("tools and format cannot be used together")),
             (g, t) => g.or_else(|| t.as_ref().map(Toolbox::grammar)),
         };
+        let scored = logprobs(req.logprobs, req.top_logprobs)?;
+        if scored.is_some() && toolbox.is_some() {
+            return Err(Failure::bad("logprobs are not available with tools"));
+        }
         let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.messages.is_empty() {
@@ -226,7 +251,7 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
             })
             .collect::<Result<Vec<_>, Failure>>()?;
         let messages = tools::prompt_turns(&turns, toolbox.as_ref());
-        let job = job(&*backend, &model, &req.options, grammar, |text| {
+        let job = job(&*backend, &model, &req.options, grammar, scored, |text| {
             let prompt = text.chat_prompt(&messages).map_err(Failure::bad)?;
             Ok(text.tokenize(&prompt, true))
         })
@@ -248,6 +273,7 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
         let req: GenerateRequest = common::parse(&body)?;
         refuse_images(req.images.as_ref().is_some_and(|i| !i.is_empty()))?;
         let grammar = format_grammar(&req.format)?;
+        let scored = logprobs(req.logprobs, req.top_logprobs)?;
         let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.prompt.is_empty() {
@@ -255,7 +281,7 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
         }
         let (prompt, raw, system) = (req.prompt.clone(), req.raw, req.system.clone());
         let suffix = req.suffix.clone().filter(|s| !s.is_empty());
-        let job = job(&*backend, &model, &req.options, grammar, |text| {
+        let job = job(&*backend, &model, &req.options, grammar, scored, |text| {
             if let Some(suffix) = &suffix {
                 // Fill in the middle: the model's own tokens around both texts, no
                 // template (as Ollama does for a model with the insert capability).
@@ -287,6 +313,7 @@ async fn job<B: Backend>(
     model: &ModelInfo,
     options: &Options,
     grammar: Option<String>,
+    logprobs: Option<u32>,
     tokens: impl FnOnce(&dyn TextModel) -> Result<Vec<TokenId>, Failure>,
 ) -> Result<Job, Failure> {
     common::ready_or_failure(backend, model).await?;
@@ -297,7 +324,7 @@ async fn job<B: Backend>(
         text,
         max_tokens: options.max_tokens(model, prompt.len())?,
         prompt,
-        sampling: options.sampling(grammar),
+        sampling: SamplingParams { logprobs, ..options.sampling(grammar) },
         stop: options.stop.clone().unwrap_or_default(),
         ignore_eos: false,
     })
@@ -343,10 +370,18 @@ async fn respond<B: Backend>(
     then_unload: Option<String>,
 ) -> Result<Response, Failure> {
     let guard = UnloadOnDrop(then_unload.map(|name| (backend.clone(), name)));
+    let scored = job.sampling.logprobs.is_some();
+    // Each line's tokens' log-probabilities, when asked for.
+    let with = move |mut v: Value, lp: &[gen::Logprob]| {
+        if scored {
+            v["logprobs"] = Value::Array(crate::openai::token_entries(lp));
+        }
+        v
+    };
     let (first, mut events) = gen::start(backend, job).await?;
     if !streamed {
-        let (text, o) = gen::collect(first, &mut events).await?;
-        return Ok(Json(line(shape, &model, &text, Some(&o))).into_response());
+        let (text, lp, o) = gen::collect_scored(first, &mut events).await?;
+        return Ok(Json(with(line(shape, &model, &text, Some(&o)), &lp)).into_response());
     }
     // NDJSON: one object a line; after text went out, a failure is an `error` line.
     let lines = stream::unfold((Some(first), events, false, guard), move |(pending, mut events, done, guard)| {
@@ -360,7 +395,7 @@ async fn respond<B: Backend>(
                 None => events.recv().await?,
             };
             let (v, done) = match event {
-                Event::Text(t, _) => (line(shape, &model, &t, None), false),
+                Event::Text(t, lp) => (with(line(shape, &model, &t, None), &lp), false),
                 Event::End(o) => (line(shape, &model, "", Some(&o)), true),
                 Event::Failed(f) => (json!({"error": f.message}), true),
             };

@@ -413,21 +413,7 @@ async fn answer_with_tools<B: Backend>(
 fn logprobs_json(kind: Kind, entries: &[Logprob], offset: usize) -> Value {
     let shown = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     match kind {
-        Kind::Chat => {
-            let content: Vec<Value> = entries
-                .iter()
-                .map(|e| {
-                    let top: Vec<Value> = e
-                        .top
-                        .iter()
-                        .map(|(b, x)| json!({"token": shown(b), "logprob": finite(*x), "bytes": b}))
-                        .collect();
-                    json!({"token": shown(&e.bytes), "logprob": finite(e.logprob), "bytes": e.bytes,
-                        "top_logprobs": top})
-                })
-                .collect();
-            json!({"content": content, "refusal": null})
-        }
+        Kind::Chat => json!({"content": token_entries(entries), "refusal": null}),
         Kind::Text => {
             // Offsets in the text as released: a character split over tokens counts
             // once, at the token that completes it.
@@ -453,6 +439,20 @@ fn logprobs_json(kind: Kind, entries: &[Logprob], offset: usize) -> Value {
                 "top_logprobs": top, "text_offset": offsets})
         }
     }
+}
+
+/// Tokens' log-probabilities as chat's entries (`[{token, logprob, bytes,
+/// top_logprobs: [{token, logprob, bytes}]}]`), the shape Ollama's `logprobs` took too.
+pub(crate) fn token_entries(entries: &[Logprob]) -> Vec<Value> {
+    let shown = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    entries
+        .iter()
+        .map(|e| {
+            let top: Vec<Value> =
+                e.top.iter().map(|(b, x)| json!({"token": shown(b), "logprob": finite(*x), "bytes": b})).collect();
+            json!({"token": shown(&e.bytes), "logprob": finite(e.logprob), "bytes": e.bytes, "top_logprobs": top})
+        })
+        .collect()
 }
 
 /// A log-probability JSON can hold: -inf (a token the model gave no chance) as -9999,

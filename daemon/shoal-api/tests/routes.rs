@@ -1383,3 +1383,43 @@ async fn tools_are_offered_in_the_prompt_held_by_a_grammar_and_calls_come_back_p
     assert_eq!(status, 400, "{body}");
     assert_eq!(fake.prompts.lock().unwrap().len(), seen);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollama_logprobs_come_with_each_lines_tokens_and_bad_asks_are_400() {
+    let (base, fake) = server().await;
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    // Whole: one entry per token, the alternatives asked for, the bytes making the text.
+    let req = json!({"model": "tiny", "messages": msgs, "stream": false, "logprobs": true, "top_logprobs": 2,
+        "options": {"num_predict": 6}});
+    let (status, _, body) = post(format!("{base}/api/chat"), req).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let entries = v["logprobs"].as_array().unwrap();
+    assert_eq!(entries.len() as u64, v["eval_count"].as_u64().unwrap(), "{v}");
+    let bytes: Vec<u8> =
+        entries.iter().flat_map(|e| e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8)).collect();
+    assert_eq!(String::from_utf8(bytes).unwrap(), v["message"]["content"].as_str().unwrap());
+    assert!(entries.iter().all(|e| e["logprob"] == json!(-0.25) && e["top_logprobs"].as_array().unwrap().len() == 2));
+    assert_eq!(fake.samplings.lock().unwrap().last().unwrap()["logprobs"], 2);
+    // Streamed (generate): each line lists its own tokens; together, every token.
+    let req = json!({"model": "tiny", "prompt": "Hi", "logprobs": true, "options": {"num_predict": 6}});
+    let (status, _, body) = post(format!("{base}/api/generate"), req).await;
+    assert_eq!(status, 200, "{body}");
+    let lines: Vec<Value> = body.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let listed: usize = lines.iter().filter_map(|l| l["logprobs"].as_array()).map(Vec::len).sum();
+    assert_eq!(listed as u64, lines.last().unwrap()["eval_count"].as_u64().unwrap(), "{body}");
+    assert!(lines.iter().filter_map(|l| l["logprobs"].as_array()).flatten().all(|e| e["top_logprobs"] == json!([])));
+    // Not asked: no field.
+    let (_, _, body) =
+        post(format!("{base}/api/chat"), json!({"model": "tiny", "messages": msgs, "stream": false})).await;
+    assert!(serde_json::from_str::<Value>(&body).unwrap().get("logprobs").is_none(), "{body}");
+    for bad in [json!({"top_logprobs": 2}), json!({"logprobs": true, "top_logprobs": 21})] {
+        let mut req = json!({"model": "tiny", "messages": msgs});
+        for (k, x) in bad.as_object().unwrap() {
+            req[k] = x.clone();
+        }
+        let (status, _, body) = post(format!("{base}/api/chat"), req).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert!(body.contains("top_logprobs"), "{body}");
+    }
+}
