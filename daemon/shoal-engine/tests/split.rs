@@ -7,7 +7,7 @@ use shoal_engine::{
     StageConfig, Vocab,
 };
 use shoal_types::{LayerRange, SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const GEMMA: &str = "gemma-3-270m-q4_k_m.gguf";
@@ -37,8 +37,8 @@ fn gpu_layers() -> u32 {
     std::env::var("SHOAL_TEST_GPU_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
-fn prompt(file: &str) -> Vec<TokenId> {
-    let vocab = Vocab::load(&model(file)).unwrap();
+fn prompt(file: &Path) -> Vec<TokenId> {
+    let vocab = Vocab::load(file).unwrap();
     let text = "The history of the lighthouse begins in antiquity, when fires were lit on hilltops \
         to guide ships into harbour. The Pharos of Alexandria, built in the third century BC, stood \
         over a hundred metres tall and was counted among the wonders of the ancient world. Later, \
@@ -62,8 +62,8 @@ impl Observer for Record {
     }
 }
 
-fn run(file: &str, points: &[u32], cache: &ShardCache) -> (Vec<TokenId>, Vec<Vec<f32>>, String) {
-    let (_, stages) = load_split(&model(file), points, cache, &config()).unwrap();
+fn run(file: &Path, points: &[u32], cache: &ShardCache) -> (Vec<TokenId>, Vec<Vec<f32>>, String) {
+    let (_, stages) = load_split(file, points, cache, &config()).unwrap();
     assert_eq!(stages.len(), points.len() + 1);
     let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect()).unwrap();
     let mut rec = Record::default();
@@ -79,13 +79,14 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-fn assert_splits_match(file: &str, splits: &[&[u32]]) {
+fn assert_splits_match(file: &Path, splits: &[&[u32]]) {
     let dir = tempfile::tempdir().unwrap();
     let cache = ShardCache::new(dir.path());
     let (tokens, logits, digest) = run(file, &[], &cache);
     assert_eq!(logits.len(), NEW_TOKENS);
     for points in splits {
         let (t, l, d) = run(file, points, &cache);
+        let file = file.display();
         assert_eq!(t, tokens, "{file} split at {points:?}: tokens differ from the unsplit model");
         for (step, (a, b)) in logits.iter().zip(&l).enumerate() {
             let diff = max_abs_diff(a, b);
@@ -95,7 +96,7 @@ fn assert_splits_match(file: &str, splits: &[&[u32]]) {
         assert_eq!(d, digest, "{file} split at {points:?}: logits digest differs");
     }
     // A shard of the whole model, written by Shoal, is the model.
-    let (g, meta) = shoal_gguf::open_model(&model(file)).unwrap();
+    let (g, meta) = shoal_gguf::open_model(file).unwrap();
     let whole = dir.path().join("whole.gguf");
     let range = shoal_types::LayerRange::new(0, meta.n_layer);
     shoal_gguf::shard::write_shard(&g, &meta, range, &whole).unwrap();
@@ -103,17 +104,33 @@ fn assert_splits_match(file: &str, splits: &[&[u32]]) {
     let mut chain = Chain::new(vec![Box::new(stage) as Box<dyn Stage>]).unwrap();
     let sampler = &mut Sampler::new(&SamplingParams::default());
     let w = chain.generate(SessionId(1), &prompt(file), NEW_TOKENS, sampler, &mut ()).unwrap();
+    let file = file.display();
     assert_eq!((w.tokens, w.logits_digest), (tokens, digest), "{file}: whole-model shard differs from the source");
 }
 
 #[test]
 fn smollm2_splits_match_unsplit() {
-    assert_splits_match(SMOL, &[&[15], &[10, 20]]);
+    assert_splits_match(&model(SMOL), &[&[15], &[10, 20]]);
 }
 
 #[test]
 fn gemma3_splits_match_unsplit() {
-    assert_splits_match(GEMMA, &[&[12], &[6, 12]]);
+    assert_splits_match(&model(GEMMA), &[&[12], &[6, 12]]);
+}
+
+/// Every split of a zoo model (4 layers: 7 ways) gives the unsplit model's tokens and
+/// logits: what allows its architecture.
+#[test]
+fn zoo_families_split_exactly_at_every_boundary() {
+    let dir = tempfile::tempdir().unwrap();
+    let all: [&[u32]; 7] = [&[1], &[2], &[3], &[1, 2], &[1, 3], &[2, 3], &[1, 2, 3]];
+    for family in shoal_gguf::zoo::Family::ALL {
+        let path = dir.path().join(format!("{}.gguf", family.arch()));
+        shoal_gguf::zoo::write(*family, &model(SMOL), &path).unwrap();
+        let (_, meta) = shoal_gguf::open_model(&path).unwrap();
+        assert_eq!((meta.arch.name(), meta.n_layer), (family.arch(), 4));
+        assert_splits_match(&path, &all);
+    }
 }
 
 #[test]
@@ -149,7 +166,7 @@ fn logits(o: StageOutput) -> Vec<f32> {
 #[test]
 fn replayed_steps_give_identical_output() {
     let (_dir, mut head, mut tail) = two_stages();
-    let p = prompt(SMOL);
+    let p = prompt(&model(SMOL));
     let s = SessionId(7);
     let (c1, c2) = (&p[..32], &p[32..64]);
     let h1 = hidden(head.forward(s, 0, StageInput::Tokens(c1)).unwrap());
@@ -177,7 +194,7 @@ fn replayed_steps_give_identical_output() {
 fn interleaved_sessions_match_each_alone() {
     let dir = tempfile::tempdir().unwrap();
     let cache = ShardCache::new(dir.path());
-    let p = prompt(SMOL);
+    let p = prompt(&model(SMOL));
     let prompts = [p[..60].to_vec(), p[40..].to_vec()];
     let greedy = || Sampler::new(&SamplingParams::default());
 
@@ -229,7 +246,7 @@ fn interleaved_sessions_match_each_alone() {
 #[test]
 fn bad_input_is_refused_and_changes_nothing() {
     let (_dir, mut head, mut tail) = two_stages();
-    let p = prompt(SMOL);
+    let p = prompt(&model(SMOL));
     let s = SessionId(3);
     let h1 = hidden(head.forward(s, 0, StageInput::Tokens(&p[..32])).unwrap());
     let l1 = logits(tail.forward(s, 0, StageInput::Hidden(&h1)).unwrap());
@@ -267,7 +284,7 @@ fn bad_input_is_refused_and_changes_nothing() {
 #[test]
 fn sessions_are_limited_and_freed() {
     let (_dir, mut head, _tail) = two_stages();
-    let p = prompt(SMOL);
+    let p = prompt(&model(SMOL));
     head.forward(SessionId(1), 0, StageInput::Tokens(&p[..4])).unwrap();
     head.forward(SessionId(2), 0, StageInput::Tokens(&p[..4])).unwrap();
     let e = head.forward(SessionId(3), 0, StageInput::Tokens(&p[..4])).unwrap_err();

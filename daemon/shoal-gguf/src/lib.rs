@@ -8,6 +8,7 @@ mod ggml_type;
 mod model;
 pub mod shard;
 mod value;
+pub mod zoo;
 
 pub use file::{
     header_memory_budget, write_header, Gguf, TensorInfo, DEFAULT_ALIGNMENT, HEADER_MEMORY_PER_FILE_BYTE,

@@ -22,16 +22,24 @@ pub enum Arch {
     Llama,
     /// `gemma3`: sliding-window attention on 5 of every 6 layers.
     Gemma3,
+    /// `qwen2` (Qwen 2, Qwen 2.5 of every size): llama's stack with q/k/v biases; no
+    /// per-layer pattern. Verified on its zoo model.
+    Qwen2,
+    /// `qwen3` (dense Qwen 3): q/k norms per head; no per-layer pattern. Verified on its
+    /// zoo model.
+    Qwen3,
 }
 
 impl Arch {
     /// Architectures Shoal accepts, by their GGUF name.
-    pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3"];
+    pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3", "qwen2", "qwen3"];
 
     fn from_name(name: &str) -> Option<Arch> {
         match name {
             "llama" => Some(Arch::Llama),
             "gemma3" => Some(Arch::Gemma3),
+            "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
             _ => None,
         }
     }
@@ -41,6 +49,8 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
         }
     }
 
@@ -49,7 +59,7 @@ impl Arch {
     /// renumbers its layers from 0.
     pub fn layer_period(self) -> u32 {
         match self {
-            Arch::Llama => 1,
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => 1,
             Arch::Gemma3 => 6,
         }
     }

@@ -1,0 +1,167 @@
+//! The model zoo: tiny GGUF files with random weights for architectures whose real
+//! weights cannot be downloaded here, written with the architecture's own metadata
+//! keys, tensor names and shapes (a few layers, small widths) and quantised like real
+//! files (Q8_0 matrices, F32 norms and biases). llama.cpp's loader checks names and
+//! shapes strictly, so a zoo model that loads and runs builds the same graph as the
+//! real model: what the split check needs to allow an architecture. The vocabulary
+//! (every `tokenizer.*` key) is copied from a real model, so prompts tokenize and
+//! answers detokenize as they would. Deterministic: the same family gives the same
+//! bytes.
+
+use crate::file::{align, write_header, Gguf, TensorInfo, DEFAULT_ALIGNMENT};
+use crate::value::Value;
+use crate::{GgmlType, GgufError};
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+/// A family the zoo writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Qwen 2 / 2.5: biases on the q, k and v projections; LM head tied to the
+    /// embedding (as the small Qwen 2.5 models ship).
+    Qwen2,
+    /// Qwen 3 (dense): RMS norms on each head's q and k; its own LM head.
+    Qwen3,
+}
+
+impl Family {
+    /// Every family the zoo writes.
+    pub const ALL: &'static [Family] = &[Family::Qwen2, Family::Qwen3];
+
+    /// The GGUF architecture name.
+    pub fn arch(self) -> &'static str {
+        match self {
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// Sizes of every zoo model: 4 layers (every split can be checked), 4 query heads of
+/// 16 sharing 2 key/value heads (grouped-query attention), widths that Q8_0's blocks of
+/// 32 divide.
+const N_LAYER: u32 = 4;
+const N_EMBD: u64 = 64;
+const N_HEAD: u64 = 4;
+const N_HEAD_KV: u64 = 2;
+const HEAD_DIM: u64 = 16;
+const N_FF: u64 = 128;
+
+/// Write the zoo model of `family` to `dest`, its vocabulary copied from the GGUF at
+/// `vocab_from`.
+pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufError> {
+    let source = Gguf::open(vocab_from)?;
+    let bad = |what: String| GgufError::Model { path: vocab_from.to_owned(), what };
+    let n_vocab = match source.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(_, tokens)) => tokens.len() as u64,
+        _ => return Err(bad("no tokenizer.ggml.tokens to copy".into())),
+    };
+    let arch = family.arch();
+    let u32v = |k: &str, v: u64| (format!("{arch}.{k}"), Value::U32(v as u32));
+    let mut metadata = vec![
+        ("general.architecture".to_string(), Value::String(arch.as_bytes().to_vec())),
+        ("general.name".to_string(), Value::String(format!("shoal zoo {arch}").into_bytes())),
+        u32v("block_count", u64::from(N_LAYER)),
+        u32v("context_length", 4096),
+        u32v("embedding_length", N_EMBD),
+        u32v("feed_forward_length", N_FF),
+        u32v("attention.head_count", N_HEAD),
+        u32v("attention.head_count_kv", N_HEAD_KV),
+        (format!("{arch}.rope.freq_base"), Value::F32(1_000_000.0)),
+        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+    ];
+    if family == Family::Qwen3 {
+        metadata.push(u32v("attention.key_length", HEAD_DIM));
+        metadata.push(u32v("attention.value_length", HEAD_DIM));
+    }
+    metadata.extend(source.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned());
+
+    // (name, dims innermost first, quantised)
+    let mut plan: Vec<(String, Vec<u64>, bool)> = vec![("token_embd.weight".into(), vec![N_EMBD, n_vocab], true)];
+    for i in 0..N_LAYER {
+        let t = |name: &str, dims: &[u64], q: bool| (format!("blk.{i}.{name}"), dims.to_vec(), q);
+        plan.push(t("attn_norm.weight", &[N_EMBD], false));
+        plan.push(t("attn_q.weight", &[N_EMBD, N_HEAD * HEAD_DIM], true));
+        plan.push(t("attn_k.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], true));
+        plan.push(t("attn_v.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], true));
+        match family {
+            Family::Qwen2 => {
+                plan.push(t("attn_q.bias", &[N_HEAD * HEAD_DIM], false));
+                plan.push(t("attn_k.bias", &[N_HEAD_KV * HEAD_DIM], false));
+                plan.push(t("attn_v.bias", &[N_HEAD_KV * HEAD_DIM], false));
+            }
+            Family::Qwen3 => {
+                plan.push(t("attn_q_norm.weight", &[HEAD_DIM], false));
+                plan.push(t("attn_k_norm.weight", &[HEAD_DIM], false));
+            }
+        }
+        plan.push(t("attn_output.weight", &[N_HEAD * HEAD_DIM, N_EMBD], true));
+        plan.push(t("ffn_norm.weight", &[N_EMBD], false));
+        plan.push(t("ffn_gate.weight", &[N_EMBD, N_FF], true));
+        plan.push(t("ffn_up.weight", &[N_EMBD, N_FF], true));
+        plan.push(t("ffn_down.weight", &[N_FF, N_EMBD], true));
+    }
+    plan.push(("output_norm.weight".into(), vec![N_EMBD], false));
+    if family == Family::Qwen3 {
+        plan.push(("output.weight".into(), vec![N_EMBD, n_vocab], true));
+    }
+
+    // Invariant: the table holds ids 0 (F32) and 8 (Q8_0), which ggml keeps.
+    let (f32t, q8) = (GgmlType::from_id(0).expect("F32"), GgmlType::from_id(8).expect("Q8_0"));
+    let mut rng = 0x5eed_0000_0000_0001u64 ^ (family as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut tensors = Vec::new();
+    let mut data: Vec<Vec<u8>> = Vec::new();
+    let mut offset = 0u64;
+    for (name, dims, quantised) in plan {
+        let n: u64 = dims.iter().product();
+        let values: Vec<f32> = if name.ends_with("norm.weight") {
+            // Norm scales near 1, as trained models have them.
+            (0..n).map(|_| 1.0 + 0.1 * uniform(&mut rng)).collect()
+        } else {
+            // Small weights keep the activations of a random model in range.
+            let scale = if name.ends_with(".bias") { 0.1 } else { 0.5 / (dims[0] as f32).sqrt() };
+            (0..n).map(|_| scale * uniform(&mut rng)).collect()
+        };
+        let (ggml_type, bytes) = if quantised { (q8, q8_0(&values)) } else { (f32t, f32_bytes(&values)) };
+        tensors.push(TensorInfo { name, dims, ggml_type, offset, bytes: bytes.len() as u64 });
+        offset = align(offset + bytes.len() as u64, DEFAULT_ALIGNMENT);
+        data.push(bytes);
+    }
+
+    let io = |e: std::io::Error| GgufError::Io { path: dest.to_owned(), source: e };
+    let mut w = BufWriter::new(std::fs::File::create(dest).map_err(io)?);
+    write_header(&mut w, &metadata, &tensors, DEFAULT_ALIGNMENT).map_err(io)?;
+    for (t, bytes) in tensors.iter().zip(&data) {
+        w.write_all(bytes).map_err(io)?;
+        let pad = align(t.bytes, DEFAULT_ALIGNMENT) - t.bytes;
+        w.write_all(&vec![0u8; pad as usize]).map_err(io)?;
+    }
+    w.flush().map_err(io)?;
+    Ok(())
+}
+
+/// A uniform number in [-1, 1) from xorshift64* state `s`.
+fn uniform(s: &mut u64) -> f32 {
+    *s ^= *s >> 12;
+    *s ^= *s << 25;
+    *s ^= *s >> 27;
+    let x = s.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+    (x as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// ggml's Q8_0: blocks of 32 values as an f16 scale and 32 signed bytes.
+fn q8_0(v: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() / 32 * 34);
+    for block in v.chunks(32) {
+        let amax = block.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        out.extend(block.iter().map(|x| ((x * inv).round() as i8) as u8));
+    }
+    out
+}

@@ -1,0 +1,45 @@
+//! The model zoo's families (tiny random-weight GGUFs written by `shoal_gguf::zoo`)
+//! through what a user's model goes through: the planner's memory prediction per stage
+//! against what llama.cpp allocates for it, and `shoal run` split against unsplit.
+//! (The engine's tests check every split of each family bit for bit.)
+
+mod common;
+
+use common::model;
+use shoal_engine::{load_split, ShardCache, StageConfig};
+use shoal_gguf::zoo::Family;
+use shoal_planner::model::{ModelProfile, Sizing};
+use shoal_types::Stage;
+
+#[test]
+fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_zoo_family() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = ShardCache::new(dir.path().join("shards"));
+    let sizing = Sizing { context: 512, sessions: 2, chunk: 32 };
+    let config = StageConfig {
+        n_ctx_per_session: sizing.context,
+        max_sessions: sizing.sessions,
+        chunk: sizing.chunk,
+        threads: 1,
+        gpu_layers: 0,
+        gpus: Vec::new(),
+    };
+    for family in Family::ALL {
+        let path = dir.path().join(format!("{}.gguf", family.arch()));
+        shoal_gguf::zoo::write(*family, &model("SmolLM2-135M-Instruct.Q4_1.gguf"), &path).unwrap();
+        let (meta, stages) = load_split(&path, &[2], &cache, &config).unwrap();
+        let profile = ModelProfile::from_meta(&meta);
+        for stage in &stages {
+            let layers = stage.info().layers;
+            let (predicted, loaded) = (profile.stage_memory(layers, &sizing), stage.memory());
+            let (p, l) = (predicted.total() as f64, loaded.total() as f64);
+            eprintln!(
+                "{} layers {layers}: predicted {predicted:?}, llama.cpp {loaded:?}, ratio {:.4}",
+                family.arch(),
+                l / p
+            );
+            assert_eq!(predicted.weights, loaded.weights, "{} {layers}", family.arch());
+            assert!((l / p - 1.0).abs() <= 0.01, "{} {layers}: predicted {p}, llama.cpp {l}", family.arch());
+        }
+    }
+}
