@@ -118,8 +118,8 @@ fn gemma3_splits_match_unsplit() {
     assert_splits_match(&model(GEMMA), &[&[12], &[6, 12]]);
 }
 
-/// Every split of a zoo model (4 layers: 7 ways) gives the unsplit model's tokens and
-/// logits: what allows its architecture.
+/// Every split of a zoo model (4 layers: 7 ways, those on the family's layer period)
+/// gives the unsplit model's tokens and logits: what allows its architecture.
 #[test]
 fn zoo_families_split_exactly_at_every_boundary() {
     let dir = tempfile::tempdir().unwrap();
@@ -129,8 +129,28 @@ fn zoo_families_split_exactly_at_every_boundary() {
         shoal_gguf::zoo::write(*family, &model(SMOL), &path).unwrap();
         let (_, meta) = shoal_gguf::open_model(&path).unwrap();
         assert_eq!((meta.arch.name(), meta.n_layer), (family.arch(), 4));
-        assert_splits_match(&path, &all);
+        // Every split on the family's period; one off it is refused with the reason.
+        let period = meta.layer_period();
+        let legal: Vec<&[u32]> = all.iter().copied().filter(|p| p.iter().all(|x| x % period == 0)).collect();
+        assert_splits_match(&path, &legal);
+        if period > 1 {
+            let cache = ShardCache::new(dir.path().join("off"));
+            let err = load_split(&path, &[1], &cache, &config()).err().expect("a split off the period accepted");
+            assert!(err.to_string().contains(&format!("period of {period}")), "{err}");
+        }
     }
+}
+
+/// Gemma 2's graph scales hidden-state input as it scales the embedding, so a split
+/// differs from the unsplit run (its zoo model showed it: split at 2, other tokens):
+/// the architecture is refused, with that reason.
+#[test]
+fn gemma2_is_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gemma2.gguf");
+    shoal_gguf::zoo::write(shoal_gguf::zoo::Family::Gemma2, &model(SMOL), &path).unwrap();
+    let err = shoal_gguf::open_model(&path).expect_err("gemma2 accepted");
+    assert!(err.to_string().contains("scales every input by √n_embd"), "{err}");
 }
 
 #[test]

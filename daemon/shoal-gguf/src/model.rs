@@ -31,6 +31,13 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// Architectures checked and refused, with why: their zoo models show it.
+    pub const REFUSED: &'static [(&'static str, &'static str)] = &[(
+        "gemma2",
+        "llama.cpp's gemma2 graph scales every input by √n_embd, hidden states from a previous \
+         stage included, so a split cannot give the unsplit model's output (Gemma 3 is supported)",
+    )];
+
     /// Architectures Shoal accepts, by their GGUF name.
     pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3", "qwen2", "qwen3"];
 
@@ -115,10 +122,13 @@ impl ModelMeta {
             .ok_or_else(|| bad("no general.architecture string".into()))?;
         let arch = Arch::from_name(arch_name).ok_or_else(|| GgufError::Unsupported {
             path: g.path.clone(),
-            what: format!(
-                "architecture {arch_name:?} has not been verified for layer splits (supported: {})",
-                Arch::SUPPORTED.join(", ")
-            ),
+            what: match Arch::REFUSED.iter().find(|(name, _)| *name == arch_name) {
+                Some((_, why)) => format!("architecture {arch_name:?} cannot be split: {why}"),
+                None => format!(
+                    "architecture {arch_name:?} has not been verified for layer splits (supported: {})",
+                    Arch::SUPPORTED.join(", ")
+                ),
+            },
         })?;
         let key_u32 = |k: &str| -> Result<u32, GgufError> {
             let key = format!("{arch_name}.{k}");

@@ -22,17 +22,25 @@ pub enum Family {
     Qwen2,
     /// Qwen 3 (dense): RMS norms on each head's q and k; its own LM head.
     Qwen3,
+    /// Gemma 2: sliding-window attention on every other layer, norms after attention
+    /// and feed-forward too, logit soft-capping, the embedding scaled by √n_embd; LM
+    /// head tied.
+    Gemma2,
 }
 
 impl Family {
-    /// Every family the zoo writes.
+    /// The families whose architectures Shoal allows (each verified on its zoo model).
     pub const ALL: &'static [Family] = &[Family::Qwen2, Family::Qwen3];
+
+    /// Families written to show why their architecture is refused (`Arch::REFUSED`).
+    pub const REFUSED: &'static [Family] = &[Family::Gemma2];
 
     /// The GGUF architecture name.
     pub fn arch(self) -> &'static str {
         match self {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Gemma2 => "gemma2",
         }
     }
 }
@@ -70,9 +78,15 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
         (format!("{arch}.rope.freq_base"), Value::F32(1_000_000.0)),
         (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
     ];
-    if family == Family::Qwen3 {
+    if family != Family::Qwen2 {
         metadata.push(u32v("attention.key_length", HEAD_DIM));
         metadata.push(u32v("attention.value_length", HEAD_DIM));
+    }
+    if family == Family::Gemma2 {
+        // A window shorter than the tests' prompts, so that it matters.
+        metadata.push(u32v("attention.sliding_window", 32));
+        metadata.push((format!("{arch}.attn_logit_softcapping"), Value::F32(50.0)));
+        metadata.push((format!("{arch}.final_logit_softcapping"), Value::F32(30.0)));
     }
     metadata.extend(source.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned());
 
@@ -94,12 +108,19 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
                 plan.push(t("attn_q_norm.weight", &[HEAD_DIM], false));
                 plan.push(t("attn_k_norm.weight", &[HEAD_DIM], false));
             }
+            Family::Gemma2 => {}
         }
         plan.push(t("attn_output.weight", &[N_HEAD * HEAD_DIM, N_EMBD], true));
+        if family == Family::Gemma2 {
+            plan.push(t("post_attention_norm.weight", &[N_EMBD], false));
+        }
         plan.push(t("ffn_norm.weight", &[N_EMBD], false));
         plan.push(t("ffn_gate.weight", &[N_EMBD, N_FF], true));
         plan.push(t("ffn_up.weight", &[N_EMBD, N_FF], true));
         plan.push(t("ffn_down.weight", &[N_FF, N_EMBD], true));
+        if family == Family::Gemma2 {
+            plan.push(t("post_ffw_norm.weight", &[N_EMBD], false));
+        }
     }
     plan.push(("output_norm.weight".into(), vec![N_EMBD], false));
     if family == Family::Qwen3 {
