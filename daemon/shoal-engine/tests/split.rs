@@ -133,6 +133,7 @@ fn zoo_families_split_exactly_at_every_boundary() {
         let period = meta.layer_period();
         let legal: Vec<&[u32]> = all.iter().copied().filter(|p| p.iter().all(|x| x % period == 0)).collect();
         assert_splits_match(&path, &legal);
+        assert_replays_exact(&path, 2);
         if period > 1 {
             let cache = ShardCache::new(dir.path().join("off"));
             let err = load_split(&path, &[1], &cache, &config()).err().expect("a split off the period accepted");
@@ -162,8 +163,13 @@ fn gemma3_split_off_its_period_is_refused() {
 }
 
 fn two_stages() -> (tempfile::TempDir, LlamaStage, LlamaStage) {
+    two_stages_of(&model(SMOL), 15)
+}
+
+/// `file` split in two at `point`.
+fn two_stages_of(file: &Path, point: u32) -> (tempfile::TempDir, LlamaStage, LlamaStage) {
     let dir = tempfile::tempdir().unwrap();
-    let (_, mut stages) = load_split(&model(SMOL), &[15], &ShardCache::new(dir.path()), &config()).unwrap();
+    let (_, mut stages) = load_split(file, &[point], &ShardCache::new(dir.path()), &config()).unwrap();
     let tail = stages.pop().unwrap();
     let head = stages.pop().unwrap();
     (dir, head, tail)
@@ -185,8 +191,15 @@ fn logits(o: StageOutput) -> Vec<f32> {
 
 #[test]
 fn replayed_steps_give_identical_output() {
-    let (_dir, mut head, mut tail) = two_stages();
-    let p = prompt(&model(SMOL));
+    assert_replays_exact(&model(SMOL), 15);
+}
+
+/// Steps of `file` split at `point`, sent again (one token back, a chunk back, from the
+/// start) give the same output, and a restarted tail replaying the session's steps
+/// gives the same logits.
+fn assert_replays_exact(file: &Path, point: u32) {
+    let (_dir, mut head, mut tail) = two_stages_of(file, point);
+    let p = prompt(file);
     let s = SessionId(7);
     let (c1, c2) = (&p[..32], &p[32..64]);
     let h1 = hidden(head.forward(s, 0, StageInput::Tokens(c1)).unwrap());
@@ -195,7 +208,7 @@ fn replayed_steps_give_identical_output() {
     let l2 = logits(tail.forward(s, 32, StageInput::Hidden(&h2)).unwrap());
     let h3 = hidden(head.forward(s, 64, StageInput::Tokens(&[42])).unwrap());
     let l3 = logits(tail.forward(s, 64, StageInput::Hidden(&h3)).unwrap());
-    assert_eq!(h1.len(), 32 * 576);
+    assert_eq!(h1.len(), 32 * head.info().n_embd as usize);
 
     // The same step again (rolls back one token) …
     assert_eq!(hidden(head.forward(s, 64, StageInput::Tokens(&[42])).unwrap()), h3);
@@ -208,6 +221,11 @@ fn replayed_steps_give_identical_output() {
     assert_eq!(logits(tail.forward(s, 0, StageInput::Hidden(&h1)).unwrap()), l1);
     assert_eq!(hidden(head.forward(s, 32, StageInput::Tokens(c2)).unwrap()), h2);
     assert_eq!(logits(tail.forward(s, 32, StageInput::Hidden(&h2)).unwrap()), l2);
+    // A restarted tail (a fresh process's stage) replaying the session.
+    let (_dir2, _, mut restarted) = two_stages_of(file, point);
+    assert_eq!(logits(restarted.forward(s, 0, StageInput::Hidden(&h1)).unwrap()), l1);
+    assert_eq!(logits(restarted.forward(s, 32, StageInput::Hidden(&h2)).unwrap()), l2);
+    assert_eq!(logits(restarted.forward(s, 64, StageInput::Hidden(&h3)).unwrap()), l3);
 }
 
 #[test]

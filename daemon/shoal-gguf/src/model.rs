@@ -28,6 +28,9 @@ pub enum Arch {
     /// `qwen3` (dense Qwen 3): q/k norms per head; no per-layer pattern. Verified on its
     /// zoo model.
     Qwen3,
+    /// `phi3` (Phi 3, 3.5, 4): fused q/k/v and gate/up projections; no per-layer pattern
+    /// (llama.cpp runs its sliding window disabled). Verified on its zoo model.
+    Phi3,
 }
 
 impl Arch {
@@ -39,12 +42,13 @@ impl Arch {
     )];
 
     /// Architectures Shoal accepts, by their GGUF name.
-    pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3", "qwen2", "qwen3"];
+    pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3", "phi3", "qwen2", "qwen3"];
 
     fn from_name(name: &str) -> Option<Arch> {
         match name {
             "llama" => Some(Arch::Llama),
             "gemma3" => Some(Arch::Gemma3),
+            "phi3" => Some(Arch::Phi3),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
             _ => None,
@@ -56,6 +60,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
+            Arch::Phi3 => "phi3",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
         }
@@ -66,7 +71,7 @@ impl Arch {
     /// renumbers its layers from 0.
     pub fn layer_period(self) -> u32 {
         match self {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => 1,
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => 1,
             Arch::Gemma3 => 6,
         }
     }

@@ -22,6 +22,9 @@ pub enum Family {
     Qwen2,
     /// Qwen 3 (dense): RMS norms on each head's q and k; its own LM head.
     Qwen3,
+    /// Phi 3 / 3.5 / 4: one fused q/k/v projection, one fused gate/up projection;
+    /// its own LM head.
+    Phi3,
     /// Gemma 2: sliding-window attention on every other layer, norms after attention
     /// and feed-forward too, logit soft-capping, the embedding scaled by √n_embd; LM
     /// head tied.
@@ -30,7 +33,7 @@ pub enum Family {
 
 impl Family {
     /// The families whose architectures Shoal allows (each verified on its zoo model).
-    pub const ALL: &'static [Family] = &[Family::Qwen2, Family::Qwen3];
+    pub const ALL: &'static [Family] = &[Family::Qwen2, Family::Qwen3, Family::Phi3];
 
     /// Families written to show why their architecture is refused (`Arch::REFUSED`).
     pub const REFUSED: &'static [Family] = &[Family::Gemma2];
@@ -40,6 +43,7 @@ impl Family {
         match self {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Phi3 => "phi3",
             Family::Gemma2 => "gemma2",
         }
     }
@@ -68,7 +72,9 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
     let u32v = |k: &str, v: u64| (format!("{arch}.{k}"), Value::U32(v as u32));
     let mut metadata = vec![
         ("general.architecture".to_string(), Value::String(arch.as_bytes().to_vec())),
-        ("general.name".to_string(), Value::String(format!("shoal zoo {arch}").into_bytes())),
+        // Not the family's name: llama.cpp tweaks the vocabulary of models named like
+        // Phi 3 (RSTRIP on tokens of Phi's own vocabulary, which the copied one lacks).
+        ("general.name".to_string(), Value::String(b"shoal zoo model".to_vec())),
         u32v("block_count", u64::from(N_LAYER)),
         u32v("context_length", 4096),
         u32v("embedding_length", N_EMBD),
@@ -78,7 +84,7 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
         (format!("{arch}.rope.freq_base"), Value::F32(1_000_000.0)),
         (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
     ];
-    if family != Family::Qwen2 {
+    if matches!(family, Family::Qwen3 | Family::Gemma2) {
         metadata.push(u32v("attention.key_length", HEAD_DIM));
         metadata.push(u32v("attention.value_length", HEAD_DIM));
     }
@@ -95,9 +101,13 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
     for i in 0..N_LAYER {
         let t = |name: &str, dims: &[u64], q: bool| (format!("blk.{i}.{name}"), dims.to_vec(), q);
         plan.push(t("attn_norm.weight", &[N_EMBD], false));
-        plan.push(t("attn_q.weight", &[N_EMBD, N_HEAD * HEAD_DIM], true));
-        plan.push(t("attn_k.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], true));
-        plan.push(t("attn_v.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], true));
+        if family == Family::Phi3 {
+            plan.push(t("attn_qkv.weight", &[N_EMBD, (N_HEAD + 2 * N_HEAD_KV) * HEAD_DIM], true));
+        } else {
+            plan.push(t("attn_q.weight", &[N_EMBD, N_HEAD * HEAD_DIM], true));
+            plan.push(t("attn_k.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], true));
+            plan.push(t("attn_v.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], true));
+        }
         match family {
             Family::Qwen2 => {
                 plan.push(t("attn_q.bias", &[N_HEAD * HEAD_DIM], false));
@@ -108,22 +118,26 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
                 plan.push(t("attn_q_norm.weight", &[HEAD_DIM], false));
                 plan.push(t("attn_k_norm.weight", &[HEAD_DIM], false));
             }
-            Family::Gemma2 => {}
+            Family::Phi3 | Family::Gemma2 => {}
         }
         plan.push(t("attn_output.weight", &[N_HEAD * HEAD_DIM, N_EMBD], true));
         if family == Family::Gemma2 {
             plan.push(t("post_attention_norm.weight", &[N_EMBD], false));
         }
         plan.push(t("ffn_norm.weight", &[N_EMBD], false));
-        plan.push(t("ffn_gate.weight", &[N_EMBD, N_FF], true));
-        plan.push(t("ffn_up.weight", &[N_EMBD, N_FF], true));
+        if family == Family::Phi3 {
+            plan.push(t("ffn_up.weight", &[N_EMBD, 2 * N_FF], true));
+        } else {
+            plan.push(t("ffn_gate.weight", &[N_EMBD, N_FF], true));
+            plan.push(t("ffn_up.weight", &[N_EMBD, N_FF], true));
+        }
         plan.push(t("ffn_down.weight", &[N_FF, N_EMBD], true));
         if family == Family::Gemma2 {
             plan.push(t("post_ffw_norm.weight", &[N_EMBD], false));
         }
     }
     plan.push(("output_norm.weight".into(), vec![N_EMBD], false));
-    if family == Family::Qwen3 {
+    if matches!(family, Family::Qwen3 | Family::Phi3) {
         plan.push(("output.weight".into(), vec![N_EMBD, n_vocab], true));
     }
 
