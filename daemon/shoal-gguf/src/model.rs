@@ -28,6 +28,9 @@ pub enum Arch {
     /// `qwen3` (dense Qwen 3): q/k norms per head; no per-layer pattern. Verified on its
     /// zoo model.
     Qwen3,
+    /// `qwen3moe` (Qwen 3 30B-A3B, 235B-A22B): a router and experts in every layer; no
+    /// per-layer pattern. Verified on its zoo model.
+    Qwen3Moe,
     /// `phi3` (Phi 3, 3.5, 4): fused q/k/v and gate/up projections; no per-layer pattern
     /// (llama.cpp runs its sliding window disabled). Verified on its zoo model.
     Phi3,
@@ -42,13 +45,14 @@ impl Arch {
     )];
 
     /// Architectures Shoal accepts, by their GGUF name.
-    pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3", "phi3", "qwen2", "qwen3"];
+    pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3", "phi3", "qwen2", "qwen3", "qwen3moe"];
 
     fn from_name(name: &str) -> Option<Arch> {
         match name {
             "llama" => Some(Arch::Llama),
             "gemma3" => Some(Arch::Gemma3),
             "phi3" => Some(Arch::Phi3),
+            "qwen3moe" => Some(Arch::Qwen3Moe),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
             _ => None,
@@ -61,6 +65,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
             Arch::Phi3 => "phi3",
+            Arch::Qwen3Moe => "qwen3moe",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
         }
@@ -71,7 +76,7 @@ impl Arch {
     /// renumbers its layers from 0.
     pub fn layer_period(self) -> u32 {
         match self {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => 1,
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 => 1,
             Arch::Gemma3 => 6,
         }
     }

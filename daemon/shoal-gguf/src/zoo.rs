@@ -22,6 +22,9 @@ pub enum Family {
     Qwen2,
     /// Qwen 3 (dense): RMS norms on each head's q and k; its own LM head.
     Qwen3,
+    /// Qwen 3 mixture of experts (30B-A3B, 235B-A22B): Qwen 3's attention, a router
+    /// and experts in every layer (4 experts, 2 used).
+    Qwen3Moe,
     /// Phi 3 / 3.5 / 4: one fused q/k/v projection, one fused gate/up projection;
     /// its own LM head.
     Phi3,
@@ -33,7 +36,7 @@ pub enum Family {
 
 impl Family {
     /// The families whose architectures Shoal allows (each verified on its zoo model).
-    pub const ALL: &'static [Family] = &[Family::Qwen2, Family::Qwen3, Family::Phi3];
+    pub const ALL: &'static [Family] = &[Family::Qwen2, Family::Qwen3, Family::Qwen3Moe, Family::Phi3];
 
     /// Families written to show why their architecture is refused (`Arch::REFUSED`).
     pub const REFUSED: &'static [Family] = &[Family::Gemma2];
@@ -43,6 +46,7 @@ impl Family {
         match self {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Qwen3Moe => "qwen3moe",
             Family::Phi3 => "phi3",
             Family::Gemma2 => "gemma2",
         }
@@ -58,6 +62,10 @@ const N_HEAD: u64 = 4;
 const N_HEAD_KV: u64 = 2;
 const HEAD_DIM: u64 = 16;
 const N_FF: u64 = 128;
+/// Experts of a mixture-of-experts layer, those each token uses, and each one's width.
+const N_EXPERT: u64 = 4;
+const N_EXPERT_USED: u64 = 2;
+const N_FF_EXP: u64 = 32;
 
 /// Write the zoo model of `family` to `dest`, its vocabulary copied from the GGUF at
 /// `vocab_from`.
@@ -84,9 +92,14 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
         (format!("{arch}.rope.freq_base"), Value::F32(1_000_000.0)),
         (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
     ];
-    if matches!(family, Family::Qwen3 | Family::Gemma2) {
+    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma2) {
         metadata.push(u32v("attention.key_length", HEAD_DIM));
         metadata.push(u32v("attention.value_length", HEAD_DIM));
+    }
+    if family == Family::Qwen3Moe {
+        metadata.push(u32v("expert_count", N_EXPERT));
+        metadata.push(u32v("expert_used_count", N_EXPERT_USED));
+        metadata.push(u32v("expert_feed_forward_length", N_FF_EXP));
     }
     if family == Family::Gemma2 {
         // A window shorter than the tests' prompts, so that it matters.
@@ -114,7 +127,7 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
                 plan.push(t("attn_k.bias", &[N_HEAD_KV * HEAD_DIM], false));
                 plan.push(t("attn_v.bias", &[N_HEAD_KV * HEAD_DIM], false));
             }
-            Family::Qwen3 => {
+            Family::Qwen3 | Family::Qwen3Moe => {
                 plan.push(t("attn_q_norm.weight", &[HEAD_DIM], false));
                 plan.push(t("attn_k_norm.weight", &[HEAD_DIM], false));
             }
@@ -127,17 +140,25 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
         plan.push(t("ffn_norm.weight", &[N_EMBD], false));
         if family == Family::Phi3 {
             plan.push(t("ffn_up.weight", &[N_EMBD, 2 * N_FF], true));
+        } else if family == Family::Qwen3Moe {
+            // The router stays F32, as converted models keep it.
+            plan.push(t("ffn_gate_inp.weight", &[N_EMBD, N_EXPERT], false));
+            plan.push(t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], true));
+            plan.push(t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], true));
+            plan.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], true));
         } else {
             plan.push(t("ffn_gate.weight", &[N_EMBD, N_FF], true));
             plan.push(t("ffn_up.weight", &[N_EMBD, N_FF], true));
         }
-        plan.push(t("ffn_down.weight", &[N_FF, N_EMBD], true));
+        if family != Family::Qwen3Moe {
+            plan.push(t("ffn_down.weight", &[N_FF, N_EMBD], true));
+        }
         if family == Family::Gemma2 {
             plan.push(t("post_ffw_norm.weight", &[N_EMBD], false));
         }
     }
     plan.push(("output_norm.weight".into(), vec![N_EMBD], false));
-    if matches!(family, Family::Qwen3 | Family::Phi3) {
+    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Phi3) {
         plan.push(("output.weight".into(), vec![N_EMBD, n_vocab], true));
     }
 
