@@ -154,6 +154,17 @@ fn gemma2_is_refused_with_the_reason() {
     assert!(err.to_string().contains("scales every input by √n_embd"), "{err}");
 }
 
+/// Command R+ (64 layers or more) gets per-head q/k norms from llama.cpp only because of
+/// its layer count, which a shard lacks: refused, with the reason.
+#[test]
+fn command_r_plus_is_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("command-r-plus.gguf");
+    shoal_gguf::zoo::write_layers(shoal_gguf::zoo::Family::CommandR, 64, &model(SMOL), &path).unwrap();
+    let err = shoal_gguf::open_model(&path).expect_err("command-r of 64 layers accepted");
+    assert!(err.to_string().contains("64 layers or more"), "{err}");
+}
+
 #[test]
 fn gemma3_split_off_its_period_is_refused() {
     let dir = tempfile::tempdir().unwrap();

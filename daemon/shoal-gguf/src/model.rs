@@ -31,6 +31,10 @@ pub enum Arch {
     /// `qwen3moe` (Qwen 3 30B-A3B, 235B-A22B): a router and experts in every layer; no
     /// per-layer pattern. Verified on its zoo model.
     Qwen3Moe,
+    /// `command-r` (Command R, Aya): parallel attention and feed-forward, layer norms;
+    /// no per-layer pattern. Verified on its zoo model; models of 64 layers or more
+    /// (Command R+) are refused (see `ModelMeta::from_gguf`).
+    CommandR,
     /// `phi3` (Phi 3, 3.5, 4): fused q/k/v and gate/up projections; no per-layer pattern
     /// (llama.cpp runs its sliding window disabled). Verified on its zoo model.
     Phi3,
@@ -45,13 +49,15 @@ impl Arch {
     )];
 
     /// Architectures Shoal accepts, by their GGUF name.
-    pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3", "phi3", "qwen2", "qwen3", "qwen3moe"];
+    pub const SUPPORTED: &'static [&'static str] =
+        &["llama", "command-r", "gemma3", "phi3", "qwen2", "qwen3", "qwen3moe"];
 
     fn from_name(name: &str) -> Option<Arch> {
         match name {
             "llama" => Some(Arch::Llama),
             "gemma3" => Some(Arch::Gemma3),
             "phi3" => Some(Arch::Phi3),
+            "command-r" => Some(Arch::CommandR),
             "qwen3moe" => Some(Arch::Qwen3Moe),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
@@ -65,6 +71,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
             Arch::Phi3 => "phi3",
+            Arch::CommandR => "command-r",
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
@@ -76,7 +83,7 @@ impl Arch {
     /// renumbers its layers from 0.
     pub fn layer_period(self) -> u32 {
         match self {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 => 1,
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 | Arch::CommandR => 1,
             Arch::Gemma3 => 6,
         }
     }
@@ -162,6 +169,17 @@ impl ModelMeta {
             || n_head_kv > n_embd
         {
             return Err(bad(format!("absurd sizes: {n_layer} layers, n_embd {n_embd}, {n_head}/{n_head_kv} heads")));
+        }
+        if arch == Arch::CommandR && n_layer >= 64 {
+            // llama.cpp builds Command R's per-head q/k norms only when the model has
+            // 64 layers or more: a shard (fewer layers) would leave them out.
+            return Err(GgufError::Unsupported {
+                path: g.path.clone(),
+                what: format!(
+                    "command-r with {n_layer} layers (Command R+) cannot be split: llama.cpp uses its q/k norms \
+                     only in models of 64 layers or more, so a shard of fewer layers would run without them"
+                ),
+            });
         }
         // Within MAX_EMBD, 4 × n_embd fits a u32; checked all the same.
         let n_ff = match key_u32("feed_forward_length") {

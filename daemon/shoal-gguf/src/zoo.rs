@@ -28,6 +28,9 @@ pub enum Family {
     /// Phi 3 / 3.5 / 4: one fused q/k/v projection, one fused gate/up projection;
     /// its own LM head.
     Phi3,
+    /// Command R (Cohere): layer norms (not RMS), attention and feed-forward in
+    /// parallel from one norm, a logit scale; LM head tied.
+    CommandR,
     /// Gemma 2: sliding-window attention on every other layer, norms after attention
     /// and feed-forward too, logit soft-capping, the embedding scaled by √n_embd; LM
     /// head tied.
@@ -36,7 +39,8 @@ pub enum Family {
 
 impl Family {
     /// The families whose architectures Shoal allows (each verified on its zoo model).
-    pub const ALL: &'static [Family] = &[Family::Qwen2, Family::Qwen3, Family::Qwen3Moe, Family::Phi3];
+    pub const ALL: &'static [Family] =
+        &[Family::Qwen2, Family::Qwen3, Family::Qwen3Moe, Family::Phi3, Family::CommandR];
 
     /// Families written to show why their architecture is refused (`Arch::REFUSED`).
     pub const REFUSED: &'static [Family] = &[Family::Gemma2];
@@ -48,6 +52,7 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Qwen3Moe => "qwen3moe",
             Family::Phi3 => "phi3",
+            Family::CommandR => "command-r",
             Family::Gemma2 => "gemma2",
         }
     }
@@ -70,6 +75,11 @@ const N_FF_EXP: u64 = 32;
 /// Write the zoo model of `family` to `dest`, its vocabulary copied from the GGUF at
 /// `vocab_from`.
 pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufError> {
+    write_layers(family, N_LAYER, vocab_from, dest)
+}
+
+/// [`write`] with `n_layer` layers (where a family's graph depends on the count).
+pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path) -> Result<(), GgufError> {
     let source = Gguf::open(vocab_from)?;
     let bad = |what: String| GgufError::Model { path: vocab_from.to_owned(), what };
     let n_vocab = match source.get("tokenizer.ggml.tokens") {
@@ -83,15 +93,20 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
         // Not the family's name: llama.cpp tweaks the vocabulary of models named like
         // Phi 3 (RSTRIP on tokens of Phi's own vocabulary, which the copied one lacks).
         ("general.name".to_string(), Value::String(b"shoal zoo model".to_vec())),
-        u32v("block_count", u64::from(N_LAYER)),
+        u32v("block_count", u64::from(n_layer)),
         u32v("context_length", 4096),
         u32v("embedding_length", N_EMBD),
         u32v("feed_forward_length", N_FF),
         u32v("attention.head_count", N_HEAD),
         u32v("attention.head_count_kv", N_HEAD_KV),
         (format!("{arch}.rope.freq_base"), Value::F32(1_000_000.0)),
-        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
     ];
+    if family == Family::CommandR {
+        metadata.push((format!("{arch}.attention.layer_norm_epsilon"), Value::F32(1e-5)));
+        metadata.push((format!("{arch}.logit_scale"), Value::F32(0.0625)));
+    } else {
+        metadata.push((format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)));
+    }
     if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma2) {
         metadata.push(u32v("attention.key_length", HEAD_DIM));
         metadata.push(u32v("attention.value_length", HEAD_DIM));
@@ -111,7 +126,7 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
 
     // (name, dims innermost first, quantised)
     let mut plan: Vec<(String, Vec<u64>, bool)> = vec![("token_embd.weight".into(), vec![N_EMBD, n_vocab], true)];
-    for i in 0..N_LAYER {
+    for i in 0..n_layer {
         let t = |name: &str, dims: &[u64], q: bool| (format!("blk.{i}.{name}"), dims.to_vec(), q);
         plan.push(t("attn_norm.weight", &[N_EMBD], false));
         if family == Family::Phi3 {
@@ -131,13 +146,15 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
                 plan.push(t("attn_q_norm.weight", &[HEAD_DIM], false));
                 plan.push(t("attn_k_norm.weight", &[HEAD_DIM], false));
             }
-            Family::Phi3 | Family::Gemma2 => {}
+            Family::Phi3 | Family::CommandR | Family::Gemma2 => {}
         }
         plan.push(t("attn_output.weight", &[N_HEAD * HEAD_DIM, N_EMBD], true));
         if family == Family::Gemma2 {
             plan.push(t("post_attention_norm.weight", &[N_EMBD], false));
         }
-        plan.push(t("ffn_norm.weight", &[N_EMBD], false));
+        if family != Family::CommandR {
+            plan.push(t("ffn_norm.weight", &[N_EMBD], false));
+        }
         if family == Family::Phi3 {
             plan.push(t("ffn_up.weight", &[N_EMBD, 2 * N_FF], true));
         } else if family == Family::Qwen3Moe {
