@@ -35,6 +35,9 @@ pub enum Arch {
     /// no per-layer pattern. Verified on its zoo model; models of 64 layers or more
     /// (Command R+) are refused (see `ModelMeta::from_gguf`).
     CommandR,
+    /// `mistral3` (Mistral Small 3.x, Ministral 3, Devstral): llama's stack, an attention
+    /// temperature by position; no per-layer pattern. Verified on its zoo model.
+    Mistral3,
     /// `phi3` (Phi 3, 3.5, 4): fused q/k/v and gate/up projections; no per-layer pattern
     /// (llama.cpp runs its sliding window disabled). Verified on its zoo model.
     Phi3,
@@ -50,7 +53,7 @@ impl Arch {
 
     /// Architectures Shoal accepts, by their GGUF name.
     pub const SUPPORTED: &'static [&'static str] =
-        &["llama", "command-r", "gemma3", "phi3", "qwen2", "qwen3", "qwen3moe"];
+        &["llama", "command-r", "gemma3", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe"];
 
     fn from_name(name: &str) -> Option<Arch> {
         match name {
@@ -58,6 +61,7 @@ impl Arch {
             "gemma3" => Some(Arch::Gemma3),
             "phi3" => Some(Arch::Phi3),
             "command-r" => Some(Arch::CommandR),
+            "mistral3" => Some(Arch::Mistral3),
             "qwen3moe" => Some(Arch::Qwen3Moe),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
@@ -72,6 +76,7 @@ impl Arch {
             Arch::Gemma3 => "gemma3",
             Arch::Phi3 => "phi3",
             Arch::CommandR => "command-r",
+            Arch::Mistral3 => "mistral3",
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
@@ -83,7 +88,9 @@ impl Arch {
     /// renumbers its layers from 0.
     pub fn layer_period(self) -> u32 {
         match self {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 | Arch::CommandR => 1,
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 | Arch::CommandR | Arch::Mistral3 => {
+                1
+            }
             Arch::Gemma3 => 6,
         }
     }

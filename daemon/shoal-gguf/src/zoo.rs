@@ -28,6 +28,10 @@ pub enum Family {
     /// Phi 3 / 3.5 / 4: one fused q/k/v projection, one fused gate/up projection;
     /// its own LM head.
     Phi3,
+    /// Mistral 3 (Mistral Small 3.x, Ministral 3, Devstral): llama's stack with an
+    /// attention temperature that grows with the position (set short here, so that the
+    /// tests' positions cross its steps).
+    Mistral3,
     /// Command R (Cohere): layer norms (not RMS), attention and feed-forward in
     /// parallel from one norm, a logit scale; LM head tied.
     CommandR,
@@ -40,7 +44,7 @@ pub enum Family {
 impl Family {
     /// The families whose architectures Shoal allows (each verified on its zoo model).
     pub const ALL: &'static [Family] =
-        &[Family::Qwen2, Family::Qwen3, Family::Qwen3Moe, Family::Phi3, Family::CommandR];
+        &[Family::Qwen2, Family::Qwen3, Family::Qwen3Moe, Family::Phi3, Family::CommandR, Family::Mistral3];
 
     /// Families written to show why their architecture is refused (`Arch::REFUSED`).
     pub const REFUSED: &'static [Family] = &[Family::Gemma2];
@@ -53,6 +57,7 @@ impl Family {
             Family::Qwen3Moe => "qwen3moe",
             Family::Phi3 => "phi3",
             Family::CommandR => "command-r",
+            Family::Mistral3 => "mistral3",
             Family::Gemma2 => "gemma2",
         }
     }
@@ -111,6 +116,10 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
         metadata.push(u32v("attention.key_length", HEAD_DIM));
         metadata.push(u32v("attention.value_length", HEAD_DIM));
     }
+    if family == Family::Mistral3 {
+        metadata.push((format!("{arch}.attention.temperature_scale"), Value::F32(0.1)));
+        metadata.push(u32v("rope.scaling.original_context_length", 16));
+    }
     if family == Family::Qwen3Moe {
         metadata.push(u32v("expert_count", N_EXPERT));
         metadata.push(u32v("expert_used_count", N_EXPERT_USED));
@@ -146,7 +155,7 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
                 plan.push(t("attn_q_norm.weight", &[HEAD_DIM], false));
                 plan.push(t("attn_k_norm.weight", &[HEAD_DIM], false));
             }
-            Family::Phi3 | Family::CommandR | Family::Gemma2 => {}
+            Family::Phi3 | Family::CommandR | Family::Mistral3 | Family::Gemma2 => {}
         }
         plan.push(t("attn_output.weight", &[N_HEAD * HEAD_DIM, N_EMBD], true));
         if family == Family::Gemma2 {
@@ -175,7 +184,7 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
         }
     }
     plan.push(("output_norm.weight".into(), vec![N_EMBD], false));
-    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Phi3) {
+    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Phi3 | Family::Mistral3) {
         plan.push(("output.weight".into(), vec![N_EMBD, n_vocab], true));
     }
 
