@@ -126,7 +126,10 @@ impl ModelPlacement {
             let gpu = s.gpus.iter().try_fold(0u32, |a, g| a.checked_add(g.layers));
             let head = s.gpus.iter().filter(|g| g.head).count();
             let tail = i + 1 == self.stages.len();
+            // One share per device: llama.cpp's split gives each device one run of layers.
+            let twice = s.gpus.iter().enumerate().any(|(j, g)| s.gpus[..j].iter().any(|o| o.device == g.device));
             if gpu.is_none_or(|g| g > s.layers.len())
+                || twice
                 || head > 1
                 || (head == 1 && !(tail && s.gpus.last().is_some_and(|g| g.head)))
             {
@@ -264,6 +267,8 @@ mod tests {
         assert!(p.is_valid(30), "the tail's last layers and the head on the GPU");
         p.stages[1].gpus = vec![share(10, true), GpuShare { device: "CUDA1".into(), ..share(9, false) }];
         assert!(!p.is_valid(30), "the head goes with the last layers, on the last GPU");
+        p.stages[1].gpus = vec![share(4, false), share(5, false)];
+        assert!(!p.is_valid(30), "one GPU named twice");
         // An offer and a stage written before GPUs existed are still read.
         let offer: Offer = serde_json::from_value(serde_json::json!({ "memory_bytes": 5 })).unwrap();
         assert!(offer.gpus.is_empty());
