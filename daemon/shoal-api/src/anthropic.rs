@@ -250,19 +250,10 @@ async fn answer_with_tools<B: Backend>(
         }
         Reply::Text(t) => (vec![json!({"type": "text", "text": t})], stop_reason(&o)),
     };
-    let usage = json!({"input_tokens": o.prompt_tokens, "output_tokens": o.completion_tokens});
     if !streamed {
-        return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model,
-            "content": blocks, "stop_reason": stop, "stop_sequence": o.stop_sequence, "usage": usage}))
-        .into_response());
+        return Ok(Json(message(&id, &model, Value::Array(blocks), stop, &o)).into_response());
     }
-    let named = |name: &str, v: Value| SseEvent::default().event(name).data(v.to_string());
-    let mut out = vec![named(
-        "message_start",
-        json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
-            "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
-    )];
+    let mut out = vec![message_start(&id, &model, prompt_tokens)];
     for (index, b) in blocks.into_iter().enumerate() {
         let (start, delta) = if b["type"] == "tool_use" {
             let input = b["input"].to_string();
@@ -279,13 +270,42 @@ async fn answer_with_tools<B: Backend>(
         out.push(named("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": delta})));
         out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": index})));
     }
-    out.push(named(
-        "message_delta",
-        json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": o.stop_sequence},
-            "usage": {"output_tokens": o.completion_tokens}}),
-    ));
-    out.push(named("message_stop", json!({"type": "message_stop"})));
+    out.extend(message_end(stop, &o));
     Ok(Sse::new(stream::iter(out.into_iter().map(Ok::<_, Infallible>))).into_response())
+}
+
+/// A whole message: `content` (its blocks), why it stopped, the usage.
+fn message(id: &str, model: &str, content: Value, stop: &str, o: &Outcome) -> Value {
+    json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": content,
+        "stop_reason": stop, "stop_sequence": o.stop_sequence,
+        "usage": {"input_tokens": o.prompt_tokens, "output_tokens": o.completion_tokens}})
+}
+
+/// A stream's named event.
+fn named(name: &str, v: Value) -> SseEvent {
+    SseEvent::default().event(name).data(v.to_string())
+}
+
+/// A stream's first event: the message, empty, with the prompt's tokens.
+fn message_start(id: &str, model: &str, prompt_tokens: usize) -> SseEvent {
+    named(
+        "message_start",
+        json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
+            "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
+    )
+}
+
+/// A stream's last events: why it stopped, the tokens made, the end.
+fn message_end(stop: &str, o: &Outcome) -> [SseEvent; 2] {
+    [
+        named(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": o.stop_sequence},
+                "usage": {"output_tokens": o.completion_tokens}}),
+        ),
+        named("message_stop", json!({"type": "message_stop"})),
+    ]
 }
 
 async fn answer<B: Backend>(backend: Arc<B>, job: Job, model: String, streamed: bool) -> Result<Response, Failure> {
@@ -293,21 +313,12 @@ async fn answer<B: Backend>(backend: Arc<B>, job: Job, model: String, streamed: 
     let (first, mut events) = gen::start(backend, job).await?;
     let id = common::new_id("msg_");
     if !streamed {
-        let (text, outcome) = gen::collect(first, &mut events).await?;
-        return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": text}], "stop_reason": stop_reason(&outcome),
-            "stop_sequence": outcome.stop_sequence,
-            "usage": {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens}}))
-        .into_response());
+        let (text, o) = gen::collect(first, &mut events).await?;
+        let content = json!([{"type": "text", "text": text}]);
+        return Ok(Json(message(&id, &model, content, stop_reason(&o), &o)).into_response());
     }
-    let named = |name: &str, v: Value| SseEvent::default().event(name).data(v.to_string());
     let opening = vec![
-        named(
-            "message_start",
-            json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
-                "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
-        ),
+        message_start(&id, &model, prompt_tokens),
         named(
             "content_block_start",
             json!({"type": "content_block_start", "index": 0,
@@ -335,13 +346,7 @@ async fn answer<B: Backend>(backend: Arc<B>, job: Job, model: String, streamed: 
                 )),
                 Event::End(o) => {
                     queue.push_back(named("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
-                    queue.push_back(named(
-                        "message_delta",
-                        json!({"type": "message_delta",
-                        "delta": {"stop_reason": stop_reason(&o), "stop_sequence": o.stop_sequence},
-                        "usage": {"output_tokens": o.completion_tokens}}),
-                    ));
-                    queue.push_back(named("message_stop", json!({"type": "message_stop"})));
+                    queue.extend(message_end(stop_reason(&o), &o));
                     done = true;
                 }
                 Event::Failed(f) => {

@@ -117,6 +117,20 @@ pub(crate) async fn ready_or_failure<B: Backend>(backend: &B, model: &ModelInfo)
     }
 }
 
+/// How many alternatives each token's log-probabilities list, when `asked`
+/// (`logprobs: true`) with `top` alternatives (`top_logprobs`, 0 to 20): chat's rule on
+/// OpenAI's route and newer Ollama's alike.
+pub(crate) fn top_logprobs(asked: bool, top: Option<u32>) -> Result<Option<u32>, Failure> {
+    match (asked, top) {
+        (false, None) => Ok(None),
+        (false, Some(_)) => Err(Failure::bad("top_logprobs needs logprobs: true")),
+        (true, Some(n)) if n > shoal_types::MAX_TOP_LOGPROBS => {
+            Err(Failure::bad(format!("top_logprobs must be from 0 to {}", shoal_types::MAX_TOP_LOGPROBS)))
+        }
+        (true, n) => Ok(Some(n.unwrap_or(0))),
+    }
+}
+
 /// Most tokens to make when the client gives no limit: what the context leaves.
 pub(crate) fn default_max_tokens(model: &ModelInfo, prompt_tokens: usize) -> u32 {
     match model.context {

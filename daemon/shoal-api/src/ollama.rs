@@ -197,19 +197,6 @@ fn format_grammar(format: &Option<Value>) -> Result<Option<String>, Failure> {
     }
 }
 
-/// How many alternatives each token's log-probabilities list, if asked for (newer
-/// Ollama's `logprobs: true` with `top_logprobs` 0-20, as OpenAI's chat).
-fn logprobs(asked: bool, top: Option<u32>) -> Result<Option<u32>, Failure> {
-    match (asked, top) {
-        (false, None) => Ok(None),
-        (false, Some(_)) => Err(Failure::bad("top_logprobs needs logprobs: true")),
-        (true, Some(n)) if n > shoal_types::MAX_TOP_LOGPROBS => {
-            Err(Failure::bad(format!("top_logprobs must be from 0 to {}", shoal_types::MAX_TOP_LOGPROBS)))
-        }
-        (true, n) => Ok(Some(n.unwrap_or(0))),
-    }
-}
-
 fn refuse_images(images: bool) -> Result<(), Failure> {
     if images {
         return Err(Failure::bad("images are not supported: Shoal serves text models"));
@@ -229,7 +216,7 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
             (Some(_), Some(_)) => return Err(Failure::bad("tools and format cannot be used together")),
             (g, t) => g.or_else(|| t.as_ref().map(Toolbox::grammar)),
         };
-        let scored = logprobs(req.logprobs, req.top_logprobs)?;
+        let scored = common::top_logprobs(req.logprobs, req.top_logprobs)?;
         if scored.is_some() && toolbox.is_some() {
             return Err(Failure::bad("logprobs are not available with tools"));
         }
@@ -273,7 +260,7 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
         let req: GenerateRequest = common::parse(&body)?;
         refuse_images(req.images.as_ref().is_some_and(|i| !i.is_empty()))?;
         let grammar = format_grammar(&req.format)?;
-        let scored = logprobs(req.logprobs, req.top_logprobs)?;
+        let scored = common::top_logprobs(req.logprobs, req.top_logprobs)?;
         let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.prompt.is_empty() {

@@ -81,22 +81,15 @@ impl Knobs {
             (Kind::Text, _) if self.top_logprobs.is_some() => {
                 return Err(Failure::bad("top_logprobs is for chat completions; completions take logprobs: N"))
             }
-            (_, None | Some(Value::Null | Value::Bool(false))) => None,
-            (Kind::Chat, Some(Value::Bool(_))) => Some(()),
+            (_, None | Some(Value::Null | Value::Bool(false))) => false,
+            (Kind::Chat, Some(Value::Bool(_))) => true,
             (Kind::Chat, Some(_)) => return Err(Failure::bad("logprobs must be true or false")),
             (Kind::Text, Some(v)) => match v.as_u64() {
                 Some(n) if n <= 5 => return Ok(Some(n as u32)),
                 _ => return Err(Failure::bad("logprobs must be an integer from 0 to 5")),
             },
         };
-        match (asked, self.top_logprobs) {
-            (None, Some(_)) => Err(Failure::bad("top_logprobs needs logprobs: true")),
-            (None, None) => Ok(None),
-            (Some(()), Some(n)) if n > shoal_types::MAX_TOP_LOGPROBS => {
-                Err(Failure::bad(format!("top_logprobs must be from 0 to {}", shoal_types::MAX_TOP_LOGPROBS)))
-            }
-            (Some(()), n) => Ok(Some(n.unwrap_or(0))),
-        }
+        common::top_logprobs(asked, self.top_logprobs)
     }
 
     /// Refuse what Shoal cannot honour yet; the sampling parameters, stop strings and
@@ -383,9 +376,8 @@ async fn answer_with_tools<B: Backend>(
             "usage": usage(&outcome)}))
         .into_response());
     }
-    let usage_asked = knobs.stream_options.is_some_and(|o| o.include_usage);
-    let chunks =
-        Chunks { id, created, model, kind: Kind::Chat, usage: usage_asked, scored: false, offset: Default::default() };
+    let usage = knobs.stream_options.is_some_and(|o| o.include_usage);
+    let chunks = Chunks { id, created, model, kind: Kind::Chat, usage, scored: false, offset: Default::default() };
     let mut delta = json!({"role": "assistant", "content": content});
     if let Some(calls) = calls {
         // A streamed call says its place in the list (clients join deltas by index).
@@ -397,11 +389,7 @@ async fn answer_with_tools<B: Backend>(
     }
     let mut out =
         vec![chunks.chunk(Some(json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null})), None)];
-    out.push(chunks.chunk(Some(json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish})), None));
-    if usage_asked {
-        out.push(chunks.chunk(None, Some(usage(&outcome))));
-    }
-    out.push(SseEvent::default().data("[DONE]"));
+    out.extend(chunks.end_as(finish, &outcome, false));
     Ok(Sse::new(stream::iter(out.into_iter().map(Ok::<_, Infallible>))).into_response())
 }
 
@@ -508,7 +496,12 @@ impl Chunks {
     }
 
     fn end(&self, o: &Outcome, first: bool) -> Vec<SseEvent> {
-        let finish = o.finish.as_str();
+        self.end_as(o.finish.as_str(), o, first)
+    }
+
+    /// [`Chunks::end`] with the finish reason `finish` (a tool call's, not the
+    /// generation's).
+    fn end_as(&self, finish: &str, o: &Outcome, first: bool) -> Vec<SseEvent> {
         let choice = match self.kind {
             Kind::Chat if first => json!({"index": 0, "delta": {"role": "assistant", "content": ""},
                 "logprobs": null, "finish_reason": finish}),

@@ -138,8 +138,9 @@ impl Toolbox {
         let callable: Vec<(&str, &Value)> = self
             .tools
             .iter()
-            .filter(|t| {
-                matches!(&self.choice, Choice::Named(n) if *n == t.name) || !matches!(self.choice, Choice::Named(_))
+            .filter(|t| match &self.choice {
+                Choice::Named(n) => *n == t.name,
+                Choice::Auto | Choice::Required => true,
             })
             .map(|t| (t.name.as_str(), &t.parameters))
             .collect();
