@@ -20,8 +20,13 @@ pub const MAX_HEAD_DIM: u32 = 1 << 16;
 pub enum Arch {
     /// `llama` (SmolLM2, Llama 2/3, Mistral …): no per-layer pattern.
     Llama,
-    /// `gemma3`: sliding-window attention on 5 of every 6 layers.
+    /// `gemma3`: sliding-window attention on 5 of every 6 layers (any boundary: a
+    /// shard names its layers' kinds, see [`ModelMeta::swa_layers`]).
     Gemma3,
+    /// `gpt-oss` (gpt-oss-20b, gpt-oss-120b): a mixture of experts in every layer (MXFP4
+    /// experts with biases), attention sinks, sliding-window attention on every other
+    /// layer; boundaries at even layers. Verified on its zoo model.
+    GptOss,
     /// `qwen2` (Qwen 2, Qwen 2.5 of every size): llama's stack with q/k/v biases; no
     /// per-layer pattern. Verified on its zoo model.
     Qwen2,
@@ -53,12 +58,13 @@ impl Arch {
 
     /// Architectures Shoal accepts, by their GGUF name.
     pub const SUPPORTED: &'static [&'static str] =
-        &["llama", "command-r", "gemma3", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe"];
+        &["llama", "command-r", "gemma3", "gpt-oss", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe"];
 
     fn from_name(name: &str) -> Option<Arch> {
         match name {
             "llama" => Some(Arch::Llama),
             "gemma3" => Some(Arch::Gemma3),
+            "gpt-oss" => Some(Arch::GptOss),
             "phi3" => Some(Arch::Phi3),
             "command-r" => Some(Arch::CommandR),
             "mistral3" => Some(Arch::Mistral3),
@@ -74,6 +80,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
+            Arch::GptOss => "gpt-oss",
             Arch::Phi3 => "phi3",
             Arch::CommandR => "command-r",
             Arch::Mistral3 => "mistral3",
@@ -83,17 +90,79 @@ impl Arch {
         }
     }
 
-    /// Stage boundaries must be multiples of this: llama.cpp derives per-layer
-    /// behaviour from the layer index (Gemma 3: `set_swa_pattern(6)`), and a shard
-    /// renumbers its layers from 0.
+    /// Stage boundaries must be multiples of this where llama.cpp derives per-layer
+    /// behaviour from the layer index that no metadata key can restate (a shard
+    /// renumbers its layers from 0). The sliding-window pattern is not such a
+    /// behaviour: each shard states its own (see [`Arch::swa_period`]). gpt-oss: 2,
+    /// because llama.cpp's gpt-oss graph needs a sliding-window layer in every
+    /// model it loads, and even boundaries give each stage one (a stage of one
+    /// full-attention layer would be refused).
     pub fn layer_period(self) -> u32 {
         match self {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 | Arch::CommandR | Arch::Mistral3 => {
-                1
-            }
-            Arch::Gemma3 => 6,
+            Arch::GptOss => 2,
+            Arch::Llama
+            | Arch::Gemma3
+            | Arch::Qwen2
+            | Arch::Qwen3
+            | Arch::Qwen3Moe
+            | Arch::Phi3
+            | Arch::CommandR
+            | Arch::Mistral3 => 1,
         }
     }
+
+    /// The period of the sliding-window pattern llama.cpp gives this architecture
+    /// when the GGUF names none (`load_swa_pattern(ml, n)`: layer `il` slides when
+    /// `il % n < n - 1`), or `None` where it has no sliding-window layers. A shard
+    /// states its layers' pattern as the `<arch>.attention.sliding_window_pattern`
+    /// array, which llama.cpp reads first, so any boundary keeps each layer's kind.
+    pub fn swa_period(self) -> Option<u32> {
+        match self {
+            Arch::Gemma3 => Some(6),
+            Arch::GptOss => Some(2),
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 | Arch::CommandR | Arch::Mistral3 => {
+                None
+            }
+        }
+    }
+}
+
+/// Which of the model's `n_layer` layers slide (see [`ModelMeta::swa_layers`]), read
+/// as llama.cpp reads it: no window (or a window of 0) means none; a per-layer array
+/// wins; then a period key; then the architecture's default period.
+fn swa_layers(g: &Gguf, arch: Arch, n_layer: u32) -> Result<Vec<bool>, String> {
+    let Some(default) = arch.swa_period() else { return Ok(Vec::new()) };
+    let name = arch.name();
+    let window = g.get(&format!("{name}.attention.sliding_window")).and_then(Value::as_u64);
+    if window.unwrap_or(0) == 0 {
+        return Ok(Vec::new());
+    }
+    let key = format!("{name}.attention.sliding_window_pattern");
+    match g.get(&key) {
+        Some(Value::Array(_, items)) => {
+            if items.len() != n_layer as usize {
+                return Err(format!("{key} has {} entries for {n_layer} layers", items.len()));
+            }
+            items
+                .iter()
+                .map(|v| match v {
+                    Value::Bool(b) => Ok(*b),
+                    v => v.as_u64().map(|x| x != 0).ok_or_else(|| format!("{key} holds a non-integer")),
+                })
+                .collect()
+        }
+        Some(v) => {
+            let n = v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| format!("{key} is not an integer"))?;
+            Ok(swa_pattern(n, n_layer))
+        }
+        None => Ok(swa_pattern(default, n_layer)),
+    }
+}
+
+/// llama.cpp's `set_swa_pattern(n)`: layer `il` slides when `il % n < n - 1` (every
+/// layer when `n` is 0).
+fn swa_pattern(n: u32, n_layer: u32) -> Vec<bool> {
+    (0..n_layer).map(|il| n == 0 || il % n < n - 1).collect()
 }
 
 /// Facts about a model, from its GGUF header alone.
@@ -133,6 +202,12 @@ pub struct ModelMeta {
     pub tied_embeddings: bool,
     /// The tensor types used, with how many tensors of each.
     pub tensor_types: Vec<(String, usize)>,
+    /// Which layers attend over a sliding window, one flag per layer; empty when the
+    /// model has none. From the GGUF's `<arch>.attention.sliding_window_pattern` (an
+    /// array, or a period) or llama.cpp's default for the architecture; a shard
+    /// writes its slice of it (llama.cpp would otherwise restart the pattern at the
+    /// shard's layer 0).
+    pub swa_layers: Vec<bool>,
 }
 
 impl ModelMeta {
@@ -237,6 +312,7 @@ impl ModelMeta {
         if let Some(empty) = layer_bytes.iter().position(|&b| b == 0) {
             return Err(bad(format!("block {empty} has no tensors")));
         }
+        let swa_layers = swa_layers(g, arch, n_layer).map_err(bad)?;
         Ok(ModelMeta {
             arch,
             name: g.get("general.name").and_then(Value::as_str).map(str::to_owned),
@@ -255,6 +331,7 @@ impl ModelMeta {
             other_bytes,
             tied_embeddings: output.is_none(),
             tensor_types: types,
+            swa_layers,
         })
     }
 

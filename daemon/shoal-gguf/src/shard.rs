@@ -14,7 +14,7 @@
 //! ([`SourceHash`]), since the two nodes' paths to the model mean nothing to each other.
 
 use crate::file::{align, write_header, Gguf, TensorInfo};
-use crate::model::ModelMeta;
+use crate::model::{Arch, ModelMeta};
 use crate::value::{Value, ValueType};
 use crate::GgufError;
 use serde::{Deserialize, Serialize};
@@ -267,6 +267,30 @@ pub fn write_shard_of(
             }
         };
         metadata.push((k.clone(), v));
+    }
+    if !meta.swa_layers.is_empty() {
+        // The range's own sliding-window pattern, which llama.cpp reads before any
+        // period: with it, a shard's layer 0 keeps the kind it had in the model, so
+        // the architecture's pattern does not constrain where stages start.
+        let kinds = &meta.swa_layers[range.start as usize..range.end as usize];
+        let pattern = format!("{prefix}attention.sliding_window_pattern");
+        metadata.retain(|(k, _)| *k != pattern);
+        if kinds.contains(&true) {
+            metadata.push((pattern, Value::Array(ValueType::Bool, kinds.iter().map(|&b| Value::Bool(b)).collect())));
+        } else if meta.arch == Arch::Gemma3 {
+            // Only full-attention layers: llama.cpp insists that a model with a
+            // sliding window has a sliding layer, so this shard has no window (its
+            // layers compute as they did; Gemma 3's graph has a variant without one).
+            let window = format!("{prefix}attention.sliding_window");
+            for (k, v) in metadata.iter_mut().filter(|(k, _)| *k == window) {
+                *v = Value::integer_as(0, v.value_type()).ok_or_else(|| bad_range(format!("{k} is not an integer")))?;
+            }
+        } else {
+            return Err(bad_range(format!(
+                "{} needs a sliding-window layer in every stage, and layers {range} have none",
+                meta.arch.name()
+            )));
+        }
     }
     metadata.push((
         KEY_SOURCE_LAYERS.to_string(),

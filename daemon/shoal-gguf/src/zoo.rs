@@ -1,12 +1,12 @@
 //! The model zoo: tiny GGUF files with random weights for architectures whose real
 //! weights cannot be downloaded here, written with the architecture's own metadata
 //! keys, tensor names and shapes (a few layers, small widths) and quantised like real
-//! files (Q8_0 matrices, F32 norms and biases). llama.cpp's loader checks names and
-//! shapes strictly, so a zoo model that loads and runs builds the same graph as the
-//! real model: what the split check needs to allow an architecture. The vocabulary
-//! (every `tokenizer.*` key) is copied from a real model, so prompts tokenize and
-//! answers detokenize as they would. Deterministic: the same family gives the same
-//! bytes.
+//! files (Q8_0 matrices, MXFP4 experts where the family ships them, F32 norms and
+//! biases). llama.cpp's loader checks names and shapes strictly, so a zoo model that
+//! loads and runs builds the same graph as the real model: what the split check needs
+//! to allow an architecture. The vocabulary (every `tokenizer.*` key) is copied from a
+//! real model, so prompts tokenize and answers detokenize as they would.
+//! Deterministic: the same family gives the same bytes.
 
 use crate::file::{align, write_header, Gguf, TensorInfo, DEFAULT_ALIGNMENT};
 use crate::value::Value;
@@ -35,6 +35,12 @@ pub enum Family {
     /// Command R (Cohere): layer norms (not RMS), attention and feed-forward in
     /// parallel from one norm, a logit scale; LM head tied.
     CommandR,
+    /// gpt-oss (20b, 120b): a router with a bias and experts with biases in every
+    /// layer (MXFP4, as OpenAI ships them; 4 experts, 2 used), q/k/v and output
+    /// biases, attention sinks, norms after attention, sliding-window attention on
+    /// every other layer (a window shorter than the tests' prompts, so that it
+    /// matters), YaRN rope scaling; its own LM head.
+    GptOss,
     /// Gemma 2: sliding-window attention on every other layer, norms after attention
     /// and feed-forward too, logit soft-capping, the embedding scaled by √n_embd; LM
     /// head tied.
@@ -43,8 +49,15 @@ pub enum Family {
 
 impl Family {
     /// The families whose architectures Shoal allows (each verified on its zoo model).
-    pub const ALL: &'static [Family] =
-        &[Family::Qwen2, Family::Qwen3, Family::Qwen3Moe, Family::Phi3, Family::CommandR, Family::Mistral3];
+    pub const ALL: &'static [Family] = &[
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Qwen3Moe,
+        Family::Phi3,
+        Family::CommandR,
+        Family::Mistral3,
+        Family::GptOss,
+    ];
 
     /// Families written to show why their architecture is refused (`Arch::REFUSED`).
     pub const REFUSED: &'static [Family] = &[Family::Gemma2];
@@ -58,6 +71,7 @@ impl Family {
             Family::Phi3 => "phi3",
             Family::CommandR => "command-r",
             Family::Mistral3 => "mistral3",
+            Family::GptOss => "gpt-oss",
             Family::Gemma2 => "gemma2",
         }
     }
@@ -112,7 +126,7 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
     } else {
         metadata.push((format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)));
     }
-    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma2) {
+    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma2 | Family::GptOss) {
         metadata.push(u32v("attention.key_length", HEAD_DIM));
         metadata.push(u32v("attention.value_length", HEAD_DIM));
     }
@@ -120,91 +134,126 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
         metadata.push((format!("{arch}.attention.temperature_scale"), Value::F32(0.1)));
         metadata.push(u32v("rope.scaling.original_context_length", 16));
     }
-    if family == Family::Qwen3Moe {
+    if matches!(family, Family::Qwen3Moe | Family::GptOss) {
         metadata.push(u32v("expert_count", N_EXPERT));
         metadata.push(u32v("expert_used_count", N_EXPERT_USED));
         metadata.push(u32v("expert_feed_forward_length", N_FF_EXP));
     }
-    if family == Family::Gemma2 {
+    if matches!(family, Family::Gemma2 | Family::GptOss) {
         // A window shorter than the tests' prompts, so that it matters.
         metadata.push(u32v("attention.sliding_window", 32));
+    }
+    if family == Family::GptOss {
+        // gpt-oss's own rope scaling (YaRN, 32x over 4096), as its GGUFs carry it.
+        metadata.push((format!("{arch}.rope.scaling.type"), Value::String(b"yarn".to_vec())));
+        metadata.push((format!("{arch}.rope.scaling.factor"), Value::F32(32.0)));
+        metadata.push(u32v("rope.scaling.original_context_length", 4096));
+    }
+    if family == Family::Gemma2 {
         metadata.push((format!("{arch}.attn_logit_softcapping"), Value::F32(50.0)));
         metadata.push((format!("{arch}.final_logit_softcapping"), Value::F32(30.0)));
     }
     metadata.extend(source.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned());
 
-    // (name, dims innermost first, quantised)
-    let mut plan: Vec<(String, Vec<u64>, bool)> = vec![("token_embd.weight".into(), vec![N_EMBD, n_vocab], true)];
+    // (name, dims innermost first, storage)
+    let mut plan: Vec<(String, Vec<u64>, Store)> = vec![("token_embd.weight".into(), vec![N_EMBD, n_vocab], Q8)];
     for i in 0..n_layer {
-        let t = |name: &str, dims: &[u64], q: bool| (format!("blk.{i}.{name}"), dims.to_vec(), q);
-        plan.push(t("attn_norm.weight", &[N_EMBD], false));
+        let t = |name: &str, dims: &[u64], q: Store| (format!("blk.{i}.{name}"), dims.to_vec(), q);
+        plan.push(t("attn_norm.weight", &[N_EMBD], F32));
         if family == Family::Phi3 {
-            plan.push(t("attn_qkv.weight", &[N_EMBD, (N_HEAD + 2 * N_HEAD_KV) * HEAD_DIM], true));
+            plan.push(t("attn_qkv.weight", &[N_EMBD, (N_HEAD + 2 * N_HEAD_KV) * HEAD_DIM], Q8));
         } else {
-            plan.push(t("attn_q.weight", &[N_EMBD, N_HEAD * HEAD_DIM], true));
-            plan.push(t("attn_k.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], true));
-            plan.push(t("attn_v.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], true));
+            plan.push(t("attn_q.weight", &[N_EMBD, N_HEAD * HEAD_DIM], Q8));
+            plan.push(t("attn_k.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], Q8));
+            plan.push(t("attn_v.weight", &[N_EMBD, N_HEAD_KV * HEAD_DIM], Q8));
         }
         match family {
-            Family::Qwen2 => {
-                plan.push(t("attn_q.bias", &[N_HEAD * HEAD_DIM], false));
-                plan.push(t("attn_k.bias", &[N_HEAD_KV * HEAD_DIM], false));
-                plan.push(t("attn_v.bias", &[N_HEAD_KV * HEAD_DIM], false));
+            Family::Qwen2 | Family::GptOss => {
+                plan.push(t("attn_q.bias", &[N_HEAD * HEAD_DIM], F32));
+                plan.push(t("attn_k.bias", &[N_HEAD_KV * HEAD_DIM], F32));
+                plan.push(t("attn_v.bias", &[N_HEAD_KV * HEAD_DIM], F32));
             }
             Family::Qwen3 | Family::Qwen3Moe => {
-                plan.push(t("attn_q_norm.weight", &[HEAD_DIM], false));
-                plan.push(t("attn_k_norm.weight", &[HEAD_DIM], false));
+                plan.push(t("attn_q_norm.weight", &[HEAD_DIM], F32));
+                plan.push(t("attn_k_norm.weight", &[HEAD_DIM], F32));
             }
             Family::Phi3 | Family::CommandR | Family::Mistral3 | Family::Gemma2 => {}
         }
-        plan.push(t("attn_output.weight", &[N_HEAD * HEAD_DIM, N_EMBD], true));
+        plan.push(t("attn_output.weight", &[N_HEAD * HEAD_DIM, N_EMBD], Q8));
+        if family == Family::GptOss {
+            plan.push(t("attn_output.bias", &[N_EMBD], F32));
+            plan.push(t("attn_sinks.weight", &[N_HEAD], F32));
+            // gpt-oss's norm before the experts is named as a norm after attention.
+            plan.push(t("post_attention_norm.weight", &[N_EMBD], F32));
+            plan.push(t("ffn_gate_inp.weight", &[N_EMBD, N_EXPERT], F32));
+            plan.push(t("ffn_gate_inp.bias", &[N_EXPERT], F32));
+            plan.push(t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Mxfp4));
+            plan.push(t("ffn_gate_exps.bias", &[N_FF_EXP, N_EXPERT], F32));
+            plan.push(t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Mxfp4));
+            plan.push(t("ffn_up_exps.bias", &[N_FF_EXP, N_EXPERT], F32));
+            plan.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], Mxfp4));
+            plan.push(t("ffn_down_exps.bias", &[N_EMBD, N_EXPERT], F32));
+            continue;
+        }
         if family == Family::Gemma2 {
-            plan.push(t("post_attention_norm.weight", &[N_EMBD], false));
+            plan.push(t("post_attention_norm.weight", &[N_EMBD], F32));
         }
         if family != Family::CommandR {
-            plan.push(t("ffn_norm.weight", &[N_EMBD], false));
+            plan.push(t("ffn_norm.weight", &[N_EMBD], F32));
         }
         if family == Family::Phi3 {
-            plan.push(t("ffn_up.weight", &[N_EMBD, 2 * N_FF], true));
+            plan.push(t("ffn_up.weight", &[N_EMBD, 2 * N_FF], Q8));
         } else if family == Family::Qwen3Moe {
             // The router stays F32, as converted models keep it.
-            plan.push(t("ffn_gate_inp.weight", &[N_EMBD, N_EXPERT], false));
-            plan.push(t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], true));
-            plan.push(t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], true));
-            plan.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], true));
+            plan.push(t("ffn_gate_inp.weight", &[N_EMBD, N_EXPERT], F32));
+            plan.push(t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
+            plan.push(t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
+            plan.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], Q8));
         } else {
-            plan.push(t("ffn_gate.weight", &[N_EMBD, N_FF], true));
-            plan.push(t("ffn_up.weight", &[N_EMBD, N_FF], true));
+            plan.push(t("ffn_gate.weight", &[N_EMBD, N_FF], Q8));
+            plan.push(t("ffn_up.weight", &[N_EMBD, N_FF], Q8));
         }
         if family != Family::Qwen3Moe {
-            plan.push(t("ffn_down.weight", &[N_FF, N_EMBD], true));
+            plan.push(t("ffn_down.weight", &[N_FF, N_EMBD], Q8));
         }
         if family == Family::Gemma2 {
-            plan.push(t("post_ffw_norm.weight", &[N_EMBD], false));
+            plan.push(t("post_ffw_norm.weight", &[N_EMBD], F32));
         }
     }
-    plan.push(("output_norm.weight".into(), vec![N_EMBD], false));
-    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Phi3 | Family::Mistral3) {
-        plan.push(("output.weight".into(), vec![N_EMBD, n_vocab], true));
+    plan.push(("output_norm.weight".into(), vec![N_EMBD], F32));
+    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Phi3 | Family::Mistral3 | Family::GptOss) {
+        plan.push(("output.weight".into(), vec![N_EMBD, n_vocab], Q8));
     }
 
-    // Invariant: the table holds ids 0 (F32) and 8 (Q8_0), which ggml keeps.
-    let (f32t, q8) = (GgmlType::from_id(0).expect("F32"), GgmlType::from_id(8).expect("Q8_0"));
+    // Invariant: the table holds ids 0 (F32), 8 (Q8_0) and 39 (MXFP4), which ggml keeps.
+    let (f32t, q8, mxfp4) = (
+        GgmlType::from_id(0).expect("F32"),
+        GgmlType::from_id(8).expect("Q8_0"),
+        GgmlType::from_id(39).expect("MXFP4"),
+    );
     let mut rng = 0x5eed_0000_0000_0001u64 ^ (family as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut tensors = Vec::new();
     let mut data: Vec<Vec<u8>> = Vec::new();
     let mut offset = 0u64;
-    for (name, dims, quantised) in plan {
+    for (name, dims, store) in plan {
         let n: u64 = dims.iter().product();
         let values: Vec<f32> = if name.ends_with("norm.weight") {
             // Norm scales near 1, as trained models have them.
             (0..n).map(|_| 1.0 + 0.1 * uniform(&mut rng)).collect()
         } else {
             // Small weights keep the activations of a random model in range.
-            let scale = if name.ends_with(".bias") { 0.1 } else { 0.5 / (dims[0] as f32).sqrt() };
+            let scale = if name.ends_with(".bias") || name.ends_with("sinks.weight") {
+                0.1
+            } else {
+                0.5 / (dims[0] as f32).sqrt()
+            };
             (0..n).map(|_| scale * uniform(&mut rng)).collect()
         };
-        let (ggml_type, bytes) = if quantised { (q8, q8_0(&values)) } else { (f32t, f32_bytes(&values)) };
+        let (ggml_type, bytes) = match store {
+            F32 => (f32t, f32_bytes(&values)),
+            Q8 => (q8, q8_0(&values)),
+            Mxfp4 => (mxfp4, mxfp4_blocks(&values)),
+        };
         tensors.push(TensorInfo { name, dims, ggml_type, offset, bytes: bytes.len() as u64 });
         offset = align(offset + bytes.len() as u64, DEFAULT_ALIGNMENT);
         data.push(bytes);
@@ -222,6 +271,18 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
     Ok(())
 }
 
+/// How the zoo stores a tensor, as converted models of the family store it.
+#[derive(Clone, Copy)]
+enum Store {
+    /// Norms, biases, routers, sinks.
+    F32,
+    /// Matrices.
+    Q8,
+    /// gpt-oss's experts.
+    Mxfp4,
+}
+use Store::{Mxfp4, F32, Q8};
+
 /// A uniform number in [-1, 1) from xorshift64* state `s`.
 fn uniform(s: &mut u64) -> f32 {
     *s ^= *s >> 12;
@@ -233,6 +294,33 @@ fn uniform(s: &mut u64) -> f32 {
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// ggml's MXFP4: blocks of 32 values as an E8M0 exponent byte `e` (scale 2^(e-128),
+/// ggml's `GGML_E8M0_TO_FP32_HALF`) and 16 bytes of 4-bit E2M1 codes, value `j` in the
+/// low nibble of byte `j` and value `j + 16` in its high nibble.
+fn mxfp4_blocks(v: &[f32]) -> Vec<u8> {
+    // ggml's kvalues_mxfp4: E2M1 values doubled, by code.
+    const K: [f32; 16] = [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0];
+    let mut out = Vec::with_capacity(v.len() / 32 * 17);
+    for block in v.chunks(32) {
+        let amax = block.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        // The smallest scale that brings the block within ±12.
+        let e = if amax > 0.0 { (128.0 + (amax / 12.0).log2().ceil()).clamp(1.0, 254.0) as u8 } else { 0 };
+        let d = 2f32.powi(i32::from(e) - 128);
+        let code = |x: f32| {
+            let (mut best, mut err) = (0u8, f32::INFINITY);
+            for (c, k) in K.iter().enumerate() {
+                if (k * d - x).abs() < err {
+                    (best, err) = (c as u8, (k * d - x).abs());
+                }
+            }
+            best
+        };
+        out.push(e);
+        out.extend((0..16).map(|j| code(block[j]) | (code(block[j + 16]) << 4)));
+    }
+    out
 }
 
 /// ggml's Q8_0: blocks of 32 values as an f16 scale and 32 signed bytes.

@@ -30,7 +30,10 @@ fn reads_gemma3() {
     assert_eq!(m.arch, Arch::Gemma3);
     assert_eq!((m.n_layer, m.n_embd), (18, 640));
     assert_eq!(m.n_vocab, 262144);
-    assert_eq!(m.layer_period(), 6);
+    // Any boundary: shards state their layers' sliding-window pattern.
+    assert_eq!(m.layer_period(), 1);
+    let pattern: Vec<bool> = (0..18).map(|il| il % 6 != 5).collect();
+    assert_eq!(m.swa_layers, pattern, "5 sliding layers of every 6");
 }
 
 #[test]

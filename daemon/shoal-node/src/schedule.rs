@@ -641,6 +641,7 @@ mod tests {
             n_vocab: 49152,
             n_ff: 1536,
             period: 1,
+            sliding_window: false,
             kv_bytes_per_token_per_layer: 1024,
         };
         (entry, profile)

@@ -31,6 +31,11 @@ pub struct ModelProfile {
     pub period: u32,
     /// KV-cache bytes per token per layer.
     pub kv_bytes_per_token_per_layer: u64,
+    /// Some layers attend over a sliding window (Gemma 3, gpt-oss): llama.cpp then
+    /// keeps a second KV cache, and reserves a second attention mask in every
+    /// stage's compute buffer.
+    #[serde(default)]
+    pub sliding_window: bool,
 }
 
 /// The run settings that size a stage's buffers.
@@ -58,6 +63,7 @@ impl ModelProfile {
             n_vocab: meta.n_vocab,
             n_ff: meta.n_ff,
             period: meta.layer_period(),
+            sliding_window: !meta.swa_layers.is_empty(),
             kv_bytes_per_token_per_layer: meta.kv_bytes_per_token_per_layer(),
         }
     }
@@ -76,9 +82,11 @@ impl ModelProfile {
     /// - KV cache: context × sessions × bytes per token per layer × its layers (exact);
     /// - compute: llama.cpp reserves its graph for a full micro-batch of C tokens with
     ///   logits for all of them, whatever the stage computes: per token 4·n_vocab (the
-    ///   logits), 2·context (the f16 attention mask), and 8·n_embd + 6·n_ff for the
-    ///   widest intermediate tensors (fitted to llama.cpp's reported sizes for SmolLM2
-    ///   and Gemma 3, within 1%); plus the output buffer, n_vocab floats per output row
+    ///   logits), 2·context (the f16 attention mask), 4·context more where some layers
+    ///   slide (the sliding-window layers' own f32 mask), and 8·n_embd + 6·n_ff for
+    ///   the widest intermediate tensors (fitted to llama.cpp's reported sizes for
+    ///   SmolLM2, Gemma 3 and the zoo's families, within 1%); plus the output buffer,
+    ///   n_vocab floats per output row
     ///   (C rows on a non-tail stage, which marks every token as output, one per
     ///   session on the tail).
     ///
@@ -111,6 +119,7 @@ impl ModelProfile {
         // Each term is a u32 times a small constant, so their sum fits a u64.
         let per_token = 4 * u64::from(self.n_vocab)
             + 2 * u64::from(s.context)
+            + if self.sliding_window { 4 * u64::from(s.context) } else { 0 }
             + 8 * u64::from(self.n_embd)
             + 6 * u64::from(self.n_ff);
         let out_rows = if tail { s.sessions } else { s.chunk.max(s.sessions) };
@@ -137,6 +146,7 @@ mod tests {
             n_vocab: 50,
             n_ff: 32,
             period: 1,
+            sliding_window: false,
             kv_bytes_per_token_per_layer: 3,
         }
     }

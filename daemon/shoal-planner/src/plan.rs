@@ -812,6 +812,7 @@ mod tests {
             n_vocab: 16,
             n_ff: 8,
             period: 1,
+            sliding_window: false,
             kv_bytes_per_token_per_layer: 0,
         };
         let opts =
@@ -864,6 +865,7 @@ mod tests {
             n_vocab: u32::MAX,
             n_ff: u32::MAX,
             period: 1,
+            sliding_window: false,
             kv_bytes_per_token_per_layer: u64::MAX,
         };
         let cluster = Cluster {
@@ -897,6 +899,7 @@ mod tests {
                 layers: 4096,
                 layer_bytes: vec![1; 4096],
                 period,
+                sliding_window: false,
                 kv_bytes_per_token_per_layer: 1,
                 n_embd: 1,
                 n_vocab: 1,

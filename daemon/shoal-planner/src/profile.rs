@@ -303,6 +303,7 @@ impl Profile {
                     n_vocab: m.n_vocab,
                     n_ff,
                     period: m.period,
+                    sliding_window: false,
                     kv_bytes_per_token_per_layer: need(m.kv_bytes_per_token_per_layer, "kv_bytes_per_token_per_layer")?,
                 })
             }

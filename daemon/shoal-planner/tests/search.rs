@@ -151,6 +151,7 @@ fn a_405b_model_plans_on_32_devices() {
         n_vocab: 128_256,
         n_ff: 53248,
         period: 1,
+        sliding_window: false,
         kv_bytes_per_token_per_layer: 4096,
     };
     let cluster = home_of_32();

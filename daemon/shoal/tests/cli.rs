@@ -57,7 +57,7 @@ fn bad_inputs_give_clear_errors() {
     assert_fails(&["run", "--model", junk, "--prompt", "hi"], "junk.gguf: truncated GGUF");
     assert_fails(&["run", "--model", "/nonexistent.gguf", "--prompt", "hi"], "/nonexistent.gguf");
     let gemma = model("gemma-3-270m-q4_k_m.gguf");
-    assert_fails(&["run", "--model", gemma.to_str().unwrap(), "--split", "9", "--prompt", "hi"], "period of 6");
+    assert_fails(&["run", "--model", gemma.to_str().unwrap(), "--split", "18", "--prompt", "hi"], "between 1 and 17");
     let smol = model("SmolLM2-135M-Instruct.Q4_1.gguf");
     let smol = smol.to_str().unwrap();
     assert_fails(&["run", "--model", smol, "--split", "20,10", "--prompt", "hi"], "strictly increasing");

@@ -12,7 +12,7 @@ use shoal_planner::model::{ModelProfile, Sizing};
 use shoal_types::Stage;
 
 #[test]
-fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_zoo_family() {
+fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_zoo_family_and_gemma3() {
     let dir = tempfile::tempdir().unwrap();
     let cache = ShardCache::new(dir.path().join("shards"));
     let sizing = Sizing { context: 512, sessions: 2, chunk: 32 };
@@ -24,10 +24,20 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
         gpu_layers: 0,
         gpus: Vec::new(),
     };
-    for family in Family::ALL {
-        let path = dir.path().join(format!("{}.gguf", family.arch()));
-        shoal_gguf::zoo::write(*family, &model("SmolLM2-135M-Instruct.Q4_1.gguf"), &path).unwrap();
-        let (meta, stages) = load_split(&path, &[2], &cache, &config).unwrap();
+    // Each zoo family split at 2, and Gemma 3 (two kinds of layer, two KV caches)
+    // split inside its sliding-window pattern.
+    let mut models: Vec<(std::path::PathBuf, u32)> = Family::ALL
+        .iter()
+        .map(|family| {
+            let path = dir.path().join(format!("{}.gguf", family.arch()));
+            shoal_gguf::zoo::write(*family, &model("SmolLM2-135M-Instruct.Q4_1.gguf"), &path).unwrap();
+            (path, 2)
+        })
+        .collect();
+    models.push((model("gemma-3-270m-q4_k_m.gguf"), 9));
+    for (path, point) in &models {
+        let (meta, stages) = load_split(path, &[*point], &cache, &config).unwrap();
+        let family = meta.arch;
         let profile = ModelProfile::from_meta(&meta);
         for stage in &stages {
             let layers = stage.info().layers;
@@ -35,11 +45,11 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
             let (p, l) = (predicted.total() as f64, loaded.total() as f64);
             eprintln!(
                 "{} layers {layers}: predicted {predicted:?}, llama.cpp {loaded:?}, ratio {:.4}",
-                family.arch(),
+                family.name(),
                 l / p
             );
-            assert_eq!(predicted.weights, loaded.weights, "{} {layers}", family.arch());
-            assert!((l / p - 1.0).abs() <= 0.01, "{} {layers}: predicted {p}, llama.cpp {l}", family.arch());
+            assert_eq!(predicted.weights, loaded.weights, "{} {layers}", family.name());
+            assert!((l / p - 1.0).abs() <= 0.01, "{} {layers}: predicted {p}, llama.cpp {l}", family.name());
         }
     }
 }

@@ -54,6 +54,7 @@ pub fn random_problem_sized(
         n_vocab: 32000,
         n_ff: 2048,
         period,
+        sliding_window: r.below(2) == 1,
         kv_bytes_per_token_per_layer: 1024 * (1 + r.below(8)),
     };
     let hosts = 1 + r.below(max_hosts);
