@@ -56,6 +56,67 @@ impl Arch {
          stage included, so a split cannot give the unsplit model's output (Gemma 3 is supported)",
     )];
 
+    /// Recurrent and hybrid architectures (llama.cpp's `llm_arch_is_recurrent` and
+    /// `llm_arch_is_hybrid`): state-space or linear-attention layers keep a state
+    /// that `llama_memory_seq_rm` cannot cut back to an earlier position, which the
+    /// one-step rollback of Shoal's exact replay needs. Refused until whole-session
+    /// replay exists for them (DESIGN point 12).
+    pub const RECURRENT: &'static [&'static str] = &[
+        "mamba",
+        "mamba2",
+        "rwkv6",
+        "rwkv6qwen2",
+        "rwkv7",
+        "arwkv7",
+        "jamba",
+        "falcon-h1",
+        "plamo2",
+        "granitehybrid",
+        "lfm2",
+        "lfm2moe",
+        "nemotron_h",
+        "nemotron_h_moe",
+        "qwen3next",
+        "qwen35",
+        "qwen35moe",
+        "qwen4exp",
+        "kimi-linear",
+        "kimi-k3",
+        "bailingmoe3",
+        "glm5-next",
+        "deepseek4",
+        "minimax-01",
+    ];
+
+    /// Unverified architectures and the supported family nearest to each (the same
+    /// stack with a difference not yet checked), named in the refusal.
+    pub const CLOSEST: &'static [(&'static str, &'static str)] = &[
+        ("deepseek", "qwen3moe"),
+        ("deepseek2", "qwen3moe"),
+        ("glm4", "qwen2"),
+        ("glm4moe", "qwen3moe"),
+        ("llama4", "llama"),
+        ("gemma", "gemma3"),
+        ("gemma3n", "gemma3"),
+        ("gemma4", "gemma3"),
+        ("cohere2", "command-r"),
+        ("qwen2moe", "qwen3moe"),
+        ("qwen2vl", "qwen2"),
+        ("qwen3vl", "qwen3"),
+        ("qwen3vlmoe", "qwen3moe"),
+        ("phimoe", "phi3"),
+        ("olmo2", "llama"),
+        ("granite", "llama"),
+        ("granitemoe", "qwen3moe"),
+        ("smollm3", "llama"),
+        ("exaone4", "llama"),
+        ("seed_oss", "llama"),
+        ("ernie4_5-moe", "qwen3moe"),
+        ("hunyuan-moe", "qwen3moe"),
+        ("minimax-m2", "qwen3moe"),
+        ("dots1", "qwen3moe"),
+    ];
+
     /// Architectures Shoal accepts, by their GGUF name.
     pub const SUPPORTED: &'static [&'static str] =
         &["llama", "command-r", "gemma3", "gpt-oss", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe"];
@@ -125,6 +186,29 @@ impl Arch {
             }
         }
     }
+}
+
+/// Why `arch_name` (not in [`Arch::SUPPORTED`]) is refused, in words for the user.
+fn refusal(arch_name: &str) -> String {
+    if let Some((_, why)) = Arch::REFUSED.iter().find(|(name, _)| *name == arch_name) {
+        return format!("architecture {arch_name:?} cannot be split: {why}");
+    }
+    if Arch::RECURRENT.contains(&arch_name) {
+        return format!(
+            "architecture {arch_name:?} cannot be split yet: its recurrent (state-space or linear-attention) \
+             layers keep a state that llama.cpp cannot roll back to an earlier position, which Shoal's exact \
+             replay needs (supported: {})",
+            Arch::SUPPORTED.join(", ")
+        );
+    }
+    let closest = match Arch::CLOSEST.iter().find(|(name, _)| *name == arch_name) {
+        Some((_, near)) => format!("; the closest supported family is {near}"),
+        None => String::new(),
+    };
+    format!(
+        "architecture {arch_name:?} has not been verified for layer splits{closest} (supported: {})",
+        Arch::SUPPORTED.join(", ")
+    )
 }
 
 /// Which of the model's `n_layer` layers slide (see [`ModelMeta::swa_layers`]), read
@@ -219,16 +303,8 @@ impl ModelMeta {
             .get("general.architecture")
             .and_then(Value::as_str)
             .ok_or_else(|| bad("no general.architecture string".into()))?;
-        let arch = Arch::from_name(arch_name).ok_or_else(|| GgufError::Unsupported {
-            path: g.path.clone(),
-            what: match Arch::REFUSED.iter().find(|(name, _)| *name == arch_name) {
-                Some((_, why)) => format!("architecture {arch_name:?} cannot be split: {why}"),
-                None => format!(
-                    "architecture {arch_name:?} has not been verified for layer splits (supported: {})",
-                    Arch::SUPPORTED.join(", ")
-                ),
-            },
-        })?;
+        let arch = Arch::from_name(arch_name)
+            .ok_or_else(|| GgufError::Unsupported { path: g.path.clone(), what: refusal(arch_name) })?;
         let key_u32 = |k: &str| -> Result<u32, GgufError> {
             let key = format!("{arch_name}.{k}");
             g.get(&key)

@@ -121,14 +121,28 @@ fn bad_tensor_entries_are_refused() {
     assert_err(&b, "ggml type id 40");
 }
 
-#[test]
-fn unknown_architecture_is_refused_by_name() {
+/// The refusal of `arch` (five letters, put where the synthetic model says "llama").
+fn refusal_of(arch: &[u8; 5]) -> String {
     let mut b = synthetic_model(2, true);
     let pos = b.windows(5).position(|w| w == b"llama").unwrap();
-    b[pos..pos + 5].copy_from_slice(b"mamba");
+    b[pos..pos + 5].copy_from_slice(arch);
     let g = parse(&b).unwrap();
-    let e = shoal_gguf::ModelMeta::from_gguf(&g).unwrap_err();
-    assert!(e.to_string().contains("architecture \"mamba\" has not been verified"), "{e}");
+    shoal_gguf::ModelMeta::from_gguf(&g).unwrap_err().to_string()
+}
+
+#[test]
+fn unknown_architecture_is_refused_by_name() {
+    let e = refusal_of(b"zzzzz");
+    assert!(e.contains("architecture \"zzzzz\" has not been verified"), "{e}");
+    assert!(e.contains("supported: llama, command-r, gemma3, gpt-oss"), "{e}");
+    // One Shoal knows of is refused naming the family nearest to it …
+    let e = refusal_of(b"gemma");
+    assert!(e.contains("has not been verified for layer splits; the closest supported family is gemma3"), "{e}");
+    // … and a recurrent or hybrid one with why it cannot be split.
+    for arch in [b"mamba", b"jamba"] {
+        let e = refusal_of(arch);
+        assert!(e.contains("recurrent (state-space or linear-attention) layers keep a state"), "{e}");
+    }
 }
 
 #[test]
