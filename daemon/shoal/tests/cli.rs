@@ -187,6 +187,26 @@ fn bench_split_prints_its_table() {
 }
 
 #[test]
+fn bench_zoo_prints_every_family() {
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal-lab"))
+        .args(["bench", "zoo", "-n", "8", "--rounds", "1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains(&format!("{} families written in", shoal_gguf::zoo::Family::ALL.len())), "{text}");
+    for family in shoal_gguf::zoo::Family::ALL {
+        let row = text.lines().find(|l| l.split_whitespace().next() == Some(family.arch())).expect("a row per family");
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        // family, write ms, MiB, split point, unsplit tok/s, split tok/s, ratio, identical
+        assert_eq!(cells.len(), 8, "{row}");
+        let figures: Vec<f64> = cells[1..7].iter().map(|f| f.parse().unwrap()).collect();
+        assert!(figures.iter().all(|f| f.is_finite() && *f > 0.0), "{row}");
+        assert_eq!(cells[7], "yes", "{row}");
+    }
+}
+
+#[test]
 fn bench_pipeline_prints_its_table() {
     let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
     let out = Command::new(env!("CARGO_BIN_EXE_shoal-lab"))

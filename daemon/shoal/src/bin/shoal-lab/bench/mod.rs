@@ -18,6 +18,7 @@ mod node;
 mod plan;
 mod reconnect;
 mod serve;
+mod zoo;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -56,6 +57,9 @@ pub enum BenchCommand {
     /// unsplit: decode tok/s, time to first token of a long prompt, the API's cost per
     /// token, aggregate tok/s with 1, 2, 3 and 6 concurrent streams.
     Serve(serve::ServeArgs),
+    /// The model zoo: the time to write each family's zoo model, and its decode tok/s
+    /// unsplit vs split into two in-process stages, with the output compared.
+    Zoo(zoo::ZooArgs),
     /// Lab tool: send spoofed QUIC Initial packets (loopback or namespace hosts only).
     #[command(hide = true)]
     Flood(adoption::FloodArgs),
@@ -135,6 +139,7 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Load(a) => node::load(a),
         BenchCommand::Replace(a) => node::replace(a),
         BenchCommand::Serve(a) => serve::serve(a),
+        BenchCommand::Zoo(a) => zoo::zoo(a),
     }
 }
 
