@@ -43,18 +43,32 @@ pub enum Arch {
     /// `mistral3` (Mistral Small 3.x, Ministral 3, Devstral): llama's stack, an attention
     /// temperature by position; no per-layer pattern. Verified on its zoo model.
     Mistral3,
+    /// `llama4` (Llama 4 Scout, Maverick): experts with a shared expert in every layer
+    /// or every other one, chunked attention on 3 layers of 4 and no rope on the 4th;
+    /// boundaries at multiples of 4 (see [`ModelMeta::layer_period`]). Verified on its
+    /// zoo model.
+    Llama4,
     /// `phi3` (Phi 3, 3.5, 4): fused q/k/v and gate/up projections; no per-layer pattern
     /// (llama.cpp runs its sliding window disabled). Verified on its zoo model.
     Phi3,
 }
 
+/// Why GLM 4 / 4.5 cannot be split on stock llama.cpp (`models/glm4-moe.cpp`, `glm4.cpp`).
+const GLM_EMBD_INPUT: &str = "llama.cpp's glm4 and glm4moe graphs abort when given hidden states instead of \
+     tokens (\"This GGUF does not support multimodal\") unless the model uses M-RoPE, so no stage after the \
+     first can run (Qwen 3 MoE is supported)";
+
 impl Arch {
     /// Architectures checked and refused, with why: their zoo models show it.
-    pub const REFUSED: &'static [(&'static str, &'static str)] = &[(
-        "gemma2",
-        "llama.cpp's gemma2 graph scales every input by √n_embd, hidden states from a previous \
-         stage included, so a split cannot give the unsplit model's output (Gemma 3 is supported)",
-    )];
+    pub const REFUSED: &'static [(&'static str, &'static str)] = &[
+        (
+            "gemma2",
+            "llama.cpp's gemma2 graph scales every input by √n_embd, hidden states from a previous \
+             stage included, so a split cannot give the unsplit model's output (Gemma 3 is supported)",
+        ),
+        ("glm4moe", GLM_EMBD_INPUT),
+        ("glm4", GLM_EMBD_INPUT),
+    ];
 
     /// Recurrent and hybrid architectures (llama.cpp's `llm_arch_is_recurrent` and
     /// `llm_arch_is_hybrid`): state-space or linear-attention layers keep a state
@@ -93,9 +107,6 @@ impl Arch {
     pub const CLOSEST: &'static [(&'static str, &'static str)] = &[
         ("deepseek", "qwen3moe"),
         ("deepseek2", "qwen3moe"),
-        ("glm4", "qwen2"),
-        ("glm4moe", "qwen3moe"),
-        ("llama4", "llama"),
         ("gemma", "gemma3"),
         ("gemma3n", "gemma3"),
         ("gemma4", "gemma3"),
@@ -119,13 +130,14 @@ impl Arch {
 
     /// Architectures Shoal accepts, by their GGUF name.
     pub const SUPPORTED: &'static [&'static str] =
-        &["llama", "command-r", "gemma3", "gpt-oss", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe"];
+        &["llama", "command-r", "gemma3", "gpt-oss", "llama4", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe"];
 
     fn from_name(name: &str) -> Option<Arch> {
         match name {
             "llama" => Some(Arch::Llama),
             "gemma3" => Some(Arch::Gemma3),
             "gpt-oss" => Some(Arch::GptOss),
+            "llama4" => Some(Arch::Llama4),
             "phi3" => Some(Arch::Phi3),
             "command-r" => Some(Arch::CommandR),
             "mistral3" => Some(Arch::Mistral3),
@@ -142,6 +154,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
             Arch::GptOss => "gpt-oss",
+            Arch::Llama4 => "llama4",
             Arch::Phi3 => "phi3",
             Arch::CommandR => "command-r",
             Arch::Mistral3 => "mistral3",
@@ -157,10 +170,13 @@ impl Arch {
     /// behaviour: each shard states its own (see [`Arch::swa_period`]). gpt-oss: 2,
     /// because llama.cpp's gpt-oss graph needs a sliding-window layer in every
     /// model it loads, and even boundaries give each stage one (a stage of one
-    /// full-attention layer would be refused).
+    /// full-attention layer would be refused). Llama 4: 4, its layers without rope
+    /// (`(il + 1) % 4 == 0`); a model's own period can be longer (see
+    /// [`ModelMeta::layer_period`]).
     pub fn layer_period(self) -> u32 {
         match self {
             Arch::GptOss => 2,
+            Arch::Llama4 => 4,
             Arch::Llama
             | Arch::Gemma3
             | Arch::Qwen2
@@ -181,6 +197,7 @@ impl Arch {
         match self {
             Arch::Gemma3 => Some(6),
             Arch::GptOss => Some(2),
+            Arch::Llama4 => Some(4),
             Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 | Arch::CommandR | Arch::Mistral3 => {
                 None
             }
@@ -212,13 +229,18 @@ fn refusal(arch_name: &str) -> String {
 }
 
 /// Which of the model's `n_layer` layers slide (see [`ModelMeta::swa_layers`]), read
-/// as llama.cpp reads it: no window (or a window of 0) means none; a per-layer array
-/// wins; then a period key; then the architecture's default period.
+/// as llama.cpp reads it: no window (or a window of 0) means none (Llama 4: no key
+/// means its chunks of 8192); a per-layer array wins; then a period key; then the
+/// architecture's default period.
 fn swa_layers(g: &Gguf, arch: Arch, n_layer: u32) -> Result<Vec<bool>, String> {
     let Some(default) = arch.swa_period() else { return Ok(Vec::new()) };
     let name = arch.name();
     let window = g.get(&format!("{name}.attention.sliding_window")).and_then(Value::as_u64);
-    if window.unwrap_or(0) == 0 {
+    let slides = match arch {
+        Arch::Llama4 => window != Some(0),
+        _ => window.unwrap_or(0) > 0,
+    };
+    if !slides {
         return Ok(Vec::new());
     }
     let key = format!("{name}.attention.sliding_window_pattern");
@@ -240,6 +262,15 @@ fn swa_layers(g: &Gguf, arch: Arch, n_layer: u32) -> Result<Vec<bool>, String> {
             Ok(swa_pattern(n, n_layer))
         }
         None => Ok(swa_pattern(default, n_layer)),
+    }
+}
+
+/// Greatest common divisor (of two positive numbers).
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
@@ -292,6 +323,10 @@ pub struct ModelMeta {
     /// writes its slice of it (llama.cpp would otherwise restart the pattern at the
     /// shard's layer 0).
     pub swa_layers: Vec<bool>,
+    /// Stage boundaries must be multiples of this: [`Arch::layer_period`], or longer
+    /// where the model's metadata makes more behaviour depend on the layer index
+    /// (Llama 4's `interleave_moe_layer_step`).
+    pub period: u32,
 }
 
 impl ModelMeta {
@@ -389,6 +424,29 @@ impl ModelMeta {
             return Err(bad(format!("block {empty} has no tensors")));
         }
         let swa_layers = swa_layers(g, arch, n_layer).map_err(bad)?;
+        let period = match arch {
+            Arch::Llama4 => {
+                if g.get(&format!("{arch_name}.attention.sliding_window")).and_then(Value::as_u64) == Some(0) {
+                    // Then llama.cpp skips rope on the layer whose index + 1 is a
+                    // multiple of the layer count: a shard's own last layer.
+                    return Err(GgufError::Unsupported {
+                        path: g.path.clone(),
+                        what: "llama4 without chunked attention cannot be split: llama.cpp then leaves rope out of \
+                               the last layer of whatever it loads, so each stage's last layer would run without it"
+                            .into(),
+                    });
+                }
+                // Experts on the layers whose index + 1 is a multiple of the step.
+                let step = key_u32("interleave_moe_layer_step").unwrap_or(1).max(1);
+                let base = arch.layer_period();
+                let lcm = u64::from(base) * u64::from(step) / u64::from(gcd(base, step));
+                u32::try_from(lcm)
+                    .ok()
+                    .filter(|&p| p <= n_layer.max(base))
+                    .ok_or_else(|| bad(format!("absurd {arch_name}.interleave_moe_layer_step {step}")))?
+            }
+            _ => arch.layer_period(),
+        };
         Ok(ModelMeta {
             arch,
             name: g.get("general.name").and_then(Value::as_str).map(str::to_owned),
@@ -408,6 +466,7 @@ impl ModelMeta {
             tied_embeddings: output.is_none(),
             tensor_types: types,
             swa_layers,
+            period,
         })
     }
 
@@ -432,8 +491,8 @@ impl ModelMeta {
             .saturating_add(if is_tail { self.output_bytes } else { 0 })
     }
 
-    /// Architecture's split period (see [`Arch::layer_period`]).
+    /// Stage boundaries must be multiples of this (see [`ModelMeta::period`]).
     pub fn layer_period(&self) -> u32 {
-        self.arch.layer_period()
+        self.period
     }
 }

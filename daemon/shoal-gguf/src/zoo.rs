@@ -41,6 +41,11 @@ pub enum Family {
     /// every other layer (a window shorter than the tests' prompts, so that it
     /// matters), YaRN rope scaling; its own LM head.
     GptOss,
+    /// Llama 4 (Scout, Maverick): Maverick's layout, experts (4, 1 used, sigmoid
+    /// routing) with a shared expert on every other layer and a dense feed-forward on
+    /// the others; chunked attention on 3 layers of 4 and no rope on the 4th; its own
+    /// LM head. 8 layers, so that a split on its period of 4 exists.
+    Llama4,
     /// Gemma 2: sliding-window attention on every other layer, norms after attention
     /// and feed-forward too, logit soft-capping, the embedding scaled by √n_embd; LM
     /// head tied.
@@ -57,10 +62,19 @@ impl Family {
         Family::CommandR,
         Family::Mistral3,
         Family::GptOss,
+        Family::Llama4,
     ];
 
     /// Families written to show why their architecture is refused (`Arch::REFUSED`).
     pub const REFUSED: &'static [Family] = &[Family::Gemma2];
+
+    /// Layers of its zoo model: 4, or 8 where the family's split period is 4.
+    pub fn layers(self) -> u32 {
+        match self {
+            Family::Llama4 => 8,
+            _ => N_LAYER,
+        }
+    }
 
     /// The GGUF architecture name.
     pub fn arch(self) -> &'static str {
@@ -72,12 +86,13 @@ impl Family {
             Family::CommandR => "command-r",
             Family::Mistral3 => "mistral3",
             Family::GptOss => "gpt-oss",
+            Family::Llama4 => "llama4",
             Family::Gemma2 => "gemma2",
         }
     }
 }
 
-/// Sizes of every zoo model: 4 layers (every split can be checked), 4 query heads of
+/// Sizes of every zoo model: 4 layers (every split can be checked; see [`Family::layers`]), 4 query heads of
 /// 16 sharing 2 key/value heads (grouped-query attention), widths that Q8_0's blocks of
 /// 32 divide.
 const N_LAYER: u32 = 4;
@@ -94,7 +109,7 @@ const N_FF_EXP: u64 = 32;
 /// Write the zoo model of `family` to `dest`, its vocabulary copied from the GGUF at
 /// `vocab_from`.
 pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufError> {
-    write_layers(family, N_LAYER, vocab_from, dest)
+    write_layers(family, family.layers(), vocab_from, dest)
 }
 
 /// [`write`] with `n_layer` layers (where a family's graph depends on the count).
@@ -134,9 +149,10 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
         metadata.push((format!("{arch}.attention.temperature_scale"), Value::F32(0.1)));
         metadata.push(u32v("rope.scaling.original_context_length", 16));
     }
-    if matches!(family, Family::Qwen3Moe | Family::GptOss) {
+    if matches!(family, Family::Qwen3Moe | Family::GptOss | Family::Llama4) {
         metadata.push(u32v("expert_count", N_EXPERT));
-        metadata.push(u32v("expert_used_count", N_EXPERT_USED));
+        // Llama 4 routes each token to one expert.
+        metadata.push(u32v("expert_used_count", if family == Family::Llama4 { 1 } else { N_EXPERT_USED }));
         metadata.push(u32v("expert_feed_forward_length", N_FF_EXP));
     }
     if matches!(family, Family::Gemma2 | Family::GptOss) {
@@ -148,6 +164,10 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
         metadata.push((format!("{arch}.rope.scaling.type"), Value::String(b"yarn".to_vec())));
         metadata.push((format!("{arch}.rope.scaling.factor"), Value::F32(32.0)));
         metadata.push(u32v("rope.scaling.original_context_length", 4096));
+    }
+    if family == Family::Llama4 {
+        // Maverick's: experts on every other layer (those whose index + 1 is even).
+        metadata.push(u32v("interleave_moe_layer_step", 2));
     }
     if family == Family::Gemma2 {
         metadata.push((format!("{arch}.attn_logit_softcapping"), Value::F32(50.0)));
@@ -177,7 +197,7 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
                 plan.push(t("attn_q_norm.weight", &[HEAD_DIM], F32));
                 plan.push(t("attn_k_norm.weight", &[HEAD_DIM], F32));
             }
-            Family::Phi3 | Family::CommandR | Family::Mistral3 | Family::Gemma2 => {}
+            Family::Phi3 | Family::CommandR | Family::Mistral3 | Family::Gemma2 | Family::Llama4 => {}
         }
         plan.push(t("attn_output.weight", &[N_HEAD * HEAD_DIM, N_EMBD], Q8));
         if family == Family::GptOss {
@@ -193,6 +213,17 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
             plan.push(t("ffn_up_exps.bias", &[N_FF_EXP, N_EXPERT], F32));
             plan.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], Mxfp4));
             plan.push(t("ffn_down_exps.bias", &[N_EMBD, N_EXPERT], F32));
+            continue;
+        }
+        if family == Family::Llama4 && (i + 1) % 2 == 0 {
+            plan.push(t("ffn_norm.weight", &[N_EMBD], F32));
+            plan.push(t("ffn_gate_inp.weight", &[N_EMBD, N_EXPERT], F32));
+            plan.push(t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
+            plan.push(t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
+            plan.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], Q8));
+            plan.push(t("ffn_gate_shexp.weight", &[N_EMBD, N_FF_EXP], Q8));
+            plan.push(t("ffn_up_shexp.weight", &[N_EMBD, N_FF_EXP], Q8));
+            plan.push(t("ffn_down_shexp.weight", &[N_FF_EXP, N_EMBD], Q8));
             continue;
         }
         if family == Family::Gemma2 {
@@ -221,7 +252,10 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
         }
     }
     plan.push(("output_norm.weight".into(), vec![N_EMBD], F32));
-    if matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Phi3 | Family::Mistral3 | Family::GptOss) {
+    if matches!(
+        family,
+        Family::Qwen3 | Family::Qwen3Moe | Family::Phi3 | Family::Mistral3 | Family::GptOss | Family::Llama4
+    ) {
         plan.push(("output.weight".into(), vec![N_EMBD, n_vocab], Q8));
     }
 

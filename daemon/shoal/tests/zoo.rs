@@ -24,14 +24,15 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
         gpu_layers: 0,
         gpus: Vec::new(),
     };
-    // Each zoo family split at 2, and Gemma 3 (two kinds of layer, two KV caches)
+    // Each zoo family split in the middle, and Gemma 3 (two kinds of layer, two KV caches)
     // split inside its sliding-window pattern.
     let mut models: Vec<(std::path::PathBuf, u32)> = Family::ALL
         .iter()
         .map(|family| {
             let path = dir.path().join(format!("{}.gguf", family.arch()));
             shoal_gguf::zoo::write(*family, &model("SmolLM2-135M-Instruct.Q4_1.gguf"), &path).unwrap();
-            (path, 2)
+            // The middle (4 layers: 2; Llama 4's 8, on its period of 4: 4).
+            (path, family.layers() / 2)
         })
         .collect();
     models.push((model("gemma-3-270m-q4_k_m.gguf"), 9));
