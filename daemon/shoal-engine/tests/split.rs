@@ -186,6 +186,27 @@ fn gemma2_is_refused_with_the_reason() {
 
 /// Command R+ (64 layers or more) gets per-head q/k norms from llama.cpp only because of
 /// its layer count, which a shard lacks: refused, with the reason.
+/// DeepSeek: llama.cpp takes any model of 26 or 27 layers for V2-Lite (no low-rank
+/// query), so a full model's shard may not have that size; and the
+/// next-token-prediction block DeepSeek V3's GGUFs carry after the stack is in no
+/// shard.
+#[test]
+fn deepseek_shards_avoid_the_sizes_llama_cpp_misreads_and_leave_out_the_prediction_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("deepseek2.gguf");
+    shoal_gguf::zoo::write_layers(shoal_gguf::zoo::Family::DeepSeek2, 30, &model(SMOL), &path).unwrap();
+    let (g, meta) = shoal_gguf::open_model(&path).unwrap();
+    assert_eq!((meta.n_layer, meta.nextn_layers, meta.mla), (30, 1, true));
+    assert_eq!(meta.refused_stage_layers, [26, 27]);
+    let shard = dir.path().join("shard.gguf");
+    let err = shoal_gguf::shard::write_shard(&g, &meta, LayerRange::new(3, 30), &shard).unwrap_err();
+    assert!(err.to_string().contains("would take a deepseek2 model of 27 layers for another variant"), "{err}");
+    shoal_gguf::shard::write_shard(&g, &meta, LayerRange::new(2, 30), &shard).unwrap();
+    let (part, part_meta) = shoal_gguf::open_model(&shard).unwrap();
+    assert_eq!((part_meta.n_layer, part_meta.nextn_layers), (28, 0));
+    assert!(part.tensors.iter().all(|t| !t.name.contains("nextn")), "a prediction block's tensor in the shard");
+}
+
 #[test]
 fn command_r_plus_is_refused_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();

@@ -23,6 +23,12 @@ pub enum Arch {
     /// `gemma3`: sliding-window attention on 5 of every 6 layers (any boundary: a
     /// shard names its layers' kinds, see [`ModelMeta::swa_layers`]).
     Gemma3,
+    /// `deepseek2` (DeepSeek V2, V2.5, V3, R1; Kimi K2; Mistral Large 3): multi-head
+    /// latent attention (a compressed KV cache), leading dense layers then experts
+    /// with shared experts; no per-layer pattern (the dense lead and any
+    /// next-token-prediction layers are restated in each shard). Verified on its zoo
+    /// model.
+    DeepSeek2,
     /// `gpt-oss` (gpt-oss-20b, gpt-oss-120b): a mixture of experts in every layer (MXFP4
     /// experts with biases), attention sinks, sliding-window attention on every other
     /// layer; boundaries at even layers. Verified on its zoo model.
@@ -106,7 +112,6 @@ impl Arch {
     /// stack with a difference not yet checked), named in the refusal.
     pub const CLOSEST: &'static [(&'static str, &'static str)] = &[
         ("deepseek", "qwen3moe"),
-        ("deepseek2", "qwen3moe"),
         ("gemma", "gemma3"),
         ("gemma3n", "gemma3"),
         ("gemma4", "gemma3"),
@@ -129,14 +134,26 @@ impl Arch {
     ];
 
     /// Architectures Shoal accepts, by their GGUF name.
-    pub const SUPPORTED: &'static [&'static str] =
-        &["llama", "command-r", "gemma3", "gpt-oss", "llama4", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe"];
+    pub const SUPPORTED: &'static [&'static str] = &[
+        "llama",
+        "command-r",
+        "deepseek2",
+        "gemma3",
+        "gpt-oss",
+        "llama4",
+        "mistral3",
+        "phi3",
+        "qwen2",
+        "qwen3",
+        "qwen3moe",
+    ];
 
     fn from_name(name: &str) -> Option<Arch> {
         match name {
             "llama" => Some(Arch::Llama),
             "gemma3" => Some(Arch::Gemma3),
             "gpt-oss" => Some(Arch::GptOss),
+            "deepseek2" => Some(Arch::DeepSeek2),
             "llama4" => Some(Arch::Llama4),
             "phi3" => Some(Arch::Phi3),
             "command-r" => Some(Arch::CommandR),
@@ -154,6 +171,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
             Arch::GptOss => "gpt-oss",
+            Arch::DeepSeek2 => "deepseek2",
             Arch::Llama4 => "llama4",
             Arch::Phi3 => "phi3",
             Arch::CommandR => "command-r",
@@ -178,6 +196,7 @@ impl Arch {
             Arch::GptOss => 2,
             Arch::Llama4 => 4,
             Arch::Llama
+            | Arch::DeepSeek2
             | Arch::Gemma3
             | Arch::Qwen2
             | Arch::Qwen3
@@ -198,9 +217,14 @@ impl Arch {
             Arch::Gemma3 => Some(6),
             Arch::GptOss => Some(2),
             Arch::Llama4 => Some(4),
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 | Arch::CommandR | Arch::Mistral3 => {
-                None
-            }
+            Arch::Llama
+            | Arch::DeepSeek2
+            | Arch::Qwen2
+            | Arch::Qwen3
+            | Arch::Qwen3Moe
+            | Arch::Phi3
+            | Arch::CommandR
+            | Arch::Mistral3 => None,
         }
     }
 }
@@ -323,6 +347,18 @@ pub struct ModelMeta {
     /// writes its slice of it (llama.cpp would otherwise restart the pattern at the
     /// shard's layer 0).
     pub swa_layers: Vec<bool>,
+    /// Trailing next-token-prediction blocks (`<arch>.nextn_predict_layers`: GLM 4.5,
+    /// DeepSeek V3): stored after the main stack as blocks `n_layer..`, used only for
+    /// speculative decoding, which Shoal does not run through them; no stage holds
+    /// them, and their bytes are in none of the counts above.
+    pub nextn_layers: u32,
+    /// Multi-head latent attention (DeepSeek): the cache holds one compressed key per
+    /// token and layer (`head_dim_k` wide: latent plus rope part) and no values.
+    pub mla: bool,
+    /// Stage sizes (in layers) that llama.cpp would misread, so no stage may have:
+    /// a DeepSeek model of 26 or 27 layers is taken for V2-Lite (no low-rank query),
+    /// which a shard of a full model with that many layers is not.
+    pub refused_stage_layers: Vec<u32>,
     /// Stage boundaries must be multiples of this: [`Arch::layer_period`], or longer
     /// where the model's metadata makes more behaviour depend on the layer index
     /// (Llama 4's `interleave_moe_layer_step`).
@@ -347,7 +383,12 @@ impl ModelMeta {
                 .and_then(|v| u32::try_from(v).ok())
                 .ok_or_else(|| bad(format!("missing or non-integer {key}")))
         };
-        let n_layer = key_u32("block_count")?;
+        let n_layer_all = key_u32("block_count")?;
+        let nextn_layers = key_u32("nextn_predict_layers").unwrap_or(0);
+        if nextn_layers >= n_layer_all && n_layer_all > 0 {
+            return Err(bad(format!("{nextn_layers} next-token-prediction blocks of {n_layer_all} leave no model")));
+        }
+        let n_layer = n_layer_all - nextn_layers.min(n_layer_all);
         let n_embd = key_u32("embedding_length")?;
         let n_ctx_train = key_u32("context_length")?;
         let n_head = key_u32("attention.head_count")?;
@@ -410,8 +451,10 @@ impl ModelMeta {
                     let sum = &mut layer_bytes[i as usize];
                     *sum = sum.checked_add(t.bytes).ok_or_else(|| bad(format!("block {i} has absurd size")))?;
                 }
+                // A next-token-prediction block: in no stage.
+                Some((i, _)) if i < n_layer_all => {}
                 Some((i, _)) => {
-                    return Err(bad(format!("tensor {} names block {i}, but the model has {n_layer}", t.name)))
+                    return Err(bad(format!("tensor {} names block {i}, but the model has {n_layer_all}", t.name)))
                 }
                 None if t.name == "token_embd.weight" || t.name == "output.weight" => {}
                 None => {
@@ -424,6 +467,23 @@ impl ModelMeta {
             return Err(bad(format!("block {empty} has no tensors")));
         }
         let swa_layers = swa_layers(g, arch, n_layer).map_err(bad)?;
+        let positive = |k: &str| key_u32(k).is_ok_and(|v| v > 0);
+        let mla =
+            arch == Arch::DeepSeek2 && positive("attention.key_length_mla") && positive("attention.value_length_mla");
+        // llama.cpp (`models/deepseek2.cpp`) reads the low-rank query only when the
+        // model is not "lite" by its layer count (26, 27, or 48 with a vocabulary of
+        // 128256): a full model's stage of such a size would load without it.
+        let refused_stage_layers = if arch == Arch::DeepSeek2 && g.get("deepseek2.attention.q_lora_rank").is_some() {
+            let vocab = g.get("deepseek2.vocab_size").and_then(Value::as_u64).unwrap_or(u64::from(n_vocab));
+            let mut sizes = vec![26, 27];
+            if vocab == 128_256 {
+                sizes.push(48);
+            }
+            sizes.retain(|&n| n < n_layer);
+            sizes
+        } else {
+            Vec::new()
+        };
         let period = match arch {
             Arch::Llama4 => {
                 if g.get(&format!("{arch_name}.attention.sliding_window")).and_then(Value::as_u64) == Some(0) {
@@ -466,14 +526,19 @@ impl ModelMeta {
             tied_embeddings: output.is_none(),
             tensor_types: types,
             swa_layers,
+            nextn_layers,
+            mla,
+            refused_stage_layers,
             period,
         })
     }
 
-    /// KV-cache bytes per token per layer at f16 (llama.cpp's default cache type).
+    /// KV-cache bytes per token per layer at f16 (llama.cpp's default cache type): keys
+    /// and values of each key/value head, or the compressed key alone under
+    /// multi-head latent attention.
     /// Saturates rather than overflows (a parsed model's sizes are far from it).
     pub fn kv_bytes_per_token_per_layer(&self) -> u64 {
-        let per_head = u64::from(self.head_dim_k) + u64::from(self.head_dim_v);
+        let per_head = u64::from(self.head_dim_k) + if self.mla { 0 } else { u64::from(self.head_dim_v) };
         2u64.saturating_mul(u64::from(self.n_head_kv)).saturating_mul(per_head)
     }
 

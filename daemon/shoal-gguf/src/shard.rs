@@ -251,22 +251,45 @@ pub fn write_shard_of(
         )));
     }
 
-    // Metadata: everything copied; block_count and per-layer arrays cut to the range.
+    if meta.refused_stage_layers.contains(&range.len()) {
+        return Err(bad_range(format!(
+            "llama.cpp would take a {} model of {} layers for another variant (see ModelMeta::refused_stage_layers)",
+            meta.arch.name(),
+            range.len()
+        )));
+    }
+
+    // Metadata: everything copied; counts and per-layer arrays cut to the range.
     let prefix = format!("{}.", meta.arch.name());
-    let mut metadata = Vec::with_capacity(src.metadata.len() + 1);
+    let n_layer_all = meta.n_layer + meta.nextn_layers;
+    let integer = |k: &str, v: &Value, n: u64| {
+        Value::integer_as(n, v.value_type()).ok_or_else(|| bad_range(format!("{k} has a non-integer type")))
+    };
+    let mut metadata = Vec::with_capacity(src.metadata.len() + 2);
     for (k, v) in &src.metadata {
-        let v = if *k == format!("{prefix}block_count") {
-            Value::integer_as(u64::from(range.len()), v.value_type())
-                .ok_or_else(|| bad_range(format!("{k} has a non-integer type")))?
-        } else {
-            match v {
-                Value::Array(ty, items) if k.starts_with(&prefix) && items.len() == meta.n_layer as usize => {
-                    Value::Array(*ty, items[range.start as usize..range.end as usize].to_vec())
-                }
-                _ => v.clone(),
+        let key = k.strip_prefix(&prefix);
+        let v = match (key, v) {
+            (Some("block_count"), _) => integer(k, v, u64::from(range.len()))?,
+            // The next-token-prediction blocks stay out of every shard.
+            (Some("nextn_predict_layers"), _) => integer(k, v, 0)?,
+            // Dense layers lead the stack (DeepSeek): as many as the range still has.
+            (Some("leading_dense_block_count"), _) => {
+                let lead = v.as_u64().ok_or_else(|| bad_range(format!("{k} has a non-integer type")))?;
+                integer(k, v, lead.saturating_sub(u64::from(range.start)).min(u64::from(range.len())))?
             }
+            (Some(_), Value::Array(ty, items))
+                if items.len() == meta.n_layer as usize || items.len() == n_layer_all as usize =>
+            {
+                Value::Array(*ty, items[range.start as usize..range.end as usize].to_vec())
+            }
+            _ => v.clone(),
         };
         metadata.push((k.clone(), v));
+    }
+    if meta.arch == Arch::DeepSeek2 && !metadata.iter().any(|(k, _)| *k == format!("{prefix}attention.q_lora_rank")) {
+        // A "lite" model (no low-rank query), which llama.cpp recognises by its layer
+        // count: a shard of another size says it outright.
+        metadata.push((format!("{prefix}attention.q_lora_rank"), Value::U32(0)));
     }
     if !meta.swa_layers.is_empty() {
         // The range's own sliding-window pattern, which llama.cpp reads before any

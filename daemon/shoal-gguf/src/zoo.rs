@@ -46,6 +46,13 @@ pub enum Family {
     /// the others; chunked attention on 3 layers of 4 and no rope on the 4th; its own
     /// LM head. 8 layers, so that a split on its period of 4 exists.
     Llama4,
+    /// DeepSeek V3 (and V2, R1, Kimi K2): multi-head latent attention (low-rank query
+    /// and a compressed key/value latent with a separate rope part, the value and key
+    /// up-projections split per head as current GGUFs store them), one leading dense
+    /// layer, then experts (4, 2 used, sigmoid routing with a bias, weights
+    /// normalised and scaled) with a shared expert, YaRN; one next-token-prediction
+    /// block after the stack, as DeepSeek V3's GGUFs carry it.
+    DeepSeek2,
     /// Gemma 2: sliding-window attention on every other layer, norms after attention
     /// and feed-forward too, logit soft-capping, the embedding scaled by √n_embd; LM
     /// head tied.
@@ -63,6 +70,7 @@ impl Family {
         Family::Mistral3,
         Family::GptOss,
         Family::Llama4,
+        Family::DeepSeek2,
     ];
 
     /// Families written to show why their architecture is refused (`Arch::REFUSED`).
@@ -87,6 +95,7 @@ impl Family {
             Family::Mistral3 => "mistral3",
             Family::GptOss => "gpt-oss",
             Family::Llama4 => "llama4",
+            Family::DeepSeek2 => "deepseek2",
             Family::Gemma2 => "gemma2",
         }
     }
@@ -149,7 +158,7 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
         metadata.push((format!("{arch}.attention.temperature_scale"), Value::F32(0.1)));
         metadata.push(u32v("rope.scaling.original_context_length", 16));
     }
-    if matches!(family, Family::Qwen3Moe | Family::GptOss | Family::Llama4) {
+    if matches!(family, Family::Qwen3Moe | Family::GptOss | Family::Llama4 | Family::DeepSeek2) {
         metadata.push(u32v("expert_count", N_EXPERT));
         // Llama 4 routes each token to one expert.
         metadata.push(u32v("expert_used_count", if family == Family::Llama4 { 1 } else { N_EXPERT_USED }));
@@ -165,6 +174,36 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
         metadata.push((format!("{arch}.rope.scaling.factor"), Value::F32(32.0)));
         metadata.push(u32v("rope.scaling.original_context_length", 4096));
     }
+    if family == Family::DeepSeek2 {
+        metadata.push(u32v("leading_dense_block_count", 1));
+        metadata.push(u32v("expert_shared_count", 1));
+        metadata.push((format!("{arch}.expert_weights_scale"), Value::F32(2.5)));
+        metadata.push((format!("{arch}.expert_weights_norm"), Value::Bool(true)));
+        // 2: sigmoid, as DeepSeek V3's GGUFs say.
+        metadata.push(u32v("expert_gating_func", 2));
+        metadata.push(u32v("attention.q_lora_rank", MLA_Q_LORA));
+        metadata.push(u32v("attention.kv_lora_rank", MLA_KV_LORA));
+        // The cache's key is the latent plus the rope part; its value the latent.
+        metadata.push(u32v("attention.key_length", MLA_KV_LORA + MLA_ROPE));
+        metadata.push(u32v("attention.value_length", MLA_KV_LORA));
+        metadata.push(u32v("attention.key_length_mla", MLA_NOPE + MLA_ROPE));
+        metadata.push(u32v("attention.value_length_mla", MLA_V));
+        metadata.push(u32v("rope.dimension_count", MLA_ROPE));
+        metadata.push((format!("{arch}.rope.scaling.type"), Value::String(b"yarn".to_vec())));
+        metadata.push((format!("{arch}.rope.scaling.factor"), Value::F32(40.0)));
+        metadata.push(u32v("rope.scaling.original_context_length", 4096));
+        metadata.push((format!("{arch}.rope.scaling.yarn_log_multiplier"), Value::F32(0.1)));
+        metadata.push(u32v("nextn_predict_layers", 1));
+        // block_count counts the prediction block too.
+        for (k, v) in metadata.iter_mut() {
+            if *k == format!("{arch}.block_count") {
+                *v = Value::U32(n_layer + 1);
+            }
+            if *k == format!("{arch}.attention.head_count_kv") {
+                *v = Value::U32(1);
+            }
+        }
+    }
     if family == Family::Llama4 {
         // Maverick's: experts on every other layer (those whose index + 1 is even).
         metadata.push(u32v("interleave_moe_layer_step", 2));
@@ -177,9 +216,14 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
 
     // (name, dims innermost first, storage)
     let mut plan: Vec<(String, Vec<u64>, Store)> = vec![("token_embd.weight".into(), vec![N_EMBD, n_vocab], Q8)];
-    for i in 0..n_layer {
+    let blocks = if family == Family::DeepSeek2 { n_layer + 1 } else { n_layer };
+    for i in 0..blocks {
         let t = |name: &str, dims: &[u64], q: Store| (format!("blk.{i}.{name}"), dims.to_vec(), q);
         plan.push(t("attn_norm.weight", &[N_EMBD], F32));
+        if family == Family::DeepSeek2 {
+            plan.extend(deepseek2_block(i, n_layer));
+            continue;
+        }
         if family == Family::Phi3 {
             plan.push(t("attn_qkv.weight", &[N_EMBD, (N_HEAD + 2 * N_HEAD_KV) * HEAD_DIM], Q8));
         } else {
@@ -197,7 +241,12 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
                 plan.push(t("attn_q_norm.weight", &[HEAD_DIM], F32));
                 plan.push(t("attn_k_norm.weight", &[HEAD_DIM], F32));
             }
-            Family::Phi3 | Family::CommandR | Family::Mistral3 | Family::Gemma2 | Family::Llama4 => {}
+            Family::Phi3
+            | Family::CommandR
+            | Family::Mistral3
+            | Family::Gemma2
+            | Family::Llama4
+            | Family::DeepSeek2 => {}
         }
         plan.push(t("attn_output.weight", &[N_HEAD * HEAD_DIM, N_EMBD], Q8));
         if family == Family::GptOss {
@@ -254,7 +303,13 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
     plan.push(("output_norm.weight".into(), vec![N_EMBD], F32));
     if matches!(
         family,
-        Family::Qwen3 | Family::Qwen3Moe | Family::Phi3 | Family::Mistral3 | Family::GptOss | Family::Llama4
+        Family::Qwen3
+            | Family::Qwen3Moe
+            | Family::Phi3
+            | Family::Mistral3
+            | Family::GptOss
+            | Family::Llama4
+            | Family::DeepSeek2
     ) {
         plan.push(("output.weight".into(), vec![N_EMBD, n_vocab], Q8));
     }
@@ -303,6 +358,53 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
     }
     w.flush().map_err(io)?;
     Ok(())
+}
+
+/// Multi-head latent attention's widths (DeepSeek): the low-rank query, the key/value
+/// latent, each head's key part without and with rope, and its value.
+const MLA_Q_LORA: u64 = 32;
+const MLA_KV_LORA: u64 = 32;
+const MLA_NOPE: u64 = 32;
+const MLA_ROPE: u64 = 16;
+const MLA_V: u64 = 32;
+
+/// A DeepSeek V3 block's tensors after its `attn_norm` (block `i` of `n_layer`; the
+/// one after them is the next-token-prediction block).
+fn deepseek2_block(i: u32, n_layer: u32) -> Vec<(String, Vec<u64>, Store)> {
+    let t = |name: &str, dims: &[u64], q: Store| (format!("blk.{i}.{name}"), dims.to_vec(), q);
+    let mut v = vec![
+        t("attn_q_a_norm.weight", &[MLA_Q_LORA], F32),
+        t("attn_kv_a_norm.weight", &[MLA_KV_LORA], F32),
+        t("attn_q_a.weight", &[N_EMBD, MLA_Q_LORA], Q8),
+        t("attn_q_b.weight", &[MLA_Q_LORA, N_HEAD * (MLA_NOPE + MLA_ROPE)], Q8),
+        t("attn_kv_a_mqa.weight", &[N_EMBD, MLA_KV_LORA + MLA_ROPE], Q8),
+        t("attn_k_b.weight", &[MLA_NOPE, MLA_KV_LORA, N_HEAD], Q8),
+        t("attn_v_b.weight", &[MLA_KV_LORA, MLA_V, N_HEAD], Q8),
+        t("attn_output.weight", &[N_HEAD * MLA_V, N_EMBD], Q8),
+        t("ffn_norm.weight", &[N_EMBD], F32),
+    ];
+    if i == 0 {
+        // The leading dense layer.
+        v.push(t("ffn_gate.weight", &[N_EMBD, N_FF], Q8));
+        v.push(t("ffn_up.weight", &[N_EMBD, N_FF], Q8));
+        v.push(t("ffn_down.weight", &[N_FF, N_EMBD], Q8));
+    } else {
+        v.push(t("ffn_gate_inp.weight", &[N_EMBD, N_EXPERT], F32));
+        v.push(t("exp_probs_b.bias", &[N_EXPERT], F32));
+        v.push(t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
+        v.push(t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
+        v.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], Q8));
+        v.push(t("ffn_gate_shexp.weight", &[N_EMBD, N_FF_EXP], Q8));
+        v.push(t("ffn_up_shexp.weight", &[N_EMBD, N_FF_EXP], Q8));
+        v.push(t("ffn_down_shexp.weight", &[N_FF_EXP, N_EMBD], Q8));
+    }
+    if i == n_layer {
+        v.push(t("nextn.eh_proj.weight", &[2 * N_EMBD, N_EMBD], Q8));
+        v.push(t("nextn.enorm.weight", &[N_EMBD], F32));
+        v.push(t("nextn.hnorm.weight", &[N_EMBD], F32));
+        v.push(t("nextn.shared_head_norm.weight", &[N_EMBD], F32));
+    }
+    v
 }
 
 /// How the zoo stores a tensor, as converted models of the family store it.

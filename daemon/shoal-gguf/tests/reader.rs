@@ -134,7 +134,7 @@ fn refusal_of(arch: &[u8; 5]) -> String {
 fn unknown_architecture_is_refused_by_name() {
     let e = refusal_of(b"zzzzz");
     assert!(e.contains("architecture \"zzzzz\" has not been verified"), "{e}");
-    assert!(e.contains("supported: llama, command-r, gemma3, gpt-oss"), "{e}");
+    assert!(e.contains("supported: llama, command-r, deepseek2, gemma3, gpt-oss, llama4"), "{e}");
     // One Shoal knows of is refused naming the family nearest to it …
     let e = refusal_of(b"gemma");
     assert!(e.contains("has not been verified for layer splits; the closest supported family is gemma3"), "{e}");

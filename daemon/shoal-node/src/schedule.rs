@@ -642,6 +642,7 @@ mod tests {
             n_ff: 1536,
             period: 1,
             sliding_window: false,
+            refused_stage_layers: Vec::new(),
             kv_bytes_per_token_per_layer: 1024,
         };
         (entry, profile)

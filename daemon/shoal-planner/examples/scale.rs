@@ -42,6 +42,7 @@ fn model(layers: u32, layer_gb: f64, n_embd: u32) -> ModelProfile {
         n_ff: n_embd * 13 / 4,
         period: 1,
         sliding_window: false,
+        refused_stage_layers: Vec::new(),
         kv_bytes_per_token_per_layer: 4096,
     }
 }

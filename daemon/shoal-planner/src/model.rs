@@ -36,6 +36,10 @@ pub struct ModelProfile {
     /// stage's compute buffer.
     #[serde(default)]
     pub sliding_window: bool,
+    /// Stage sizes (in layers) no stage may have: llama.cpp would take a stage of that
+    /// many layers for another variant of the model (`ModelMeta::refused_stage_layers`).
+    #[serde(default)]
+    pub refused_stage_layers: Vec<u32>,
 }
 
 /// The run settings that size a stage's buffers.
@@ -64,6 +68,7 @@ impl ModelProfile {
             n_ff: meta.n_ff,
             period: meta.layer_period(),
             sliding_window: !meta.swa_layers.is_empty(),
+            refused_stage_layers: meta.refused_stage_layers.clone(),
             kv_bytes_per_token_per_layer: meta.kv_bytes_per_token_per_layer(),
         }
     }
@@ -147,6 +152,7 @@ mod tests {
             n_ff: 32,
             period: 1,
             sliding_window: false,
+            refused_stage_layers: Vec::new(),
             kv_bytes_per_token_per_layer: 3,
         }
     }

@@ -373,6 +373,55 @@ pub(crate) fn preferred(a: &Candidate, b: &Candidate) -> bool {
     better(a, b) || (!better(b, a) && (a.hosts, a.chain.len()) == (b.hosts, b.chain.len()) && a.chain < b.chain)
 }
 
+/// `best`, or where one of its stages has a size llama.cpp would misread for this model
+/// (`ModelProfile::refused_stage_layers`: DeepSeek's 26 and 27), the same chain with a
+/// boundary moved by one or two periods so that no stage has such a size, every stage
+/// still fits its device and pinned stages keep their layers. The search does not
+/// know of these sizes (its capacities are "at most"); a nudge this small keeps its
+/// choice otherwise.
+fn avoid_refused_sizes(
+    p: &Problem<'_>,
+    best: Candidate,
+    pins: &[(usize, u32, u32)],
+    notes: &mut Vec<String>,
+) -> Result<Candidate, PlanError> {
+    let refused = &p.model.refused_stage_layers;
+    let ok = |bounds: &[u32]| {
+        best.chain.iter().enumerate().all(|(i, &d)| {
+            let layers = LayerRange { start: bounds[i], end: bounds[i + 1] };
+            let pinned = pins.iter().find(|pin| pin.0 == d).map(|pin| p.unit_range(pin.1, pin.2 - pin.1));
+            !layers.is_empty()
+                && !refused.contains(&layers.len())
+                && pinned.is_none_or(|r| r == layers)
+                && p.model.stage_memory(layers, &p.opts.sizing).total() <= p.usable(d)
+        })
+    };
+    if refused.is_empty() || ok(&best.bounds) {
+        return Ok(best);
+    }
+    let period = p.model.period;
+    for step in [period, 2 * period] {
+        for i in 1..best.bounds.len() - 1 {
+            for b in [best.bounds[i].checked_add(step), best.bounds[i].checked_sub(step)].into_iter().flatten() {
+                let mut bounds = best.bounds.clone();
+                bounds[i] = b;
+                if b < p.model.layers && ok(&bounds) {
+                    notes.push(format!(
+                        "Boundary {} moved to {b}: llama.cpp would take a stage of {:?} layers of this model for \
+                         another variant of it.",
+                        best.bounds[i], refused
+                    ));
+                    return Ok(p.candidate(best.chain.clone(), bounds));
+                }
+            }
+        }
+    }
+    Err(PlanError::Placement(format!(
+        "no placement found without a stage of {refused:?} layers, which llama.cpp would take for another variant \
+         of this model"
+    )))
+}
+
 /// Resolved pins: (device index, first unit, end unit).
 type Pins = Vec<(usize, u32, u32)>;
 
@@ -524,7 +573,7 @@ fn plan_with(model: &ModelProfile, cluster: &Cluster, opts: &Options, search: &S
             None => break with,
         }
     };
-    let best = &best;
+    let best = &avoid_refused_sizes(&p, best, &pins, &mut notes)?;
     let mut plan = p.to_plan(best);
     let mut why = Vec::new();
     let best_devices: Vec<&str> = best.chain.iter().map(|&d| p.devices[d].id.as_str()).collect();
@@ -739,6 +788,14 @@ pub fn predict(model: &ModelProfile, cluster: &Cluster, stages: &[Pin], opts: &O
                 s.layers.end, p.model.period
             )));
         }
+        if p.model.refused_stage_layers.contains(&s.layers.len()) {
+            return Err(PlanError::Placement(format!(
+                "{} on {}: llama.cpp would take a stage of {} layers of this model for another variant of it",
+                s.layers,
+                s.device,
+                s.layers.len()
+            )));
+        }
         chain.push(d);
         bounds.push(s.layers.end);
     }
@@ -813,6 +870,7 @@ mod tests {
             n_ff: 8,
             period: 1,
             sliding_window: false,
+            refused_stage_layers: Vec::new(),
             kv_bytes_per_token_per_layer: 0,
         };
         let opts =
@@ -831,6 +889,44 @@ mod tests {
             let offload = plan(&model, &cluster(true), &opts).unwrap();
             assert_eq!(order(&offload), ["a/cpu", "a/gpu"]);
             assert!(offload.predicted_tok_s <= free.predicted_tok_s);
+        }
+    }
+
+    /// DeepSeek V3 (61 layers): a fast device with room for exactly 27 layers would
+    /// take 27, a stage llama.cpp would misread; the plan moves the boundary so that it
+    /// holds 25 (26 is refused too, 28 does not fit) and says so.
+    #[test]
+    fn no_stage_has_a_size_llama_cpp_misreads() {
+        const MB: u64 = 1 << 20;
+        let model = ModelProfile {
+            layers: 61,
+            layer_bytes: vec![3 * MB; 61],
+            embed_bytes: 0,
+            head_bytes: 0,
+            tied_embeddings: false,
+            other_bytes: 0,
+            n_embd: 8,
+            n_vocab: 16,
+            n_ff: 8,
+            period: 1,
+            sliding_window: false,
+            refused_stage_layers: vec![26, 27],
+            kv_bytes_per_token_per_layer: 0,
+        };
+        let opts =
+            Options { sizing: Sizing { context: 16, sessions: 1, chunk: 16 }, reserve_bytes: 0, ..Options::default() };
+        let cluster = Cluster {
+            devices: vec![device("a/fast", "a", 27 * 3 * MB + MB / 2, 0.05), device("a/slow", "a", 400 * MB, 1.0)],
+            links: vec![],
+        };
+        for plan in [plan, plan_exhaustive] {
+            let held = |p: &Plan, d: &str| p.stages.iter().find(|s| s.device == d).map(|s| s.last - s.first);
+            // Without the rule, the fast device holds 27.
+            let free = ModelProfile { refused_stage_layers: Vec::new(), ..model.clone() };
+            assert_eq!(held(&plan(&free, &cluster, &opts).unwrap(), "a/fast"), Some(27));
+            let p = plan(&model, &cluster, &opts).unwrap();
+            assert_eq!((held(&p, "a/fast"), held(&p, "a/slow")), (Some(25), Some(36)), "{p:#?}");
+            assert!(p.explanation.iter().any(|e| e.contains("moved to") && e.contains("[26, 27]")), "{p:#?}");
         }
     }
 
@@ -866,6 +962,7 @@ mod tests {
             n_ff: u32::MAX,
             period: 1,
             sliding_window: false,
+            refused_stage_layers: Vec::new(),
             kv_bytes_per_token_per_layer: u64::MAX,
         };
         let cluster = Cluster {
@@ -900,6 +997,7 @@ mod tests {
                 layer_bytes: vec![1; 4096],
                 period,
                 sliding_window: false,
+                refused_stage_layers: Vec::new(),
                 kv_bytes_per_token_per_layer: 1,
                 n_embd: 1,
                 n_vocab: 1,

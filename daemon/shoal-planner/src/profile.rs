@@ -304,6 +304,7 @@ impl Profile {
                     n_ff,
                     period: m.period,
                     sliding_window: false,
+                    refused_stage_layers: Vec::new(),
                     kv_bytes_per_token_per_layer: need(m.kv_bytes_per_token_per_layer, "kv_bytes_per_token_per_layer")?,
                 })
             }

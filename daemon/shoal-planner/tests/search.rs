@@ -152,6 +152,7 @@ fn a_405b_model_plans_on_32_devices() {
         n_ff: 53248,
         period: 1,
         sliding_window: false,
+        refused_stage_layers: Vec::new(),
         kv_bytes_per_token_per_layer: 4096,
     };
     let cluster = home_of_32();

@@ -55,6 +55,7 @@ pub fn random_problem_sized(
         n_ff: 2048,
         period,
         sliding_window: r.below(2) == 1,
+        refused_stage_layers: Vec::new(),
         kv_bytes_per_token_per_layer: 1024 * (1 + r.below(8)),
     };
     let hosts = 1 + r.below(max_hosts);
