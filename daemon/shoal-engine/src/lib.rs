@@ -3,7 +3,7 @@
 //! code; everything above it speaks the Rust types of `shoal-types`.
 //!
 //! - [`LlamaStage`]: a loaded shard with a context serving several sessions.
-//! - [`Vocab`]: tokenizer, chat template and streaming detokenizer.
+//! - [`Vocab`]: tokenizer, chat template (rendered as Jinja) and streaming detokenizer.
 //! - [`Sampler`]: sampling from the tail's logits.
 //! - [`Chain`]: stages of one process driven on the canonical schedule.
 //! - [`devices()`]: the CPU, GPUs and accelerators llama.cpp can use, with their memory.
@@ -13,6 +13,7 @@ mod chain;
 mod devices;
 mod sampler;
 mod stage;
+mod template;
 mod vocab;
 
 pub use backend::{ggml_type_geometry, system_info};

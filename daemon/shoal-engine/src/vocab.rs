@@ -2,6 +2,7 @@
 //! from the GGUF's vocabulary (loaded alone, without weights) through `llama-cpp-2`.
 
 use crate::backend::backend;
+use crate::template::Turn;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
 use llama_cpp_2::token::LlamaToken;
@@ -84,16 +85,42 @@ impl Vocab {
     }
 
     /// A conversation of `(role, content)` turns in the model's chat template, ready
-    /// for the assistant's answer.
+    /// for the assistant's answer: the template itself, rendered as Jinja (see
+    /// `template.rs`); llama.cpp's built-in version of its format where the Jinja
+    /// cannot be rendered. Without the BOS text where the tokenizer adds the BOS.
     pub fn chat(&self, turns: &[(&str, &str)]) -> Result<String, VocabError> {
         let err = |why: String| VocabError::Template { path: self.path.clone(), why };
         let tmpl = self.model.chat_template(None).map_err(|e| err(e.to_string()))?;
+        let source = tmpl.to_str().map_err(|e| err(e.to_string()))?;
+        let (bos, eos) = (self.special_text(self.model.vocab().bos()), self.special_text(self.model.vocab().eos()));
+        let jinja: Vec<Turn<'_>> = turns.iter().map(|&(role, content)| Turn { role, content }).collect();
+        match crate::template::render(source, &jinja, &bos, &eos) {
+            Ok(mut text) => {
+                if !bos.is_empty() && text.starts_with(&bos) && !self.tokenize("", false).is_empty() {
+                    text.drain(..bos.len());
+                }
+                return Ok(text);
+            }
+            Err(why) => tracing::warn!(
+                path = %self.path.display(),
+                "the chat template does not render as Jinja ({why}); using llama.cpp's built-in version of its format"
+            ),
+        }
         let msgs = turns
             .iter()
             .map(|(role, content)| LlamaChatMessage::new(role.to_string(), content.to_string()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| err(e.to_string()))?;
         self.model.apply_chat_template(&tmpl, &msgs, true).map_err(|e| err(e.to_string()))
+    }
+
+    /// The text of special token `t` (the BOS's `<|begin_of_text|>`), or nothing when
+    /// the model has no such token.
+    fn special_text(&self, t: LlamaToken) -> String {
+        if !(0..self.n_vocab() as TokenId).contains(&t.0) {
+            return String::new();
+        }
+        String::from_utf8_lossy(&self.model.vocab().token_to_piece(t, true, None)).into_owned()
     }
 
     /// Whether the model has a chat template.

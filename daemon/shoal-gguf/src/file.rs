@@ -194,9 +194,10 @@ impl Gguf {
                 .filter(|&end| end <= len)
                 .ok_or_else(|| r.invalid(format!("tensor {:?} has absurd data offset {}", t.name, t.offset)))?;
         }
-        // Each tensor's end was checked against the file length above.
+        // Each tensor's end was checked against the file length above. A file of no
+        // tensors (llama.cpp's vocabulary-only GGUFs) has no data section to pad to.
         let data_end = tensors.last().map_or(0, |t| t.offset.saturating_add(t.bytes));
-        if data_offset.checked_add(data_end).is_none_or(|end| end > len) {
+        if !tensors.is_empty() && data_offset.checked_add(data_end).is_none_or(|end| end > len) {
             return Err(GgufError::Truncated {
                 path: path.to_owned(),
                 what: format!(

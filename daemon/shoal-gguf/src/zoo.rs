@@ -123,6 +123,28 @@ pub fn write(family: Family, vocab_from: &Path, dest: &Path) -> Result<(), GgufE
 
 /// [`write`] with `n_layer` layers (where a family's graph depends on the count).
 pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path) -> Result<(), GgufError> {
+    write_model(family, n_layer, vocab_from, None, dest)
+}
+
+/// [`write`] with `chat_template` as the model's `tokenizer.chat_template` (in place of
+/// the vocabulary source's): a family's real template over its real vocabulary, when
+/// `vocab_from` is one of llama.cpp's vocabulary-only GGUFs.
+pub fn write_with_template(
+    family: Family,
+    vocab_from: &Path,
+    chat_template: &str,
+    dest: &Path,
+) -> Result<(), GgufError> {
+    write_model(family, family.layers(), vocab_from, Some(chat_template), dest)
+}
+
+fn write_model(
+    family: Family,
+    n_layer: u32,
+    vocab_from: &Path,
+    chat_template: Option<&str>,
+    dest: &Path,
+) -> Result<(), GgufError> {
     let source = Gguf::open(vocab_from)?;
     let bad = |what: String| GgufError::Model { path: vocab_from.to_owned(), what };
     let n_vocab = match source.get("tokenizer.ggml.tokens") {
@@ -212,7 +234,11 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
         metadata.push((format!("{arch}.attn_logit_softcapping"), Value::F32(50.0)));
         metadata.push((format!("{arch}.final_logit_softcapping"), Value::F32(30.0)));
     }
-    metadata.extend(source.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned());
+    let own_template = |k: &str| chat_template.is_some() && k == "tokenizer.chat_template";
+    metadata.extend(source.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.") && !own_template(k)).cloned());
+    if let Some(t) = chat_template {
+        metadata.push(("tokenizer.chat_template".to_string(), Value::String(t.as_bytes().to_vec())));
+    }
 
     // (name, dims innermost first, storage)
     let mut plan: Vec<(String, Vec<u64>, Store)> = vec![("token_embd.weight".into(), vec![N_EMBD, n_vocab], Q8)];

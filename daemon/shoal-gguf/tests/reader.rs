@@ -145,6 +145,19 @@ fn unknown_architecture_is_refused_by_name() {
     }
 }
 
+/// llama.cpp's vocabulary-only GGUFs have no tensors, so no data section: they parse
+/// (a tokenizer can be read from them), and are refused as models with the reason.
+#[test]
+fn a_gguf_of_no_tensors_parses_and_is_no_model() {
+    let path = shoal_gguf::models_dir().join("llama.cpp-vocabs/ggml-vocab-qwen2.gguf");
+    assert!(path.exists(), "{} is missing: run scripts/setup.sh", path.display());
+    let g = Gguf::open(&path).unwrap();
+    assert!(g.tensors.is_empty());
+    assert!(g.get("tokenizer.ggml.tokens").is_some());
+    let e = shoal_gguf::ModelMeta::from_gguf(&g).unwrap_err();
+    assert!(e.to_string().contains("no token_embd.weight"), "{e}");
+}
+
 #[test]
 fn missing_file_names_the_path() {
     let e = Gguf::open(Path::new("/nonexistent/x.gguf")).unwrap_err();
