@@ -172,7 +172,7 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
         if req.max_tokens == 0 {
             return Err(Failure::bad("max_tokens: must be at least 1"));
         }
-        let toolbox = toolbox(req.tools.as_deref().unwrap_or_default(), req.tool_choice.as_ref())?;
+        let mut toolbox = toolbox(req.tools.as_deref().unwrap_or_default(), req.tool_choice.as_ref())?;
         let mut turns = Vec::new();
         if let Some(system) = &req.system {
             turns.push(Turn { role: "system".into(), content: system.text()?, ..Turn::default() });
@@ -189,15 +189,17 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
         let model = common::resolve(&*backend, &req.model).await?;
         common::ready_or_failure(&*backend, &model).await?;
         let text = backend.text(&model.entry.name).await?;
-        let messages = tools::prompt_turns(&turns, toolbox.as_ref());
-        let prompt = text.tokenize(&text.chat_prompt(&messages).map_err(Failure::bad)?, true);
+        if let Some(t) = toolbox.as_mut() {
+            t.speak(text.tool_syntax());
+        }
+        let prompt = text.tokenize(&tools::prompt(&*text, &turns, toolbox.as_ref()).map_err(Failure::bad)?, true);
         let d = SamplingParams::default();
         let sampling = SamplingParams {
             // Anthropic's default temperature is 1.0; Shoal's, for every API, 0.8.
             temperature: req.temperature.unwrap_or(crate::openai::DEFAULT_TEMPERATURE),
             top_k: req.top_k.unwrap_or(d.top_k),
             top_p: req.top_p.unwrap_or(d.top_p),
-            grammar: toolbox.as_ref().map(Toolbox::grammar),
+            grammar: toolbox.as_ref().and_then(Toolbox::grammar),
             ..d
         };
         let job = Job {

@@ -117,6 +117,49 @@ pub trait TextModel: Send + Sync {
         let _ = (prefix, suffix);
         None
     }
+    /// The tool-call syntax of the model's own template ([`ToolSyntax::of`]); the
+    /// generic one where it has none Shoal reads back.
+    fn tool_syntax(&self) -> ToolSyntax {
+        ToolSyntax::Generic
+    }
+    /// `messages` (OpenAI's shape: an assistant's `tool_calls`, a tool's `tool_call_id`
+    /// and `name`) with `tools` offered (`[{"type": "function", "function": {…}}]`),
+    /// through the model's own template, ready for the answer: for models whose
+    /// [`TextModel::tool_syntax`] is not the generic one.
+    fn chat_prompt_with_tools(
+        &self,
+        messages: &serde_json::Value,
+        tools: &serde_json::Value,
+    ) -> Result<String, String> {
+        let _ = (messages, tools);
+        Err("the model's chat template has no tool syntax of its own".into())
+    }
+}
+
+/// How a model calls tools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolSyntax {
+    /// Shoal's generic format, for any template: the tools described in the system
+    /// message, the answer one JSON object held by a grammar.
+    Generic,
+    /// Hermes' format (Qwen 2.5 and 3, QwQ, Hermes 2 and 3, and the many models
+    /// trained on it): the template lists the tools in `<tools></tools>`, the model
+    /// answers each call as `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`
+    /// and reads results in `<tool_response>`.
+    Hermes,
+}
+
+impl ToolSyntax {
+    /// The syntax a Jinja chat template speaks: Hermes' when it writes `<tool_call>`
+    /// and lists `tools`; otherwise the generic one (templates with other syntaxes,
+    /// Llama 3's or Mistral's, get the generic format until Shoal reads theirs).
+    pub fn of(template: &str) -> ToolSyntax {
+        if template.contains("<tool_call>") && template.contains("tools") {
+            ToolSyntax::Hermes
+        } else {
+            ToolSyntax::Generic
+        }
+    }
 }
 
 /// One turn of a conversation.

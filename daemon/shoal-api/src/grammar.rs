@@ -73,9 +73,11 @@ const MAX_CALLS: usize = 8;
 /// The grammar of a tool-calling answer (see `tools`): `{"tool_calls": [{"name",
 /// "arguments"}]}` naming one of `tools` (name, parameter schema) with arguments its
 /// schema allows, several calls when `parallel`, or, when `reply`, `{"response": "…"}`
-/// instead. A schema the grammar cannot follow (or one making the grammar too large)
-/// allows any JSON object.
-pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool) -> String {
+/// instead. With `hermes`, Hermes' syntax instead: each call an object `{"name",
+/// "arguments"}` in a `<tool_call>\n…\n</tool_call>` block (`reply` is then not
+/// offered: a reply is free text, without a grammar). A schema the grammar cannot
+/// follow (or one making the grammar too large) allows any JSON object.
+pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool, hermes: bool) -> String {
     let build = |strict: bool| {
         let mut rules = BTreeMap::new();
         let mut calls = Vec::new();
@@ -102,15 +104,28 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool)
             );
             calls.push(rule);
         }
+        let head = if hermes {
+            let more = if parallel { format!(" ( \"\\n\" block ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
+            format!(
+                "root ::= block{more}\nblock ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall ::= {}\n",
+                alternatives(calls.clone().into_iter()),
+            )
+        } else {
+            String::new()
+        };
         let more = if parallel { format!("( \",\" ws call ws ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
-        let head = format!(
+        let head = if hermes {
+            head
+        } else {
+            format!(
             "root ::= ws {} ws\ncalls ::= \"{{\" ws {} ws \":\" ws \"[\" ws call ws {more} \"]\" ws \"}}\"\ncall ::= {}\n",
             if reply { "( calls | reply )" } else { "calls" },
             literal("\"tool_calls\""),
             alternatives(calls.into_iter()),
-        );
+        )
+        };
         let mut out = head;
-        if reply {
+        if reply && !hermes {
             out += &format!("reply ::= \"{{\" ws {} ws \":\" ws string ws \"}}\"\n", literal("\"response\""));
         }
         out += BASE;

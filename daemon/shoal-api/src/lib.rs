@@ -22,7 +22,7 @@ mod tools;
 pub use serve::{serve_router, Limits};
 
 pub use backend::{
-    Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PullProgress, Sampled, TextModel,
+    Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PullProgress, Sampled, TextModel, ToolSyntax,
 };
 
 use axum::extract::{ConnectInfo, MatchedPath, Request, State};

@@ -211,11 +211,11 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         let images = req.messages.iter().any(|m| m.images.as_ref().is_some_and(|i| !i.is_empty()));
         refuse_images(images)?;
         // Ollama has no tool_choice: the model calls tools or answers.
-        let toolbox = Toolbox::new(req.tools.as_deref().unwrap_or_default(), None, None).map_err(Failure::bad)?;
-        let grammar = match (format_grammar(&req.format)?, &toolbox) {
-            (Some(_), Some(_)) => return Err(Failure::bad("tools and format cannot be used together")),
-            (g, t) => g.or_else(|| t.as_ref().map(Toolbox::grammar)),
-        };
+        let mut toolbox = Toolbox::new(req.tools.as_deref().unwrap_or_default(), None, None).map_err(Failure::bad)?;
+        let grammar = format_grammar(&req.format)?;
+        if grammar.is_some() && toolbox.is_some() {
+            return Err(Failure::bad("tools and format cannot be used together"));
+        }
         let scored = common::top_logprobs(req.logprobs, req.top_logprobs)?;
         if scored.is_some() && toolbox.is_some() {
             return Err(Failure::bad("logprobs are not available with tools"));
@@ -237,9 +237,8 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
                 Ok(Turn { role, content, calls, call_id: None, tool })
             })
             .collect::<Result<Vec<_>, Failure>>()?;
-        let messages = tools::prompt_turns(&turns, toolbox.as_ref());
-        let job = job(&*backend, &model, &req.options, grammar, scored, |text| {
-            let prompt = text.chat_prompt(&messages).map_err(Failure::bad)?;
+        let job = job(&*backend, &model, &req.options, grammar, toolbox.as_mut(), scored, |text, toolbox| {
+            let prompt = tools::prompt(text, &turns, toolbox).map_err(Failure::bad)?;
             Ok(text.tokenize(&prompt, true))
         })
         .await?;
@@ -268,7 +267,7 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
         }
         let (prompt, raw, system) = (req.prompt.clone(), req.raw, req.system.clone());
         let suffix = req.suffix.clone().filter(|s| !s.is_empty());
-        let job = job(&*backend, &model, &req.options, grammar, scored, |text| {
+        let job = job(&*backend, &model, &req.options, grammar, None, scored, |text, _| {
             if let Some(suffix) = &suffix {
                 // Fill in the middle: the model's own tokens around both texts, no
                 // template (as Ollama does for a model with the insert capability).
@@ -300,12 +299,20 @@ async fn job<B: Backend>(
     model: &ModelInfo,
     options: &Options,
     grammar: Option<String>,
+    toolbox: Option<&mut Toolbox>,
     logprobs: Option<u32>,
-    tokens: impl FnOnce(&dyn TextModel) -> Result<Vec<TokenId>, Failure>,
+    tokens: impl FnOnce(&dyn TextModel, Option<&Toolbox>) -> Result<Vec<TokenId>, Failure>,
 ) -> Result<Job, Failure> {
     common::ready_or_failure(backend, model).await?;
     let text = backend.text(&model.entry.name).await?;
-    let prompt = tokens(&*text)?;
+    // A toolbox's grammar depends on the model's tool syntax.
+    let mut grammar = grammar;
+    let toolbox = toolbox.map(|t| {
+        t.speak(text.tool_syntax());
+        grammar = t.grammar();
+        &*t
+    });
+    let prompt = tokens(&*text, toolbox)?;
     Ok(Job {
         model: model.entry.name.clone(),
         text,

@@ -131,7 +131,7 @@ impl Knobs {
         if toolbox.is_some() && logprobs.is_some() {
             return Err(Failure::bad("logprobs are not available with tools"));
         }
-        let grammar = grammar.or_else(|| toolbox.as_ref().map(Toolbox::grammar));
+        // A toolbox's grammar depends on the model's tool syntax: `prepare` sets it.
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -259,7 +259,7 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
             return Err(Failure::bad("messages must not be empty"));
         }
         let (job, knobs, toolbox) = prepare(&*backend, &req.model, req.knobs, Kind::Chat, |text, toolbox| {
-            let prompt = text.chat_prompt(&tools::prompt_turns(&turns, toolbox)).map_err(Failure::bad)?;
+            let prompt = tools::prompt(text, &turns, toolbox).map_err(Failure::bad)?;
             Ok(text.tokenize(&prompt, true))
         })
         .await?;
@@ -298,10 +298,14 @@ async fn prepare<B: Backend>(
     kind: Kind,
     tokens: impl FnOnce(&dyn crate::backend::TextModel, Option<&Toolbox>) -> Result<Vec<shoal_types::TokenId>, Failure>,
 ) -> Result<(Job, Knobs, Option<Toolbox>), Failure> {
-    let (sampling, stop, toolbox) = knobs.check(kind)?;
+    let (mut sampling, stop, mut toolbox) = knobs.check(kind)?;
     let model = common::resolve(backend, name).await?;
     common::ready_or_failure(backend, &model).await?;
     let text = backend.text(&model.entry.name).await?;
+    if let Some(t) = toolbox.as_mut() {
+        t.speak(text.tool_syntax());
+        sampling.grammar = t.grammar();
+    }
     let prompt = tokens(&*text, toolbox.as_ref())?;
     let max_tokens = knobs.max_tokens().unwrap_or_else(|| common::default_max_tokens(&model, prompt.len()));
     let ignore_eos = knobs.ignore_eos;

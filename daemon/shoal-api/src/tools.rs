@@ -1,4 +1,8 @@
-//! Tool calling for any model, whatever its chat template: the tools are described in
+//! Tool calling. Models whose template speaks Hermes' tool syntax (Qwen 2.5 and 3 …,
+//! [`ToolSyntax::Hermes`]) get their own: the template lists the tools and writes the
+//! conversation's calls and results, the model answers `<tool_call>` blocks (held by a
+//! grammar when a call is required; read back from free text with `auto`). Any other
+//! model gets the generic format: the tools are described in
 //! the system message, and a grammar holds the answer to one JSON object, either
 //! `{"tool_calls": [{"name": …, "arguments": {…}}]}` or `{"response": "…"}` (the
 //! generic format llama.cpp falls back to for templates without a tool syntax of their
@@ -11,7 +15,7 @@
 //! Shared by OpenAI's `tools`/`tool_choice` and Ollama's `tools` (whose `tool_choice`
 //! is always auto).
 
-use crate::backend::ChatMessage;
+use crate::backend::{ChatMessage, TextModel, ToolSyntax};
 use serde_json::{json, Value};
 
 /// The tools a request offers and how the model may use them.
@@ -23,6 +27,8 @@ pub(crate) struct Toolbox {
     choice: Choice,
     /// Several calls in one answer (OpenAI's `parallel_tool_calls`, default true).
     parallel: bool,
+    /// The syntax the model calls in (the generic one until [`Toolbox::speak`]).
+    syntax: ToolSyntax,
 }
 
 /// One function the model may call.
@@ -127,14 +133,20 @@ impl Toolbox {
                 _ => Err("tool_choice asks for a tool call, but no tools are given".into()),
             };
         }
-        Ok(Some(Toolbox { tools, choice, parallel: parallel.unwrap_or(true) }))
+        Ok(Some(Toolbox { tools, choice, parallel: parallel.unwrap_or(true), syntax: ToolSyntax::Generic }))
+    }
+
+    /// Call in `syntax`, the model's (its template's) own.
+    pub fn speak(&mut self, syntax: ToolSyntax) {
+        self.syntax = syntax;
     }
 
     /// The grammar that holds the answer to a call of the offered tools (or, with
     /// `auto`, a reply). A tool whose parameter schema uses keywords the grammar
     /// cannot follow (`pattern`, `minimum`, …) gets any JSON object as arguments: the
-    /// tool then checks them, as it must anyway.
-    pub fn grammar(&self) -> String {
+    /// tool then checks them, as it must anyway. None in Hermes' syntax with `auto`:
+    /// the model writes text or `<tool_call>` blocks as it was trained to.
+    pub fn grammar(&self) -> Option<String> {
         let callable: Vec<(&str, &Value)> = self
             .tools
             .iter()
@@ -144,7 +156,12 @@ impl Toolbox {
             })
             .map(|t| (t.name.as_str(), &t.parameters))
             .collect();
-        crate::grammar::tool_answer(&callable, self.choice == Choice::Auto, self.parallel)
+        let auto = self.choice == Choice::Auto;
+        match self.syntax {
+            ToolSyntax::Generic => Some(crate::grammar::tool_answer(&callable, auto, self.parallel, false)),
+            ToolSyntax::Hermes if auto => None,
+            ToolSyntax::Hermes => Some(crate::grammar::tool_answer(&callable, false, self.parallel, true)),
+        }
     }
 
     /// What the model is told, after any system text of the client's: the tools, and
@@ -172,6 +189,9 @@ impl Toolbox {
     /// reply. Text that is not such an object (an answer cut by `max_tokens`) is
     /// returned as it is, as a reply.
     pub fn read(&self, text: &str) -> Reply {
+        if self.syntax == ToolSyntax::Hermes {
+            return read_hermes(text);
+        }
         let Ok(v) = serde_json::from_str::<Value>(text.trim()) else { return Reply::Text(text.to_string()) };
         if let Some(calls) = v.get("tool_calls").and_then(Value::as_array) {
             let calls: Option<Vec<Call>> = calls
@@ -191,6 +211,96 @@ impl Toolbox {
             None => Reply::Text(text.to_string()),
         }
     }
+}
+
+/// Hermes' answer read back: the `<tool_call>` blocks holding `{"name", "arguments"}`
+/// objects, or (none, or one that is not such an object) the text as a reply.
+fn read_hermes(text: &str) -> Reply {
+    const OPEN: &str = "<tool_call>";
+    const CLOSE: &str = "</tool_call>";
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(OPEN) {
+        let after = &rest[start + OPEN.len()..];
+        // A block cut by `max_tokens` has no end: what is there is read.
+        let (body, next) = match after.find(CLOSE) {
+            Some(end) => (&after[..end], &after[end + CLOSE.len()..]),
+            None => (after, ""),
+        };
+        let call = serde_json::from_str::<Value>(body.trim()).ok().and_then(|v| {
+            let name = v.get("name")?.as_str()?.to_string();
+            let arguments = match v.get("arguments") {
+                None | Some(Value::Null) => json!({}),
+                // Some models write the arguments as JSON text.
+                Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+                Some(a) => a.clone(),
+            };
+            Some(Call { id: None, name, arguments })
+        });
+        match call {
+            Some(c) => calls.push(c),
+            None => return Reply::Text(text.to_string()),
+        }
+        rest = next;
+    }
+    if calls.is_empty() {
+        Reply::Text(text.to_string())
+    } else {
+        Reply::Calls(calls)
+    }
+}
+
+/// The prompt of `turns` for `text`'s model, with `toolbox` offered: through the
+/// model's own template and tool syntax where it has one, in the generic format
+/// ([`prompt_turns`]) otherwise.
+pub(crate) fn prompt(text: &dyn TextModel, turns: &[Turn], toolbox: Option<&Toolbox>) -> Result<String, String> {
+    match toolbox {
+        Some(b) if b.syntax != ToolSyntax::Generic => {
+            let tools: Vec<Value> =
+                b.tools.iter().map(|t| json!({"type": "function", "function": t.described})).collect();
+            text.chat_prompt_with_tools(&openai_messages(turns), &Value::Array(tools))
+        }
+        _ => text.chat_prompt(&prompt_turns(turns, toolbox)),
+    }
+}
+
+/// `turns` in OpenAI's shape, as chat templates read them: an assistant's calls as
+/// `tool_calls` (arguments as objects, as Hugging Face passes them), a tool's result
+/// with its `tool_call_id` and the tool's `name`.
+fn openai_messages(turns: &[Turn]) -> Value {
+    let mut names: Vec<(String, String)> = Vec::new();
+    let out = turns.iter().map(|t| {
+        let mut m = json!({"role": t.role, "content": t.content});
+        if !t.calls.is_empty() {
+            names.extend(t.calls.iter().filter_map(|c| Some((c.id.clone()?, c.name.clone()))));
+            let calls: Vec<Value> = t
+                .calls
+                .iter()
+                .map(|c| {
+                    let mut call = json!({"type": "function", "function": {"name": c.name, "arguments": c.arguments}});
+                    if let Some(id) = &c.id {
+                        call["id"] = json!(id);
+                    }
+                    call
+                })
+                .collect();
+            m["tool_calls"] = Value::Array(calls);
+        }
+        if t.role == "tool" {
+            let name = t.tool.clone().or_else(|| {
+                let id = t.call_id.as_ref()?;
+                names.iter().find(|(i, _)| i == id).map(|(_, n)| n.clone())
+            });
+            if let Some(id) = &t.call_id {
+                m["tool_call_id"] = json!(id);
+            }
+            if let Some(name) = name {
+                m["name"] = json!(name);
+            }
+        }
+        m
+    });
+    Value::Array(out.collect())
 }
 
 impl Tool {
@@ -328,16 +438,112 @@ mod tests {
     #[test]
     fn the_grammar_offers_the_tools_by_name_and_a_reply_only_with_auto() {
         let tools = [weather(), time()];
-        let auto = Toolbox::new(&tools, None, None).unwrap().unwrap().grammar();
+        let auto = Toolbox::new(&tools, None, None).unwrap().unwrap().grammar().unwrap();
         assert!(auto.contains("\"\\\"get_weather\\\"\"") && auto.contains("\"\\\"get_time\\\"\""), "{auto}");
         assert!(auto.contains("\\\"response\\\""), "{auto}");
         // get_time's `pattern` cannot be followed: its arguments are any object.
         assert!(auto.contains("\"\\\"c\\\"\""), "the weather's enum is followed: {auto}");
-        let required = Toolbox::new(&tools, Some(&json!("required")), None).unwrap().unwrap().grammar();
+        let required = Toolbox::new(&tools, Some(&json!("required")), None).unwrap().unwrap().grammar().unwrap();
         assert!(!required.contains("\\\"response\\\""), "{required}");
         let named = json!({"type": "function", "function": {"name": "get_time"}});
-        let one = Toolbox::new(&tools, Some(&named), None).unwrap().unwrap().grammar();
+        let one = Toolbox::new(&tools, Some(&named), None).unwrap().unwrap().grammar().unwrap();
         assert!(!one.contains("get_weather") && one.contains("get_time"), "{one}");
+    }
+
+    /// In Hermes' syntax a required call is a `<tool_call>` block held by the grammar
+    /// (several, one per line, when parallel); `auto` leaves the model free.
+    #[test]
+    fn hermes_grammar_holds_tool_call_blocks_and_leaves_auto_free() {
+        let tools = [weather(), time()];
+        let mut auto = Toolbox::new(&tools, None, None).unwrap().unwrap();
+        auto.speak(ToolSyntax::Hermes);
+        assert_eq!(auto.grammar(), None);
+        let mut required = Toolbox::new(&tools, Some(&json!("required")), Some(false)).unwrap().unwrap();
+        required.speak(ToolSyntax::Hermes);
+        let g = required.grammar().unwrap();
+        assert!(g.starts_with("root ::= block\nblock ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n"), "{g}");
+        assert!(g.contains("\"\\\"get_weather\\\"\"") && !g.contains("response"), "{g}");
+        let mut parallel = Toolbox::new(&tools, Some(&json!("required")), None).unwrap().unwrap();
+        parallel.speak(ToolSyntax::Hermes);
+        assert!(parallel.grammar().unwrap().starts_with("root ::= block ( \"\\n\" block ){0,7}\n"));
+    }
+
+    #[test]
+    fn hermes_answers_read_back_as_calls_or_text() {
+        let mut b = Toolbox::new(&[weather(), time()], None, None).unwrap().unwrap();
+        b.speak(ToolSyntax::Hermes);
+        let two = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\
+                   <tool_call>\n{\"name\": \"get_time\", \"arguments\": \"{\\\"zone\\\": \\\"CET\\\"}\"}\n</tool_call>";
+        assert_eq!(
+            b.read(two),
+            Reply::Calls(vec![
+                Call { id: None, name: "get_weather".into(), arguments: json!({"city": "Paris"}) },
+                // Arguments given as JSON text are read as JSON.
+                Call { id: None, name: "get_time".into(), arguments: json!({"zone": "CET"}) },
+            ])
+        );
+        assert_eq!(b.read("It is sunny."), Reply::Text("It is sunny.".into()));
+        // A block that is not a call: the whole answer is text, as it came.
+        let broken = "<tool_call>\nnot json\n</tool_call>";
+        assert_eq!(b.read(broken), Reply::Text(broken.into()));
+        // Cut by max_tokens inside the block's end: no whole block, so text, as it came.
+        let cut = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_";
+        assert_eq!(b.read(cut), Reply::Text(cut.into()));
+    }
+
+    /// A model whose template speaks a tool syntax gets the conversation in OpenAI's
+    /// shape and the tools as given; any other gets the generic turns.
+    #[test]
+    fn the_prompt_goes_through_the_models_own_tool_syntax_when_it_has_one() {
+        struct Model(ToolSyntax);
+        impl TextModel for Model {
+            fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, String> {
+                Ok(format!("generic {}", messages.len()))
+            }
+            fn tokenize(&self, _: &str, _: bool) -> Vec<shoal_types::TokenId> {
+                Vec::new()
+            }
+            fn piece(&self, _: shoal_types::TokenId) -> Vec<u8> {
+                Vec::new()
+            }
+            fn eog_tokens(&self) -> Vec<shoal_types::TokenId> {
+                Vec::new()
+            }
+            fn tool_syntax(&self) -> ToolSyntax {
+                self.0
+            }
+            fn chat_prompt_with_tools(&self, messages: &Value, tools: &Value) -> Result<String, String> {
+                Ok(format!("{messages}|{tools}"))
+            }
+        }
+        let turns = [
+            Turn { role: "user".into(), content: "Weather?".into(), ..Turn::default() },
+            Turn {
+                role: "assistant".into(),
+                calls: vec![Call {
+                    id: Some("c1".into()),
+                    name: "get_weather".into(),
+                    arguments: json!({"city": "Oslo"}),
+                }],
+                ..Turn::default()
+            },
+            Turn { role: "tool".into(), content: "-3".into(), call_id: Some("c1".into()), ..Turn::default() },
+        ];
+        let mut b = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        assert_eq!(prompt(&Model(ToolSyntax::Generic), &turns, Some(&b)).unwrap(), "generic 4");
+        b.speak(ToolSyntax::Hermes);
+        let p = prompt(&Model(ToolSyntax::Hermes), &turns, Some(&b)).unwrap();
+        let (messages, tools) = p.split_once('|').unwrap();
+        assert_eq!(
+            serde_json::from_str::<Value>(messages).unwrap(),
+            json!([
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "c1",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                {"role": "tool", "content": "-3", "tool_call_id": "c1", "name": "get_weather"},
+            ])
+        );
+        assert_eq!(serde_json::from_str::<Value>(tools).unwrap(), json!([weather()]));
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! renders a prompt once and every stage gets its tokens, so nodes never disagree.
 
 use minijinja::syntax::SyntaxConfig;
+use minijinja::value::Serde;
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 
 /// One turn of a conversation.
@@ -24,6 +25,24 @@ pub struct Turn<'a> {
 /// (`add_generation_prompt`), `bos` and `eos` being the model's BOS and EOS texts.
 /// The error says what the template could not do.
 pub fn render(template: &str, turns: &[Turn<'_>], bos: &str, eos: &str) -> Result<String, String> {
+    let messages: Vec<Value> = turns.iter().map(|t| context! { role => t.role, content => t.content }).collect();
+    render_with(template, Value::from(messages), Value::from(()), bos, eos)
+}
+
+/// [`render`] for messages in OpenAI's shape (an assistant's `tool_calls`, a tool's
+/// `tool_call_id` and `name`) with `tools` (`[{"type": "function", "function": {…}}]`)
+/// offered: what templates with a tool syntax of their own render.
+pub fn render_json(
+    template: &str,
+    messages: &serde_json::Value,
+    tools: &serde_json::Value,
+    bos: &str,
+    eos: &str,
+) -> Result<String, String> {
+    render_with(template, Value::from(Serde(messages)), Value::from(Serde(tools)), bos, eos)
+}
+
+fn render_with(template: &str, messages: Value, tools: Value, bos: &str, eos: &str) -> Result<String, String> {
     let mut env = Environment::new();
     // Hugging Face's settings (transformers' `_compile_jinja_template`).
     // Invariant: the default delimiters, which build.
@@ -42,20 +61,77 @@ pub fn render(template: &str, turns: &[Turn<'_>], bos: &str, eos: &str) -> Resul
     // Python's sense: `none is iterable` is false (minijinja iterates none as empty),
     // which templates test before `tools | length`.
     env.add_test("iterable", |v: Value| v.try_iter().is_ok() && !v.is_none() && !v.is_undefined());
+    env.add_filter("tojson", tojson);
     env.add_template("chat", template).map_err(|e| describe(&e))?;
-    let messages: Vec<Value> = turns.iter().map(|t| context! { role => t.role, content => t.content }).collect();
     let ctx = context! {
         messages => messages,
         add_generation_prompt => true,
         bos_token => bos,
         eos_token => eos,
-        // As Hugging Face passes them when a request has none.
-        tools => Value::from(()),
+        // None when a request has none, as Hugging Face passes them.
+        tools => tools,
         documents => Value::from(()),
     };
     // Invariant: the template was added above under this name.
     let tmpl = env.get_template("chat").expect("template added above");
     tmpl.render(ctx).map_err(|e| describe(&e))
+}
+
+/// Hugging Face's `tojson`: Python's `json.dumps(x, ensure_ascii=False)`, keys in
+/// their order, `", "` and `": "` between items (or `indent` spaces per level, with
+/// `","`), and no HTML escaping (minijinja's own escapes `<` and `'`, which would
+/// change a tool's description as the model reads it).
+fn tojson(v: Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    // Accepted as Python accepts them; the output is the same either way.
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&v).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = String::new();
+    python_json(&json, indent, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+/// `v` as Python's `json.dumps` writes it (see [`tojson`]).
+fn python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        J::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        J::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&J::String(k.clone()).to_string());
+                out.push_str(": ");
+                python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
 }
 
 /// The error and its cause, on one line.
@@ -98,6 +174,19 @@ mod tests {
         let t =
             "{{ bos_token }}{% for m in messages %}{{ m.content }}{% break %}{% endfor %}{% if tools %}T{% endif %}";
         assert_eq!(render(t, &turns, "<s>", "").unwrap(), "<s>x1 ");
+    }
+
+    #[test]
+    fn tojson_writes_as_python_does() {
+        let t = "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}";
+        let tools = serde_json::json!([{"name": "f", "description": "the user's <city>", "n": [1, 2.5], "e": {}}]);
+        let out = render_json(t, &serde_json::json!([]), &tools, "", "").unwrap();
+        assert_eq!(
+            out,
+            "[{\"name\": \"f\", \"description\": \"the user's <city>\", \"n\": [1, 2.5], \"e\": {}}]|{\n  \
+             \"name\": \"f\",\n  \"description\": \"the user's <city>\",\n  \"n\": [\n    1,\n    2.5\n  ],\n  \
+             \"e\": {}\n}"
+        );
     }
 
     #[test]

@@ -114,6 +114,30 @@ impl Vocab {
         self.model.apply_chat_template(&tmpl, &msgs, true).map_err(|e| err(e.to_string()))
     }
 
+    /// A conversation in OpenAI's shape (assistant turns with `tool_calls`, `tool`
+    /// turns with `tool_call_id`) with `tools` offered, through the model's Jinja
+    /// template: the model's own tool syntax. No fallback: llama.cpp's built-in
+    /// formats know no tools. Without the BOS text where the tokenizer adds the BOS.
+    pub fn chat_with_tools(
+        &self,
+        messages: &serde_json::Value,
+        tools: &serde_json::Value,
+    ) -> Result<String, VocabError> {
+        let err = |why: String| VocabError::Template { path: self.path.clone(), why };
+        let source = self.template_source().ok_or_else(|| err("the model has no chat template".into()))?;
+        let (bos, eos) = (self.special_text(self.model.vocab().bos()), self.special_text(self.model.vocab().eos()));
+        let mut text = crate::template::render_json(&source, messages, tools, &bos, &eos).map_err(err)?;
+        if !bos.is_empty() && text.starts_with(&bos) && !self.tokenize("", false).is_empty() {
+            text.drain(..bos.len());
+        }
+        Ok(text)
+    }
+
+    /// The model's chat template (Jinja), if it has one.
+    pub fn template_source(&self) -> Option<String> {
+        self.model.chat_template(None).ok().and_then(|t| t.to_string().ok())
+    }
+
     /// The text of special token `t` (the BOS's `<|begin_of_text|>`), or nothing when
     /// the model has no such token.
     fn special_text(&self, t: LlamaToken) -> String {

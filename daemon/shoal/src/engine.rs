@@ -1,7 +1,7 @@
 //! The node process's engine: llama.cpp stages ([`LlamaStage`]) on shard files, with
 //! the samplers the tail uses. The node crate never links llama.cpp; it gets this.
 
-use shoal_api::{ChatMessage, TextModel};
+use shoal_api::{ChatMessage, TextModel, ToolSyntax};
 use shoal_engine::{GpuLayers, LlamaStage, Sampler, SamplingParams, StageConfig, Vocab};
 use shoal_node::runtime::{Engine, StageSizing};
 use shoal_pipeline::SamplerFactory;
@@ -59,7 +59,8 @@ impl Engine for LlamaEngine {
 
     fn text(&self, gguf: &Path) -> Result<Arc<dyn TextModel>, String> {
         let vocab = Vocab::load(gguf).map_err(|e| e.to_string())?;
-        Ok(Arc::new(LlamaText { eog: vocab.eog_tokens(), vocab }))
+        let tools = vocab.template_source().map_or(ToolSyntax::Generic, |t| ToolSyntax::of(&t));
+        Ok(Arc::new(LlamaText { eog: vocab.eog_tokens(), vocab, tools }))
     }
 }
 
@@ -86,6 +87,8 @@ struct LlamaText {
     vocab: Vocab,
     /// Its end-of-generation tokens (a scan of the whole vocabulary: done once).
     eog: Vec<TokenId>,
+    /// The tool syntax its chat template speaks (read once).
+    tools: ToolSyntax,
 }
 
 impl TextModel for LlamaText {
@@ -114,5 +117,17 @@ impl TextModel for LlamaText {
 
     fn fill_in_middle(&self, prefix: &str, suffix: &str) -> Option<Vec<TokenId>> {
         self.vocab.fill_in_middle(prefix, suffix)
+    }
+
+    fn tool_syntax(&self) -> ToolSyntax {
+        self.tools
+    }
+
+    fn chat_prompt_with_tools(
+        &self,
+        messages: &serde_json::Value,
+        tools: &serde_json::Value,
+    ) -> Result<String, String> {
+        self.vocab.chat_with_tools(messages, tools).map_err(|e| e.to_string())
     }
 }

@@ -65,3 +65,91 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
         }
     }
 }
+
+/// A Qwen 2.5 model (the zoo's qwen2 with Qwen's real vocabulary and chat template)
+/// served by a node calls tools in its own syntax through the OpenAI route: the
+/// template lists the tools in `<tools>`, the grammar holds a required call to a
+/// `<tool_call>` block, and the answer comes back as parsed `tool_calls` whose
+/// arguments follow the tool's schema; the conversation with the call and its result
+/// goes back through the template for the next turn.
+#[test]
+fn a_qwen_model_calls_tools_in_its_own_syntax_through_the_api() {
+    use common::{shoal, wait_for};
+    use serde_json::{json, Value};
+    let tmp = tempfile::tempdir().unwrap();
+    let vocabs = shoal_gguf::models_dir().join("llama.cpp-vocabs");
+    let template = std::fs::read_to_string(vocabs.join("templates/Qwen-Qwen2.5-7B-Instruct.jinja")).unwrap();
+    let path = tmp.path().join("qwen-tools.gguf");
+    shoal_gguf::zoo::write_with_template(Family::Qwen2, &vocabs.join("ggml-vocab-qwen2.gguf"), &template, &path)
+        .unwrap();
+
+    let dir = tmp.path().join("a");
+    let mut node = shoal()
+        .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
+        .args(["--http-listen", "127.0.0.1:0", "--name", "a", "--threads", "1", "--create-cluster", "--data-dir"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _node = Kill(&mut node);
+    let run = |args: &[&str]| {
+        let out = shoal().args(args).arg("--data-dir").arg(&dir).output().unwrap();
+        assert!(out.status.success(), "shoal {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    wait_for("the node's cluster", 30, || {
+        let out = shoal().args(["status", "--json", "--data-dir"]).arg(&dir).output().ok()?;
+        let s: Value = serde_json::from_slice(&out.stdout).ok()?;
+        (!s["cluster"].is_null()).then_some(())
+    });
+    run(&["models", "add", path.to_str().unwrap()]);
+    let loaded = run(&["models", "load", "qwen-tools.gguf", "--context", "1024", "--wait"]);
+    assert!(loaded.contains("ready: 1 stage(s)"), "{loaded}");
+    let api = std::fs::read_to_string(dir.join("http")).unwrap().trim().to_string();
+    let post = |body: &Value| {
+        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let mut r = agent
+            .post(&format!("http://{api}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .send(body.to_string())
+            .unwrap();
+        let status = r.status().as_u16();
+        let text = r.body_mut().read_to_string().unwrap();
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str::<Value>(&text).unwrap()
+    };
+    let weather = json!({"type": "function", "function": {"name": "get_weather",
+        "description": "The weather in a city", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}});
+    let ask = json!({"role": "user", "content": "What is the weather in Oslo?"});
+    let v = post(&json!({"model": "qwen-tools.gguf", "messages": [ask], "tools": [weather],
+        "tool_choice": "required", "parallel_tool_calls": false, "temperature": 0, "max_tokens": 512}));
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather", "{v}");
+    let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string() && ["c", "f"].contains(&args["unit"].as_str().unwrap()), "{args}");
+    // The prompt was Qwen's own: the tools listed in its system text, which the
+    // generic format does not write. It counts far more tokens than the question.
+    let with_tools = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let plain = post(&json!({"model": "qwen-tools.gguf", "messages": [ask], "temperature": 0, "max_tokens": 1}));
+    assert!(with_tools > plain["usage"]["prompt_tokens"].as_u64().unwrap() + 60, "{v}");
+
+    // The call and its result go back through the template; a free (auto) answer.
+    let id = calls[0]["id"].as_str().unwrap();
+    let v = post(&json!({"model": "qwen-tools.gguf", "tools": [weather], "temperature": 0, "max_tokens": 8,
+        "messages": [ask, {"role": "assistant", "content": null, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": id, "content": "-3 c"}]}));
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > with_tools, "{v}");
+}
