@@ -147,15 +147,24 @@ pub enum ToolSyntax {
     /// answers each call as `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`
     /// and reads results in `<tool_response>`.
     Hermes,
+    /// Llama 3.1, 3.2 and 3.3's: the template lists the tools as JSON, the model
+    /// answers one call as `{"name": …, "parameters": {…}}` and reads results as
+    /// `ipython` turns.
+    Llama3,
 }
 
 impl ToolSyntax {
     /// The syntax a Jinja chat template speaks: Hermes' when it writes `<tool_call>`
-    /// and lists `tools`; otherwise the generic one (templates with other syntaxes,
-    /// Llama 3's or Mistral's, get the generic format until Shoal reads theirs).
+    /// and lists `tools`; Llama 3's when it answers tools in an `ipython` environment
+    /// with `"parameters"`; otherwise the generic one (templates with other syntaxes,
+    /// Mistral's or gpt-oss's, get the generic format until Shoal reads theirs).
     pub fn of(template: &str) -> ToolSyntax {
-        if template.contains("<tool_call>") && template.contains("tools") {
+        if !template.contains("tools") {
+            ToolSyntax::Generic
+        } else if template.contains("<tool_call>") {
             ToolSyntax::Hermes
+        } else if template.contains("Environment: ipython") && template.contains("\"parameters\": ") {
+            ToolSyntax::Llama3
         } else {
             ToolSyntax::Generic
         }

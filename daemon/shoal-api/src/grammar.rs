@@ -11,6 +11,7 @@
 //! `minLength`/`maxLength`. Keywords that constrain in other ways (`pattern`,
 //! `minimum`, `format`, …) are refused with their name rather than ignored.
 
+use crate::backend::ToolSyntax;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
@@ -73,11 +74,12 @@ const MAX_CALLS: usize = 8;
 /// The grammar of a tool-calling answer (see `tools`): `{"tool_calls": [{"name",
 /// "arguments"}]}` naming one of `tools` (name, parameter schema) with arguments its
 /// schema allows, several calls when `parallel`, or, when `reply`, `{"response": "…"}`
-/// instead. With `hermes`, Hermes' syntax instead: each call an object `{"name",
-/// "arguments"}` in a `<tool_call>\n…\n</tool_call>` block (`reply` is then not
-/// offered: a reply is free text, without a grammar). A schema the grammar cannot
-/// follow (or one making the grammar too large) allows any JSON object.
-pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool, hermes: bool) -> String {
+/// instead. In a model's own `syntax` instead (`reply` is then not offered: a reply is
+/// free text, without a grammar): Hermes' `<tool_call>\n{"name", "arguments"}\n</tool_call>`
+/// blocks, one per line; Llama 3's one object `{"name", "parameters"}`. A schema the
+/// grammar cannot follow (or one making the grammar too large) allows any JSON object.
+pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool, syntax: ToolSyntax) -> String {
+    let args_key = if syntax == ToolSyntax::Llama3 { "\"parameters\"" } else { "\"arguments\"" };
     let build = |strict: bool| {
         let mut rules = BTreeMap::new();
         let mut calls = Vec::new();
@@ -99,33 +101,35 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool,
                 format!(
                     "\"{{\" ws {} ws \":\" ws {name} ws \",\" ws {} ws \":\" ws {args} ws \"}}\"",
                     literal("\"name\""),
-                    literal("\"arguments\"")
+                    literal(args_key)
                 ),
             );
             calls.push(rule);
         }
-        let head = if hermes {
-            let more = if parallel { format!(" ( \"\\n\" block ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
-            format!(
-                "root ::= block{more}\nblock ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall ::= {}\n",
-                alternatives(calls.clone().into_iter()),
-            )
-        } else {
-            String::new()
-        };
-        let more = if parallel { format!("( \",\" ws call ws ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
-        let head = if hermes {
-            head
-        } else {
-            format!(
-            "root ::= ws {} ws\ncalls ::= \"{{\" ws {} ws \":\" ws \"[\" ws call ws {more} \"]\" ws \"}}\"\ncall ::= {}\n",
-            if reply { "( calls | reply )" } else { "calls" },
-            literal("\"tool_calls\""),
-            alternatives(calls.into_iter()),
-        )
+        let head = match syntax {
+            ToolSyntax::Hermes => {
+                let more = if parallel { format!(" ( \"\\n\" block ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
+                format!(
+                    "root ::= block{more}\nblock ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall ::= {}\n",
+                    alternatives(calls.into_iter()),
+                )
+            }
+            // Llama 3's templates allow one call per message.
+            ToolSyntax::Llama3 => format!("root ::= call\ncall ::= {}\n", alternatives(calls.into_iter())),
+            ToolSyntax::Generic => {
+                let more =
+                    if parallel { format!("( \",\" ws call ws ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
+                format!(
+                    "root ::= ws {} ws\ncalls ::= \"{{\" ws {} ws \":\" ws \"[\" ws call ws {more} \"]\" ws \"}}\"\n\
+                     call ::= {}\n",
+                    if reply { "( calls | reply )" } else { "calls" },
+                    literal("\"tool_calls\""),
+                    alternatives(calls.into_iter()),
+                )
+            }
         };
         let mut out = head;
-        if reply && !hermes {
+        if reply && syntax == ToolSyntax::Generic {
             out += &format!("reply ::= \"{{\" ws {} ws \":\" ws string ws \"}}\"\n", literal("\"response\""));
         }
         out += BASE;

@@ -158,9 +158,11 @@ impl Toolbox {
             .collect();
         let auto = self.choice == Choice::Auto;
         match self.syntax {
-            ToolSyntax::Generic => Some(crate::grammar::tool_answer(&callable, auto, self.parallel, false)),
-            ToolSyntax::Hermes if auto => None,
-            ToolSyntax::Hermes => Some(crate::grammar::tool_answer(&callable, false, self.parallel, true)),
+            ToolSyntax::Generic => Some(crate::grammar::tool_answer(&callable, auto, self.parallel, self.syntax)),
+            ToolSyntax::Hermes | ToolSyntax::Llama3 if auto => None,
+            ToolSyntax::Hermes | ToolSyntax::Llama3 => {
+                Some(crate::grammar::tool_answer(&callable, false, self.parallel, self.syntax))
+            }
         }
     }
 
@@ -189,8 +191,10 @@ impl Toolbox {
     /// reply. Text that is not such an object (an answer cut by `max_tokens`) is
     /// returned as it is, as a reply.
     pub fn read(&self, text: &str) -> Reply {
-        if self.syntax == ToolSyntax::Hermes {
-            return read_hermes(text);
+        match self.syntax {
+            ToolSyntax::Hermes => return read_hermes(text),
+            ToolSyntax::Llama3 => return read_llama3(text),
+            ToolSyntax::Generic => {}
         }
         let Ok(v) = serde_json::from_str::<Value>(text.trim()) else { return Reply::Text(text.to_string()) };
         if let Some(calls) = v.get("tool_calls").and_then(Value::as_array) {
@@ -247,6 +251,25 @@ fn read_hermes(text: &str) -> Reply {
         Reply::Text(text.to_string())
     } else {
         Reply::Calls(calls)
+    }
+}
+
+/// Llama 3's answer read back: the whole answer one `{"name", "parameters"}` object
+/// (after the `<|python_tag|>` some answers start with), or text.
+fn read_llama3(text: &str) -> Reply {
+    let body = text.trim();
+    let body = body.strip_prefix("<|python_tag|>").unwrap_or(body);
+    let call = serde_json::from_str::<Value>(body).ok().and_then(|v| {
+        let name = v.get("name")?.as_str()?.to_string();
+        let arguments = match v.get("parameters").or_else(|| v.get("arguments")) {
+            None | Some(Value::Null) => json!({}),
+            Some(a) => a.clone(),
+        };
+        Some(Call { id: None, name, arguments })
+    });
+    match call {
+        Some(c) => Reply::Calls(vec![c]),
+        None => Reply::Text(text.to_string()),
     }
 }
 
@@ -489,6 +512,41 @@ mod tests {
         // Cut by max_tokens inside the block's end: no whole block, so text, as it came.
         let cut = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_";
         assert_eq!(b.read(cut), Reply::Text(cut.into()));
+    }
+
+    /// Llama 3's syntax: a required call is one `{"name", "parameters"}` object (one
+    /// call per message, whatever `parallel` says); answers read back as that object
+    /// (after a `<|python_tag|>`) or as text.
+    #[test]
+    fn llama3_grammar_holds_one_call_object_and_answers_read_back() {
+        let mut b = Toolbox::new(&[weather(), time()], Some(&json!("required")), None).unwrap().unwrap();
+        b.speak(ToolSyntax::Llama3);
+        let g = b.grammar().unwrap();
+        assert!(g.starts_with("root ::= call\ncall ::= ( call-0 | call-1 )\n"), "{g}");
+        assert!(g.contains("\"\\\"parameters\\\"\"") && !g.contains("arguments"), "{g}");
+        let mut auto = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        auto.speak(ToolSyntax::Llama3);
+        assert_eq!(auto.grammar(), None);
+        let call =
+            Reply::Calls(vec![Call { id: None, name: "get_weather".into(), arguments: json!({"city": "Oslo"}) }]);
+        assert_eq!(b.read(r#" {"name": "get_weather", "parameters": {"city": "Oslo"}}"#), call);
+        assert_eq!(b.read(r#"<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}"#), call);
+        assert_eq!(b.read("Oslo is cold."), Reply::Text("Oslo is cold.".into()));
+        assert_eq!(b.read(r#"{"city": "Oslo"}"#), Reply::Text(r#"{"city": "Oslo"}"#.into()));
+    }
+
+    #[test]
+    fn the_syntax_is_read_off_the_template() {
+        let hermes =
+            "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> <tool_call>{% endif %}";
+        assert_eq!(ToolSyntax::of(hermes), ToolSyntax::Hermes);
+        let llama3 = "{%- if tools is not none %}Environment: ipython\n{{- '\"parameters\": ' }}{% endif %}";
+        assert_eq!(ToolSyntax::of(llama3), ToolSyntax::Llama3);
+        assert_eq!(
+            ToolSyntax::of("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}"),
+            ToolSyntax::Generic
+        );
+        assert_eq!(ToolSyntax::of("[AVAILABLE_TOOLS]{{ tools | tojson }}[TOOL_CALLS]"), ToolSyntax::Generic);
     }
 
     /// A model whose template speaks a tool syntax gets the conversation in OpenAI's

@@ -66,22 +66,38 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
     }
 }
 
-/// A Qwen 2.5 model (the zoo's qwen2 with Qwen's real vocabulary and chat template)
-/// served by a node calls tools in its own syntax through the OpenAI route: the
-/// template lists the tools in `<tools>`, the grammar holds a required call to a
-/// `<tool_call>` block, and the answer comes back as parsed `tool_calls` whose
-/// arguments follow the tool's schema; the conversation with the call and its result
-/// goes back through the template for the next turn.
+/// Models whose templates speak a tool syntax Shoal reads call tools in it through a
+/// node's OpenAI route: Qwen 2.5 (Hermes' `<tool_call>` blocks) and Llama 3.3 (one
+/// `{"name", "parameters"}` object), each the zoo's qwen2 weights under the family's
+/// real vocabulary and chat template. The template lists the tools, a grammar holds a
+/// required call to the model's syntax, and the answer comes back as parsed
+/// `tool_calls` whose arguments follow the tool's schema; the conversation with the
+/// call and its result goes back through the template for the next turn.
 #[test]
-fn a_qwen_model_calls_tools_in_its_own_syntax_through_the_api() {
+fn models_call_tools_in_their_own_syntax_through_the_api() {
     use common::{shoal, wait_for};
     use serde_json::{json, Value};
+    use shoal_api::ToolSyntax;
+    use shoal_node::runtime::Engine;
     let tmp = tempfile::tempdir().unwrap();
     let vocabs = shoal_gguf::models_dir().join("llama.cpp-vocabs");
-    let template = std::fs::read_to_string(vocabs.join("templates/Qwen-Qwen2.5-7B-Instruct.jinja")).unwrap();
-    let path = tmp.path().join("qwen-tools.gguf");
-    shoal_gguf::zoo::write_with_template(Family::Qwen2, &vocabs.join("ggml-vocab-qwen2.gguf"), &template, &path)
-        .unwrap();
+    let models = [
+        ("qwen-tools.gguf", "ggml-vocab-qwen2.gguf", "Qwen-Qwen2.5-7B-Instruct.jinja", ToolSyntax::Hermes),
+        (
+            "llama-tools.gguf",
+            "ggml-vocab-llama-bpe.gguf",
+            "meta-llama-Llama-3.3-70B-Instruct.jinja",
+            ToolSyntax::Llama3,
+        ),
+    ];
+    for (name, vocab, template, syntax) in models {
+        let template = std::fs::read_to_string(vocabs.join("templates").join(template)).unwrap();
+        let path = tmp.path().join(name);
+        shoal_gguf::zoo::write_with_template(Family::Qwen2, &vocabs.join(vocab), &template, &path).unwrap();
+        // The syntax the node will speak, read off the template.
+        let text = shoal::engine::LlamaEngine { threads: 1 }.text(&path).unwrap();
+        assert_eq!(text.tool_syntax(), syntax, "{name}");
+    }
 
     let dir = tmp.path().join("a");
     let mut node = shoal()
@@ -110,9 +126,6 @@ fn a_qwen_model_calls_tools_in_its_own_syntax_through_the_api() {
         let s: Value = serde_json::from_slice(&out.stdout).ok()?;
         (!s["cluster"].is_null()).then_some(())
     });
-    run(&["models", "add", path.to_str().unwrap()]);
-    let loaded = run(&["models", "load", "qwen-tools.gguf", "--context", "1024", "--wait"]);
-    assert!(loaded.contains("ready: 1 stage(s)"), "{loaded}");
     let api = std::fs::read_to_string(dir.join("http")).unwrap().trim().to_string();
     let post = |body: &Value| {
         let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
@@ -131,25 +144,34 @@ fn a_qwen_model_calls_tools_in_its_own_syntax_through_the_api() {
         "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
         "required": ["city", "unit"]}}});
     let ask = json!({"role": "user", "content": "What is the weather in Oslo?"});
-    let v = post(&json!({"model": "qwen-tools.gguf", "messages": [ask], "tools": [weather],
-        "tool_choice": "required", "parallel_tool_calls": false, "temperature": 0, "max_tokens": 512}));
-    let choice = &v["choices"][0];
-    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
-    let calls = choice["message"]["tool_calls"].as_array().unwrap();
-    assert_eq!(calls.len(), 1, "{v}");
-    assert_eq!(calls[0]["function"]["name"], "get_weather", "{v}");
-    let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
-    assert!(args["city"].is_string() && ["c", "f"].contains(&args["unit"].as_str().unwrap()), "{args}");
-    // The prompt was Qwen's own: the tools listed in its system text, which the
-    // generic format does not write. It counts far more tokens than the question.
-    let with_tools = v["usage"]["prompt_tokens"].as_u64().unwrap();
-    let plain = post(&json!({"model": "qwen-tools.gguf", "messages": [ask], "temperature": 0, "max_tokens": 1}));
-    assert!(with_tools > plain["usage"]["prompt_tokens"].as_u64().unwrap() + 60, "{v}");
+    for (name, ..) in models {
+        run(&["models", "add", tmp.path().join(name).to_str().unwrap()]);
+        let loaded = run(&["models", "load", name, "--context", "1024", "--wait"]);
+        assert!(loaded.contains("ready: 1 stage(s)"), "{loaded}");
+        // At most ~250 tokens whatever the model writes: the grammar bounds whitespace
+        // and the city's length.
+        let v = post(&json!({"model": name, "messages": [ask], "tools": [weather], "tool_choice": "required",
+            "parallel_tool_calls": false, "temperature": 0, "max_tokens": 512}));
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{name}: {v}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{name}: {v}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather", "{name}: {v}");
+        let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!(args["city"].is_string() && ["c", "f"].contains(&args["unit"].as_str().unwrap()), "{name}: {args}");
+        // The prompt was the model's own: the tools listed by its template (which the
+        // question alone does not have).
+        let with_tools = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let plain = post(&json!({"model": name, "messages": [ask], "temperature": 0, "max_tokens": 1}));
+        assert!(with_tools > plain["usage"]["prompt_tokens"].as_u64().unwrap() + 60, "{name}: {v}");
 
-    // The call and its result go back through the template; a free (auto) answer.
-    let id = calls[0]["id"].as_str().unwrap();
-    let v = post(&json!({"model": "qwen-tools.gguf", "tools": [weather], "temperature": 0, "max_tokens": 8,
-        "messages": [ask, {"role": "assistant", "content": null, "tool_calls": calls},
-            {"role": "tool", "tool_call_id": id, "content": "-3 c"}]}));
-    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > with_tools, "{v}");
+        // The call and its result go back through the template; a free (auto) answer.
+        let id = calls[0]["id"].as_str().unwrap();
+        let v = post(&json!({"model": name, "tools": [weather], "temperature": 0, "max_tokens": 8,
+            "messages": [ask, {"role": "assistant", "content": null, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": id, "content": "-3 c"}]}));
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > with_tools, "{name}: {v}");
+        // A node runs one model at a time: make room for the next.
+        run(&["models", "unload", name]);
+    }
 }
