@@ -13,7 +13,7 @@ mod chain;
 mod devices;
 mod sampler;
 mod stage;
-mod template;
+pub mod template;
 mod vocab;
 
 pub use backend::{ggml_type_geometry, system_info};

@@ -62,7 +62,8 @@ fn render_with(template: &str, messages: Value, tools: Value, bos: &str, eos: &s
     // which templates test before `tools | length`.
     env.add_test("iterable", |v: Value| v.try_iter().is_ok() && !v.is_none() && !v.is_undefined());
     env.add_filter("tojson", tojson);
-    env.add_template("chat", template).map_err(|e| describe(&e))?;
+    let template = generation_blocks_as_ifs(template);
+    env.add_template("chat", &template).map_err(|e| describe(&e))?;
     let ctx = context! {
         messages => messages,
         add_generation_prompt => true,
@@ -75,6 +76,46 @@ fn render_with(template: &str, messages: Value, tools: Value, bos: &str, eos: &s
     // Invariant: the template was added above under this name.
     let tmpl = env.get_template("chat").expect("template added above");
     tmpl.render(ctx).map_err(|e| describe(&e))
+}
+
+/// Hugging Face's `{% generation %}` … `{% endgeneration %}` (its renderer's
+/// AssistantTracker marks the assistant's text with them; they print nothing of their
+/// own) as `{% if true %}` … `{% endif %}`, whitespace control kept, which minijinja
+/// knows.
+fn generation_blocks_as_ifs(template: &str) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(open) = rest.find("{%") {
+        let Some(close) = rest[open..].find("%}") else { break };
+        let tag = &rest[open + 2..open + close];
+        let keyword = tag.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let (lead, trail) = (tag.starts_with(['-', '+']), tag.ends_with(['-', '+']));
+        out.push_str(&rest[..open]);
+        let replaced = match keyword {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replaced {
+            Some(k) => {
+                out.push_str("{%");
+                if lead {
+                    out.push_str(&tag[..1]);
+                }
+                out.push(' ');
+                out.push_str(k);
+                out.push(' ');
+                if trail {
+                    out.push_str(&tag[tag.len() - 1..]);
+                }
+                out.push_str("%}");
+            }
+            None => out.push_str(&rest[open..open + close + 2]),
+        }
+        rest = &rest[open + close + 2..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Hugging Face's `tojson`: Python's `json.dumps(x, ensure_ascii=False)`, keys in
@@ -174,6 +215,15 @@ mod tests {
         let t =
             "{{ bos_token }}{% for m in messages %}{{ m.content }}{% break %}{% endfor %}{% if tools %}T{% endif %}";
         assert_eq!(render(t, &turns, "<s>", "").unwrap(), "<s>x1 ");
+    }
+
+    #[test]
+    fn hugging_faces_generation_blocks_render_their_content() {
+        let t =
+            "{% for m in messages %}{%- generation -%}\n[{{ m.content }}]\n{%- endgeneration -%}\n{% endfor %}|{{ 1 }}";
+        let turns = [Turn { role: "assistant", content: "a" }, Turn { role: "assistant", content: "b" }];
+        assert_eq!(render(t, &turns, "", "").unwrap(), "[a][b]|1");
+        assert_eq!(generation_blocks_as_ifs("x{% generation %}y{%+ endgeneration +%}"), "x{% if true %}y{%+ endif +%}");
     }
 
     #[test]

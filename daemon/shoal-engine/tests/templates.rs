@@ -212,3 +212,36 @@ fn gemma3s_tokenizer_and_turn_format_work_through_the_engine() {
     let text = "Fish 🐟 swim";
     assert_eq!(v.detokenize(&v.tokenize(text, false)).trim_start(), text);
 }
+
+/// Every chat template llama.cpp ships (71 models' real templates) renders as Jinja in
+/// Shoal's renderer, but for the two that refuse such a conversation themselves: Gemma
+/// 2's refuses a system turn (it renders without one) and FireFunction's needs a
+/// `functions` variable of its own API. A change of renderer that breaks a template
+/// shows here.
+#[test]
+fn llama_cpps_model_templates_all_render_as_jinja() {
+    use shoal_engine::template::{render, Turn};
+    let with_system = [Turn { role: "system", content: "Be brief." }, Turn { role: "user", content: "Hi there" }];
+    let dir = vocabs().join("templates");
+    let mut rendered = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "jinja") {
+            continue;
+        }
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let template = std::fs::read_to_string(&path).unwrap();
+        match (name.as_str(), render(&template, &with_system, "<s>", "</s>")) {
+            ("google-gemma-2-2b-it.jinja", Err(e)) => {
+                assert!(e.contains("System role not supported"), "{name}: {e}");
+                let out = render(&template, &with_system[1..], "<s>", "</s>").unwrap();
+                assert!(out.contains("Hi there"), "{name}: {out}");
+            }
+            ("fireworks-ai-llama-3-firefunction-v2.jinja", Err(e)) => assert!(e.contains("functions"), "{name}: {e}"),
+            (_, Ok(out)) => assert!(out.contains("Hi there"), "{name}: {out}"),
+            (_, Err(e)) => panic!("{name}: {e}"),
+        }
+        rendered += 1;
+    }
+    assert!(rendered >= 70, "only {rendered} templates in {}", dir.display());
+}
