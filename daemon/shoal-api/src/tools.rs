@@ -233,13 +233,8 @@ fn read_hermes(text: &str) -> Reply {
         };
         let call = serde_json::from_str::<Value>(body.trim()).ok().and_then(|v| {
             let name = v.get("name")?.as_str()?.to_string();
-            let arguments = match v.get("arguments") {
-                None | Some(Value::Null) => json!({}),
-                // Some models write the arguments as JSON text.
-                Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
-                Some(a) => a.clone(),
-            };
-            Some(Call { id: None, name, arguments })
+            // Some models write the arguments as JSON text.
+            Some(Call { id: None, name, arguments: arguments(v.get("arguments")) })
         });
         match call {
             Some(c) => calls.push(c),
@@ -291,11 +286,11 @@ pub(crate) fn prompt(text: &dyn TextModel, turns: &[Turn], toolbox: Option<&Tool
 /// `tool_calls` (arguments as objects, as Hugging Face passes them), a tool's result
 /// with its `tool_call_id` and the tool's `name`.
 fn openai_messages(turns: &[Turn]) -> Value {
-    let mut names: Vec<(String, String)> = Vec::new();
+    let mut names = CallNames::default();
     let out = turns.iter().map(|t| {
         let mut m = json!({"role": t.role, "content": t.content});
         if !t.calls.is_empty() {
-            names.extend(t.calls.iter().filter_map(|c| Some((c.id.clone()?, c.name.clone()))));
+            names.note(&t.calls);
             let calls: Vec<Value> = t
                 .calls
                 .iter()
@@ -310,10 +305,7 @@ fn openai_messages(turns: &[Turn]) -> Value {
             m["tool_calls"] = Value::Array(calls);
         }
         if t.role == "tool" {
-            let name = t.tool.clone().or_else(|| {
-                let id = t.call_id.as_ref()?;
-                names.iter().find(|(i, _)| i == id).map(|(_, n)| n.clone())
-            });
+            let name = names.of(t);
             if let Some(id) = &t.call_id {
                 m["tool_call_id"] = json!(id);
             }
@@ -356,22 +348,18 @@ impl Tool {
 /// (templates without a tool role would drop or garble it).
 pub(crate) fn prompt_turns(turns: &[Turn], toolbox: Option<&Toolbox>) -> Vec<ChatMessage> {
     let mut out: Vec<ChatMessage> = Vec::with_capacity(turns.len() + 1);
-    // Tool names by call id, for results that give only the id (OpenAI's).
-    let mut names: Vec<(String, String)> = Vec::new();
+    let mut names = CallNames::default();
     for t in turns {
         let content = match t.role.as_str() {
             "assistant" if !t.calls.is_empty() => {
-                names.extend(t.calls.iter().filter_map(|c| Some((c.id.clone()?, c.name.clone()))));
+                names.note(&t.calls);
                 let calls: Vec<Value> =
                     t.calls.iter().map(|c| json!({"name": c.name, "arguments": c.arguments})).collect();
                 json!({"tool_calls": calls}).to_string()
             }
             "assistant" if toolbox.is_some() => json!({"response": t.content}).to_string(),
             "tool" => {
-                let tool = t.tool.clone().or_else(|| {
-                    let id = t.call_id.as_ref()?;
-                    names.iter().find(|(i, _)| i == id).map(|(_, n)| n.clone())
-                });
+                let tool = names.of(t);
                 let mut r = json!({"content": t.content});
                 if let Some(tool) = tool {
                     r["tool"] = json!(tool);
@@ -406,15 +394,40 @@ pub(crate) fn calls_of(v: &Value) -> Result<Vec<Call>, String> {
         .map(|c| {
             let f = c.get("function").ok_or("a tool call without function")?;
             let name = f.get("name").and_then(Value::as_str).ok_or("a tool call without function.name")?;
-            let arguments = match f.get("arguments") {
-                None | Some(Value::Null) => json!({}),
-                Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
-                Some(a) => a.clone(),
-            };
             let id = c.get("id").and_then(Value::as_str).map(str::to_string);
-            Ok(Call { id, name: name.to_string(), arguments })
+            Ok(Call { id, name: name.to_string(), arguments: arguments(f.get("arguments")) })
         })
         .collect()
+}
+
+/// A call's arguments as given: none (an empty object), an object, or JSON text,
+/// parsed (text that is not JSON stays a string).
+fn arguments(v: Option<&Value>) -> Value {
+    match v {
+        None | Some(Value::Null) => json!({}),
+        Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+        Some(a) => a.clone(),
+    }
+}
+
+/// The tools' names by call id, as a conversation gives them, for results that give
+/// only the id (OpenAI's).
+#[derive(Default)]
+struct CallNames(Vec<(String, String)>);
+
+impl CallNames {
+    /// Note the ids and names of an assistant turn's `calls`.
+    fn note(&mut self, calls: &[Call]) {
+        self.0.extend(calls.iter().filter_map(|c| Some((c.id.clone()?, c.name.clone()))));
+    }
+
+    /// The tool a tool turn is from: as the client says, or by its call's id.
+    fn of(&self, t: &Turn) -> Option<String> {
+        t.tool.clone().or_else(|| {
+            let id = t.call_id.as_ref()?;
+            self.0.iter().find(|(i, _)| i == id).map(|(_, n)| n.clone())
+        })
+    }
 }
 
 #[cfg(test)]

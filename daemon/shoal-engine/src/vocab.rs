@@ -92,15 +92,9 @@ impl Vocab {
         let err = |why: String| VocabError::Template { path: self.path.clone(), why };
         let tmpl = self.model.chat_template(None).map_err(|e| err(e.to_string()))?;
         let source = tmpl.to_str().map_err(|e| err(e.to_string()))?;
-        let (bos, eos) = (self.special_text(self.model.vocab().bos()), self.special_text(self.model.vocab().eos()));
         let jinja: Vec<Turn<'_>> = turns.iter().map(|&(role, content)| Turn { role, content }).collect();
-        match crate::template::render(source, &jinja, &bos, &eos) {
-            Ok(mut text) => {
-                if !bos.is_empty() && text.starts_with(&bos) && !self.tokenize("", false).is_empty() {
-                    text.drain(..bos.len());
-                }
-                return Ok(text);
-            }
+        match self.render(|bos, eos| crate::template::render(source, &jinja, bos, eos)) {
+            Ok(text) => return Ok(text),
             Err(why) => tracing::warn!(
                 path = %self.path.display(),
                 "the chat template does not render as Jinja ({why}); using llama.cpp's built-in version of its format"
@@ -125,8 +119,14 @@ impl Vocab {
     ) -> Result<String, VocabError> {
         let err = |why: String| VocabError::Template { path: self.path.clone(), why };
         let source = self.template_source().ok_or_else(|| err("the model has no chat template".into()))?;
+        self.render(|bos, eos| crate::template::render_json(&source, messages, tools, bos, eos)).map_err(err)
+    }
+
+    /// What `render` (given the model's BOS and EOS texts) writes, without the BOS text
+    /// at its start where the tokenizer adds the BOS itself.
+    fn render(&self, render: impl FnOnce(&str, &str) -> Result<String, String>) -> Result<String, String> {
         let (bos, eos) = (self.special_text(self.model.vocab().bos()), self.special_text(self.model.vocab().eos()));
-        let mut text = crate::template::render_json(&source, messages, tools, &bos, &eos).map_err(err)?;
+        let mut text = render(&bos, &eos)?;
         if !bos.is_empty() && text.starts_with(&bos) && !self.tokenize("", false).is_empty() {
             text.drain(..bos.len());
         }

@@ -178,14 +178,19 @@ fn each_familys_tokenizer_and_chat_template_work_through_the_engine() {
         for m in case.markers {
             assert!(chat.contains(m), "{}: {m:?} not in {chat:?}", case.name);
         }
-        let tokens = v.tokenize(&chat, true);
-        // `tokenize` starts with the BOS where the model wants one.
-        let bos = v.tokenize("", false).len();
-        for s in case.specials {
-            let ids = v.tokenize(s, true)[bos..].to_vec();
-            assert_eq!(ids.len(), 1, "{}: {s:?} is not one token: {ids:?}", case.name);
-            assert!(tokens.contains(&ids[0]), "{}: {s:?} ({}) not among the prompt's tokens", case.name, ids[0]);
-        }
+        assert_special_tokens_whole(&v, &chat, case.specials, case.name);
+    }
+}
+
+/// Each of `specials` is one token, and one of `chat`'s tokens.
+fn assert_special_tokens_whole(v: &Vocab, chat: &str, specials: &[&str], what: &str) {
+    let tokens = v.tokenize(chat, true);
+    // `tokenize` starts with the BOS where the model wants one.
+    let bos = v.tokenize("", false).len();
+    for s in specials {
+        let ids = v.tokenize(s, true)[bos..].to_vec();
+        assert_eq!(ids.len(), 1, "{what}: {s:?} is not one token: {ids:?}");
+        assert!(tokens.contains(&ids[0]), "{what}: {s:?} ({}) not among the tokens of {chat:?}", ids[0]);
     }
 }
 
@@ -202,13 +207,7 @@ fn gemma3s_tokenizer_and_turn_format_work_through_the_engine() {
     let v = Vocab::load(&path).unwrap();
     let chat = v.chat(&[("user", "Hi there")]).unwrap();
     assert!(chat.contains("<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"), "{chat:?}");
-    let tokens = v.tokenize(&chat, true);
-    let bos = v.tokenize("", false).len();
-    for s in ["<start_of_turn>", "<end_of_turn>"] {
-        let ids = v.tokenize(s, true)[bos..].to_vec();
-        assert_eq!(ids.len(), 1, "{s:?} is not one token: {ids:?}");
-        assert!(tokens.contains(&ids[0]), "{s:?} not a token of {chat:?}");
-    }
+    assert_special_tokens_whole(&v, &chat, &["<start_of_turn>", "<end_of_turn>"], "gemma");
     let text = "Fish 🐟 swim";
     assert_eq!(v.detokenize(&v.tokenize(text, false)).trim_start(), text);
 }

@@ -293,12 +293,7 @@ fn write_model(
         if family == Family::Llama4 && (i + 1) % 2 == 0 {
             plan.push(t("ffn_norm.weight", &[N_EMBD], F32));
             plan.push(t("ffn_gate_inp.weight", &[N_EMBD, N_EXPERT], F32));
-            plan.push(t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
-            plan.push(t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
-            plan.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], Q8));
-            plan.push(t("ffn_gate_shexp.weight", &[N_EMBD, N_FF_EXP], Q8));
-            plan.push(t("ffn_up_shexp.weight", &[N_EMBD, N_FF_EXP], Q8));
-            plan.push(t("ffn_down_shexp.weight", &[N_FF_EXP, N_EMBD], Q8));
+            plan.extend(experts(i, true));
             continue;
         }
         if family == Family::Gemma2 {
@@ -312,9 +307,7 @@ fn write_model(
         } else if family == Family::Qwen3Moe {
             // The router stays F32, as converted models keep it.
             plan.push(t("ffn_gate_inp.weight", &[N_EMBD, N_EXPERT], F32));
-            plan.push(t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
-            plan.push(t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
-            plan.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], Q8));
+            plan.extend(experts(i, false));
         } else {
             plan.push(t("ffn_gate.weight", &[N_EMBD, N_FF], Q8));
             plan.push(t("ffn_up.weight", &[N_EMBD, N_FF], Q8));
@@ -394,6 +387,23 @@ const MLA_NOPE: u64 = 32;
 const MLA_ROPE: u64 = 16;
 const MLA_V: u64 = 32;
 
+/// Block `i`'s experts (Q8_0, after its router): gate, up and down projections of
+/// every expert, then, with `shared`, the shared expert's (Llama 4, DeepSeek).
+fn experts(i: u32, shared: bool) -> Vec<(String, Vec<u64>, Store)> {
+    let t = |name: &str, dims: &[u64]| (format!("blk.{i}.{name}"), dims.to_vec(), Q8);
+    let mut v = vec![
+        t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT]),
+        t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT]),
+        t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT]),
+    ];
+    if shared {
+        v.push(t("ffn_gate_shexp.weight", &[N_EMBD, N_FF_EXP]));
+        v.push(t("ffn_up_shexp.weight", &[N_EMBD, N_FF_EXP]));
+        v.push(t("ffn_down_shexp.weight", &[N_FF_EXP, N_EMBD]));
+    }
+    v
+}
+
 /// A DeepSeek V3 block's tensors after its `attn_norm` (block `i` of `n_layer`; the
 /// one after them is the next-token-prediction block).
 fn deepseek2_block(i: u32, n_layer: u32) -> Vec<(String, Vec<u64>, Store)> {
@@ -417,12 +427,7 @@ fn deepseek2_block(i: u32, n_layer: u32) -> Vec<(String, Vec<u64>, Store)> {
     } else {
         v.push(t("ffn_gate_inp.weight", &[N_EMBD, N_EXPERT], F32));
         v.push(t("exp_probs_b.bias", &[N_EXPERT], F32));
-        v.push(t("ffn_gate_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
-        v.push(t("ffn_up_exps.weight", &[N_EMBD, N_FF_EXP, N_EXPERT], Q8));
-        v.push(t("ffn_down_exps.weight", &[N_FF_EXP, N_EMBD, N_EXPERT], Q8));
-        v.push(t("ffn_gate_shexp.weight", &[N_EMBD, N_FF_EXP], Q8));
-        v.push(t("ffn_up_shexp.weight", &[N_EMBD, N_FF_EXP], Q8));
-        v.push(t("ffn_down_shexp.weight", &[N_FF_EXP, N_EMBD], Q8));
+        v.extend(experts(i, true));
     }
     if i == n_layer {
         v.push(t("nextn.eh_proj.weight", &[2 * N_EMBD, N_EMBD], Q8));
