@@ -23,6 +23,10 @@ use serde::{Deserialize, Serialize};
 use shoal_types::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
 
+/// A successor named by a resigning leader asks for pre-votes again this soon (ms) if
+/// the first round did not win (see [`Msg::Resign`]).
+const RESIGN_RETRY_MS: u64 = 50;
+
 /// Timing, in milliseconds of the clock the caller passes in.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -152,6 +156,16 @@ pub enum Msg {
         req: u64,
         /// The committed version, or why not.
         result: Result<Version, ProposeError>,
+    },
+    /// The leader of `term` is stopping (a service stop, an upgrade): its followers stop
+    /// holding on to it, and `successor` (a member that stored the leader's newest
+    /// state, if one did) campaigns at once, so a new leader is elected in a round trip
+    /// instead of an election timeout.
+    Resign {
+        /// The leader's term.
+        term: u64,
+        /// Who should campaign now.
+        successor: Option<NodeId>,
     },
 }
 
@@ -330,6 +344,10 @@ pub struct Core {
     forwarded: BTreeMap<u64, u64>,
     /// The leader this node accepted for each of the last few terms.
     leaders: BTreeMap<u64, NodeId>,
+    /// The leader of this term resigned (see [`Msg::Resign`]): its beats and snapshots
+    /// sent before it resigned may still arrive (reordered), and must not make this
+    /// node follow it again.
+    resigned: Option<u64>,
     /// Election jitter.
     rng: Rng,
     /// Actions produced by the current call.
@@ -362,6 +380,7 @@ impl Core {
             pending: Vec::new(),
             forwarded: BTreeMap::new(),
             leaders: BTreeMap::new(),
+            resigned: None,
             rng: Rng(seed | 1),
             out: Vec::new(),
             config,
@@ -511,8 +530,64 @@ impl Core {
                     self.out.push(Action::Reply { req, result });
                 }
             }
+            Msg::Resign { term, successor } => self.on_resign(now, from, term, successor),
         }
         std::mem::take(&mut self.out)
+    }
+
+    /// This node is stopping: a leader hands over (see [`Msg::Resign`]) and steps down,
+    /// so the others need not wait out an election timeout. Anything else has nothing
+    /// to hand over. Call it last: the node must stop right after sending the actions
+    /// (it would campaign again after an election timeout).
+    pub fn resign(&mut self, now: u64) -> Vec<Action> {
+        if self.role != Role::Leader {
+            return Vec::new();
+        }
+        // The successor must hold the newest state, or the others would refuse it their
+        // votes; among those, recently heard, the one the elections prefer.
+        let window = self.config.election_min_ms;
+        let successor = self
+            .state
+            .members
+            .values()
+            .filter(|m| m.id != self.me)
+            .filter(|m| self.acked.get(&m.id) == Some(&self.state.version))
+            .filter(|m| self.ack_heard.get(&m.id).is_some_and(|t| now.saturating_sub(*t) < window))
+            .max_by_key(|m| m.priority())
+            .map(|m| m.id);
+        let term = self.hard.term;
+        for to in self.others() {
+            self.send(to, Msg::Resign { term, successor });
+        }
+        self.step_down();
+        self.leader = None;
+        self.leader_heard = None;
+        self.out.push(Action::Event(Event::Leader { leader: None, term }));
+        self.reset_election(now);
+        std::mem::take(&mut self.out)
+    }
+
+    fn on_resign(&mut self, now: u64, from: NodeId, term: u64, successor: Option<NodeId>) {
+        // Only the leader this node follows in this very term may hand over; anyone
+        // else's resignation is not theirs to give.
+        if term != self.hard.term || self.leader != Some(from) || self.role != Role::Follower {
+            return;
+        }
+        self.leader = None;
+        self.leader_heard = None;
+        self.resigned = Some(term);
+        self.out.push(Action::Event(Event::Leader { leader: None, term }));
+        if successor == Some(self.me) {
+            self.start_pre_vote(now);
+            // A voter may hear this node's pre-vote before the leader's resignation (other
+            // links) and refuse it: ask again soon, not after a whole election timeout.
+            // (Pre-votes change no term: asking twice costs a message.)
+            if self.role == Role::PreCandidate {
+                self.election_deadline = now + RESIGN_RETRY_MS;
+            }
+        } else {
+            self.reset_election(now);
+        }
     }
 
     /// Ask for `change`; the answer comes as [`Action::Reply`] with `req` once a
@@ -632,7 +707,7 @@ impl Core {
     /// node is already the leader of this very term here: a term has one leader, and a
     /// member claiming to be a second one is lying.
     fn follow(&mut self, now: u64, from: NodeId, term: u64) -> bool {
-        if term == self.hard.term && self.leader.is_some_and(|l| l != from) {
+        if term == self.hard.term && (self.leader.is_some_and(|l| l != from) || self.resigned == Some(term)) {
             return false;
         }
         if term > self.hard.term && self.sticky(now, from) {
@@ -679,6 +754,7 @@ impl Core {
             Msg::PreVoteReply { term, current, .. } => near(*term) && near(*current),
             Msg::VoteReply { term, .. } => near(*term),
             Msg::CatchUp { state } => version_ok(&state.version),
+            Msg::Resign { term, .. } => near(*term),
             Msg::Forward { .. } | Msg::Forwarded { .. } => true,
         }
     }

@@ -479,6 +479,7 @@ pub async fn run_shared(
         join_addrs: Arc::new(Mutex::new(HashMap::new())),
         first_join_port: HashMap::new(),
         links: HashMap::new(),
+        link_tasks: tokio::task::JoinSet::new(),
         waiting: HashMap::new(),
         retry: Vec::new(),
         next_req: 0,
@@ -514,6 +515,9 @@ pub async fn run_shared(
     actor.discovery.shutdown();
     r
 }
+
+/// How long a stopping node waits for its links to deliver what they hold.
+const STOP_FLUSH: Duration = Duration::from_millis(500);
 
 /// Counters of membership traffic sent.
 #[derive(Default)]
@@ -567,6 +571,9 @@ struct Actor {
     first_join_port: HashMap<NodeId, u16>,
     /// One sender task per member.
     links: HashMap<NodeId, mpsc::Sender<crate::core::Msg>>,
+    /// The sender tasks, awaited when the node stops: what they hold (a leader's
+    /// resignation) is delivered before the endpoint closes.
+    link_tasks: tokio::task::JoinSet<()>,
     /// Proposals waiting for their outcome, by request number.
     waiting: HashMap<u64, Proposal>,
     /// Proposals to try again at a time.
@@ -620,7 +627,10 @@ impl Actor {
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
-                _ = &mut shutdown => return Ok(()),
+                _ = &mut shutdown => {
+                    self.stop().await;
+                    return Ok(());
+                }
                 _ = tick.tick() => self.on_tick()?,
                 Some(input) = rx.recv() => self.on_input(input)?,
                 Some(event) = found.recv() => self.on_discovery(event),
@@ -631,6 +641,31 @@ impl Actor {
                 }
             }
             self.publish();
+        }
+    }
+
+    /// The node is stopping: a leader hands over (the others elect a successor at once
+    /// instead of after an election timeout), and what the links hold is delivered,
+    /// within [`STOP_FLUSH`].
+    async fn stop(&mut self) {
+        let now = self.now();
+        if let Some(core) = self.core.as_mut() {
+            let actions = core.resign(now);
+            if !actions.is_empty() {
+                tracing::info!("stopping: this leader hands over to the other members");
+            }
+            // Sends and events only (no persist): nothing here can fail.
+            if let Err(e) = self.execute(actions) {
+                tracing::warn!("handing over: {e}");
+            }
+        }
+        self.publish();
+        // Closing the queues ends each link task once it has sent what it holds.
+        self.links.clear();
+        let tasks = &mut self.link_tasks;
+        if tokio::time::timeout(STOP_FLUSH, async { while tasks.join_next().await.is_some() {} }).await.is_err() {
+            tracing::debug!("stopping: some members were not reached in time");
+            tasks.abort_all();
         }
     }
 
@@ -1724,9 +1759,11 @@ impl Actor {
     }
 
     fn send(&mut self, to: NodeId, msg: crate::core::Msg) {
+        // Tasks of links dropped since (members removed) are done: forget them.
+        while self.link_tasks.try_join_next().is_some() {}
         let link = self.links.entry(to).or_insert_with(|| {
             let (tx, rx) = mpsc::channel(64);
-            tokio::spawn(link_task(
+            self.link_tasks.spawn(link_task(
                 self.main.clone(),
                 to,
                 self.addrs.clone(),
@@ -1906,6 +1943,9 @@ async fn link_task(
     let mut conn: Option<quinn::Connection> = None;
     let mut retry_at = Instant::now();
     let mut backoff = Duration::from_millis(50);
+    // The last message's stream: when the queue closes (the node stops), wait until the
+    // member has it, or closing the endpoint could discard it.
+    let mut last: Option<quinn::SendStream> = None;
     while let Some(msg) = rx.recv().await {
         if conn.as_ref().is_some_and(|c| c.close_reason().is_some()) {
             conn = None;
@@ -1955,16 +1995,22 @@ async fn link_task(
         let sent = async {
             let mut s = c.open_uni().await.map_err(|e| WireError::Stream(e.to_string()))?;
             write_msg(&mut s, &msg).await?;
-            s.finish().map_err(|e| WireError::Stream(e.to_string()))
+            s.finish().map_err(|e| WireError::Stream(e.to_string()))?;
+            Ok::<_, WireError>(s)
         };
         match tokio::time::timeout(Duration::from_secs(2), sent).await {
-            Ok(Ok(())) => {
+            Ok(Ok(s)) => {
+                last = Some(s);
                 traffic.msgs.fetch_add(1, Ordering::Relaxed);
                 let size = serde_json::to_vec(&msg).map_or(0, |b| b.len() + 4);
                 traffic.bytes.fetch_add(size as u64, Ordering::Relaxed);
             }
             _ => conn = None,
         }
+    }
+    if let Some(s) = last {
+        // Bounded by the caller (`Actor::stop`).
+        let _ = s.stopped().await;
     }
 }
 

@@ -271,6 +271,16 @@ impl Sim {
         self.nodes[k].up_at = Some(self.now + down_for);
     }
 
+    /// A service stop: the node resigns (if it leads), then goes down.
+    fn stop(&mut self, k: usize, down_for: u64) {
+        let now = self.now;
+        if let Some(core) = self.nodes[k].core.as_mut() {
+            let actions = core.resign(now);
+            self.handle(k, actions);
+        }
+        self.crash(k, down_for);
+    }
+
     fn restart(&mut self, k: usize) {
         let n = &mut self.nodes[k];
         n.up_at = None;
@@ -305,7 +315,11 @@ impl Sim {
                 let k = self.rng.below(n) as usize;
                 if self.nodes[k].core.is_some() {
                     let down = self.rng.below(3000);
-                    self.crash(k, down);
+                    if self.rng.chance(0.5) {
+                        self.stop(k, down);
+                    } else {
+                        self.crash(k, down);
+                    }
                 }
             }
             if self.rng.chance(0.05) {
@@ -473,6 +487,55 @@ fn thousands_of_schedules_keep_one_leader_per_term_and_lose_no_acknowledged_chan
     eprintln!(
         "{runs} schedules, {elections} elections, {changes} membership changes proposed; slowest recovery to one agreed leader: {worst} ms"
     );
+}
+
+#[test]
+fn a_stopping_leader_hands_over_within_a_few_round_trips() {
+    for seed in 0..50 {
+        let n = [3, 5][seed as usize % 2];
+        let mut sim = Sim::new(n, seed);
+        let all: Vec<usize> = (0..n).collect();
+        sim.assert_recovers(&all, 10_000, seed);
+        // Let the followers acknowledge the leader's state, as in a running cluster.
+        sim.run(1_000);
+        let l = sim.leaders_among(&all)[0];
+        let term = sim.nodes[l].core.as_ref().unwrap().term();
+        sim.stop(l, 60_000);
+        let rest: Vec<usize> = all.iter().copied().filter(|k| *k != l).collect();
+        let t0 = sim.now;
+        loop {
+            sim.run(5);
+            let leaders = sim.leaders_among(&rest);
+            if leaders.len() == 1 {
+                let c = sim.nodes[leaders[0]].core.as_ref().unwrap();
+                assert_eq!(c.term(), term + 1, "seed {seed}: the hand-over took more than one election");
+                break;
+            }
+            // Messages take up to 20 ms each way here: a pre-vote and a vote round trip.
+            // An election timeout (≥ 1 s) would mean the hand-over did not happen.
+            assert!(sim.now - t0 < 300, "seed {seed}: no new leader 300 ms after the leader resigned");
+        }
+    }
+}
+
+#[test]
+fn only_the_leader_can_resign() {
+    let mut sim = Sim::new(3, 1);
+    let all: Vec<usize> = (0..3).collect();
+    sim.assert_recovers(&all, 10_000, 1);
+    let l = sim.leaders_among(&all)[0];
+    let f = (l + 1) % 3;
+    let (term, leader_id, me) = (sim.nodes[f].core.as_ref().unwrap().term(), sim.nodes[l].id, sim.nodes[f].id);
+    let other = sim.nodes[(l + 2) % 3].id;
+    let now = sim.now;
+    // A follower claims the leader resigned in its favour: nobody listens.
+    let core = sim.nodes[f].core.as_mut().unwrap();
+    let actions = core.receive(now, other, Msg::Resign { term, successor: Some(me) });
+    assert!(actions.is_empty(), "{actions:?}");
+    assert_eq!(core.leader(), Some(leader_id));
+    // A follower's own resign hands nothing over.
+    assert!(core.resign(now).is_empty());
+    assert_eq!(core.leader(), Some(leader_id));
 }
 
 #[test]

@@ -111,6 +111,9 @@ pub async fn run(
     // Stages stop with their tasks (and free their memory) before the endpoint closes.
     tasks.shutdown().await;
     main.close();
+    // Peers (the next stage, a coordinator) learn of the close now, not at their idle
+    // timeout: they re-route and replay at once.
+    let _ = tokio::time::timeout(std::time::Duration::from_millis(300), main.wait_idle()).await;
     Ok(r?)
 }
 

@@ -55,6 +55,20 @@ pub enum StoreError {
         /// What is wrong with it.
         why: String,
     },
+    /// The store was written by a newer Shoal, in a format this one cannot read.
+    #[error(
+        "the store at {} was written by a newer Shoal (store format {found}; this one reads up to {supported}): \
+         run that version or a newer one",
+        path.display()
+    )]
+    TooNew {
+        /// The store's directory (`<data dir>/state.sled`).
+        path: PathBuf,
+        /// The format the store records.
+        found: u32,
+        /// The newest format this build reads ([`crate::FORMAT`]).
+        supported: u32,
+    },
     /// A value could not be encoded as JSON.
     #[error("cannot encode the value for {space}/{key} as JSON: {source}")]
     Encode {

@@ -11,7 +11,7 @@
 //! # What is kept, in which space
 //! | [`Space`] | sled tree | contents |
 //! |---|---|---|
-//! | [`Space::Node`] | `node` | this node's own facts: the cluster id it belongs to, its role |
+//! | [`Space::Node`] | `node` | this node's own facts: the store's format ([`FORMAT_KEY`]), join tokens made here |
 //! | [`Space::Members`] | `members` | approved member records, one key per member |
 //! | [`Space::Election`] | `election` | the current term and this node's vote in it; written (and flushed) *before* any vote is sent, so a node never votes twice in a term |
 //! | [`Space::Cluster`] | `cluster` | the replicated cluster state snapshot |
@@ -41,7 +41,7 @@ mod tests;
 
 pub use error::StoreError;
 pub use mem::MemStore;
-pub use sled_store::{SledStore, STORE_DIR};
+pub use sled_store::{SledStore, FORMAT, FORMAT_KEY, STORE_DIR};
 
 use serde::{de::DeserializeOwned, Serialize};
 use std::fmt;

@@ -14,6 +14,15 @@ use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 /// The store's directory inside the node's data directory.
 pub const STORE_DIR: &str = "state.sled";
 
+/// The store format this build writes. Raise it with a step in `SledStore::upgrade`
+/// whenever what is stored changes in a way an older reader would misread; a store
+/// of a newer format is refused. 0 is a store of Shoal 0.1.0 before formats were
+/// recorded (`tests/data` of shoal-membership keeps one, read by a test).
+pub const FORMAT: u32 = 1;
+
+/// Where the format is kept ([`Space::Node`]).
+pub const FORMAT_KEY: &str = "format";
+
 /// sled's page cache limit: the state is small (members, terms, settings, profiles).
 const CACHE_BYTES: u64 = 64 * 1024 * 1024;
 
@@ -76,6 +85,7 @@ impl SledStore {
         let store = SledStore { path, db, gate: RwLock::new(()), trees, log, synced_blobs: Mutex::new(HashSet::new()) };
         // Whatever sled just recovered or created is on disk before anyone builds on it.
         store.sync("flush after opening")?;
+        store.upgrade()?;
         tracing::debug!(path = %store.path.display(), "store opened");
         Ok(store)
     }
@@ -97,6 +107,51 @@ impl SledStore {
 
     fn tree(&self, space: Space) -> &sled::Tree {
         &self.trees[space.index()]
+    }
+
+    /// Bring a store written by an older Shoal to [`FORMAT`] (each step in order, the
+    /// new format recorded last, so a step interrupted by a crash runs again), or refuse
+    /// one a newer Shoal wrote (its data could be misread, then overwritten).
+    fn upgrade(&self) -> Result<(), StoreError> {
+        let found = self.format()?;
+        if found > FORMAT {
+            return Err(StoreError::TooNew { path: self.path.clone(), found, supported: FORMAT });
+        }
+        for from in found..FORMAT {
+            match from {
+                // Format 1 only starts recording the format: the data of 0 is read as is.
+                0 => {}
+                _ => unreachable!("a step for every format below FORMAT"),
+            }
+        }
+        if found != FORMAT {
+            if found > 0 || !self.is_empty()? {
+                tracing::info!(from = found, to = FORMAT, path = %self.path.display(), "store upgraded");
+            }
+            self.put(Space::Node, FORMAT_KEY, FORMAT.to_string().as_bytes())?;
+        }
+        Ok(())
+    }
+
+    /// The format this store records (0: none, a store written before formats were).
+    pub fn format(&self) -> Result<u32, StoreError> {
+        match self.get(Space::Node, FORMAT_KEY)? {
+            None => Ok(0),
+            Some(v) => std::str::from_utf8(&v).ok().and_then(|t| t.parse().ok()).ok_or_else(|| StoreError::Corrupt {
+                space: Space::Node,
+                key: FORMAT_KEY.into(),
+                why: "not a format number".into(),
+            }),
+        }
+    }
+
+    fn is_empty(&self) -> Result<bool, StoreError> {
+        for space in Space::ALL {
+            if !self.list(space)?.is_empty() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Makes every write so far durable. sled's `flush` alone is not enough for power

@@ -254,3 +254,43 @@ fn stores_work_as_trait_objects_across_threads() {
         assert!(all.iter().all(|(k, v)| *k == format!("t{}-{}", v / 100, v % 100)));
     }
 }
+
+#[test]
+fn sled_store_records_its_format_upgrades_older_and_refuses_newer() {
+    let dir = tempfile::tempdir().unwrap();
+    // A new store records the format this build writes.
+    {
+        let store = SledStore::open(dir.path()).unwrap();
+        assert_eq!(store.format().unwrap(), crate::FORMAT);
+        store.put(Space::Members, "m", b"kept").unwrap();
+        // As a store of a Shoal from before formats: no format entry.
+        store.remove(Space::Node, crate::FORMAT_KEY).unwrap();
+        assert_eq!(store.format().unwrap(), 0);
+    }
+    // Opened again, it is upgraded and its data kept.
+    {
+        let store = SledStore::open(dir.path()).unwrap();
+        assert_eq!(store.format().unwrap(), crate::FORMAT);
+        assert_eq!(store.get(Space::Members, "m").unwrap().as_deref(), Some(&b"kept"[..]));
+        // As a newer Shoal would leave it.
+        store.put(Space::Node, crate::FORMAT_KEY, (crate::FORMAT + 1).to_string().as_bytes()).unwrap();
+    }
+    // A newer format is refused, with both numbers, and left as it is.
+    let err = SledStore::open(dir.path()).unwrap_err();
+    match &err {
+        StoreError::TooNew { found, supported, .. } => {
+            assert_eq!((*found, *supported), (crate::FORMAT + 1, crate::FORMAT));
+        }
+        other => panic!("expected TooNew, got {other:?}"),
+    }
+    assert!(err.to_string().contains("newer Shoal"), "{err}");
+    // The refusal released the store (it can be opened, and is still refused).
+    assert!(matches!(SledStore::open(dir.path()), Err(StoreError::TooNew { .. })));
+    // A format that is not a number is a corrupt entry, not a guess.
+    {
+        let db = sled::open(dir.path().join(crate::STORE_DIR)).unwrap();
+        db.open_tree("node").unwrap().insert(crate::FORMAT_KEY, &b"two"[..]).unwrap();
+        db.flush().unwrap();
+    }
+    assert!(matches!(SledStore::open(dir.path()), Err(StoreError::Corrupt { space: Space::Node, .. })));
+}

@@ -279,10 +279,25 @@ pub fn serve(
     runtime()?.block_on(async move {
         let (tx, rx) = tokio::sync::watch::channel(inventory);
         // Memory and GPU free figures change; the advert follows them every 10 s.
-        tokio::task::spawn_blocking(move || loop {
-            std::thread::sleep(Duration::from_secs(10));
-            if tx.send(refresher.refresh()).is_err() {
-                return;
+        // A task, not a blocking thread that sleeps: the runtime waits for blocking
+        // threads when it shuts down, and a stop must not wait out the sleep.
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(10));
+            every.tick().await;
+            loop {
+                every.tick().await;
+                let Ok((r, inv)) = tokio::task::spawn_blocking(move || {
+                    let inv = refresher.refresh();
+                    (refresher, inv)
+                })
+                .await
+                else {
+                    return;
+                };
+                refresher = r;
+                if tx.send(inv).is_err() {
+                    return;
+                }
             }
         });
         let options = shoal_node::Options {

@@ -1,7 +1,8 @@
 //! Cluster nodes in Linux network namespaces on a bridge (real mDNS between separate
 //! network stacks, real QUIC), driven through `shoal-lab bench cluster`: 3 and 5 nodes
 //! discover each other, join by CLI approval and by pairing code, elect one leader;
-//! killing the leader yields a new one; a partition with the leader on the minority
+//! killing the leader yields a new one; a leader stopped by SIGTERM hands over (it exits
+//! within 2 s, a new leader within 2 s after); a partition with the leader on the minority
 //! side leaves only the majority with a leader, and healing converges. Needs root
 //! (`ip netns`); without it each test says it skipped, and why. The bench removes its
 //! namespaces and processes when it ends (checked here).
@@ -39,6 +40,19 @@ fn check(v: &Value, n: usize, repeats: usize) {
         let ms = f.as_f64().unwrap();
         assert!(ms > 0.0 && ms <= 10_000.0, "no new leader within 10 s of killing the leader: {v}");
     }
+    // A service stop (SIGTERM): the leader hands over and exits within 2 s, and the
+    // others agree on a new leader within 2 s after it (not an election timeout later).
+    let stops = |k: &str| v[k].as_array().unwrap_or_else(|| panic!("{k} missing: {v}")).clone();
+    assert_eq!(stops("stop_exit_ms").len(), repeats.max(1), "{v}");
+    for (exit, elect) in stops("stop_exit_ms").iter().zip(stops("stop_elect_ms").iter()) {
+        let (exit, elect) = (exit.as_f64().unwrap(), elect.as_f64().unwrap());
+        assert!(exit > 0.0 && exit <= 2_000.0, "the leader took over 2 s to stop: {v}");
+        assert!((0.0..=2_000.0).contains(&elect), "no new leader within 2 s of the leader stopping: {v}");
+    }
+    assert!(
+        secs("follower_exit_ms") > 0.0 && secs("follower_exit_ms") <= 2_000.0,
+        "a follower took over 2 s to stop: {v}"
+    );
     assert!(secs("heartbeat_bytes_per_s") > 0.0 && secs("heartbeat_msgs_per_s") > 0.0, "{v}");
     let p = &v["partition"];
     let (maj, min) = (p["majority"].as_array().unwrap(), p["minority"].as_array().unwrap());

@@ -2,7 +2,9 @@
 //! bridge, real QUIC). Measures the time until the first node has discovered and
 //! verified all others, forms the cluster (half approved from the CLI, half with
 //! pairing codes), times a cold election (every node restarted at once), the failover
-//! after SIGKILLing the leader (repeated), heartbeat traffic per node, and a partition
+//! after SIGKILLing the leader (repeated), a graceful stop of the leader (SIGTERM, as a
+//! service manager sends: how long until it exits, and until the others agree on a new
+//! leader), heartbeat traffic per node, and a partition
 //! with the leader on the minority side: only the majority may have a leader, and
 //! after healing all nodes agree again.
 
@@ -47,6 +49,12 @@ struct Figures {
     failover_ms: Vec<f64>,
     failover_p50_ms: f64,
     failover_max_ms: f64,
+    /// Leader SIGTERMed → its process exited, per repeat.
+    stop_exit_ms: Vec<f64>,
+    /// The stopped leader exited → the others agree on a new leader, per repeat.
+    stop_elect_ms: Vec<f64>,
+    /// A follower SIGTERMed → its process exited.
+    follower_exit_ms: f64,
     /// Membership traffic each node sends in a steady cluster (mean over nodes).
     heartbeat_bytes_per_s: f64,
     heartbeat_msgs_per_s: f64,
@@ -172,6 +180,23 @@ impl Cluster {
         seen.map(|(l, _)| l)
     }
 
+    /// Wait until every node of `rest` follows one leader other than `old`.
+    fn wait_new_leader(&self, rest: &[usize], old: NodeId, what: &str) -> Result<NodeId> {
+        let t = Instant::now();
+        loop {
+            let s: Option<Vec<Option<NodeId>>> = rest.iter().map(|i| self.status(*i).map(|s| s.leader)).collect();
+            if let Some(Some(Some(l))) = s.as_ref().map(|s| s.first()) {
+                if *l != old && s.iter().flatten().all(|x| *x == Some(*l)) {
+                    return Ok(*l);
+                }
+            }
+            if t.elapsed() > WAIT {
+                bail!("no new leader {} s after {what}{}", WAIT.as_secs(), self.describe());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn wait_agreed(&self, ks: &[usize], members: usize, what: &str) -> Result<(NodeId, Duration)> {
         let t0 = Instant::now();
         loop {
@@ -295,20 +320,8 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
         let t = Instant::now();
         c.kill(k, true)?;
         let rest: Vec<usize> = all.iter().copied().filter(|i| *i != k).collect();
-        let (new, took) = loop {
-            let s: Option<Vec<Option<NodeId>>> = rest.iter().map(|i| c.status(*i).map(|s| s.leader)).collect();
-            if let Some(s) = s {
-                if let Some(Some(l)) = s.first() {
-                    if *l != leader && s.iter().all(|x| *x == Some(*l)) {
-                        break (*l, t.elapsed());
-                    }
-                }
-            }
-            if t.elapsed() > WAIT {
-                bail!("no new leader {} s after killing the leader{}", WAIT.as_secs(), c.describe());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let new = c.wait_new_leader(&rest, leader, "killing the leader")?;
+        let took = t.elapsed();
         eprintln!(
             "[bench] failover {r}: node{k} killed, node{} leads after {} ms",
             index(new).unwrap_or(99),
@@ -321,6 +334,41 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
     let mut sorted = failover.clone();
     let p50 = if sorted.is_empty() { 0.0 } else { super::median(&mut sorted) };
     let max = failover.iter().copied().fold(0.0, f64::max);
+
+    // Graceful stop: SIGTERM the leader (systemd's stop, an upgrade). It hands over
+    // before it exits, so the others need not wait out an election timeout.
+    let (mut stop_exit, mut stop_elect) = (Vec::new(), Vec::new());
+    for r in 0..a.repeats.max(1) {
+        let (leader, _) = c.wait_agreed(&all, n, "before stopping the leader")?;
+        let k = index(leader).context("the leader is not one of ours")?;
+        let t = Instant::now();
+        c.kill(k, false)?;
+        let exit = t.elapsed();
+        let rest: Vec<usize> = all.iter().copied().filter(|i| *i != k).collect();
+        let new = c.wait_new_leader(&rest, leader, "stopping the leader")?;
+        let elect = t.elapsed() - exit;
+        eprintln!(
+            "[bench] stop {r}: node{k} (leader) exited {} ms after SIGTERM, node{} leads {} ms after that",
+            exit.as_millis(),
+            index(new).unwrap_or(99),
+            elect.as_millis()
+        );
+        stop_exit.push(exit.as_secs_f64() * 1000.0);
+        stop_elect.push(elect.as_secs_f64() * 1000.0);
+        c.start(k, &[])?;
+        c.wait_agreed(&all, n, "rejoining")?;
+    }
+    let follower_exit = {
+        let (leader, _) = c.wait_agreed(&all, n, "before stopping a follower")?;
+        let k = all.iter().copied().find(|k| Some(*k) != index(leader)).context("no follower")?;
+        let t = Instant::now();
+        c.kill(k, false)?;
+        let exit = t.elapsed();
+        eprintln!("[bench] node{k} (follower) exited {} ms after SIGTERM", exit.as_millis());
+        c.start(k, &[])?;
+        c.wait_agreed(&all, n, "rejoining")?;
+        exit.as_secs_f64() * 1000.0
+    };
 
     // Partition with the leader on the minority side.
     let partition = if a.no_partition || n < 3 {
@@ -372,6 +420,9 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
         failover_ms: failover,
         failover_p50_ms: p50,
         failover_max_ms: max,
+        stop_exit_ms: stop_exit,
+        stop_elect_ms: stop_elect,
+        follower_exit_ms: follower_exit,
         heartbeat_bytes_per_s: bytes,
         heartbeat_msgs_per_s: msgs,
         partition,
@@ -389,6 +440,14 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
             f.failover_max_ms,
             f.failover_ms.len()
         );
+        let most = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+        println!(
+            "  SIGTERM to the leader: exits after max {:>5.0} ms, a new leader max {:>5.0} ms later   ({} repeats)",
+            most(&f.stop_exit_ms),
+            most(&f.stop_elect_ms),
+            f.stop_exit_ms.len()
+        );
+        println!("  SIGTERM to a follower: exits after {:>5.0} ms", f.follower_exit_ms);
         println!("  heartbeat traffic per node                   {:>8.0} B/s   {:.1} msgs/s", bytes, msgs);
         if let Some(p) = &f.partition {
             println!(
