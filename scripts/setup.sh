@@ -19,6 +19,10 @@ ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_pkgs+=(libclang-dev
 command -v pip3 >/dev/null 2>&1 || command -v pip >/dev/null 2>&1 || need_pkgs+=(python3-pip)
 # The API's route checks call it as users do.
 command -v curl >/dev/null 2>&1 || need_pkgs+=(curl)
+# The package test: a clean Debian root to install the .deb into, booted under systemd.
+command -v debootstrap >/dev/null 2>&1 || need_pkgs+=(debootstrap)
+command -v systemd-nspawn >/dev/null 2>&1 || need_pkgs+=(systemd-container)
+command -v dpkg-shlibdeps >/dev/null 2>&1 || need_pkgs+=(dpkg-dev)
 if ((${#need_pkgs[@]})); then
   say "installing ${need_pkgs[*]} (apt)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -121,3 +125,27 @@ if [ ! -f "$CLIENTS/.complete" ]; then
 fi
 ln -sfn "$CLIENTS" "$PY/clients"
 say "API clients ready in $CLIENTS"
+
+# --- packaging: cargo-deb, and a clean Debian root for the package test ------------
+# cargo-deb at a pinned version (its own lock file), into Cargo's bin folder.
+CARGO_DEB=3.8.0
+if ! cargo deb --version 2>/dev/null | grep -q "$CARGO_DEB"; then
+  say "installing cargo-deb $CARGO_DEB (crates.io)"
+  cargo install -q --locked cargo-deb --version "$CARGO_DEB" >&2
+fi
+# A minimal Debian 12 with systemd and the libraries the binary links (libgomp1 for
+# OpenMP), as a tarball keyed by what it holds; the test unpacks a fresh copy each run.
+# Only as root: debootstrap and the test (chroot, systemd-nspawn) need it.
+DEBROOT_PKGS="systemd,systemd-sysv,dbus,libgomp1,adduser"
+DEBROOT="$HOME/.cache/shoal/debroot/bookworm-minbase-$(echo "$DEBROOT_PKGS" | sha256sum | cut -c1-12).tar"
+if [ "$(id -u)" -eq 0 ] && [ ! -f "$DEBROOT" ]; then
+  say "building a clean Debian 12 root for the package test (debootstrap, Debian's packages)"
+  tmp=$(mktemp -d)
+  debootstrap --variant=minbase --include="$DEBROOT_PKGS" bookworm "$tmp/root" http://deb.debian.org/debian >&2 \
+    || { cat "$tmp/root/debootstrap/debootstrap.log" >&2 2>/dev/null; rm -rf "$tmp"; exit 1; }
+  mkdir -p "$(dirname "$DEBROOT")"
+  tar -C "$tmp/root" -cf "$DEBROOT.tmp" . && mv "$DEBROOT.tmp" "$DEBROOT"
+  rm -rf "$tmp"
+fi
+[ -f "$DEBROOT" ] && ln -sfn "$DEBROOT" "$HOME/.cache/shoal/debroot/current.tar"
+say "packaging tools ready"

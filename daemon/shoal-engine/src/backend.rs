@@ -67,6 +67,18 @@ pub(crate) fn reported_mib(log: &str, marker: &str) -> u64 {
         .sum()
 }
 
+/// The llama.cpp backends compiled into this build: the CPU always, the GPU ones by the
+/// `cuda`, `vulkan` and `metal` features (`shoal --version` lists them).
+pub const COMPILED_BACKENDS: &[&str] = &[
+    "cpu",
+    #[cfg(feature = "cuda")]
+    "cuda",
+    #[cfg(feature = "vulkan")]
+    "vulkan",
+    #[cfg(feature = "metal")]
+    "metal",
+];
+
 /// llama.cpp's description of the CPU features and backends in use.
 pub fn system_info() -> String {
     backend();

@@ -16,7 +16,7 @@ mod stage;
 pub mod template;
 mod vocab;
 
-pub use backend::{ggml_type_geometry, system_info};
+pub use backend::{ggml_type_geometry, system_info, COMPILED_BACKENDS};
 pub use chain::{Chain, ChainError, Generation, Observer, StepTiming};
 pub use devices::devices;
 pub use sampler::{Sampler, SamplerError, SamplingParams};

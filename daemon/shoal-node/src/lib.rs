@@ -94,6 +94,7 @@ pub async fn run(
     tasks.spawn(runtime::offer(rt.clone()));
     tasks.spawn(runtime::supervise(rt.clone()));
     tasks.spawn(notify_ready(rt.membership.view(), identity.id()));
+    tasks.spawn(watchdog(rt.membership.clone()));
     if let Some(addr) = options.http {
         match serve_http(addr, options.api_access.clone(), &cfg.data_dir, rt.clone()).await {
             Ok(task) => {
@@ -107,6 +108,10 @@ pub async fn run(
         }
     }
     let main = shared.node.clone();
+    let shutdown = async {
+        shutdown.await;
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    };
     let r = membership::run_shared(cfg, identity, inventory, shared, inbox, shutdown).await;
     // Stages stop with their tasks (and free their memory) before the endpoint closes.
     tasks.shutdown().await;
@@ -126,6 +131,23 @@ async fn notify_ready(mut view: watch::Receiver<membership::View>, me: NodeId) {
     drop(v);
     // Without NOTIFY_SOCKET this does nothing; a failure to tell is not worth stopping for.
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
+}
+
+/// systemd's watchdog (`WatchdogSec=` in the unit): while membership's loop answers,
+/// tell systemd the node is alive every half period. A loop that hangs stops the pings,
+/// and systemd restarts the service. Without the watchdog set, nothing runs.
+async fn watchdog(membership: Handle) {
+    let Some(period) = sd_notify::watchdog_enabled() else { return };
+    let half = period / 2;
+    let mut every = tokio::time::interval(half);
+    loop {
+        every.tick().await;
+        if tokio::time::timeout(half, membership.ask(AdminRequest::Status)).await.is_ok() {
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+        } else {
+            tracing::warn!("membership did not answer within {} s: no watchdog ping", half.as_secs());
+        }
+    }
 }
 
 /// Bind the HTTP API at `addr` and record where; the returned future serves it.

@@ -33,7 +33,7 @@ pub struct CalibrateArgs {
     /// Prefill chunk size C.
     #[arg(long, default_value_t = DEFAULT_CHUNK)]
     chunk: u32,
-    /// The local node's data directory [default: ~/.local/share/shoal].
+    /// The local node's data directory [default: $SHOAL_DATA_DIR, else ~/.local/share/shoal, else the service's /var/lib/shoal].
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Only print; do not store the profile in the cluster state.

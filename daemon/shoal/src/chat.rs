@@ -30,7 +30,7 @@ pub struct ChatArgs {
     /// Most tokens per answer.
     #[arg(long, default_value_t = 1024)]
     max_tokens: u32,
-    /// The node's data directory (to find its API) [default: ~/.local/share/shoal].
+    /// The node's data directory (to find its API) [default: $SHOAL_DATA_DIR, else ~/.local/share/shoal, else the service's /var/lib/shoal].
     #[arg(long)]
     data_dir: Option<PathBuf>,
 }

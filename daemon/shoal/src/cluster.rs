@@ -199,7 +199,7 @@ pub struct NodeArg {
 /// The local node's data directory.
 #[derive(Args, Debug)]
 pub struct DirArg {
-    /// The node's data directory [default: ~/.local/share/shoal].
+    /// The node's data directory [default: $SHOAL_DATA_DIR, else ~/.local/share/shoal, else the service's /var/lib/shoal].
     #[arg(long)]
     pub(crate) data_dir: Option<PathBuf>,
 }

@@ -13,6 +13,7 @@ pub mod models;
 pub mod pipeline;
 pub mod plan;
 pub mod run;
+pub mod service;
 pub mod stats;
 
 /// The `shoal` binary to start nodes and runs with: this program, unless it is
@@ -44,4 +45,19 @@ pub fn init_logging() {
         )
         .with_writer(std::io::stderr)
         .init();
+}
+
+/// What `shoal --version` prints after the name: the version, the commit it was built
+/// from, and the llama.cpp backends compiled in (`cpu` alone unless built with the
+/// `cuda`, `vulkan` or `metal` feature).
+pub fn version_text() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| {
+        format!(
+            "{} (commit {})\nbackends: {}",
+            env!("CARGO_PKG_VERSION"),
+            env!("SHOAL_GIT_COMMIT"),
+            shoal_engine::COMPILED_BACKENDS.join(", ")
+        )
+    })
 }

@@ -3,11 +3,11 @@
 //! namespace lab are another binary, `shoal-lab`.
 
 use clap::{Parser, Subcommand};
-use shoal::{calibrate, chat, cluster, inventory, keys, models, pipeline, plan, run};
+use shoal::{calibrate, chat, cluster, inventory, keys, models, pipeline, plan, run, service};
 
 /// Shoal pools the memory of the computers you own into one LLM server.
 #[derive(Parser)]
-#[command(name = "shoal", version, about, long_about = None)]
+#[command(name = "shoal", version = shoal::version_text(), about, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -57,6 +57,10 @@ enum Command {
     Calibrate(calibrate::CalibrateArgs),
     /// What this machine offers: host, OS, CPU, RAM and the GPUs llama.cpp sees.
     Inventory(inventory::InventoryArgs),
+    /// Run Shoal as this machine's service (systemd): install (and start, and join
+    /// with `--join TOKEN`), uninstall, status.
+    #[command(subcommand)]
+    Service(service::ServiceCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -80,11 +84,15 @@ fn main() -> std::process::ExitCode {
         Command::Plan(a) => plan::plan(a),
         Command::Inventory(a) => inventory::inventory(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
+        Command::Service(c) => service::service(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
+            if let Some(hint) = pipeline::system_dir_hint(&e) {
+                eprintln!("{hint}");
+            }
             std::process::ExitCode::FAILURE
         }
     }

@@ -11,7 +11,7 @@ use shoal_pipeline::{
     ServiceConfig,
 };
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// `shoal key`.
@@ -29,7 +29,7 @@ pub struct ServeArgs {
     /// instead of running as a cluster node.
     #[arg(long)]
     placement: Option<PathBuf>,
-    /// The node's data directory (its key) [default: ~/.local/share/shoal].
+    /// The node's data directory (its key) [default: $SHOAL_DATA_DIR, else ~/.local/share/shoal, else the service's /var/lib/shoal].
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Address to listen on [default: this node's address in the placement; a cluster
@@ -108,7 +108,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     placement: Option<PathBuf>,
     /// Data directory whose key identifies this client; the key must be a stage node's
-    /// or listed under `clients` in the placement [default: ~/.local/share/shoal].
+    /// or listed under `clients` in the placement [default: $SHOAL_DATA_DIR, else ~/.local/share/shoal, else the service's /var/lib/shoal].
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Print `token N` on stderr as each token arrives (for scripts and tests).
@@ -132,16 +132,58 @@ pub struct StatusArgs {
     json: bool,
 }
 
-/// `$XDG_DATA_HOME/shoal`, else `~/.local/share/shoal`.
+/// The node's data directory: `--data-dir`, else `$SHOAL_DATA_DIR`, else this user's
+/// (`$XDG_DATA_HOME/shoal` or `~/.local/share/shoal`) — unless no node has run there
+/// and the system service's directory ([`SYSTEM_DATA_DIR`]) exists: then that one, so
+/// that `shoal status` on a machine with the service installed talks to its node.
 pub(crate) fn data_dir(given: &Option<PathBuf>) -> PathBuf {
     if let Some(d) = given {
         return d.clone();
     }
+    if let Some(d) = std::env::var_os("SHOAL_DATA_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    let user = user_data_dir();
+    let system = Path::new(SYSTEM_DATA_DIR);
+    if !user.join(shoal_net::identity::KEY_FILE).exists() && system.is_dir() {
+        return system.to_path_buf();
+    }
+    user
+}
+
+/// `$XDG_DATA_HOME/shoal`, else `~/.local/share/shoal`.
+fn user_data_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
         return PathBuf::from(d).join("shoal");
     }
     let home = std::env::var_os("HOME").or_else(|| std::env::var_os("USERPROFILE")).unwrap_or_default();
     PathBuf::from(home).join(".local").join("share").join("shoal")
+}
+
+/// Where the system service keeps its node's data (the package, `shoal service`).
+#[cfg(target_os = "macos")]
+pub const SYSTEM_DATA_DIR: &str = "/Library/Application Support/Shoal";
+/// Where the system service keeps its node's data (the package, `shoal service`).
+#[cfg(windows)]
+pub const SYSTEM_DATA_DIR: &str = r"C:\ProgramData\Shoal";
+/// Where the system service keeps its node's data (the package, `shoal service`).
+#[cfg(not(any(target_os = "macos", windows)))]
+pub const SYSTEM_DATA_DIR: &str = "/var/lib/shoal";
+
+/// A hint for an error met in the system service's data directory without the right
+/// to read it: the node there belongs to the service's user.
+pub fn system_dir_hint(e: &anyhow::Error) -> Option<String> {
+    let denied = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
+            || c.to_string().contains("Permission denied")
+    });
+    let there = format!("{e:#}").contains(SYSTEM_DATA_DIR);
+    (denied && there).then(|| {
+        format!(
+            "the node of this machine's service keeps its data in {SYSTEM_DATA_DIR} and runs as the user shoal: \
+             run the command as that user (sudo -u shoal shoal …)"
+        )
+    })
 }
 
 pub fn key(a: KeyArgs) -> Result<()> {

@@ -27,7 +27,7 @@ pub struct PlanArgs {
     /// with --data-dir), or on this machine alone when there is none.
     #[arg(long)]
     profile: Option<PathBuf>,
-    /// The local node's data directory, to find the live cluster [default: ~/.local/share/shoal].
+    /// The local node's data directory, to find the live cluster [default: $SHOAL_DATA_DIR, else ~/.local/share/shoal, else the service's /var/lib/shoal].
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Write the chosen placement to this file, for `shoal serve --placement` on each
