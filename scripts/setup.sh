@@ -148,4 +148,12 @@ if [ "$(id -u)" -eq 0 ] && [ ! -f "$DEBROOT" ]; then
   rm -rf "$tmp"
 fi
 [ -f "$DEBROOT" ] && ln -sfn "$DEBROOT" "$HOME/.cache/shoal/debroot/current.tar"
+# The standard libraries of Windows and macOS, so the suite type-checks the service code
+# of those systems (shoal-service). Optional: without them those checks say they skipped.
+for target in x86_64-pc-windows-gnu x86_64-apple-darwin; do
+  if command -v rustup >/dev/null 2>&1 && ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
+    say "adding the $target standard library (rustup)"
+    rustup target add "$target" >&2 || say "could not add $target: its service code is not type-checked"
+  fi
+done
 say "packaging tools ready"

@@ -12,6 +12,7 @@ pub mod api;
 pub mod http;
 pub mod keys;
 pub mod models;
+pub mod notify;
 pub mod runtime;
 pub mod schedule;
 
@@ -110,7 +111,7 @@ pub async fn run(
     let main = shared.node.clone();
     let shutdown = async {
         shutdown.await;
-        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+        notify::stopping();
     };
     let r = membership::run_shared(cfg, identity, inventory, shared, inbox, shutdown).await;
     // Stages stop with their tasks (and free their memory) before the endpoint closes.
@@ -129,21 +130,20 @@ async fn notify_ready(mut view: watch::Receiver<membership::View>, me: NodeId) {
     let Ok(v) = view.wait_for(|v| v.listening.is_some()).await else { return };
     let status = format!("node {me} serving on {}", v.listening.map(|a| a.to_string()).unwrap_or_default());
     drop(v);
-    // Without NOTIFY_SOCKET this does nothing; a failure to tell is not worth stopping for.
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
+    notify::ready(&status);
 }
 
 /// systemd's watchdog (`WatchdogSec=` in the unit): while membership's loop answers,
 /// tell systemd the node is alive every half period. A loop that hangs stops the pings,
 /// and systemd restarts the service. Without the watchdog set, nothing runs.
 async fn watchdog(membership: Handle) {
-    let Some(period) = sd_notify::watchdog_enabled() else { return };
+    let Some(period) = notify::watchdog_period() else { return };
     let half = period / 2;
     let mut every = tokio::time::interval(half);
     loop {
         every.tick().await;
         if tokio::time::timeout(half, membership.ask(AdminRequest::Status)).await.is_ok() {
-            let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+            notify::watchdog();
         } else {
             tracing::warn!("membership did not answer within {} s: no watchdog ping", half.as_secs());
         }

@@ -105,6 +105,7 @@ impl Net {
     /// Run `f` on a thread of its own inside host `k`'s network namespace: the sockets
     /// it opens (and the threads it starts) are that host's, as for a process started
     /// with [`Net::command`]; the calling thread stays where it was.
+    #[cfg(target_os = "linux")]
     pub fn within<T: Send>(&self, k: usize, f: impl FnOnce() -> T + Send) -> Result<T, NetnsError> {
         use std::os::fd::AsFd;
         let path = format!("/run/netns/{}", self.hosts[k]);
@@ -118,6 +119,12 @@ impl Net {
             });
             inside.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
         })
+    }
+
+    /// Network namespaces are Linux's: elsewhere `f` cannot run inside one.
+    #[cfg(not(target_os = "linux"))]
+    pub fn within<T: Send>(&self, _: usize, _: impl FnOnce() -> T + Send) -> Result<T, NetnsError> {
+        Err(NetnsError("network namespaces exist on Linux only".into()))
     }
 
     /// Take host `k`'s link to the bridge down or up.

@@ -219,13 +219,15 @@ pub struct JoinArgs {
     dir: DirArg,
 }
 
-/// Run a cluster node until Ctrl-C or SIGTERM.
+/// Run a cluster node until `shutdown` completes (Ctrl-C or SIGTERM from a terminal or
+/// systemd, the SCM's stop on Windows).
 pub fn serve(
     dir: Option<PathBuf>,
     listen: Option<SocketAddr>,
     impair: Impairment,
     args: ClusterArgs,
     stage: StageArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
     let data_dir = data_dir(&dir);
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
@@ -316,7 +318,7 @@ pub fn serve(
             // shared cores); machines of their own may differ (`--keepalive on`).
             keepalive: (stage.keepalive == crate::pipeline::KeepAlive::On).then_some(shoal_pipeline::KEEPALIVE_WINDOW),
         };
-        shoal_node::run(cfg, options, identity, rx, crate::pipeline::shutdown_signal()).await
+        shoal_node::run(cfg, options, identity, rx, shutdown).await
     })?;
     Ok(())
 }

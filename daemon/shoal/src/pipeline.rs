@@ -64,6 +64,10 @@ pub struct ServeArgs {
     /// "delay=3ms,jitter=2ms,loss=1%" (the kernel here has no netem).
     #[arg(long, default_value = "")]
     impair: Impairment,
+    /// Windows: run under the Service Control Manager (the service `shoal service
+    /// install` creates passes it; stopping the service stops the node).
+    #[arg(long, hide = true)]
+    windows_service: bool,
     #[command(flatten)]
     cluster: crate::cluster::ClusterArgs,
 }
@@ -220,7 +224,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             cache: a.cache.clone(),
             keepalive: a.keepalive,
         };
-        return crate::cluster::serve(a.data_dir, a.listen, a.impair, a.cluster, stage);
+        if a.windows_service {
+            return serve_as_windows_service(a, stage);
+        }
+        return crate::cluster::serve(a.data_dir, a.listen, a.impair, a.cluster, stage, shutdown_signal());
     };
     let placement = Placement::load(&placement_file)?;
     let dir = data_dir(&a.data_dir);
@@ -275,7 +282,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         eprintln!("[shoal] {serving}");
         // The stage serves from here on (its endpoint accepts): tell a service manager
         // or a lab waiting on NOTIFY_SOCKET. Without one this does nothing.
-        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&serving)]);
+        shoal_node::notify::ready(&serving);
         let dtype = if a.f16 { Dtype::F16 } else { Dtype::F32 };
         let cfg = ServiceConfig {
             placement,
@@ -293,6 +300,24 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         node.close();
         Ok(())
     })
+}
+
+/// The cluster node under Windows' SCM: its stop request is the node's shutdown.
+#[cfg(windows)]
+fn serve_as_windows_service(a: ServeArgs, stage: crate::cluster::StageArgs) -> Result<()> {
+    shoal_service::windows::run_as_service(Box::new(move |stop: std::sync::mpsc::Receiver<()>| {
+        let shutdown = async move {
+            // The SCM's handler sends once; a dropped sender (the dispatcher gone) stops too.
+            let _ = tokio::task::spawn_blocking(move || stop.recv()).await;
+        };
+        crate::cluster::serve(a.data_dir, a.listen, a.impair, a.cluster, stage, shutdown).map_err(|e| format!("{e:#}"))
+    }))?;
+    Ok(())
+}
+
+#[cfg(not(windows))]
+fn serve_as_windows_service(_: ServeArgs, _: crate::cluster::StageArgs) -> Result<()> {
+    bail!("--windows-service is for Windows' Service Control Manager")
 }
 
 pub(crate) async fn shutdown_signal() {

@@ -7,7 +7,8 @@
 //! (`systemd-nspawn --boot`): the service starts as `shoal`, reports ready, answers
 //! `/health`, is restarted after SIGKILL, and stops in time. `remove` keeps
 //! /var/lib/shoal, `purge` deletes it. And `shoal service install` (and
-//! `packaging/linux/install.sh`, which runs it) writes the packaged unit. Needs root, debootstrap's root, systemd-nspawn and cargo-deb (the setup
+//! `packaging/linux/install.sh`, which runs it) writes the packaged unit, and stages
+//! the packaged launchd daemon for macOS. Needs root, debootstrap's root, systemd-nspawn and cargo-deb (the setup
 //! installs them); without them the package test says it skipped, and why.
 
 mod common;
@@ -234,4 +235,47 @@ fn service_install_writes_the_packaged_unit_and_the_join_token() {
     let out = shoal().args(["service", "uninstall", "--purge", "--root"]).arg(root).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     assert!(!root.join("var/lib/shoal").exists());
+}
+
+#[test]
+fn service_install_stages_the_packaged_launchd_daemon() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let token = "shoal-join-6977271b4e67bb8451a1681aab587991-25839269-628d4f1059f61552d43328be78d00786";
+    let out = shoal()
+        .args(["service", "install", "--manager", "launchd", "--root"])
+        .arg(root)
+        .args(["--join", token])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let packaged = workspace().join("packaging/macos/dev.shoal.node.plist");
+    // The packaged daemon runs /usr/local/bin/shoal, where install puts the binary.
+    assert_eq!(
+        std::fs::read(root.join("Library/LaunchDaemons/dev.shoal.node.plist")).unwrap(),
+        std::fs::read(&packaged).unwrap()
+    );
+    assert_eq!(
+        std::fs::read(root.join("usr/local/bin/shoal")).unwrap(),
+        std::fs::read(env!("CARGO_BIN_EXE_shoal")).unwrap()
+    );
+    let data = root.join("Library/Application Support/Shoal");
+    assert_eq!(std::fs::read_to_string(data.join("join-token")).unwrap().trim(), token);
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&data).unwrap().permissions().mode() & 0o777, 0o700);
+    // launchd reads it as a property list with the keys that make it a boot daemon.
+    let script = "import plistlib, sys; p = plistlib.load(open(sys.argv[1], 'rb')); \
+                  print(p['Label'], p['RunAtLoad'], p['KeepAlive']['SuccessfulExit'], p['ProcessType'], \
+                  p['ProgramArguments'][0])";
+    let parsed = Command::new("python3").args(["-c", script]).arg(&packaged).output().unwrap();
+    assert!(parsed.status.success(), "{parsed:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&parsed.stdout).trim(),
+        "dev.shoal.node True False Background /usr/local/bin/shoal"
+    );
+    // And removed again.
+    let out =
+        shoal().args(["service", "uninstall", "--manager", "launchd", "--purge", "--root"]).arg(root).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(!root.join("Library/LaunchDaemons/dev.shoal.node.plist").exists() && !data.exists());
 }

@@ -1,0 +1,47 @@
+//! The service code of the other platforms builds: this crate type-checks for Windows
+//! (the Service Control Manager, through `windows-service`) and macOS (launchd), where
+//! their standard libraries are installed (`rustup target add`; `scripts/setup.sh`
+//! tries). It cannot run here; this is what keeps it from rotting unseen.
+
+use std::path::Path;
+use std::process::Command;
+
+fn installed(target: &str) -> bool {
+    Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.trim() == target))
+}
+
+fn check(target: &str) {
+    if !installed(target) {
+        eprintln!("skipped: the {target} standard library is not installed (rustup target add {target})");
+        return;
+    }
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // A target directory of its own: the suite's cargo holds the usual one.
+    let out = Command::new(env!("CARGO"))
+        .current_dir(&workspace)
+        .args(["check", "--quiet", "--locked", "-p", "shoal-service", "--all-targets", "--target", target])
+        .arg("--target-dir")
+        .arg(workspace.join("target/cross-check"))
+        // Warnings there are code that rots unseen too.
+        .env("RUSTFLAGS", "-D warnings")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "shoal-service does not build for {target}:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn builds_for_windows() {
+    check("x86_64-pc-windows-gnu");
+}
+
+#[test]
+fn builds_for_macos() {
+    check("x86_64-apple-darwin");
+}
