@@ -9,6 +9,49 @@ fn main() {
     println!("cargo:rerun-if-env-changed=SHOAL_GIT_COMMIT");
     let commit = std::env::var("SHOAL_GIT_COMMIT").ok().filter(|c| !c.trim().is_empty()).or_else(git_commit);
     println!("cargo:rustc-env=SHOAL_GIT_COMMIT={}", commit.as_deref().map(str::trim).unwrap_or("unknown"));
+    // Windows with MinGW (packaging/windows/cross-build.sh): llama.cpp's CMake names
+    // ggml's static libraries without the `lib` prefix there (ggml.a, …), so
+    // llama-cpp-sys-2, which looks for lib*.a, does not link them. Name them here, in
+    // dependency order; link arguments come after the crates' libraries.
+    if std::env::var("TARGET").is_ok_and(|t| t.ends_with("windows-gnu")) {
+        for lib in ["ggml", "ggml-cpu", "ggml-base"] {
+            println!("cargo:rustc-link-arg-bins=-l:{lib}.a");
+        }
+        // And what they need, again after them (rustc links without the default libraries).
+        for lib in ["stdc++", "gomp", "pthread", "mingwex", "msvcrt", "kernel32", "advapi32", "ws2_32"] {
+            println!("cargo:rustc-link-arg-bins=-l{lib}");
+        }
+        // MinGW's C++ and OpenMP runtimes linked in, so shoal.exe runs alone (no
+        // libstdc++-6.dll or libgomp-1.dll beside it): llama-cpp-sys-2 asks for them as
+        // dynamic libraries, and the linker takes the first directory holding a match,
+        // so a directory with only their static archives, searched first, wins.
+        static_runtime();
+    }
+}
+
+/// Put MinGW's static libstdc++ and libgomp in a directory of their own, searched
+/// before the compiler's (where the import libraries for their DLLs are).
+fn static_runtime() {
+    let Ok(out) = std::env::var("OUT_DIR") else { return };
+    let dir = Path::new(&out).join("static-runtime");
+    let _ = std::fs::create_dir_all(&dir);
+    let cxx = std::env::var("CXX_x86_64_pc_windows_gnu").unwrap_or_else(|_| "x86_64-w64-mingw32-g++-posix".into());
+    // (name looked up, name given): the threads library is asked for as pthread too.
+    let libs = [
+        ("libstdc++.a", "libstdc++.a"),
+        ("libgomp.a", "libgomp.a"),
+        ("libwinpthread.a", "libwinpthread.a"),
+        ("libwinpthread.a", "libpthread.a"),
+    ];
+    for (lib, name) in libs {
+        let Ok(found) = Command::new(&cxx).arg(format!("-print-file-name={lib}")).output() else { continue };
+        let found = String::from_utf8_lossy(&found.stdout).trim().to_string();
+        // Without the toolchain the compiler prints the bare name back: nothing to copy.
+        if Path::new(&found).is_absolute() && std::fs::copy(&found, dir.join(name)).is_err() {
+            println!("cargo:warning=could not copy {found}: shoal.exe will need {lib}'s DLL beside it");
+        }
+    }
+    println!("cargo:rustc-link-search=native={}", dir.display());
 }
 
 /// The commit of the checkout, with `-dirty` when tracked files differ from it; and
