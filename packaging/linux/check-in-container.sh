@@ -13,10 +13,12 @@ exec > /var/log/shoal-check 2>&1
 health() {
     local addr port line
     for _ in $(seq 60); do
+        # (The braces keep the 2>/dev/null off the script's own stderr: exec would
+        # make it permanent.)
         if addr=$(cat /var/lib/shoal/http 2>/dev/null) && port=${addr##*:} \
-            && exec 3<>"/dev/tcp/127.0.0.1/$port" 2>/dev/null; then
+            && { exec 3<>"/dev/tcp/127.0.0.1/$port"; } 2>/dev/null; then
             printf 'GET /health HTTP/1.0\r\nHost: localhost\r\n\r\n' >&3
-            IFS= read -r line <&3
+            IFS= read -r -t 10 line <&3 || line="no answer"
             exec 3>&-
             echo "${line%$'\r'}"
             return

@@ -12,6 +12,7 @@
 # It runs `shoal service install`, which `shoal service uninstall [--purge]` undoes.
 set -eu
 
+args="$*"
 join=""
 root=""
 bin=""
@@ -19,7 +20,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --join) [ $# -ge 2 ] || { echo "install.sh: --join needs a token" >&2; exit 2; }; join=$2; shift 2 ;;
         --root) [ $# -ge 2 ] || { echo "install.sh: --root needs a directory" >&2; exit 2; }; root=$2; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) bin=$1; shift ;;
     esac
@@ -38,7 +39,7 @@ if [ -z "$bin" ]; then
 fi
 if [ -z "$root" ]; then
     if [ "$(id -u)" -ne 0 ]; then
-        echo "install.sh: installing a service needs root: sudo $0 $*" >&2
+        echo "install.sh: installing a service needs root: sudo $0 $args" >&2
         exit 1
     fi
     if [ ! -d /run/systemd/system ]; then

@@ -348,6 +348,10 @@ pub struct Core {
     /// sent before it resigned may still arrive (reordered), and must not make this
     /// node follow it again.
     resigned: Option<u64>,
+    /// Named successor of a resigning leader: until this time (ms), a pre-vote that did
+    /// not win is asked again after [`RESIGN_RETRY_MS`], not after an election timeout
+    /// (voters may hear the resignation later than the successor, over slower links).
+    handover_until: u64,
     /// Election jitter.
     rng: Rng,
     /// Actions produced by the current call.
@@ -381,6 +385,7 @@ impl Core {
             forwarded: BTreeMap::new(),
             leaders: BTreeMap::new(),
             resigned: None,
+            handover_until: 0,
             rng: Rng(seed | 1),
             out: Vec::new(),
             config,
@@ -556,7 +561,11 @@ impl Core {
             .max_by_key(|m| m.priority())
             .map(|m| m.id);
         let term = self.hard.term;
-        for to in self.others() {
+        // The successor last: it asks the others for votes as soon as it hears, and
+        // they should have heard first.
+        let mut order = self.others();
+        order.sort_by_key(|id| Some(*id) == successor);
+        for to in order {
             self.send(to, Msg::Resign { term, successor });
         }
         self.step_down();
@@ -578,13 +587,11 @@ impl Core {
         self.resigned = Some(term);
         self.out.push(Action::Event(Event::Leader { leader: None, term }));
         if successor == Some(self.me) {
-            self.start_pre_vote(now);
             // A voter may hear this node's pre-vote before the leader's resignation (other
-            // links) and refuse it: ask again soon, not after a whole election timeout.
-            // (Pre-votes change no term: asking twice costs a message.)
-            if self.role == Role::PreCandidate {
-                self.election_deadline = now + RESIGN_RETRY_MS;
-            }
+            // links) and refuse it: ask again soon, for up to an election timeout, not
+            // after one. (Pre-votes change no term: asking again costs a message.)
+            self.handover_until = now + self.config.election_min_ms;
+            self.start_pre_vote(now);
         } else {
             self.reset_election(now);
         }
@@ -786,6 +793,9 @@ impl Core {
 
     fn start_pre_vote(&mut self, now: u64) {
         self.reset_election(now);
+        if now < self.handover_until {
+            self.election_deadline = now + RESIGN_RETRY_MS;
+        }
         if self.role == Role::Leader || self.hard.term == u64::MAX {
             // No term after the last: campaigning again in it could vote twice.
             return;

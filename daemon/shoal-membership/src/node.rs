@@ -649,20 +649,24 @@ impl Actor {
     /// within [`STOP_FLUSH`].
     async fn stop(&mut self) {
         let now = self.now();
-        if let Some(core) = self.core.as_mut() {
-            let actions = core.resign(now);
-            if !actions.is_empty() {
-                tracing::info!("stopping: this leader hands over to the other members");
-            }
-            // Sends and events only (no persist): nothing here can fail.
-            if let Err(e) = self.execute(actions) {
-                tracing::warn!("handing over: {e}");
-            }
+        let actions = self.core.as_mut().map(|core| core.resign(now)).unwrap_or_default();
+        let handing_over = !actions.is_empty();
+        if handing_over {
+            tracing::info!("stopping: this leader hands over to the other members");
+        }
+        // Sends and events only (no persist): nothing here can fail.
+        if let Err(e) = self.execute(actions) {
+            tracing::warn!("handing over: {e}");
         }
         self.publish();
         // Closing the queues ends each link task once it has sent what it holds.
         self.links.clear();
         let tasks = &mut self.link_tasks;
+        if !handing_over {
+            // A follower's queued beats are not worth waiting for.
+            tasks.abort_all();
+            return;
+        }
         if tokio::time::timeout(STOP_FLUSH, async { while tasks.join_next().await.is_some() {} }).await.is_err() {
             tracing::debug!("stopping: some members were not reached in time");
             tasks.abort_all();

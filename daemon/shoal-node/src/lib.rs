@@ -142,7 +142,10 @@ async fn watchdog(membership: Handle) {
     let mut every = tokio::time::interval(half);
     loop {
         every.tick().await;
-        if tokio::time::timeout(half, membership.ask(AdminRequest::Status)).await.is_ok() {
+        // A real status answer only: "the node is stopping" comes back at once from a
+        // membership loop that has ended.
+        let answer = tokio::time::timeout(half, membership.ask(AdminRequest::Status)).await;
+        if matches!(answer, Ok(AdminResponse::Status(_))) {
             notify::watchdog();
         } else {
             tracing::warn!("membership did not answer within {} s: no watchdog ping", half.as_secs());

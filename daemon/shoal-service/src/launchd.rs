@@ -68,7 +68,15 @@ pub fn install(o: &InstallOptions) -> Result<Vec<String>, ServiceError> {
     if live {
         // Loaded already (an earlier install): out first, so the new definition counts.
         let _ = crate::run("launchctl", &["bootout", &format!("system/{LABEL}")]);
-        crate::run("launchctl", &["bootstrap", "system", PLIST_PATH])?;
+        // launchd may still be tearing the old one down ("Bootstrap failed: 5"): retry.
+        let mut tries = 0;
+        while let Err(e) = crate::run("launchctl", &["bootstrap", "system", PLIST_PATH]) {
+            tries += 1;
+            if tries == 10 {
+                return Err(e);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
         done.push(format!(
             "{LABEL} runs and starts at boot (data in {DATA_DIR}, log in {LOG_DIR}); status: sudo launchctl \
              print system/{LABEL}"

@@ -93,12 +93,10 @@ pub fn install(o: &InstallOptions) -> Result<Vec<String>, ServiceError> {
         return Ok(done);
     }
     run("systemctl", &["daemon-reload"])?;
-    // Type=notify: this returns once the node is ready (or has failed).
-    run("systemctl", &["enable", "--now", "shoal.service"])?;
-    if o.join_token.is_some() {
-        // Running from an earlier install: the token is read at start.
-        run("systemctl", &["restart", "shoal.service"])?;
-    }
+    run("systemctl", &["enable", "shoal.service"])?;
+    // A restart, not a start: a service running from an earlier install must take the
+    // new binary, unit and token. Type=notify: this returns once the node is ready.
+    run("systemctl", &["restart", "shoal.service"])?;
     done.push(format!(
         "shoal.service runs and starts at boot (data in {DATA_DIR}); status: systemctl status shoal; logs: \
          journalctl -u shoal; the CLI: sudo -u shoal shoal status"

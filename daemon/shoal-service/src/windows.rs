@@ -23,12 +23,18 @@ use windows_service::{define_windows_service, service_dispatcher};
 
 /// The service's name in the SCM.
 pub const SERVICE_NAME: &str = "Shoal";
-/// Firewall rules, by name: (name, protocol, local ports).
-const FIREWALL: [(&str, &str, &str); 3] = [
-    ("Shoal cluster (QUIC)", "UDP", "47070-47071"),
+/// Firewall rules, by name: (name, protocol, local port). The same names as the
+/// installer's (`packaging/windows/main.wxs`), so either way of uninstalling removes them.
+const FIREWALL: [(&str, &str, &str); 4] = [
+    ("Shoal cluster (QUIC)", "UDP", "47070"),
+    ("Shoal join (QUIC)", "UDP", "47071"),
     ("Shoal discovery (mDNS)", "UDP", "5353"),
     ("Shoal API (HTTP)", "TCP", "11434"),
 ];
+
+/// The service's data directory where `%ProgramData%` is the usual `C:\ProgramData`
+/// (see [`data_dir`]).
+pub const DATA_DIR: &str = r"C:\ProgramData\Shoal";
 
 /// `%ProgramData%\Shoal`: the service's data (key, cluster state, models).
 pub fn data_dir() -> PathBuf {
@@ -61,12 +67,26 @@ pub fn install(o: &InstallOptions) -> Result<Vec<String>, ServiceError> {
         None => p,
     };
     let bin = rooted(bin_path());
-    if o.exe != bin {
+    if o.root.is_none() {
+        // A running service holds its binary open: stop it before replacing it.
+        stop_service()?;
+    }
+    if !same_file(&o.exe, &bin) {
         copy_atomic(&o.exe, &bin, 0o755)?;
         done.push(format!("installed {}", bin.display()));
     }
     let data = rooted(data_dir());
     std::fs::create_dir_all(&data).map_err(crate::io(&data))?;
+    if o.root.is_none() {
+        // The node's key is its owner's credential (the CLI speaks with it): only the
+        // service (LocalSystem) and administrators may read it. ProgramData's own access
+        // list would let every user read it.
+        crate::run(
+            "icacls",
+            &[&data.to_string_lossy(), "/inheritance:r", "/grant:r", "*S-1-5-18:(OI)(CI)F", "*S-1-5-32-544:(OI)(CI)F"],
+        )?;
+        done.push(format!("{} readable by SYSTEM and Administrators only", data.display()));
+    }
     if let Some(token) = &o.join_token {
         let file = data.join(crate::JOIN_TOKEN_FILE);
         write_atomic(&file, format!("{token}\n").as_bytes(), 0o600)?;
@@ -151,22 +171,41 @@ pub fn install(o: &InstallOptions) -> Result<Vec<String>, ServiceError> {
     Ok(done)
 }
 
+/// Whether two paths name the same file (`canonicalize` on Windows adds `\\?\`).
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    let plain = |p: &std::path::Path| {
+        let p = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+        p.to_string_lossy().trim_start_matches(r"\\?\").to_lowercase()
+    };
+    plain(a) == plain(b)
+}
+
+/// Stop the service if it is installed and running, waiting up to 15 s.
+fn stop_service() -> Result<(), ServiceError> {
+    let manager = ServiceManager::local_computer(None::<&str>, ServiceManagerAccess::CONNECT).map_err(scm)?;
+    let Ok(service) = manager.open_service(SERVICE_NAME, ServiceAccess::QUERY_STATUS | ServiceAccess::STOP) else {
+        return Ok(());
+    };
+    if service.query_status().map_err(scm)?.current_state == ServiceState::Stopped {
+        return Ok(());
+    }
+    let _ = service.stop();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(15)
+        && service.query_status().map_err(scm)?.current_state != ServiceState::Stopped
+    {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
+}
+
 /// Stop and delete the service, close the firewall (and, purging, delete the data).
 pub fn uninstall(o: &UninstallOptions) -> Result<Vec<String>, ServiceError> {
     let mut done = Vec::new();
     if o.root.is_none() {
         let manager = ServiceManager::local_computer(None::<&str>, ServiceManagerAccess::CONNECT).map_err(scm)?;
-        let access = ServiceAccess::QUERY_STATUS | ServiceAccess::STOP | ServiceAccess::DELETE;
-        if let Ok(service) = manager.open_service(SERVICE_NAME, access) {
-            if service.query_status().map_err(scm)?.current_state != ServiceState::Stopped {
-                let _ = service.stop();
-                let t0 = Instant::now();
-                while t0.elapsed() < Duration::from_secs(15)
-                    && service.query_status().map_err(scm)?.current_state != ServiceState::Stopped
-                {
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-            }
+        stop_service()?;
+        if let Ok(service) = manager.open_service(SERVICE_NAME, ServiceAccess::DELETE) {
             service.delete().map_err(scm)?;
             done.push(format!("deleted the service {SERVICE_NAME}"));
         }
@@ -178,8 +217,13 @@ pub fn uninstall(o: &UninstallOptions) -> Result<Vec<String>, ServiceError> {
         Some(root) => root.join(p.components().skip(2).collect::<PathBuf>()),
         None => p,
     };
-    if remove_file(&rooted(bin_path()))? {
-        done.push(format!("removed {}", bin_path().display()));
+    let bin = rooted(bin_path());
+    let running_it = std::env::current_exe().is_ok_and(|me| same_file(&me, &bin));
+    if running_it {
+        // Windows does not delete a running program's file.
+        done.push(format!("{} is this program: delete it once it has exited", bin.display()));
+    } else if remove_file(&bin)? {
+        done.push(format!("removed {}", bin.display()));
     }
     let data = rooted(data_dir());
     if o.purge {

@@ -17,7 +17,7 @@ pub const STORE_DIR: &str = "state.sled";
 /// The store format this build writes. Raise it with a step in `SledStore::upgrade`
 /// whenever what is stored changes in a way an older reader would misread; a store
 /// of a newer format is refused. 0 is a store of Shoal 0.1.0 before formats were
-/// recorded (`tests/data` of shoal-membership keeps one, read by a test).
+/// recorded (`daemon/shoal/tests/data/node-0.1.0` keeps one, read by `tests/upgrade.rs`).
 pub const FORMAT: u32 = 1;
 
 /// Where the format is kept ([`Space::Node`]).

@@ -229,7 +229,7 @@ pub fn serve(
     stage: StageArgs,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
-    let data_dir = data_dir(&dir);
+    let data_dir = crate::pipeline::node_data_dir(&dir);
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     // Absolute from here on: paths under it go into the cluster state (downloaded
     // models' paths), which only takes absolute ones.

@@ -57,8 +57,9 @@ enum Command {
     Calibrate(calibrate::CalibrateArgs),
     /// What this machine offers: host, OS, CPU, RAM and the GPUs llama.cpp sees.
     Inventory(inventory::InventoryArgs),
-    /// Run Shoal as this machine's service (systemd): install (and start, and join
-    /// with `--join TOKEN`), uninstall, status.
+    /// Run Shoal as this machine's service (systemd on Linux, launchd on macOS, the
+    /// Service Control Manager on Windows): install (and start, and join with
+    /// `--join TOKEN`), uninstall, status.
     #[command(subcommand)]
     Service(service::ServiceCommand),
 }

@@ -136,23 +136,35 @@ pub struct StatusArgs {
     json: bool,
 }
 
-/// The node's data directory: `--data-dir`, else `$SHOAL_DATA_DIR`, else this user's
-/// (`$XDG_DATA_HOME/shoal` or `~/.local/share/shoal`) — unless no node has run there
-/// and the system service's directory ([`SYSTEM_DATA_DIR`]) exists: then that one, so
-/// that `shoal status` on a machine with the service installed talks to its node.
+/// The data directory of the node a command talks to: `--data-dir`, else
+/// `$SHOAL_DATA_DIR`, else this user's (`$XDG_DATA_HOME/shoal` or
+/// `~/.local/share/shoal`) — unless no node has run there and the system service's node
+/// has ([`SYSTEM_DATA_DIR`] holds its key): then that one, so that `shoal status` on a
+/// machine with the service installed talks to its node.
 pub(crate) fn data_dir(given: &Option<PathBuf>) -> PathBuf {
+    let own = node_data_dir(given);
+    if given.is_some() || std::env::var_os("SHOAL_DATA_DIR").is_some_and(|d| !d.is_empty()) {
+        return own;
+    }
+    let key = shoal_net::identity::KEY_FILE;
+    let system = Path::new(SYSTEM_DATA_DIR);
+    if !own.join(key).exists() && system.join(key).exists() {
+        return system.to_path_buf();
+    }
+    own
+}
+
+/// The data directory of a node this process runs (`shoal serve`): as [`data_dir`],
+/// but never the service's: a node started by hand (as root, say) must not take over
+/// the service's directory and leave files there its user cannot write.
+pub(crate) fn node_data_dir(given: &Option<PathBuf>) -> PathBuf {
     if let Some(d) = given {
         return d.clone();
     }
     if let Some(d) = std::env::var_os("SHOAL_DATA_DIR").filter(|d| !d.is_empty()) {
         return PathBuf::from(d);
     }
-    let user = user_data_dir();
-    let system = Path::new(SYSTEM_DATA_DIR);
-    if !user.join(shoal_net::identity::KEY_FILE).exists() && system.is_dir() {
-        return system.to_path_buf();
-    }
-    user
+    user_data_dir()
 }
 
 /// `$XDG_DATA_HOME/shoal`, else `~/.local/share/shoal`.
@@ -166,13 +178,13 @@ fn user_data_dir() -> PathBuf {
 
 /// Where the system service keeps its node's data (the package, `shoal service`).
 #[cfg(target_os = "macos")]
-pub const SYSTEM_DATA_DIR: &str = "/Library/Application Support/Shoal";
+pub const SYSTEM_DATA_DIR: &str = shoal_service::launchd::DATA_DIR;
 /// Where the system service keeps its node's data (the package, `shoal service`).
 #[cfg(windows)]
-pub const SYSTEM_DATA_DIR: &str = r"C:\ProgramData\Shoal";
+pub const SYSTEM_DATA_DIR: &str = shoal_service::windows::DATA_DIR;
 /// Where the system service keeps its node's data (the package, `shoal service`).
 #[cfg(not(any(target_os = "macos", windows)))]
-pub const SYSTEM_DATA_DIR: &str = "/var/lib/shoal";
+pub const SYSTEM_DATA_DIR: &str = shoal_service::systemd::DATA_DIR;
 
 /// A hint for an error met in the system service's data directory without the right
 /// to read it: the node there belongs to the service's user.
@@ -180,13 +192,18 @@ pub fn system_dir_hint(e: &anyhow::Error) -> Option<String> {
     let denied = e.chain().any(|c| {
         c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
             || c.to_string().contains("Permission denied")
+            || c.to_string().contains("Access is denied")
     });
     let there = format!("{e:#}").contains(SYSTEM_DATA_DIR);
     (denied && there).then(|| {
-        format!(
-            "the node of this machine's service keeps its data in {SYSTEM_DATA_DIR} and runs as the user shoal: \
-             run the command as that user (sudo -u shoal shoal …)"
-        )
+        let who = if cfg!(windows) {
+            "an administrator's terminal"
+        } else if cfg!(target_os = "macos") {
+            "sudo shoal …"
+        } else {
+            "the user shoal: sudo -u shoal shoal …"
+        };
+        format!("the node of this machine's service keeps its data in {SYSTEM_DATA_DIR}: run the command as {who}")
     })
 }
 
@@ -306,9 +323,17 @@ pub fn serve(a: ServeArgs) -> Result<()> {
 #[cfg(windows)]
 fn serve_as_windows_service(a: ServeArgs, stage: crate::cluster::StageArgs) -> Result<()> {
     shoal_service::windows::run_as_service(Box::new(move |stop: std::sync::mpsc::Receiver<()>| {
+        // The SCM's stop comes on a std channel; a thread of its own (not the runtime's
+        // blocking pool, which the runtime waits for when it shuts down) forwards it,
+        // so a node that stops by itself is not held up by a stop that never comes.
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::spawn(move || {
+            if stop.recv().is_ok() {
+                let _ = tx.send(());
+            }
+        });
         let shutdown = async move {
-            // The SCM's handler sends once; a dropped sender (the dispatcher gone) stops too.
-            let _ = tokio::task::spawn_blocking(move || stop.recv()).await;
+            let _ = rx.await;
         };
         crate::cluster::serve(a.data_dir, a.listen, a.impair, a.cluster, stage, shutdown).map_err(|e| format!("{e:#}"))
     }))?;

@@ -182,3 +182,12 @@ fn status() -> Result<i32> {
     #[cfg(not(any(windows, target_os = "macos")))]
     return Ok(shoal_service::systemd::status()?);
 }
+
+#[cfg(test)]
+mod tests {
+    /// The service installers write the join token where the node reads it.
+    #[test]
+    fn the_join_token_file_is_the_one_the_node_reads() {
+        assert_eq!(shoal_service::JOIN_TOKEN_FILE, shoal_membership::node::JOIN_TOKEN_FILE);
+    }
+}
