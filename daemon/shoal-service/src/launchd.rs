@@ -5,7 +5,7 @@
 //! runs on any Unix (with a root directory, as the tests do); `launchctl` only on macOS.
 
 #[cfg(unix)]
-use crate::{copy_atomic, io, remove_file, remove_tree, set_mode, under, write_atomic, JOIN_TOKEN_FILE};
+use crate::{copy_atomic, io, remove_file, set_mode, under, write_atomic, JOIN_TOKEN_FILE};
 #[cfg(unix)]
 use crate::{InstallOptions, ServiceError, UninstallOptions};
 #[cfg(unix)]
@@ -105,13 +105,7 @@ pub fn uninstall(o: &UninstallOptions) -> Result<Vec<String>, ServiceError> {
         }
     }
     let data = under(&root, DATA_DIR);
-    if o.purge {
-        if remove_tree(&data)? {
-            done.push(format!("deleted {}", data.display()));
-        }
-    } else if data.exists() {
-        done.push(format!("kept {} (the node's key and cluster state; --purge deletes it)", data.display()));
-    }
+    crate::purge_or_keep(&data, o.purge, &mut done)?;
     Ok(done)
 }
 

@@ -118,6 +118,18 @@ pub(crate) fn remove_tree(path: &Path) -> Result<bool, ServiceError> {
     }
 }
 
+/// On uninstall: delete the node's data when purging, else say where it was kept.
+pub(crate) fn purge_or_keep(data: &Path, purge: bool, done: &mut Vec<String>) -> Result<(), ServiceError> {
+    if purge {
+        if remove_tree(data)? {
+            done.push(format!("deleted {}", data.display()));
+        }
+    } else if data.exists() {
+        done.push(format!("kept {} (the node's key and cluster state; --purge deletes it)", data.display()));
+    }
+    Ok(())
+}
+
 #[cfg(unix)]
 pub(crate) fn set_mode(path: &Path, mode: u32) -> Result<(), ServiceError> {
     use std::os::unix::fs::PermissionsExt;

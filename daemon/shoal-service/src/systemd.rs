@@ -4,7 +4,7 @@
 //! started. The package's maintainer scripts do the same for the .deb.
 
 #[cfg(unix)]
-use crate::{copy_atomic, io, is_root, remove_file, remove_tree, run, set_mode, under, write_atomic, JOIN_TOKEN_FILE};
+use crate::{copy_atomic, io, is_root, remove_file, run, set_mode, under, write_atomic, JOIN_TOKEN_FILE};
 #[cfg(unix)]
 use crate::{InstallOptions, ServiceError, UninstallOptions};
 #[cfg(unix)]
@@ -133,13 +133,7 @@ pub fn uninstall(o: &UninstallOptions) -> Result<Vec<String>, ServiceError> {
         let _ = run("systemctl", &["daemon-reload"]);
     }
     let data = under(&root, DATA_DIR);
-    if o.purge {
-        if remove_tree(&data)? {
-            done.push(format!("deleted {}", data.display()));
-        }
-    } else if data.exists() {
-        done.push(format!("kept {} (the node's key and cluster state; --purge deletes it)", data.display()));
-    }
+    crate::purge_or_keep(&data, o.purge, &mut done)?;
     Ok(done)
 }
 

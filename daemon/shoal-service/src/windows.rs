@@ -6,7 +6,7 @@
 //! the service process runs: it reports to the SCM and turns its stop request into the
 //! node's shutdown. The .msi (`packaging/windows`) installs the same service.
 
-use crate::{copy_atomic, remove_file, remove_tree, write_atomic, InstallOptions, ServiceError, UninstallOptions};
+use crate::{copy_atomic, remove_file, write_atomic, InstallOptions, ServiceError, UninstallOptions};
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::mpsc;
@@ -226,13 +226,7 @@ pub fn uninstall(o: &UninstallOptions) -> Result<Vec<String>, ServiceError> {
         done.push(format!("removed {}", bin.display()));
     }
     let data = rooted(data_dir());
-    if o.purge {
-        if remove_tree(&data)? {
-            done.push(format!("deleted {}", data.display()));
-        }
-    } else if data.exists() {
-        done.push(format!("kept {} (the node's key and cluster state; --purge deletes it)", data.display()));
-    }
+    crate::purge_or_keep(&data, o.purge, &mut done)?;
     Ok(done)
 }
 
