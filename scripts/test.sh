@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# The suite needs ~8 GB under target/ (and /tmp for shards); on a shared disk, say up
+# front how much there is, so that "No space left on device" has its cause beside it.
+df -h . /tmp 2>/dev/null | awk 'NR == 1 || !seen[$0]++' | sed 's/^/disk: /' || true
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 # llama.cpp is compiled optimised even in this dev-profile build (see Cargo.toml).
