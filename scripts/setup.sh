@@ -23,6 +23,10 @@ command -v curl >/dev/null 2>&1 || need_pkgs+=(curl)
 command -v debootstrap >/dev/null 2>&1 || need_pkgs+=(debootstrap)
 command -v systemd-nspawn >/dev/null 2>&1 || need_pkgs+=(systemd-container)
 command -v dpkg-shlibdeps >/dev/null 2>&1 || need_pkgs+=(dpkg-dev)
+# The admin page's browser test: Debian's Chromium, driven from Node.js.
+command -v chromium >/dev/null 2>&1 || need_pkgs+=(chromium)
+command -v node >/dev/null 2>&1 || need_pkgs+=(nodejs)
+command -v npm >/dev/null 2>&1 || need_pkgs+=(npm)
 if ((${#need_pkgs[@]})); then
   say "installing ${need_pkgs[*]} (apt)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -125,6 +129,19 @@ if [ ! -f "$CLIENTS/.complete" ]; then
 fi
 ln -sfn "$CLIENTS" "$PY/clients"
 say "API clients ready in $CLIENTS"
+
+# --- the admin page's browser test: playwright-core (npm), by version -----------------
+# 1.57 still runs on Debian 12's Node.js 18; it drives the system's Chromium (no browser
+# download). The test finds it through the link `playwright-core`.
+NPM="$HOME/.cache/shoal/npm"
+PLAYWRIGHT="$NPM/playwright-core-1.57.0"
+if [ ! -f "$PLAYWRIGHT/.complete" ]; then
+  say "installing playwright-core 1.57.0 (npm) into $PLAYWRIGHT"
+  rm -rf "$PLAYWRIGHT"; mkdir -p "$PLAYWRIGHT"
+  npm install --silent --no-audit --no-fund --prefix "$PLAYWRIGHT" playwright-core@1.57.0 >&2
+  touch "$PLAYWRIGHT/.complete"
+fi
+ln -sfn "$PLAYWRIGHT" "$NPM/playwright-core"
 
 # --- packaging: cargo-deb, and a clean Debian root for the package test ------------
 # cargo-deb at a pinned version (its own lock file), into Cargo's bin folder.

@@ -69,7 +69,7 @@ impl Default for Access {
 /// Every route, over `backend`, with keys checked as `access` says.
 pub fn router<B: Backend>(backend: Arc<B>, access: Access) -> Router {
     Router::new()
-        .route("/", get(|| async { "Shoal is running\n" }))
+        .route("/", get(root))
         .route("/health", get(health::<B>))
         .route("/metrics", get(metrics::<B>))
         .route("/v1/models", get(openai::models::<B>))
@@ -90,6 +90,27 @@ pub fn router<B: Backend>(backend: Arc<B>, access: Access) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         // Outermost: a browser's preflight (OPTIONS, no key) is answered here.
         .layer(cors(&access.cors_origins))
+        .with_state(backend)
+}
+
+/// `GET /`: a browser goes to the admin page; tools that probe the server (as they
+/// probe Ollama's) get a line of text.
+async fn root(headers: header::HeaderMap) -> Response {
+    let browser = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("text/html"));
+    if browser {
+        return axum::response::Redirect::to("/admin/").into_response();
+    }
+    "Shoal is running\n".into_response()
+}
+
+/// OpenAI's model list and chat route alone, with no key check and no CORS: for a
+/// caller that checks access itself (the admin page's chat, behind its login).
+pub fn chat_routes<B: Backend>(backend: Arc<B>) -> Router {
+    Router::new()
+        .route("/v1/models", get(openai::models::<B>))
+        .route("/v1/chat/completions", post(openai::chat::<B>))
+        .layer(axum::middleware::from_fn_with_state(backend.clone(), count::<B>))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(backend)
 }
 

@@ -75,6 +75,8 @@ pub enum NodeRequest {
     },
     /// The stages this node runs, and their state.
     Stages,
+    /// What this node's machine has and uses now (the admin page's machine cards).
+    Inventory,
     /// Bytes of the header (metadata and tensor table) of a model this node holds, from
     /// `offset` on: a node that holds neither the model nor a shard of it builds a
     /// vocabulary-only file from them (the HTTP API tokenizes with it).
@@ -128,6 +130,7 @@ impl NodeRequest {
             NodeRequest::ModelList
                 | NodeRequest::ModelPlan { .. }
                 | NodeRequest::Stages
+                | NodeRequest::Inventory
                 | NodeRequest::ModelHeader { .. }
                 // The node checks that the asker leads.
                 | NodeRequest::Measure { .. }
@@ -203,6 +206,8 @@ pub enum NodeResponse {
     Generated(shoal_pipeline::Report),
     /// The stages this node runs.
     Stages(Vec<StageStatus>),
+    /// This node's machine (boxed: much larger than the other answers).
+    Inventory(Box<shoal_types::NodeInventory>),
     /// A key was made: its secret, shown once.
     KeyCreated {
         /// The key as stored.

@@ -8,7 +8,9 @@
 //! state, watched as a [`View`](shoal_membership::node::View)); nothing here holds a
 //! second copy of who is a member.
 
+pub mod admin;
 pub mod api;
+pub mod events;
 pub mod http;
 pub mod keys;
 pub mod models;
@@ -86,6 +88,8 @@ pub async fn run(
         keepalive: options.keepalive,
         fingerprint: options.engine.as_ref().map(|e| e.fingerprint()).unwrap_or_default(),
         measuring: Default::default(),
+        inventory: inventory.clone(),
+        events: Default::default(),
     });
     let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, trusted: shared.trusted.clone(), rt: rt.clone() });
     let mut tasks = tokio::task::JoinSet::new();
@@ -94,6 +98,7 @@ pub async fn run(
     tasks.spawn(runtime::lead(rt.clone()));
     tasks.spawn(runtime::offer(rt.clone()));
     tasks.spawn(runtime::supervise(rt.clone()));
+    tasks.spawn(events::watch(rt.membership.view(), rt.events.clone()));
     tasks.spawn(notify_ready(rt.membership.view(), identity.id()));
     tasks.spawn(watchdog(rt.membership.clone()));
     if let Some(addr) = options.http {
@@ -168,13 +173,23 @@ async fn serve_http(
     std::fs::write(&file, format!("{bound}\n")).map_err(|e| format!("{}: {e}", file.display()))?;
     eprintln!("[shoal] API: http://{bound}");
     let backend = Arc::new(http::NodeBackend {
-        rt,
+        rt: rt.clone(),
         texts: Default::default(),
         metrics: shoal_api::Metrics::new(),
         downloads: data_dir.join("models"),
     });
+    eprintln!("[shoal] admin page: http://{bound}/admin/");
+    // The admin page's routes carry their own login; the API's key check and CORS
+    // apply to the API's routes only.
+    let page = admin::NodeAdmin::new(rt, data_dir.join("models"));
+    let router = shoal_api::router(backend.clone(), access).merge(shoal_admin::router(
+        Arc::new(page),
+        shoal_admin::Config::default(),
+        shoal_api::chat_routes(backend),
+    ));
     Ok(async move {
-        if let Err(e) = shoal_api::serve(listener, backend, access, std::future::pending()).await {
+        let limits = shoal_api::Limits::default();
+        if let Err(e) = shoal_api::serve_router(listener, router, limits, std::future::pending()).await {
             tracing::error!("the HTTP API stopped: {e}");
         }
     })
@@ -278,6 +293,7 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
                 .unwrap_or_else(|e| Err(ApiError::new(ErrorKind::Unavailable, e.to_string())))
         }
         NodeRequest::Stages => Ok(NodeResponse::Stages(runtime::stage_report(&ctx.rt).into_iter().collect())),
+        NodeRequest::Inventory => Ok(NodeResponse::Inventory(Box::new(ctx.rt.inventory.borrow().clone()))),
         NodeRequest::Generate { .. } | NodeRequest::Measure { .. } | NodeRequest::ProbeLinks { .. } => {
             Err(ApiError::new(ErrorKind::BadRequest, "served by the connection's loop"))
         }

@@ -101,6 +101,11 @@ pub struct Runtime {
     /// Held while a measurement ([`measure`]) runs: the next waits (two would time
     /// each other; a leader may ask for several models, or a new leader again).
     pub measuring: tokio::sync::Mutex<()>,
+    /// What this machine has, refreshed by the binary (members ask for it: the admin
+    /// page's machine cards).
+    pub inventory: tokio::sync::watch::Receiver<shoal_types::NodeInventory>,
+    /// What changed in the cluster as this node saw it (the admin page's log).
+    pub events: crate::events::Log,
 }
 
 impl Runtime {

@@ -390,6 +390,32 @@ pub fn leave(d: DirArg) -> Result<()> {
     Ok(())
 }
 
+/// `shoal password`: the admin page's password, set through this node (its owner needs
+/// no page login): hashed here (Argon2id) and kept in the cluster state, with a new
+/// session key, so every page session on every node ends.
+pub fn password(d: DirArg) -> Result<()> {
+    use std::io::IsTerminal;
+    let password = if std::io::stdin().is_terminal() {
+        let first = rpassword::prompt_password("New admin password: ")?;
+        if rpassword::prompt_password("The same again: ")? != first {
+            bail!("the two passwords differ; nothing changed");
+        }
+        first
+    } else {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line)?;
+        line.trim_end_matches(['\r', '\n']).to_string()
+    };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_secs());
+    let record = shoal_admin::AuthRecord::new(&password, now)?;
+    let value = serde_json::to_value(&record)?;
+    match ask(&d.data_dir, AdminRequest::Put { key: shoal_admin::AUTH_KEY.into(), value })? {
+        AdminResponse::Ok(_) => println!("the admin password is set; every page session has ended"),
+        other => bail!("unexpected answer: {other:?}"),
+    }
+    Ok(())
+}
+
 /// `shoal reset`: forget the cluster here (through the running node, or in its store
 /// when it is stopped); `--new-key` also makes the node a new one at its next start.
 pub fn reset(a: ResetArgs) -> Result<()> {

@@ -42,6 +42,9 @@ enum Command {
     /// Join a cluster: with a pairing code or a join token from one of its members, or
     /// (`--accept CLUSTER`) by taking an approval from that cluster.
     Join(cluster::JoinArgs),
+    /// Set the admin page's password from this node (the first one, or one forgotten):
+    /// read without echo, or one line from standard input; every page session ends.
+    Password(cluster::DirArg),
     /// Leave this node's cluster cleanly: the other members revoke its key.
     Leave(cluster::DirArg),
     /// Forget this node's cluster here without asking anyone (its cluster is gone or
@@ -81,6 +84,7 @@ fn main() -> std::process::ExitCode {
         Command::Chat(a) => chat::chat(a),
         Command::Join(a) => cluster::join(a),
         Command::Leave(a) => cluster::leave(a),
+        Command::Password(a) => cluster::password(a),
         Command::Reset(a) => cluster::reset(a),
         Command::Plan(a) => plan::plan(a),
         Command::Inventory(a) => inventory::inventory(a),

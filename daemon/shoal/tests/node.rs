@@ -14,79 +14,11 @@ use common::*;
 use serde_json::Value;
 use shoal_node::api::{NodeRequest, NodeResponse, StageStatus};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The node processes by name; killed when the test ends, passed or failed.
-struct Nodes(Vec<(&'static str, Child)>);
-
-impl Nodes {
-    /// SIGKILL one node.
-    fn kill(&mut self, name: &str) {
-        if let Some(i) = self.0.iter().position(|(n, _)| *n == name) {
-            let (_, mut c) = self.0.remove(i);
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// The names of the nodes still running.
-    fn alive(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.0.iter().map(|(n, _)| *n)
-    }
-
-    fn kill_all(&mut self) {
-        for (_, c) in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        self.0.clear();
-    }
-}
-
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        self.kill_all();
-    }
-}
-
-fn serve(dir: &Path, name: &str, create: bool) -> Child {
-    serve_offering(dir, name, create, "90M", "1")
-}
-
-/// [`serve`] offering `memory` to models, its stages running `threads` threads.
-fn serve_offering(dir: &Path, name: &str, create: bool, memory: &str, threads: &str) -> Child {
-    let mut c = shoal();
-    c.args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
-        .args(["--http-listen", "127.0.0.1:0"])
-        .args(["--name", name, "--max-memory", memory, "--threads", threads])
-        .arg(if create { "--create-cluster" } else { "--no-create" })
-        .arg("--data-dir")
-        .arg(dir)
-        .stdout(Stdio::null());
-    // SHOAL_TEST_LOGS=1 keeps each node's log in its data dir (serve.log), to debug.
-    if std::env::var_os("SHOAL_TEST_LOGS").is_some() {
-        std::fs::create_dir_all(dir).unwrap();
-        c.env("RUST_LOG", "info").stderr(std::fs::File::create(dir.join("serve.log")).unwrap());
-    } else {
-        c.stderr(Stdio::null());
-    }
-    c.spawn().unwrap()
-}
-
-fn status(dir: &Path) -> Option<Value> {
-    let out = shoal().args(["status", "--json", "--data-dir"]).arg(dir).output().ok()?;
-    out.status.success().then(|| serde_json::from_slice(&out.stdout).ok()).flatten()
-}
-
-fn run_ok(args: &[&str], dir: &Path) -> String {
-    let out = shoal().args(args).arg("--data-dir").arg(dir).output().unwrap();
-    assert!(out.status.success(), "shoal {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
 
 /// The stages a node runs, asked over the node protocol with its own key.
 fn stages(dir: &Path) -> Vec<StageStatus> {
@@ -693,45 +625,4 @@ fn placement(dir: &Path) -> Value {
     let v: Value = serde_json::from_str(&run_ok(&["models", "plan", SMOL, "--json"], dir)).unwrap();
     assert_eq!(v["committed"], true, "{v}");
     v["placement"].clone()
-}
-
-/// Start `names[0]` creating a cluster and the others joining it with codes.
-fn start_cluster(dir: &dyn Fn(&str) -> PathBuf, names: &[&'static str]) -> Nodes {
-    let mut nodes = Nodes(Vec::new());
-    nodes.0.push((names[0], serve(&dir(names[0]), names[0], true)));
-    wait_for("the first node's cluster", 30, || status(&dir(names[0])).filter(|s| !s["cluster"].is_null()));
-    for n in &names[1..] {
-        add_node(&mut nodes, dir, names[0], n);
-    }
-    nodes
-}
-
-/// Start node `name` and pair it into the cluster of `member`.
-fn add_node(nodes: &mut Nodes, dir: &dyn Fn(&str) -> PathBuf, member: &str, name: &'static str) {
-    add_node_offering(nodes, dir, member, name, "90M", "1")
-}
-
-/// [`add_node`] offering `memory` to models.
-fn add_node_offering(
-    nodes: &mut Nodes,
-    dir: &dyn Fn(&str) -> PathBuf,
-    member: &str,
-    name: &'static str,
-    memory: &str,
-    threads: &str,
-) {
-    let before = members(&dir(member));
-    nodes.0.push((name, serve_offering(&dir(name), name, false, memory, threads)));
-    wait_for("the node up", 30, || status(&dir(name)));
-    wait_for(&format!("{name} joined"), 60, || {
-        let code = run_ok(&["nodes", "pair"], &dir(member));
-        let out = shoal().args(["join", code.trim(), "--data-dir"]).arg(dir(name)).output().unwrap();
-        out.status.success().then_some(())
-    });
-    wait_for("the new member listed", 30, || (members(&dir(member)) == before + 1).then_some(()));
-}
-
-/// How many members `dir`'s node lists.
-fn members(dir: &Path) -> usize {
-    status(dir).and_then(|s| s["members"].as_array().map(|m| m.len())).unwrap_or(0)
 }

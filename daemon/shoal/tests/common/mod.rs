@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// A cached test model; fails with instructions when missing (never a silent pass).
@@ -115,4 +115,115 @@ pub fn spawn_generation(
         .unwrap();
     let stderr = child.stderr.take().unwrap();
     (child, std::io::BufRead::lines(std::io::BufReader::new(stderr)))
+}
+
+// --- clusters of `shoal serve` processes on loopback (real QUIC, mDNS on `lo`) ---
+
+/// The node processes by name; killed when the test ends, passed or failed.
+pub struct Nodes(pub Vec<(&'static str, Child)>);
+
+impl Nodes {
+    /// SIGKILL one node.
+    pub fn kill(&mut self, name: &str) {
+        if let Some(i) = self.0.iter().position(|(n, _)| *n == name) {
+            let (_, mut c) = self.0.remove(i);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The names of the nodes still running.
+    pub fn alive(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.0.iter().map(|(n, _)| *n)
+    }
+
+    pub fn kill_all(&mut self) {
+        for (_, c) in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.0.clear();
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        self.kill_all();
+    }
+}
+
+pub fn serve(dir: &Path, name: &str, create: bool) -> Child {
+    serve_offering(dir, name, create, "90M", "1")
+}
+
+/// [`serve`] offering `memory` to models, its stages running `threads` threads.
+pub fn serve_offering(dir: &Path, name: &str, create: bool, memory: &str, threads: &str) -> Child {
+    let mut c = shoal();
+    c.args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
+        .args(["--http-listen", "127.0.0.1:0"])
+        .args(["--name", name, "--max-memory", memory, "--threads", threads])
+        .arg(if create { "--create-cluster" } else { "--no-create" })
+        .arg("--data-dir")
+        .arg(dir)
+        .stdout(Stdio::null());
+    // SHOAL_TEST_LOGS=1 keeps each node's log in its data dir (serve.log), to debug.
+    if std::env::var_os("SHOAL_TEST_LOGS").is_some() {
+        std::fs::create_dir_all(dir).unwrap();
+        c.env("RUST_LOG", "info").stderr(std::fs::File::create(dir.join("serve.log")).unwrap());
+    } else {
+        c.stderr(Stdio::null());
+    }
+    c.spawn().unwrap()
+}
+
+pub fn status(dir: &Path) -> Option<Value> {
+    let out = shoal().args(["status", "--json", "--data-dir"]).arg(dir).output().ok()?;
+    out.status.success().then(|| serde_json::from_slice(&out.stdout).ok()).flatten()
+}
+
+pub fn run_ok(args: &[&str], dir: &Path) -> String {
+    let out = shoal().args(args).arg("--data-dir").arg(dir).output().unwrap();
+    assert!(out.status.success(), "shoal {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Start `names[0]` creating a cluster and the others joining it with codes.
+pub fn start_cluster(dir: &dyn Fn(&str) -> PathBuf, names: &[&'static str]) -> Nodes {
+    let mut nodes = Nodes(Vec::new());
+    nodes.0.push((names[0], serve(&dir(names[0]), names[0], true)));
+    wait_for("the first node's cluster", 30, || status(&dir(names[0])).filter(|s| !s["cluster"].is_null()));
+    for n in &names[1..] {
+        add_node(&mut nodes, dir, names[0], n);
+    }
+    nodes
+}
+
+/// Start node `name` and pair it into the cluster of `member`.
+pub fn add_node(nodes: &mut Nodes, dir: &dyn Fn(&str) -> PathBuf, member: &str, name: &'static str) {
+    add_node_offering(nodes, dir, member, name, "90M", "1")
+}
+
+/// [`add_node`] offering `memory` to models.
+pub fn add_node_offering(
+    nodes: &mut Nodes,
+    dir: &dyn Fn(&str) -> PathBuf,
+    member: &str,
+    name: &'static str,
+    memory: &str,
+    threads: &str,
+) {
+    let before = members(&dir(member));
+    nodes.0.push((name, serve_offering(&dir(name), name, false, memory, threads)));
+    wait_for("the node up", 30, || status(&dir(name)));
+    wait_for(&format!("{name} joined"), 60, || {
+        let code = run_ok(&["nodes", "pair"], &dir(member));
+        let out = shoal().args(["join", code.trim(), "--data-dir"]).arg(dir(name)).output().unwrap();
+        out.status.success().then_some(())
+    });
+    wait_for("the new member listed", 30, || (members(&dir(member)) == before + 1).then_some(()));
+}
+
+/// How many members `dir`'s node lists.
+pub fn members(dir: &Path) -> usize {
+    status(dir).and_then(|s| s["members"].as_array().map(|m| m.len())).unwrap_or(0)
 }

@@ -1,0 +1,312 @@
+//! Admin authentication, pure (time comes in as an argument): the password's slow
+//! salted hash (Argon2id, a PHC string), session tokens any node checks on its own (a
+//! MAC under the cluster's session key, which the cluster state carries to every
+//! member), the CSRF token bound to a session, and the limit on wrong passwords.
+//!
+//! Why tokens and not a session table: the same login must work on every node (the
+//! owner's browser may reach any of them) without a round of consensus per login.
+//! A new password brings a new session key, which ends every session at once.
+
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, VecDeque};
+use std::net::IpAddr;
+
+/// The key of the admin credentials in the cluster state.
+pub const AUTH_KEY: &str = "admin/auth";
+
+/// Shortest password accepted.
+pub const MIN_PASSWORD: usize = 8;
+/// Longest password accepted (Argon2 hashes any length; this bounds the work a
+/// stranger can ask for).
+pub const MAX_PASSWORD: usize = 1024;
+
+/// Token format version, the first field of every token.
+const TOKEN_TAG: &str = "s1";
+
+/// Why a password cannot be set.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AuthError {
+    /// Fewer than [`MIN_PASSWORD`] characters.
+    #[error("the password needs at least {MIN_PASSWORD} characters")]
+    TooShort,
+    /// More than [`MAX_PASSWORD`] bytes.
+    #[error("the password may have at most {MAX_PASSWORD} bytes")]
+    TooLong,
+    /// The system gave no random bytes for the salt or key.
+    #[error("no randomness: {0}")]
+    Random(String),
+    /// Argon2 refused (cannot happen with the fixed parameters).
+    #[error("hashing failed: {0}")]
+    Hash(String),
+}
+
+/// Why a session token is refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SessionError {
+    /// Not a token of this format.
+    #[error("not a session token")]
+    Malformed,
+    /// Signed by another key: another cluster's, or made before the password changed.
+    #[error("a session of another cluster, or from before the password changed")]
+    Forged,
+    /// Past its expiry.
+    #[error("the session expired")]
+    Expired,
+}
+
+/// The admin credentials: one entry of the cluster state ([`AUTH_KEY`]), which only
+/// members ever hold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthRecord {
+    /// Argon2id hash of the password, as a PHC string (salt and parameters inside).
+    pub password: String,
+    /// 32 random bytes, hex: the key sessions are signed with.
+    pub session_key: String,
+    /// When the password was set, Unix seconds.
+    pub set_at: u64,
+}
+
+/// A session a token proved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Session {
+    /// When it ends, Unix seconds.
+    pub expires: u64,
+    /// Its random part (hex): names it for logout.
+    pub nonce: String,
+}
+
+impl AuthRecord {
+    /// Credentials for `password`, with a new salt and a new session key.
+    pub fn new(password: &str, now: u64) -> Result<AuthRecord, AuthError> {
+        check_length(password)?;
+        let mut salt = [0u8; 16];
+        let mut key = [0u8; 32];
+        getrandom::getrandom(&mut salt).map_err(|e| AuthError::Random(e.to_string()))?;
+        getrandom::getrandom(&mut key).map_err(|e| AuthError::Random(e.to_string()))?;
+        let salt = argon2::password_hash::SaltString::encode_b64(&salt).map_err(|e| AuthError::Hash(e.to_string()))?;
+        let hash = argon2::PasswordHasher::hash_password(&argon2::Argon2::default(), password.as_bytes(), &salt)
+            .map_err(|e| AuthError::Hash(e.to_string()))?;
+        Ok(AuthRecord { password: hash.to_string(), session_key: hex::encode(key), set_at: now })
+    }
+
+    /// Whether `password` is the one these credentials hold (Argon2's comparison is
+    /// constant-time). Slow by design (tens of ms): run it off the async threads.
+    pub fn verify(&self, password: &str) -> bool {
+        if password.len() > MAX_PASSWORD {
+            return false;
+        }
+        let Ok(hash) = argon2::PasswordHash::new(&self.password) else { return false };
+        argon2::PasswordVerifier::verify_password(&argon2::Argon2::default(), password.as_bytes(), &hash).is_ok()
+    }
+
+    /// A new session token for `cluster`, valid for `ttl` seconds from `now`.
+    pub fn issue(&self, cluster: &str, now: u64, ttl: u64) -> Result<String, AuthError> {
+        let mut nonce = [0u8; 16];
+        getrandom::getrandom(&mut nonce).map_err(|e| AuthError::Random(e.to_string()))?;
+        let body = format!("{TOKEN_TAG}.{}.{}", now.saturating_add(ttl), hex::encode(nonce));
+        let mac =
+            self.mac(cluster, &body).ok_or_else(|| AuthError::Hash("the session key is not 32 hex bytes".into()))?;
+        Ok(format!("{body}.{}", mac.to_hex()))
+    }
+
+    /// The session `token` proves, for `cluster` at `now`.
+    pub fn check(&self, cluster: &str, token: &str, now: u64) -> Result<Session, SessionError> {
+        let (body, mac) = token.rsplit_once('.').ok_or(SessionError::Malformed)?;
+        let mut parts = body.split('.');
+        let (Some(TOKEN_TAG), Some(expires), Some(nonce), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(SessionError::Malformed);
+        };
+        let expires: u64 = expires.parse().map_err(|_| SessionError::Malformed)?;
+        if nonce.len() != 32 || !nonce.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(SessionError::Malformed);
+        }
+        let presented = blake3::Hash::from_hex(mac).map_err(|_| SessionError::Malformed)?;
+        // blake3::Hash compares in constant time.
+        if self.mac(cluster, body) != Some(presented) {
+            return Err(SessionError::Forged);
+        }
+        if now >= expires {
+            return Err(SessionError::Expired);
+        }
+        Ok(Session { expires, nonce: nonce.to_string() })
+    }
+
+    /// The CSRF token of session `token`: what the page must send back in a header with
+    /// every change it asks for. Bound to the session (a token of another session, or
+    /// of another cluster, does not match) and secret to the page (the session cookie
+    /// is HttpOnly, so a script cannot derive it).
+    pub fn csrf(&self, cluster: &str, token: &str) -> String {
+        self.mac(cluster, &format!("csrf.{token}")).map(|h| h.to_hex()[..32].to_string()).unwrap_or_default()
+    }
+
+    /// Whether `presented` is session `token`'s CSRF token (constant time).
+    pub fn csrf_matches(&self, cluster: &str, token: &str, presented: &str) -> bool {
+        let want = self.csrf(cluster, token);
+        !want.is_empty()
+            && want.len() == presented.len()
+            && want.bytes().zip(presented.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+
+    /// MAC of `body` under the session key, with the cluster's id in the input too
+    /// (two clusters never share a key, but a copied record still names its cluster).
+    fn mac(&self, cluster: &str, body: &str) -> Option<blake3::Hash> {
+        let key: [u8; 32] = hex::decode(&self.session_key).ok()?.try_into().ok()?;
+        let mut h = blake3::Hasher::new_keyed(&key);
+        h.update(cluster.as_bytes());
+        h.update(b"\n");
+        h.update(body.as_bytes());
+        Some(h.finalize())
+    }
+}
+
+/// Whether `password` has an acceptable length.
+pub fn check_length(password: &str) -> Result<(), AuthError> {
+    if password.chars().count() < MIN_PASSWORD {
+        return Err(AuthError::TooShort);
+    }
+    if password.len() > MAX_PASSWORD {
+        return Err(AuthError::TooLong);
+    }
+    Ok(())
+}
+
+/// Wrong passwords per client address: after `max` within `window` seconds, further
+/// attempts from that address are refused without being checked until the oldest
+/// falls out of the window. A total over every address bounds a LAN full of
+/// addresses (IPv6 gives a machine many) to `max_total` per window.
+#[derive(Debug)]
+pub struct Attempts {
+    /// Failures allowed per address within the window.
+    max: usize,
+    /// Failures allowed over all addresses within the window.
+    max_total: usize,
+    /// The window, seconds.
+    window: u64,
+    /// Times (Unix seconds) of recent failures, per address.
+    by_addr: HashMap<IpAddr, VecDeque<u64>>,
+    /// Times of recent failures, all addresses.
+    all: VecDeque<u64>,
+}
+
+impl Default for Attempts {
+    /// Five per address per minute, sixty in all.
+    fn default() -> Attempts {
+        Attempts::new(5, 60, 60)
+    }
+}
+
+impl Attempts {
+    /// A limit of `max` failures per address and `max_total` in all per `window` seconds.
+    pub fn new(max: usize, max_total: usize, window: u64) -> Attempts {
+        Attempts { max, max_total, window, by_addr: HashMap::new(), all: VecDeque::new() }
+    }
+
+    /// Whether an attempt from `ip` at `now` may be checked; `Err(seconds)`: when the
+    /// next one may.
+    pub fn allow(&mut self, ip: IpAddr, now: u64) -> Result<(), u64> {
+        self.expire(now);
+        let retry = |oldest: Option<&u64>, window: u64| oldest.map_or(1, |t| (t + window).saturating_sub(now).max(1));
+        if let Some(q) = self.by_addr.get(&ip) {
+            if q.len() >= self.max {
+                return Err(retry(q.front(), self.window));
+            }
+        }
+        if self.all.len() >= self.max_total {
+            return Err(retry(self.all.front(), self.window));
+        }
+        Ok(())
+    }
+
+    /// Record a wrong password from `ip` at `now`.
+    pub fn failed(&mut self, ip: IpAddr, now: u64) {
+        self.expire(now);
+        self.by_addr.entry(ip).or_default().push_back(now);
+        self.all.push_back(now);
+    }
+
+    /// Forget failures older than the window (the maps stay as small as the window's
+    /// failures, which the total bounds).
+    fn expire(&mut self, now: u64) {
+        let window = self.window;
+        let old = |t: &u64| t.saturating_add(window) <= now;
+        while self.all.front().is_some_and(old) {
+            self.all.pop_front();
+        }
+        self.by_addr.retain(|_, q| {
+            while q.front().is_some_and(old) {
+                q.pop_front();
+            }
+            !q.is_empty()
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_verify_and_lengths_are_enforced() {
+        let rec = AuthRecord::new("correct horse", 1).unwrap();
+        assert!(rec.password.starts_with("$argon2id$"), "{}", rec.password);
+        assert!(rec.verify("correct horse"));
+        assert!(!rec.verify("correct horsE"));
+        assert_eq!(AuthRecord::new("short", 1), Err(AuthError::TooShort));
+        assert_eq!(AuthRecord::new(&"x".repeat(MAX_PASSWORD + 1), 1), Err(AuthError::TooLong));
+        let again = AuthRecord::new("correct horse", 1).unwrap();
+        assert_ne!(rec.password, again.password, "a new salt each time");
+        assert_ne!(rec.session_key, again.session_key);
+    }
+
+    #[test]
+    fn tokens_are_bound_to_key_cluster_and_time() {
+        let rec = AuthRecord::new("correct horse", 0).unwrap();
+        let token = rec.issue("c1", 100, 60).unwrap();
+        let s = rec.check("c1", &token, 159).unwrap();
+        assert_eq!(s.expires, 160);
+        assert_eq!(rec.check("c1", &token, 160), Err(SessionError::Expired));
+        assert_eq!(rec.check("c2", &token, 120), Err(SessionError::Forged), "another cluster's id");
+        let other = AuthRecord::new("correct horse", 0).unwrap();
+        assert_eq!(other.check("c1", &token, 120), Err(SessionError::Forged), "another key (a new password)");
+        // Moving the expiry breaks the MAC.
+        let (_, rest) = token.split_once('.').unwrap();
+        let (_, tail) = rest.split_once('.').unwrap();
+        assert_eq!(rec.check("c1", &format!("s1.999999.{tail}"), 120), Err(SessionError::Forged));
+        for bad in ["", "s1", "s1.1.2.3", "s2.1.00.00", "s1.x.y.z", &format!("{token}.x")] {
+            assert_eq!(rec.check("c1", bad, 120), Err(SessionError::Malformed), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn csrf_tokens_belong_to_one_session() {
+        let rec = AuthRecord::new("correct horse", 0).unwrap();
+        let (a, b) = (rec.issue("c1", 0, 60).unwrap(), rec.issue("c1", 0, 60).unwrap());
+        let ca = rec.csrf("c1", &a);
+        assert_eq!(ca.len(), 32);
+        assert!(rec.csrf_matches("c1", &a, &ca));
+        assert!(!rec.csrf_matches("c1", &b, &ca));
+        assert!(!rec.csrf_matches("c2", &a, &ca));
+        assert!(!rec.csrf_matches("c1", &a, ""));
+    }
+
+    #[test]
+    fn the_sixth_failure_within_the_window_is_refused_until_the_first_ages_out() {
+        let mut at = Attempts::new(5, 60, 60);
+        let (ip, other): (IpAddr, IpAddr) = ("10.0.0.2".parse().unwrap(), "10.0.0.3".parse().unwrap());
+        for t in 0..5 {
+            assert_eq!(at.allow(ip, 100 + t), Ok(()));
+            at.failed(ip, 100 + t);
+        }
+        assert_eq!(at.allow(ip, 110), Err(50), "retry when the first failure is a minute old");
+        assert_eq!(at.allow(other, 110), Ok(()), "another address has its own count");
+        assert_eq!(at.allow(ip, 160), Ok(()), "the first failure aged out");
+        let mut total = Attempts::new(5, 3, 60);
+        for (i, t) in (0..3).enumerate() {
+            let ip: IpAddr = format!("10.0.1.{i}").parse().unwrap();
+            total.failed(ip, t);
+        }
+        assert!(total.allow(other, 3).is_err(), "the total over every address");
+    }
+}

@@ -1,0 +1,622 @@
+//! The admin page every node serves under `/admin/` on the API's port: the page itself
+//! (the files of `web/`, embedded in the binary, so there is nothing to install) and
+//! its JSON API under `/admin/api/`, behind a login.
+//!
+//! The login: on a cluster without an admin password the page asks for one (kept in
+//! the cluster state as an Argon2id hash, so the same password works on every node);
+//! then every admin route needs a session cookie (HttpOnly, SameSite=Strict, signed
+//! with the cluster's session key, expiring), every change also the session's CSRF
+//! token in a header, and wrong passwords are limited per address. See [`auth`].
+//!
+//! It runs over an [`AdminBackend`] the node provides: this crate holds no cluster code
+//! and never links llama.cpp, so its routes are tested against a fake backend.
+//!
+//! Invariants: no admin route but the page's files, `session`, `setup` and `login`
+//! answers without a valid session; a request never panics the server; the page
+//! loads nothing from another host (its Content-Security-Policy says so too).
+
+// The handlers' helpers return the answer to send as their error: built once per
+// request on its way out, so its size costs nothing worth a box.
+#![allow(clippy::result_large_err)]
+
+pub mod auth;
+pub mod overview;
+
+pub use auth::{AuthRecord, AUTH_KEY};
+pub use overview::{Gpu, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, StageCard};
+
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The session cookie's name.
+pub const COOKIE: &str = "shoal_session";
+/// The header that carries the CSRF token.
+pub const CSRF_HEADER: &str = "x-csrf-token";
+
+/// What the admin page needs from the node.
+pub trait AdminBackend: Send + Sync + 'static {
+    /// This node's cluster (its id, hex), `None` while it is in none; and the admin
+    /// credentials the cluster state holds, `None` before the first password.
+    fn credentials(&self) -> (Option<String>, Option<AuthRecord>);
+
+    /// Store `record` as the cluster's admin credentials, replacing any; resolve once
+    /// this node's own view of the cluster state holds them (so the session issued
+    /// next is honoured here at once).
+    fn set_credentials(&self, record: AuthRecord) -> impl Future<Output = Result<(), String>> + Send;
+
+    /// The pool as this node sees it now.
+    fn overview(&self) -> impl Future<Output = Overview> + Send;
+
+    /// Do what the owner asked on the page; the answer's JSON, or why not.
+    fn act(&self, action: Action) -> impl Future<Output = Result<serde_json::Value, ActionError>> + Send;
+
+    /// Where files uploaded from the page are written (then added to the catalog).
+    fn upload_dir(&self) -> std::path::PathBuf;
+}
+
+/// What the owner can do from the page (`POST /admin/api/action`, JSON with an
+/// `action` field naming the variant in snake case).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(tag = "action", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Action {
+    /// Let in a pending node (its id or a unique prefix) whose owner agreed to join.
+    Approve {
+        /// Id or prefix.
+        node: String,
+    },
+    /// Remove a member and revoke its key.
+    Remove {
+        /// Id or prefix.
+        node: String,
+    },
+    /// A pairing code (valid minutes) for a new node's owner to type.
+    PairingCode,
+    /// A join token (one use, valid `valid_s` seconds) for a machine installed unattended.
+    JoinToken {
+        /// Validity, seconds (default: a day).
+        #[serde(default = "a_day")]
+        valid_s: u64,
+    },
+    /// Add the GGUF at `path` on this node to the catalog.
+    ModelAdd {
+        /// Absolute path on the node's machine.
+        path: String,
+        /// Catalog name (default: the file's).
+        #[serde(default)]
+        name: Option<String>,
+    },
+    /// Keep a model loaded: the leader places it.
+    ModelLoad {
+        /// Name or hash prefix.
+        model: String,
+        /// Positions per session (default: 4096 within the model's own).
+        #[serde(default)]
+        context: Option<u32>,
+        /// Nodes (ids or prefixes) it must not use.
+        #[serde(default)]
+        exclude: Vec<String>,
+    },
+    /// Stop running a model.
+    ModelUnload {
+        /// Name or hash prefix.
+        model: String,
+    },
+    /// Remove a model from the catalog (unloaded first).
+    ModelRemove {
+        /// Name or hash prefix.
+        model: String,
+    },
+}
+
+fn a_day() -> u64 {
+    86_400
+}
+
+/// Why an [`Action`] was not done.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ActionError {
+    /// The HTTP status to answer with (400, 404, 409, 503…).
+    pub status: u16,
+    /// For people.
+    pub message: String,
+}
+
+/// How the admin routes behave.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// How long a session lasts from login.
+    pub session_ttl: Duration,
+    /// Mark the cookie `Secure` (only when the page is served over TLS).
+    pub secure_cookie: bool,
+    /// How often the live overview is recomputed (sent only when it changed).
+    pub refresh: Duration,
+}
+
+impl Default for Config {
+    /// Twelve-hour sessions over plain HTTP; a refresh every second.
+    fn default() -> Config {
+        Config { session_ttl: Duration::from_secs(12 * 3600), secure_cookie: false, refresh: Duration::from_secs(1) }
+    }
+}
+
+/// The admin routes' shared state.
+struct Admin<B> {
+    /// The node.
+    backend: Arc<B>,
+    /// Session length, cookie flags, refresh.
+    cfg: Config,
+    /// Wrong passwords by address (this node's; each node limits its own callers).
+    attempts: Mutex<auth::Attempts>,
+    /// Sessions logged out on this node, by nonce, with their expiry (dropped after
+    /// it): a token is stateless, so logging out elsewhere ends it only there; a new
+    /// password ends every session everywhere.
+    revoked: Mutex<HashMap<String, u64>>,
+}
+
+/// Every admin route over `backend`: the page under `/admin/`, its API under
+/// `/admin/api/`. Merge it into the node's router.
+///
+/// `llm` (the node's OpenAI routes, without their key check) is served under
+/// `/admin/api/llm/` to a logged-in page, which needs no API key for its chat.
+pub fn router<B: AdminBackend>(backend: Arc<B>, cfg: Config, llm: Router) -> Router {
+    let admin = Arc::new(Admin {
+        backend,
+        cfg,
+        attempts: Mutex::new(auth::Attempts::default()),
+        revoked: Mutex::new(HashMap::new()),
+    });
+    Router::new()
+        .nest_service("/admin/api/llm", llm.layer(axum::middleware::from_fn_with_state(admin.clone(), guard::<B>)))
+        .route("/admin/api/action", post(act::<B>))
+        // A model is gigabytes: no body limit here, the body streams to disk.
+        .route("/admin/api/upload", post(upload::<B>).layer(axum::extract::DefaultBodyLimit::disable()))
+        .route("/admin", get(|| async { Redirect::to("/admin/") }))
+        .route("/admin/", get(|| async { asset("index.html") }))
+        .route("/admin/{file}", get(|Path(file): Path<String>| async move { asset(&file) }))
+        .route("/admin/api/session", get(session::<B>))
+        .route("/admin/api/setup", post(setup::<B>))
+        .route("/admin/api/login", post(login::<B>))
+        .route("/admin/api/logout", post(logout::<B>))
+        .route("/admin/api/overview", get(overview::<B>))
+        .route("/admin/api/events", get(events::<B>))
+        .route(
+            "/admin/api/{*rest}",
+            axum::routing::any(|| async { error(StatusCode::NOT_FOUND, "no such admin route") }),
+        )
+        .layer(axum::middleware::map_response(security_headers))
+        .with_state(admin)
+}
+
+/// The page's files, embedded at build time.
+const ASSETS: &[(&str, &str, &str)] = &[
+    ("index.html", "text/html; charset=utf-8", include_str!("../../../web/index.html")),
+    ("app.js", "text/javascript; charset=utf-8", include_str!("../../../web/app.js")),
+    ("style.css", "text/css; charset=utf-8", include_str!("../../../web/style.css")),
+    ("icon.svg", "image/svg+xml", include_str!("../../../web/icon.svg")),
+];
+
+/// One of the page's files, or 404.
+fn asset(name: &str) -> Response {
+    match ASSETS.iter().find(|(n, _, _)| *n == name) {
+        Some((_, kind, body)) => {
+            ([(header::CONTENT_TYPE, *kind), (header::CACHE_CONTROL, "no-cache")], *body).into_response()
+        }
+        None => error(StatusCode::NOT_FOUND, "no such file"),
+    }
+}
+
+/// Headers every admin answer carries: the page may load only from this node, may not
+/// be framed (clickjacking), and answers are not sniffed as another type.
+async fn security_headers(mut response: Response) -> Response {
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; \
+             frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+        ),
+    );
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    response
+}
+
+/// `GET /admin/api/session`: what the page should show: `unpaired` (this node is in no
+/// cluster yet), `setup` (no password yet), `login`, or `in` with the CSRF token.
+async fn session<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, headers: HeaderMap) -> Response {
+    let (cluster, record) = admin.backend.credentials();
+    let Some(cluster) = cluster else { return no_store(Json(json!({"state": "unpaired"}))) };
+    let Some(record) = record else { return no_store(Json(json!({"state": "setup", "cluster": cluster}))) };
+    match admin.session(&cluster, &record, &headers) {
+        Ok((token, s)) => no_store(Json(json!({
+            "state": "in",
+            "cluster": cluster,
+            "csrf": record.csrf(&cluster, &token),
+            "expires": s.expires,
+        }))),
+        Err(_) => no_store(Json(json!({"state": "login", "cluster": cluster}))),
+    }
+}
+
+/// The body of `setup` and `login`.
+#[derive(serde::Deserialize)]
+struct PasswordBody {
+    password: String,
+}
+
+/// `POST /admin/api/setup {"password"}`: the first password of a cluster that has none;
+/// logs the caller in.
+async fn setup<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = same_origin_json(&headers) {
+        return r;
+    }
+    let body: PasswordBody = match parse(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let (cluster, record) = admin.backend.credentials();
+    let Some(cluster) = cluster else {
+        return error(StatusCode::CONFLICT, "this node is in no cluster yet: it forms or joins one first");
+    };
+    if record.is_some() {
+        return error(StatusCode::CONFLICT, "the admin password is set: log in with it");
+    }
+    if let Err(e) = auth::check_length(&body.password) {
+        return error(StatusCode::BAD_REQUEST, &e.to_string());
+    }
+    let now = unix_now();
+    let made = tokio::task::spawn_blocking(move || AuthRecord::new(&body.password, now)).await;
+    let record = match made {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    };
+    if let Err(e) = admin.backend.set_credentials(record.clone()).await {
+        return error(StatusCode::SERVICE_UNAVAILABLE, &format!("the password was not stored: {e}"));
+    }
+    tracing::info!("admin password set");
+    admin.start_session(&cluster, &record)
+}
+
+/// `POST /admin/api/login {"password"}`.
+async fn login<B: AdminBackend>(
+    State(admin): State<Arc<Admin<B>>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = same_origin_json(&headers) {
+        return r;
+    }
+    let body: PasswordBody = match parse(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let (Some(cluster), Some(record)) = admin.backend.credentials() else {
+        return error(StatusCode::CONFLICT, "no admin password is set yet: set one first");
+    };
+    // Refused before any hashing: the limit bounds the guessing and the work.
+    if let Err(wait) = lock(&admin.attempts).allow(peer.ip(), unix_now()) {
+        let mut r = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            &format!("too many wrong passwords from this address: try again in {wait} s"),
+        );
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(wait));
+        return r;
+    }
+    let check = record.clone();
+    let right = tokio::task::spawn_blocking(move || check.verify(&body.password)).await.unwrap_or(false);
+    if !right {
+        lock(&admin.attempts).failed(peer.ip(), unix_now());
+        tracing::warn!(%peer, "admin login: wrong password");
+        return error(StatusCode::UNAUTHORIZED, "wrong password");
+    }
+    admin.start_session(&cluster, &record)
+}
+
+/// `POST /admin/api/logout`: ends the session on this node and clears the cookie.
+async fn logout<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: Method, headers: HeaderMap) -> Response {
+    let s = match admin.authorize(&method, &headers) {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    {
+        let mut revoked = lock(&admin.revoked);
+        let now = unix_now();
+        revoked.retain(|_, expires| *expires > now);
+        revoked.insert(s.nonce, s.expires);
+    }
+    let mut r = no_store(Json(json!({"state": "login"})));
+    r.headers_mut().insert(header::SET_COOKIE, admin.cookie("", 0));
+    r
+}
+
+/// Let a request through to the routes behind the login only with a session (and, for
+/// a change, its CSRF token).
+async fn guard<B: AdminBackend>(
+    State(admin): State<Arc<Admin<B>>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Err(r) = admin.authorize(req.method(), req.headers()) {
+        return r;
+    }
+    next.run(req).await
+}
+
+/// `POST /admin/api/action {"action": …}`: see [`Action`].
+async fn act<B: AdminBackend>(
+    State(admin): State<Arc<Admin<B>>>,
+    method: Method,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = admin.authorize(&method, &headers) {
+        return r;
+    }
+    let action: Action = match parse(&body) {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    tracing::info!(?action, "admin page action");
+    match admin.backend.act(action).await {
+        Ok(v) => no_store(Json(v)),
+        Err(e) => error(StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST), &e.message),
+    }
+}
+
+/// The query of an upload.
+#[derive(serde::Deserialize)]
+struct UploadQuery {
+    /// The file's name (its last path component is used; it must end in `.gguf`).
+    name: String,
+}
+
+/// `POST /admin/api/upload?name=FILE.gguf` with the file as the body: streamed to
+/// `<upload dir>/FILE.gguf.part` as it arrives (one network chunk in memory at a
+/// time, whatever the file's size), then checked and added to the catalog as
+/// [`Action::ModelAdd`] does. A file that is not a usable model is deleted and
+/// refused with the reason; an upload cut short leaves nothing behind.
+async fn upload<B: AdminBackend>(
+    State(admin): State<Arc<Admin<B>>>,
+    method: Method,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<UploadQuery>,
+    body: axum::body::Body,
+) -> Response {
+    use futures_util::StreamExt;
+    use tokio::io::AsyncWriteExt;
+    if let Err(r) = admin.authorize(&method, &headers) {
+        return r;
+    }
+    let Some(name) = upload_name(&q.name) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "name the file NAME.gguf (letters, digits, '.', '-', '_', at most 200 characters)",
+        );
+    };
+    let dir = admin.backend.upload_dir();
+    let (dest, part) = (dir.join(&name), dir.join(format!("{name}.part")));
+    if dest.exists() {
+        return error(StatusCode::CONFLICT, &format!("{} exists on this node: rename the file", dest.display()));
+    }
+    let io = |what: &str, e: std::io::Error| error(StatusCode::INTERNAL_SERVER_ERROR, &format!("{what}: {e}"));
+    if let Err(e) = tokio::fs::create_dir_all(&dir).await {
+        return io(&dir.display().to_string(), e);
+    }
+    // `create_new`: two uploads of one name do not write into each other.
+    let mut file = match tokio::fs::OpenOptions::new().write(true).create_new(true).open(&part).await {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            return error(StatusCode::CONFLICT, &format!("{name} is being uploaded already"));
+        }
+        Err(e) => return io(&part.display().to_string(), e),
+    };
+    let mut stream = body.into_data_stream();
+    let mut received: u64 = 0;
+    let written = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| (StatusCode::BAD_REQUEST, format!("the upload broke off: {e}")))?;
+            received += chunk.len() as u64;
+            file.write_all(&chunk)
+                .await
+                .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", part.display())))?;
+        }
+        file.sync_all().await.map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", part.display())))?;
+        drop(file);
+        tokio::fs::rename(&part, &dest)
+            .await
+            .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", dest.display())))
+    };
+    if let Err((status, why)) = written.await {
+        let _ = tokio::fs::remove_file(&part).await;
+        return error(status, &why);
+    }
+    tracing::info!(file = %dest.display(), bytes = received, "model uploaded from the admin page");
+    match admin.backend.act(Action::ModelAdd { path: dest.display().to_string(), name: None }).await {
+        Ok(v) => no_store(Json(json!({"added": v.get("added").cloned().unwrap_or(json!(name)), "bytes": received}))),
+        Err(e) => {
+            // Not a model the cluster can use: nothing of it stays.
+            let _ = tokio::fs::remove_file(&dest).await;
+            error(StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST), &e.message)
+        }
+    }
+}
+
+/// The file name an upload may take: the last component of `name`, a `.gguf` of safe
+/// characters (no separators, no leading dot).
+fn upload_name(name: &str) -> Option<String> {
+    let base = name.rsplit(['/', '\\']).next()?;
+    let ok = base.len() <= 200
+        && base.len() > ".gguf".len()
+        && base.to_ascii_lowercase().ends_with(".gguf")
+        && !base.starts_with('.')
+        && base.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
+    ok.then(|| base.to_string())
+}
+
+/// `GET /admin/api/overview`: the pool now.
+async fn overview<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: Method, headers: HeaderMap) -> Response {
+    if let Err(r) = admin.authorize(&method, &headers) {
+        return r;
+    }
+    no_store(Json(admin.backend.overview().await))
+}
+
+/// `GET /admin/api/events`: the overview as server-sent events (`overview`), sent when
+/// it changes; the stream ends when the session does (expiry, or a new password).
+async fn events<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: Method, headers: HeaderMap) -> Response {
+    if let Err(r) = admin.authorize(&method, &headers) {
+        return r;
+    }
+    let stream = futures_util::stream::unfold((admin, headers, None::<String>), |(admin, headers, last)| async move {
+        loop {
+            // The first overview goes at once; later ones when they differ.
+            if last.is_some() {
+                tokio::time::sleep(admin.cfg.refresh).await;
+            }
+            if admin.authorize(&Method::GET, &headers).is_err() {
+                return None;
+            }
+            let json = serde_json::to_string(&admin.backend.overview().await).unwrap_or_default();
+            if last.as_deref() != Some(json.as_str()) {
+                let event = Event::default().event("overview").data(json.clone());
+                return Some((Ok::<_, std::convert::Infallible>(event), (admin, headers, Some(json))));
+            }
+        }
+    });
+    let mut r = Sse::new(stream).keep_alive(KeepAlive::default()).into_response();
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+impl<B: AdminBackend> Admin<B> {
+    /// The session the request's cookie proves, with its token; and, for anything but
+    /// GET and HEAD, its CSRF token in [`CSRF_HEADER`]. Else the answer to send: 401
+    /// (no session, or not valid here), 403 (no or a wrong CSRF token), 409 (no
+    /// password set yet).
+    fn authorize(&self, method: &Method, headers: &HeaderMap) -> Result<auth::Session, Response> {
+        let (Some(cluster), Some(record)) = self.backend.credentials() else {
+            return Err(error(StatusCode::UNAUTHORIZED, "no admin password is set yet: set one first"));
+        };
+        let (token, s) = self
+            .session(&cluster, &record, headers)
+            .map_err(|why| error(StatusCode::UNAUTHORIZED, &format!("log in first ({why})")))?;
+        if method != Method::GET && method != Method::HEAD {
+            let presented = headers.get(CSRF_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("");
+            if !record.csrf_matches(&cluster, &token, presented) {
+                return Err(error(StatusCode::FORBIDDEN, "missing or wrong CSRF token: reload the page"));
+            }
+        }
+        Ok(s)
+    }
+
+    /// The session token in `headers`' cookie and the session it proves.
+    fn session(
+        &self,
+        cluster: &str,
+        record: &AuthRecord,
+        headers: &HeaderMap,
+    ) -> Result<(String, auth::Session), String> {
+        let token = cookie(headers).ok_or_else(|| "no session".to_string())?;
+        let s = record.check(cluster, &token, unix_now()).map_err(|e| e.to_string())?;
+        if lock(&self.revoked).contains_key(&s.nonce) {
+            return Err("the session was logged out".into());
+        }
+        Ok((token, s))
+    }
+
+    /// A new session: its cookie, and its CSRF token in the answer.
+    fn start_session(&self, cluster: &str, record: &AuthRecord) -> Response {
+        let ttl = self.cfg.session_ttl.as_secs().max(1);
+        let token = match record.issue(cluster, unix_now(), ttl) {
+            Ok(t) => t,
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        };
+        let mut r = no_store(Json(json!({"state": "in", "cluster": cluster, "csrf": record.csrf(cluster, &token)})));
+        r.headers_mut().insert(header::SET_COOKIE, self.cookie(&token, ttl));
+        r
+    }
+
+    /// The `Set-Cookie` value for `token` lasting `max_age` seconds (0: delete it).
+    fn cookie(&self, token: &str, max_age: u64) -> HeaderValue {
+        let secure = if self.cfg.secure_cookie { "; Secure" } else { "" };
+        let value = format!("{COOKIE}={token}; Path=/admin; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}");
+        // Invariant: tokens are ASCII letters, digits and dots.
+        HeaderValue::from_str(&value).unwrap_or_else(|_| HeaderValue::from_static("shoal_session=; Max-Age=0"))
+    }
+}
+
+/// The session token in the request's cookies.
+fn cookie(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|c| c.trim().split_once('='))
+        .find(|(name, _)| *name == COOKIE)
+        .map(|(_, value)| value.to_string())
+}
+
+/// Refuse a login or setup that a page of another site could have sent: the body must
+/// be JSON (a cross-site form cannot send that type without the browser asking first,
+/// which this server never allows), and an `Origin`, when sent, must be this host.
+fn same_origin_json(headers: &HeaderMap) -> Result<(), Response> {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(';').next().is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json")));
+    if !json {
+        return Err(error(StatusCode::UNSUPPORTED_MEDIA_TYPE, "send JSON (Content-Type: application/json)"));
+    }
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let host = headers.get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
+        let same = origin.to_str().is_ok_and(|o| {
+            o.split_once("://").is_some_and(|(scheme, rest)| matches!(scheme, "http" | "https") && rest == host)
+        });
+        if !same {
+            return Err(error(StatusCode::FORBIDDEN, "a request from another site's page"));
+        }
+    }
+    Ok(())
+}
+
+/// Parse a JSON body, or the 400 that says why not.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, &format!("bad JSON: {e}")))
+}
+
+/// An error answer: `{"error": message}`.
+fn error(status: StatusCode, message: &str) -> Response {
+    (status, no_store(Json(json!({"error": message})))).into_response()
+}
+
+/// An answer no cache keeps (it carries session state).
+fn no_store(body: impl IntoResponse) -> Response {
+    let mut r = body.into_response();
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+/// Seconds since the Unix epoch.
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section is a single map or queue operation: a panic leaves it whole.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

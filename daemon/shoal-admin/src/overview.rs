@@ -1,0 +1,142 @@
+//! What the admin page shows, as the node fills it in and the page reads it (JSON):
+//! plain data, no behaviour.
+
+use serde::{Deserialize, Serialize};
+
+/// The pool as one node sees it: its members, the nodes waiting, the models.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Overview {
+    /// The cluster's id (hex), or empty while this node is in none.
+    pub cluster: String,
+    /// The node that answered (its id).
+    pub node: String,
+    /// The members, the leader first.
+    pub nodes: Vec<NodeCard>,
+    /// Nodes seen on the LAN that wait to be let in.
+    pub pending: Vec<PendingNode>,
+    /// The catalog, with what each loaded model takes.
+    pub models: Vec<ModelCard>,
+    /// What happened lately, as the answering node saw it, oldest first.
+    pub events: Vec<LogEvent>,
+}
+
+/// One event of the answering node's log.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LogEvent {
+    /// When, Unix milliseconds.
+    pub at_ms: u64,
+    /// Kind: `join`, `leave`, `down`, `up`, `leader`, `placed`, `replaced`, `unplaced`,
+    /// `unloaded`.
+    pub kind: String,
+    /// For people.
+    pub text: String,
+}
+
+/// One member.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeCard {
+    /// Its key (hex).
+    pub id: String,
+    /// Its name (host name at approval).
+    pub name: String,
+    /// "hub" or "pc".
+    pub role: String,
+    /// "online", "suspected" or "down", as the answering node sees it.
+    pub state: String,
+    /// Whether it leads.
+    pub leader: bool,
+    /// Where it was last reached.
+    pub addr: Option<String>,
+    /// What the machine reported of itself, when it answered (a node that is down, or
+    /// an older version, does not).
+    pub machine: Option<Machine>,
+    /// Memory it offers to models, bytes (RAM and VRAM).
+    pub offered_bytes: Option<u64>,
+    /// Memory the stages placed on it take, bytes (the planner's prediction).
+    pub placed_bytes: u64,
+}
+
+/// A machine's own report.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Machine {
+    /// Shoal's version.
+    pub version: String,
+    /// Operating system.
+    pub os: String,
+    /// CPU model.
+    pub cpu: String,
+    /// Logical cores.
+    pub cores: u32,
+    /// RAM installed, bytes.
+    pub ram_total: u64,
+    /// RAM available now, bytes.
+    pub ram_available: u64,
+    /// GPUs.
+    pub gpus: Vec<Gpu>,
+}
+
+/// One GPU of a machine.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// For people, e.g. "NVIDIA GeForce RTX 4070".
+    pub name: String,
+    /// VRAM, bytes.
+    pub total: u64,
+    /// VRAM free, bytes.
+    pub free: u64,
+}
+
+/// A node waiting to be let in.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PendingNode {
+    /// Its key (hex): the fingerprint its owner can compare.
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// "hub" or "pc".
+    pub role: String,
+    /// Memory it offers, bytes.
+    pub memory_bytes: u64,
+    /// Where it answered.
+    pub addr: String,
+}
+
+/// One model of the catalog.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelCard {
+    /// Its name.
+    pub name: String,
+    /// Its content hash.
+    pub hash: String,
+    /// File size, bytes.
+    pub size: u64,
+    /// Architecture, e.g. "llama".
+    pub arch: String,
+    /// Layers.
+    pub layers: u32,
+    /// "available" (not loaded), "loading", "ready" or "unplaced".
+    pub state: String,
+    /// Why it is not placed, when unplaced.
+    pub error: Option<String>,
+    /// Its stages in chain order, when placed.
+    pub stages: Vec<StageCard>,
+    /// The planner's prediction of one session's decode speed, tokens/s.
+    pub predicted_tok_s: Option<f64>,
+    /// The planner's reasons.
+    pub explanation: Vec<String>,
+}
+
+/// One stage of a placed model.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageCard {
+    /// The node that runs it (id).
+    pub node: String,
+    /// Its layers, e.g. "0-12" (first inclusive, end exclusive).
+    pub layers: String,
+    /// First layer.
+    pub first: u32,
+    /// One past its last layer.
+    pub end: u32,
+    /// Memory the planner predicts, bytes.
+    pub memory_bytes: u64,
+}

@@ -1,0 +1,338 @@
+//! The node's side of the admin page: [`shoal_admin::AdminBackend`] over the cluster
+//! state (the admin credentials, members, catalog, placements) and the machines'
+//! own reports, which members answer over the node protocol
+//! ([`NodeRequest::Inventory`]).
+
+use crate::api::{NodeRequest, NodeResponse};
+use crate::models;
+use crate::runtime::{self, Runtime};
+use serde_json::json;
+use shoal_admin::{
+    Action, ActionError, AuthRecord, Gpu, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, StageCard,
+    AUTH_KEY,
+};
+use shoal_membership::wire::{AdminRequest, AdminResponse};
+use shoal_net::NodeId;
+use shoal_types::{ModelPlacement, NodeInventory, Offer};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a member's report is reused before it is asked again.
+const REPORT_FRESH: Duration = Duration::from_secs(5);
+/// How long a member may take to report.
+const REPORT_WAIT: Duration = Duration::from_millis(1500);
+
+/// The admin page's view of this node.
+pub struct NodeAdmin {
+    /// Membership, the endpoint, stages.
+    pub(crate) rt: Arc<Runtime>,
+    /// Members' last reports and when they came (a page refreshes every second;
+    /// machines change slower).
+    pub(crate) reports: Mutex<HashMap<NodeId, (Instant, Option<NodeInventory>)>>,
+    /// Where the page's uploads go (`<data dir>/models`, as downloads).
+    pub(crate) uploads: std::path::PathBuf,
+}
+
+impl shoal_admin::AdminBackend for NodeAdmin {
+    fn credentials(&self) -> (Option<String>, Option<AuthRecord>) {
+        let view = self.rt.membership.view();
+        let view = view.borrow();
+        let Some(state) = &view.state else { return (None, None) };
+        let record = state.entries.get(AUTH_KEY).and_then(|v| serde_json::from_value(v.clone()).ok());
+        (Some(state.cluster.to_string()), record)
+    }
+
+    async fn set_credentials(&self, record: AuthRecord) -> Result<(), String> {
+        // Invariant: strings and numbers always serialise.
+        let value = serde_json::to_value(&record).expect("a record serialises");
+        match self.rt.membership.ask(AdminRequest::Put { key: AUTH_KEY.into(), value }).await {
+            AdminResponse::Ok(_) => {}
+            AdminResponse::Error(e) => return Err(e),
+            other => return Err(format!("unexpected answer from membership: {other:?}")),
+        }
+        // Committed; wait until this node's view holds it (within a beat).
+        let mut view = self.rt.membership.view();
+        let holds = |v: &shoal_membership::node::View| {
+            v.state.as_ref().and_then(|s| s.entries.get(AUTH_KEY)).and_then(|v| serde_json::from_value(v.clone()).ok())
+                == Some(record.clone())
+        };
+        tokio::time::timeout(Duration::from_secs(10), view.wait_for(holds))
+            .await
+            .map_err(|_| "stored, but not seen here within 10 s".to_string())?
+            .map_err(|_| "the node is stopping".to_string())?;
+        Ok(())
+    }
+
+    async fn overview(&self) -> Overview {
+        let status = match self.rt.membership.ask(AdminRequest::Status).await {
+            AdminResponse::Status(s) => *s,
+            _ => return Overview { node: self.rt.me.to_string(), ..Overview::default() },
+        };
+        let view = self.rt.membership.view().borrow().clone();
+        let placements = runtime::placements(&view);
+        let offers: HashMap<NodeId, Offer> = view
+            .state
+            .as_ref()
+            .map(|s| {
+                s.entries
+                    .range(Offer::KEY_PREFIX.to_string()..)
+                    .take_while(|(k, _)| k.starts_with(Offer::KEY_PREFIX))
+                    .filter_map(|(k, v)| {
+                        let id = k[Offer::KEY_PREFIX.len()..].parse().ok()?;
+                        Some((id, serde_json::from_value(v.clone()).ok()?))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut placed: HashMap<NodeId, u64> = HashMap::new();
+        for p in placements.values() {
+            for s in &p.stages {
+                *placed.entry(s.node).or_default() += s.memory_bytes;
+            }
+        }
+        let alive: Vec<NodeId> = status
+            .members
+            .iter()
+            .filter(|m| m.state != shoal_membership::core::Liveness::Down)
+            .map(|m| m.node)
+            .collect();
+        let reports = self.reports(&view, &alive).await;
+        let mut nodes: Vec<NodeCard> = status
+            .members
+            .iter()
+            .map(|m| NodeCard {
+                id: m.node.to_string(),
+                name: m.name.clone(),
+                role: m.role.to_string(),
+                state: match m.state {
+                    shoal_membership::core::Liveness::Alive => "online",
+                    shoal_membership::core::Liveness::Suspected => "suspected",
+                    shoal_membership::core::Liveness::Down => "down",
+                }
+                .into(),
+                leader: m.leader,
+                addr: m.addr.clone(),
+                machine: reports.get(&m.node).cloned().flatten().map(machine),
+                offered_bytes: offers
+                    .get(&m.node)
+                    .map(|o| o.memory_bytes + o.gpus.iter().map(|g| g.memory_bytes).sum::<u64>()),
+                placed_bytes: placed.get(&m.node).copied().unwrap_or(0),
+            })
+            .collect();
+        // The leader first, then by name: cards keep their places between updates.
+        nodes.sort_by(|a, b| b.leader.cmp(&a.leader).then_with(|| a.name.cmp(&b.name)).then_with(|| a.id.cmp(&b.id)));
+        let pending = status
+            .pending
+            .iter()
+            .map(|p| PendingNode {
+                id: p.node.to_string(),
+                name: p.name.clone(),
+                role: p.role.to_string(),
+                memory_bytes: p.memory_bytes,
+                addr: p.addr.clone(),
+            })
+            .collect();
+        let mut models = Vec::new();
+        for entry in models::entries(&view) {
+            let p = placements.get(&entry.content_hash);
+            let state = match p {
+                None => "available",
+                Some(p) if p.error.is_some() => "unplaced",
+                Some(p) if runtime::stages_ready(&self.rt, &view, p).await => "ready",
+                Some(_) => "loading",
+            };
+            models.push(model_card(&entry, p, state));
+        }
+        models.sort_by(|a, b| a.name.cmp(&b.name));
+        let events = self
+            .rt
+            .events
+            .list()
+            .into_iter()
+            .map(|e| LogEvent { at_ms: e.at_ms, kind: e.kind, text: e.text })
+            .collect();
+        Overview {
+            cluster: status.cluster.map(|c| c.to_string()).unwrap_or_default(),
+            node: self.rt.me.to_string(),
+            nodes,
+            pending,
+            models,
+            events,
+        }
+    }
+
+    fn upload_dir(&self) -> std::path::PathBuf {
+        self.uploads.clone()
+    }
+
+    async fn act(&self, action: Action) -> Result<serde_json::Value, ActionError> {
+        let rt = &self.rt;
+        let ask = |req: AdminRequest| async move {
+            match rt.membership.ask(req).await {
+                AdminResponse::Error(e) => Err(ActionError { status: 409, message: e }),
+                other => Ok(other),
+            }
+        };
+        match action {
+            Action::Approve { node } => ask(AdminRequest::Approve { node }).await.map(|_| json!({"ok": "let in"})),
+            Action::Remove { node } => ask(AdminRequest::Remove { node }).await.map(|_| json!({"ok": "removed"})),
+            Action::PairingCode => match ask(AdminRequest::Pair).await? {
+                AdminResponse::Code { code, valid_s } => {
+                    Ok(json!({"code": code, "valid_s": valid_s, "command": format!("shoal join {code}")}))
+                }
+                other => Err(ActionError { status: 503, message: format!("unexpected answer: {other:?}") }),
+            },
+            Action::JoinToken { valid_s } => match ask(AdminRequest::Token { valid_s }).await? {
+                AdminResponse::Code { code, valid_s } => Ok(json!({
+                    "token": code,
+                    "valid_s": valid_s,
+                    "command": format!("shoal join {code}"),
+                    "service": format!("shoal service install --join {code}"),
+                })),
+                other => Err(ActionError { status: 503, message: format!("unexpected answer: {other:?}") }),
+            },
+            Action::ModelAdd { path, name } => {
+                models::add(rt.me, &rt.membership, &path, name).await.map(|e| json!({"added": e.name})).map_err(failure)
+            }
+            Action::ModelLoad { model, context, exclude } => {
+                let view = rt.membership.view().borrow().clone();
+                let catalog = models::entries(&view);
+                let entry = models::find(&catalog, &model).map_err(failure)?;
+                let context = context.unwrap_or(crate::http::DEFAULT_CONTEXT.min(entry.context_length.max(16)));
+                let hash = entry.content_hash.clone();
+                runtime::load(rt, &hash, context, 1, &exclude).await.map(|m| json!({"ok": m})).map_err(failure)
+            }
+            Action::ModelUnload { model } => {
+                runtime::unload(rt, &model).await.map(|m| json!({"ok": m})).map_err(failure)
+            }
+            Action::ModelRemove { model } => {
+                models::remove(&rt.membership, &model).await.map(|e| json!({"removed": e.name})).map_err(failure)
+            }
+        }
+    }
+}
+
+/// A node error as the page's action answers it.
+fn failure(e: crate::api::ApiError) -> ActionError {
+    use crate::api::ErrorKind;
+    let status = match e.kind {
+        ErrorKind::BadRequest | ErrorKind::Refused => 400,
+        ErrorKind::Forbidden => 403,
+        ErrorKind::NotFound => 404,
+        ErrorKind::Conflict => 409,
+        ErrorKind::Busy => 429,
+        ErrorKind::Unavailable => 503,
+    };
+    ActionError { status, message: e.message }
+}
+
+impl NodeAdmin {
+    /// The admin page's backend for the node `rt`, uploads going to `uploads`.
+    pub fn new(rt: Arc<Runtime>, uploads: std::path::PathBuf) -> NodeAdmin {
+        NodeAdmin { rt, reports: Mutex::new(HashMap::new()), uploads }
+    }
+
+    /// The reports of `members` (this node's own from its inventory), asking those not
+    /// heard from within [`REPORT_FRESH`], all at once, each for at most [`REPORT_WAIT`].
+    async fn reports(
+        &self,
+        view: &shoal_membership::node::View,
+        members: &[NodeId],
+    ) -> HashMap<NodeId, Option<NodeInventory>> {
+        let now = Instant::now();
+        let stale: Vec<NodeId> = {
+            let cache = lock(&self.reports);
+            members
+                .iter()
+                .filter(|id| **id != self.rt.me)
+                .filter(|id| cache.get(id).is_none_or(|(at, _)| now.duration_since(*at) > REPORT_FRESH))
+                .copied()
+                .collect()
+        };
+        let asks = stale.into_iter().filter_map(|id| {
+            let addr = view.addrs.get(&id).copied()?;
+            let node = self.rt.node.clone();
+            Some(async move {
+                let ask = async {
+                    let conn = node.connect(addr, id, shoal_net::alpn::NODE).await.ok()?;
+                    let (mut send, mut recv) = conn.open_bi().await.ok()?;
+                    shoal_membership::wire::write_msg(&mut send, &NodeRequest::Inventory).await.ok()?;
+                    let _ = send.finish();
+                    match shoal_membership::wire::read_msg::<NodeResponse>(&mut recv).await {
+                        Ok(Some(NodeResponse::Inventory(inv))) => Some(*inv),
+                        _ => None,
+                    }
+                };
+                (id, tokio::time::timeout(REPORT_WAIT, ask).await.ok().flatten())
+            })
+        });
+        let answers = futures_util::future::join_all(asks).await;
+        let mut cache = lock(&self.reports);
+        for (id, inv) in answers {
+            // A member that did not answer keeps its last report until the next try.
+            let keep = inv.or_else(|| cache.get(&id).and_then(|(_, old)| old.clone()));
+            cache.insert(id, (now, keep));
+        }
+        cache.retain(|id, _| members.contains(id));
+        let mut out: HashMap<NodeId, Option<NodeInventory>> =
+            members.iter().filter_map(|id| cache.get(id).map(|(_, inv)| (*id, inv.clone()))).collect();
+        out.insert(self.rt.me, Some(self.rt.inventory.borrow().clone()));
+        out
+    }
+}
+
+/// A machine's report as the page shows it.
+fn machine(inv: NodeInventory) -> Machine {
+    Machine {
+        version: inv.shoal_version,
+        os: inv.os,
+        cpu: inv.cpu_model,
+        cores: inv.cpu_cores,
+        ram_total: inv.ram_total_bytes,
+        ram_available: inv.ram_available_bytes,
+        gpus: inv
+            .gpus
+            .into_iter()
+            .map(|g| Gpu {
+                name: if g.description.is_empty() { g.name } else { g.description },
+                total: g.total_bytes,
+                free: g.free_bytes,
+            })
+            .collect(),
+    }
+}
+
+/// A catalog entry with its placement, as the page shows it.
+fn model_card(entry: &shoal_types::CatalogEntry, p: Option<&ModelPlacement>, state: &str) -> ModelCard {
+    ModelCard {
+        name: entry.name.clone(),
+        hash: entry.content_hash.clone(),
+        size: entry.size,
+        arch: entry.arch.clone(),
+        layers: entry.n_layer,
+        state: state.into(),
+        error: p.and_then(|p| p.error.clone()),
+        stages: p
+            .map(|p| {
+                p.stages
+                    .iter()
+                    .map(|s| StageCard {
+                        node: s.node.to_string(),
+                        layers: format!("{}-{}", s.layers.start, s.layers.end),
+                        first: s.layers.start,
+                        end: s.layers.end,
+                        memory_bytes: s.memory_bytes,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+        predicted_tok_s: p.filter(|p| !p.stages.is_empty()).map(|p| p.predicted_tok_s),
+        explanation: p.map(|p| p.explanation.clone()).unwrap_or_default(),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Each critical section is one map operation: a panic leaves the map whole.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

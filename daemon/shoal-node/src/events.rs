@@ -1,0 +1,208 @@
+//! The node's event log, as the admin page shows it: what changed in the cluster as
+//! this node saw it (members joining and leaving, going down and coming back, leader
+//! changes, models placed, re-placed, unplaced and unloaded), with times. Derived
+//! from successive membership views by a pure diff ([`diff`]); kept in memory, the
+//! newest [`KEEP`].
+
+use crate::runtime;
+use shoal_membership::node::View;
+use shoal_net::NodeId;
+use shoal_types::ModelPlacement;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+/// Events kept.
+pub const KEEP: usize = 200;
+
+/// One thing that happened.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Event {
+    /// When this node saw it, Unix milliseconds.
+    pub at_ms: u64,
+    /// What kind: `join`, `leave`, `down`, `up`, `leader`, `placed`, `replaced`,
+    /// `unplaced`, `unloaded`.
+    pub kind: String,
+    /// For people.
+    pub text: String,
+}
+
+/// The log: shared between the watcher and the admin page.
+#[derive(Clone, Default)]
+pub struct Log(Arc<Mutex<VecDeque<Event>>>);
+
+impl Log {
+    /// The events, oldest first.
+    pub fn list(&self) -> Vec<Event> {
+        lock(&self.0).iter().cloned().collect()
+    }
+
+    fn push(&self, e: Event) {
+        let mut q = lock(&self.0);
+        if q.len() == KEEP {
+            q.pop_front();
+        }
+        q.push_back(e);
+    }
+}
+
+/// What [`diff`] compares: the parts of a view the log speaks of.
+#[derive(Clone, Default, PartialEq)]
+pub struct Seen {
+    /// Members by id, with their names.
+    members: BTreeMap<NodeId, String>,
+    /// Members up.
+    alive: Vec<NodeId>,
+    /// The leader.
+    leader: Option<NodeId>,
+    /// Placements by model hash: generation, error, the model's name.
+    placements: BTreeMap<String, (u64, Option<String>, String)>,
+}
+
+impl Seen {
+    /// The parts of `view` the log compares.
+    pub fn of(view: &View) -> Seen {
+        let Some(state) = &view.state else { return Seen::default() };
+        let names: BTreeMap<String, String> =
+            crate::models::entries(view).into_iter().map(|e| (e.content_hash, e.name)).collect();
+        let placements = runtime::placements(view)
+            .into_iter()
+            .map(|(hash, p): (String, ModelPlacement)| {
+                let name = names.get(&hash).cloned().unwrap_or_else(|| hash[..hash.len().min(12)].to_string());
+                (hash, (p.generation, p.error, name))
+            })
+            .collect();
+        Seen {
+            members: state.members.values().map(|m| (m.id, m.name.clone())).collect(),
+            alive: view.alive.iter().copied().collect(),
+            leader: view.leader,
+            placements,
+        }
+    }
+}
+
+/// The events between `before` and `after` (kind, text), in a fixed order.
+pub fn diff(before: &Seen, after: &Seen) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    let name = |id: &NodeId| {
+        after.members.get(id).or_else(|| before.members.get(id)).cloned().unwrap_or_else(|| id.to_string()[..8].into())
+    };
+    for (id, n) in &after.members {
+        if !before.members.contains_key(id) && !before.members.is_empty() {
+            out.push(("join", format!("{n} joined the cluster")));
+        }
+    }
+    for id in before.members.keys() {
+        if !after.members.contains_key(id) && !after.members.is_empty() {
+            out.push(("leave", format!("{} left the cluster", name(id))));
+        }
+    }
+    for id in after.members.keys() {
+        let (was, is) = (before.alive.contains(id), after.alive.contains(id));
+        if before.members.contains_key(id) && was && !is {
+            out.push(("down", format!("{} is down", name(id))));
+        }
+        if before.members.contains_key(id) && !was && is {
+            out.push(("up", format!("{} is back", name(id))));
+        }
+    }
+    if after.leader != before.leader {
+        if let Some(l) = &after.leader {
+            out.push(("leader", format!("{} leads", name(l))));
+        }
+    }
+    for (hash, (generation, error, model)) in &after.placements {
+        match (before.placements.get(hash), error) {
+            (None, None) => out.push(("placed", format!("{model} placed"))),
+            (None, Some(e)) => out.push(("unplaced", format!("{model} cannot be placed: {e}"))),
+            (Some((g, _, _)), None) if g != generation => out.push(("replaced", format!("{model} placed anew"))),
+            (Some((g, _, _)), Some(e)) if g != generation => {
+                out.push(("unplaced", format!("{model} cannot be placed: {e}")))
+            }
+            _ => {}
+        }
+    }
+    for (hash, (_, _, model)) in &before.placements {
+        if !after.placements.contains_key(hash) {
+            out.push(("unloaded", format!("{model} unloaded")));
+        }
+    }
+    out
+}
+
+/// Watch this node's view and log what changes, until the node stops.
+pub async fn watch(mut view: tokio::sync::watch::Receiver<View>, log: Log) {
+    let mut seen = Seen::of(&view.borrow_and_update());
+    while view.changed().await.is_ok() {
+        let now = Seen::of(&view.borrow_and_update());
+        if now == seen {
+            continue;
+        }
+        let at_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        for (kind, text) in diff(&seen, &now) {
+            tracing::info!(kind, "{text}");
+            log.push(Event { at_ms, kind: kind.into(), text });
+        }
+        seen = now;
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Single pushes and copies: a panic leaves the queue whole.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(b: u8) -> NodeId {
+        NodeId([b; 32])
+    }
+
+    fn seen(
+        members: &[(u8, &str)],
+        alive: &[u8],
+        leader: Option<u8>,
+        placements: &[(&str, u64, Option<&str>)],
+    ) -> Seen {
+        Seen {
+            members: members.iter().map(|(b, n)| (id(*b), n.to_string())).collect(),
+            alive: alive.iter().map(|b| id(*b)).collect(),
+            leader: leader.map(id),
+            placements: placements
+                .iter()
+                .map(|(h, g, e)| (h.to_string(), (*g, e.map(str::to_string), format!("m-{h}"))))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn joins_leaves_downs_leaders_and_placements_are_told_apart() {
+        let a = seen(&[(1, "alpha"), (2, "beta")], &[1, 2], Some(1), &[("h", 1, None)]);
+        assert!(diff(&a, &a).is_empty());
+        let b = seen(
+            &[(1, "alpha"), (2, "beta"), (3, "gamma")],
+            &[1, 3],
+            Some(3),
+            &[("h", 2, None), ("k", 1, Some("too big"))],
+        );
+        let kinds: Vec<_> = diff(&a, &b).into_iter().map(|(k, t)| format!("{k}: {t}")).collect();
+        assert_eq!(
+            kinds,
+            [
+                "join: gamma joined the cluster",
+                "down: beta is down",
+                "leader: gamma leads",
+                "replaced: m-h placed anew",
+                "unplaced: m-k cannot be placed: too big"
+            ]
+        );
+        let c = seen(&[(1, "alpha"), (3, "gamma")], &[1, 3], Some(3), &[]);
+        let kinds: Vec<_> = diff(&b, &c).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(kinds, ["leave", "unloaded", "unloaded"]);
+        // The first state a fresh node adopts is not a flood of joins.
+        let kinds: Vec<_> = diff(&Seen::default(), &a).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(kinds, ["leader", "placed"]);
+    }
+}

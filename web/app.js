@@ -1,0 +1,452 @@
+// Shoal's admin page: one module, no framework, no build step. It asks the node it
+// came from (and no other host) what to show: /admin/api/session decides between
+// first-run setup, login and the overview, which then stays live over server-sent
+// events. Text from the network only ever goes in through textContent.
+
+const $ = (id) => document.getElementById(id);
+let csrf = "";
+let events = null;
+
+/** Send JSON to the admin API; resolves to [status, body]. */
+async function call(method, path, body) {
+  const headers = { "Content-Type": "application/json" };
+  if (csrf) headers["X-CSRF-Token"] = csrf;
+  const res = await fetch(path, {
+    method, headers, credentials: "same-origin",
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  let data = {};
+  try { data = await res.json(); } catch { /* not JSON: keep {} */ }
+  return [res.status, data];
+}
+
+const TABS = ["overview", "machines", "models", "chat", "activity"];
+
+/** Show one of the page's views: a login step, or (logged in) the tab in the URL. */
+function show(view) {
+  const inside = view === "in";
+  for (const id of ["loading", "unpaired", "setup", "login"]) $(id).hidden = id !== view;
+  $("tabs").hidden = !inside;
+  $("logout").hidden = !inside;
+  $("live").hidden = !inside;
+  const tab = TABS.includes(location.hash.slice(1)) ? location.hash.slice(1) : "overview";
+  for (const t of TABS) $(t).hidden = !inside || t !== tab;
+  for (const a of document.querySelectorAll("#tabs a")) {
+    if (a.dataset.tab === tab) a.setAttribute("aria-current", "page"); else a.removeAttribute("aria-current");
+  }
+  const focus = { setup: "setup-password", login: "login-password" }[view];
+  if (focus) $(focus).focus();
+}
+window.addEventListener("hashchange", () => { if (!$("tabs").hidden) show("in"); });
+
+async function start() {
+  const [status, s] = await call("GET", "/admin/api/session");
+  if (status !== 200) { show("loading"); $("loading").textContent = s.error || `The node answered ${status}.`; return; }
+  if (s.cluster) $("cluster").textContent = `cluster ${s.cluster.slice(0, 8)}`;
+  if (s.state === "in") { csrf = s.csrf; enter(); }
+  else show(s.state === "unpaired" ? "unpaired" : s.state === "setup" ? "setup" : "login");
+}
+
+function enter() {
+  show("in");
+  if (events) events.close();
+  events = new EventSource("/admin/api/events");
+  events.addEventListener("overview", (e) => {
+    $("live").textContent = "live";
+    render(JSON.parse(e.data));
+  });
+  events.onerror = async () => {
+    $("live").textContent = "reconnecting…";
+    // The stream ends when the session does: ask whether to log in again.
+    const [status, s] = await call("GET", "/admin/api/session");
+    if (status === 200 && s.state !== "in") { events.close(); events = null; csrf = ""; start(); }
+  };
+}
+
+$("setup-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const password = $("setup-password").value;
+  if (password !== $("setup-confirm").value) { $("setup-error").textContent = "The two passwords differ."; return; }
+  const [status, s] = await call("POST", "/admin/api/setup", { password });
+  if (status === 200) { csrf = s.csrf; $("setup-form").reset(); enter(); }
+  else if (status === 409) start();
+  else $("setup-error").textContent = s.error || `Refused (${status}).`;
+});
+
+$("login-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const [status, s] = await call("POST", "/admin/api/login", { password: $("login-password").value });
+  if (status === 200) { csrf = s.csrf; $("login-form").reset(); $("login-error").textContent = ""; enter(); }
+  else $("login-error").textContent = s.error || `Refused (${status}).`;
+});
+
+$("logout").addEventListener("click", async () => {
+  await call("POST", "/admin/api/logout");
+  if (events) { events.close(); events = null; }
+  csrf = "";
+  start();
+});
+
+// ---- rendering ----
+
+const GiB = 1024 ** 3;
+function bytes(n) {
+  if (n >= GiB) return `${(n / GiB).toFixed(1)} GiB`;
+  return `${Math.round(n / 1024 ** 2)} MiB`;
+}
+
+/** An element with a class and text. */
+function el(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+/** A labelled bar: `used` of `total`. */
+function meter(label, used, total, detail) {
+  const m = el("div", "meter");
+  const head = el("div", "label");
+  head.append(el("span", "", label), el("span", "muted", detail));
+  const track = el("div", "track");
+  track.setAttribute("role", "meter");
+  track.setAttribute("aria-label", label);
+  track.setAttribute("aria-valuemin", "0");
+  track.setAttribute("aria-valuemax", String(total));
+  track.setAttribute("aria-valuenow", String(used));
+  track.setAttribute("aria-valuetext", detail);
+  const fill = el("div", "fill");
+  fill.style.width = `${total > 0 ? Math.min(100, (100 * used) / total) : 0}%`;
+  track.append(fill);
+  m.append(head, track);
+  return m;
+}
+
+function nodeCard(n) {
+  const card = el("article", `card node ${n.state}`);
+  card.dataset.node = n.id;
+  const h = el("h3");
+  h.append(el("span", "", n.name));
+  if (n.leader) h.append(el("span", "badge leader", "leader"));
+  h.append(el("span", "badge", n.role === "hub" ? "hub" : "PC"));
+  h.append(el("span", `badge state-${n.state}`, n.state));
+  card.append(h);
+  const m = n.machine;
+  if (m) {
+    card.append(el("p", "facts", `${m.cpu || "CPU"} · ${m.cores} cores · ${m.os} · Shoal ${m.version}`));
+    const used = m.ram_total - m.ram_available;
+    card.append(meter("RAM", used, m.ram_total, `${bytes(used)} used of ${bytes(m.ram_total)}`));
+    for (const g of m.gpus) {
+      card.append(meter(g.name, g.total - g.free, g.total, `${bytes(g.total - g.free)} used of ${bytes(g.total)}`));
+    }
+  } else {
+    card.append(el("p", "facts", n.state === "down" ? "Not answering." : "No report from this machine yet."));
+  }
+  if (n.offered_bytes) {
+    card.append(meter("Models", n.placed_bytes, n.offered_bytes,
+      `${bytes(n.placed_bytes)} placed of ${bytes(n.offered_bytes)} offered`));
+  }
+  card.append(el("p", "facts mono", n.id.slice(0, 16)));
+  return card;
+}
+
+function colours(nodes) {
+  const map = new Map();
+  nodes.forEach((n, i) => map.set(n.id, `var(--n${i % 6})`));
+  return map;
+}
+
+function modelCard(m, nodes, colour) {
+  const card = el("article", "card model");
+  card.dataset.model = m.name;
+  card.dataset.state = m.state;
+  const h = el("h3");
+  h.append(el("span", "", m.name), el("span", "muted", ` · ${m.arch} · ${m.layers} layers · ${bytes(m.size)} · ${m.state}`));
+  card.append(h);
+  if (m.error) card.append(el("p", "error", m.error));
+  if (m.stages.length) {
+    const bar = el("div", "layers");
+    bar.setAttribute("role", "img");
+    const names = new Map(nodes.map((n) => [n.id, n.name]));
+    bar.setAttribute("aria-label", `Placement: ${m.stages.map((s) => `${s.end - s.first} layers on ${names.get(s.node) || s.node.slice(0, 8)}`).join(", ")}`);
+    const legend = el("ul", "legend");
+    const span = (s) => (s.end - s.first === 1 ? `layer ${s.first}` : `layers ${s.first}–${s.end - 1}`);
+    for (const s of m.stages) {
+      const part = el("div", "stage", s.end - s.first === 1 ? String(s.first) : `${s.first}–${s.end - 1}`);
+      part.dataset.node = s.node;
+      part.style.flex = String(Math.max(1, s.end - s.first));
+      part.style.background = colour.get(s.node) || "var(--muted)";
+      part.title = `${names.get(s.node) || s.node.slice(0, 8)}: ${span(s)}, ${bytes(s.memory_bytes)}`;
+      bar.append(part);
+      const item = el("li");
+      const sw = el("span", "swatch");
+      sw.style.background = part.style.background;
+      item.append(sw, `${names.get(s.node) || s.node.slice(0, 8)}: ${span(s)}, ${bytes(s.memory_bytes)} predicted`);
+      legend.append(item);
+    }
+    card.append(bar, legend);
+    if (m.predicted_tok_s) card.append(el("p", "facts", `Predicted: ${m.predicted_tok_s.toFixed(1)} tokens/s for one conversation.`));
+  }
+  return card;
+}
+
+/** Replace `container`'s children with `build()` only when `data` changed since the
+ *  last time: buttons do not move under the pointer while nothing changed. */
+function renderIf(container, data, build) {
+  const key = JSON.stringify(data);
+  if (container.dataset.key === key) return;
+  container.dataset.key = key;
+  container.replaceChildren(...build());
+}
+
+/** Ask the node to do something; shows the error in `errorBox`. */
+async function act(body, errorBox) {
+  errorBox.textContent = "";
+  const [status, r] = await call("POST", "/admin/api/action", body);
+  if (status !== 200) { errorBox.textContent = r.error || `Refused (${status}).`; return null; }
+  return r;
+}
+
+function button(text, cls, onClick) {
+  const b = el("button", cls, text);
+  b.type = "button";
+  b.addEventListener("click", async () => { b.disabled = true; try { await onClick(); } finally { b.disabled = false; } });
+  return b;
+}
+
+function render(o) {
+  const colour = colours(o.nodes);
+  const online = o.nodes.filter((n) => n.state !== "down");
+  const ramTotal = online.reduce((a, n) => a + (n.machine ? n.machine.ram_total : 0), 0);
+  const ramFree = online.reduce((a, n) => a + (n.machine ? n.machine.ram_available : 0), 0);
+  const gpus = online.flatMap((n) => (n.machine ? n.machine.gpus : []));
+  const vramTotal = gpus.reduce((a, g) => a + g.total, 0);
+  const vramFree = gpus.reduce((a, g) => a + g.free, 0);
+  const offered = online.reduce((a, n) => a + (n.offered_bytes || 0), 0);
+  const placed = o.nodes.reduce((a, n) => a + n.placed_bytes, 0);
+  const pool = $("pool");
+  pool.replaceChildren();
+  const tile = (title, child) => { const c = el("div", "card"); c.append(el("strong", "", title), child); return c; };
+  pool.append(tile(`${online.length} of ${o.nodes.length} machines online`,
+    meter("RAM", ramTotal - ramFree, ramTotal, `${bytes(ramTotal - ramFree)} used of ${bytes(ramTotal)}`)));
+  if (vramTotal) pool.append(tile("GPU memory", meter("VRAM", vramTotal - vramFree, vramTotal, `${bytes(vramTotal - vramFree)} used of ${bytes(vramTotal)}`)));
+  pool.append(tile("Models", meter("Placed", placed, offered, `${bytes(placed)} placed of ${bytes(offered)} offered`)));
+
+  renderIf($("nodes"), o.nodes, () => o.nodes.map(nodeCard));
+  const shown = o.models.filter((m) => m.stages.length || m.error);
+  renderIf($("placements"), [shown, o.nodes.map((n) => [n.id, n.name])], () => shown.length
+    ? shown.map((m) => modelCard(m, o.nodes, colour))
+    : [el("p", "muted", "No model is loaded. Load one under Models.")]);
+
+  // Machines.
+  $("pending-wrap").hidden = o.pending.length === 0;
+  renderIf($("pending"), o.pending, () => o.pending.map((p) => {
+    const c = el("article", "card node");
+    c.dataset.node = p.id;
+    c.append(el("h3", "", p.name), el("p", "facts", `${p.role === "hub" ? "hub" : "PC"} · ${bytes(p.memory_bytes)} · ${p.addr}`),
+      el("p", "facts mono", `fingerprint ${p.id}`));
+    const row = el("div", "actions");
+    row.append(button("Let in", "", () => act({ action: "approve", node: p.id }, $("machines-error"))));
+    c.append(row);
+    return c;
+  }));
+  renderIf($("members").tBodies[0], o.nodes.map((n) => [n.id, n.name, n.state, n.role, n.addr, n.leader]), () => o.nodes.map((n) => {
+    const tr = el("tr");
+    tr.dataset.node = n.id;
+    const state = el("td", `state-${n.state}`, n.state + (n.leader ? " · leader" : ""));
+    const actions = el("td");
+    if (n.id !== o.node) {
+      actions.append(button("Remove", "danger", async () => {
+        if (confirm(`Remove ${n.name} from the cluster? Its key is revoked; it can join again only with a new code or token.`)) {
+          await act({ action: "remove", node: n.id }, $("machines-error"));
+        }
+      }));
+    } else {
+      actions.append(el("span", "muted", "this node"));
+    }
+    tr.append(el("td", "", n.name), state, el("td", "", n.role === "hub" ? "hub" : "PC"), el("td", "mono", n.addr || ""),
+      el("td", "mono", n.id.slice(0, 16)), actions);
+    return tr;
+  }));
+
+  // Models.
+  renderIf($("catalog"), [o.models, o.nodes.map((n) => [n.id, n.name])], () => o.models.length === 0
+    ? [el("p", "muted", "No models in the catalog yet.")]
+    : o.models.map((m) => {
+      const card = modelCard(m, o.nodes, colour);
+      const row = el("div", "actions");
+      const err = $("models-error");
+      if (m.state === "available") {
+        row.append(button("Load", "", () => {
+          const ctx = Number($("load-context").value);
+          return act({ action: "model_load", model: m.hash, context: ctx > 0 ? ctx : undefined }, err);
+        }));
+        row.append(button("Remove from catalog", "danger", async () => {
+          if (confirm(`Remove ${m.name} from the catalog? The files stay where they are.`)) {
+            await act({ action: "model_remove", model: m.hash }, err);
+          }
+        }));
+      } else {
+        row.append(button("Unload", "secondary", () => act({ action: "model_unload", model: m.hash }, err)));
+      }
+      card.append(row);
+      return card;
+    }));
+
+  // Chat: the models that answer now.
+  const ready = o.models.filter((m) => m.state === "ready").map((m) => m.name);
+  renderIf($("chat-model"), ready, () => ready.length
+    ? ready.map((n) => { const opt = el("option", "", n); opt.value = n; return opt; })
+    : [Object.assign(el("option", "", "no model is ready"), { value: "" })]);
+
+  // Activity, newest first.
+  const evs = [...o.events].reverse();
+  renderIf($("events"), evs, () => evs.length ? evs.map((e) => {
+    const li = el("li");
+    const t = el("time", "", new Date(e.at_ms).toLocaleTimeString());
+    t.dateTime = new Date(e.at_ms).toISOString();
+    li.append(t, el("span", `kind kind-${e.kind}`, e.kind), el("span", "", e.text));
+    return li;
+  }) : [el("li", "muted", "Nothing yet.")]);
+}
+
+// ---- machines ----
+
+async function join(kind) {
+  const r = await act({ action: kind }, $("machines-error"));
+  if (!r) return;
+  $("join-out").hidden = false;
+  $("join-command").value = r.command;
+  $("join-note").textContent = kind === "join_token"
+    ? `One use, valid ${Math.round(r.valid_s / 3600)} hours. For a service install: ${r.service}`
+    : `Valid ${Math.round(r.valid_s / 60)} minutes.`;
+  $("join-command").select();
+}
+$("make-token").addEventListener("click", () => join("join_token"));
+$("make-code").addEventListener("click", () => join("pairing_code"));
+
+// ---- models ----
+
+$("add-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const path = $("add-path").value.trim();
+  const name = $("add-name").value.trim();
+  $("add-status").textContent = "Adding (the file is hashed: large files take a while)…";
+  const r = await act({ action: "model_add", path, name: name || undefined }, $("models-error"));
+  $("add-status").textContent = r ? `Added ${r.added}.` : "";
+  if (r) $("add-form").reset();
+});
+
+$("upload-send").addEventListener("click", () => {
+  const file = $("upload-file").files[0];
+  if (!file) { $("upload-status").textContent = "Choose a .gguf file first."; return; }
+  const bar = $("upload-progress");
+  const status = $("upload-status");
+  const xhr = new XMLHttpRequest(); // fetch cannot report an upload's progress
+  xhr.open("POST", `/admin/api/upload?name=${encodeURIComponent(file.name)}`);
+  xhr.setRequestHeader("X-CSRF-Token", csrf);
+  xhr.setRequestHeader("Content-Type", "application/octet-stream");
+  xhr.upload.onprogress = (e) => {
+    if (!e.lengthComputable) return;
+    bar.value = e.loaded / e.total;
+    status.textContent = `${bytes(e.loaded)} of ${bytes(e.total)}`;
+  };
+  xhr.upload.onload = () => { status.textContent = "Checking the file (it is hashed: large files take a while)…"; };
+  xhr.onload = () => {
+    let r = {}; try { r = JSON.parse(xhr.responseText); } catch { /* not JSON */ }
+    bar.hidden = true;
+    $("upload-send").disabled = false;
+    status.textContent = xhr.status === 200 ? `Added ${r.added}.` : `Refused: ${r.error || xhr.status}`;
+  };
+  xhr.onerror = () => { bar.hidden = true; $("upload-send").disabled = false; status.textContent = "The upload broke off."; };
+  bar.hidden = false;
+  bar.value = 0;
+  $("upload-send").disabled = true;
+  xhr.send(file);
+});
+
+// ---- chat ----
+
+let conversation = [];
+let running = null;
+
+function bubble(role, text) {
+  const m = el("div", `msg ${role}`);
+  m.append(el("span", "who", role === "user" ? "You" : "Model"), el("span", "text", text));
+  $("chat-log").append(m);
+  $("chat-log").scrollTop = $("chat-log").scrollHeight;
+  return m.querySelector(".text");
+}
+
+$("chat-reset").addEventListener("click", () => { conversation = []; $("chat-log").replaceChildren(); $("chat-stats").textContent = ""; });
+$("chat-stop").addEventListener("click", () => { if (running) running.abort(); });
+
+$("chat-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const model = $("chat-model").value;
+  const text = $("chat-input").value;
+  if (!model || !text.trim() || running) return;
+  $("chat-error").textContent = "";
+  conversation.push({ role: "user", content: text });
+  bubble("user", text);
+  $("chat-input").value = "";
+  const out = bubble("assistant", "");
+  out.parentElement.setAttribute("aria-busy", "true");
+  running = new AbortController();
+  $("chat-send").disabled = true;
+  $("chat-stop").disabled = false;
+  const t0 = performance.now();
+  let first = null, tokens = 0, answer = "", failure = "";
+  try {
+    const res = await fetch("/admin/api/llm/v1/chat/completions", {
+      method: "POST", signal: running.signal, credentials: "same-origin",
+      headers: { "Content-Type": "application/json", "X-CSRF-Token": csrf },
+      body: JSON.stringify({
+        model, messages: conversation, stream: true, stream_options: { include_usage: true },
+        temperature: Number($("chat-temperature").value), max_tokens: Number($("chat-max").value),
+      }),
+    });
+    if (!res.ok) {
+      let body = {}; try { body = await res.json(); } catch { /* not JSON */ }
+      throw new Error((body.error && (body.error.message || body.error)) || `refused (${res.status})`);
+    }
+    const reader = res.body.getReader();
+    const decoder = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const event = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        for (const line of event.split("\n")) {
+          if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+          const j = JSON.parse(line.slice(6));
+          if (j.error) failure = j.error.message || String(j.error);
+          const delta = j.choices && j.choices[0] && j.choices[0].delta && j.choices[0].delta.content;
+          if (delta) { if (first === null) first = performance.now(); answer += delta; out.textContent = answer; }
+          if (j.usage) tokens = j.usage.completion_tokens;
+        }
+      }
+    }
+    if (failure) throw new Error(failure);
+  } catch (err) {
+    if (err.name === "AbortError") out.textContent = answer + " [stopped]";
+    else $("chat-error").textContent = `The model did not answer: ${err.message}`;
+  } finally {
+    const end = performance.now();
+    out.parentElement.removeAttribute("aria-busy");
+    if (answer) conversation.push({ role: "assistant", content: answer });
+    if (first !== null) {
+      const rate = tokens > 1 && end > first ? ((tokens - 1) * 1000) / (end - first) : 0;
+      $("chat-stats").textContent = `first token ${Math.round(first - t0)} ms` + (rate ? ` · ${rate.toFixed(1)} tokens/s` : "");
+    }
+    running = null;
+    $("chat-send").disabled = false;
+    $("chat-stop").disabled = true;
+  }
+});
+
+start();
