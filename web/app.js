@@ -20,7 +20,7 @@ async function call(method, path, body) {
   return [res.status, data];
 }
 
-const TABS = ["overview", "machines", "models", "chat", "activity"];
+const TABS = ["overview", "machines", "models", "chat", "activity", "settings"];
 
 /** Show one of the page's views: a login step, or (logged in) the tab in the URL. */
 function show(view) {
@@ -181,11 +181,21 @@ function modelCard(m, nodes, colour) {
       const item = el("li");
       const sw = el("span", "swatch");
       sw.style.background = part.style.background;
-      item.append(sw, `${names.get(s.node) || s.node.slice(0, 8)}: ${span(s)}, ${bytes(s.memory_bytes)} predicted`);
+      const measured = s.resident_bytes != null ? `, ${bytes(s.resident_bytes)} measured`
+        : s.loaded_bytes != null ? `, ${bytes(s.loaded_bytes)} loaded` : s.state ? ` (${s.state})` : "";
+      item.append(sw, `${names.get(s.node) || s.node.slice(0, 8)}: ${span(s)}, ${bytes(s.memory_bytes)} predicted${measured}`);
       legend.append(item);
     }
     card.append(bar, legend);
     if (m.predicted_tok_s) card.append(el("p", "facts", `Predicted: ${m.predicted_tok_s.toFixed(1)} tokens/s for one conversation.`));
+    if (m.explanation.length) {
+      const why = el("details");
+      why.append(el("summary", "facts", "Why this placement"));
+      const list = el("ul", "explain");
+      for (const line of m.explanation) list.append(el("li", "", line));
+      why.append(list);
+      card.append(why);
+    }
   }
   return card;
 }
@@ -293,11 +303,49 @@ function render(o) {
       return card;
     }));
 
+  renderIf($("what-if"), [o.models.map((m) => [m.hash, m.name]), o.nodes.map((n) => [n.id, n.name])],
+    () => [whatIf(o.models, o.nodes, colour)]);
+
   // Chat: the models that answer now.
   const ready = o.models.filter((m) => m.state === "ready").map((m) => m.name);
   renderIf($("chat-model"), ready, () => ready.length
     ? ready.map((n) => { const opt = el("option", "", n); opt.value = n; return opt; })
     : [Object.assign(el("option", "", "no model is ready"), { value: "" })]);
+
+  // Downloads started here.
+  renderIf($("downloads"), o.downloads, () => [...o.downloads].reverse().map((d) => {
+    const li = el("li");
+    li.append(el("span", "mono", d.source), " ");
+    if (d.state === "running") {
+      const p = el("progress");
+      p.max = d.total || 1;
+      p.value = d.total ? d.done : 0;
+      p.setAttribute("aria-label", `download of ${d.source}`);
+      li.append(p, el("span", "muted", ` ${bytes(d.done)}${d.total ? ` of ${bytes(d.total)}` : ""}`));
+    } else {
+      li.append(el("span", d.state === "added" ? "state-online" : "error", d.state === "added" ? `added as ${d.message}` : `failed: ${d.message}`));
+    }
+    return li;
+  }));
+
+  // Settings.
+  if (document.activeElement !== $("cluster-name") && $("cluster-name").dataset.key !== o.name) {
+    $("cluster-name").value = o.name;
+    $("cluster-name").dataset.key = o.name;
+  }
+  $("cluster").textContent = o.name ? `${o.name} · cluster ${o.cluster.slice(0, 8)}` : `cluster ${o.cluster.slice(0, 8)}`;
+  renderIf($("keys").tBodies[0], o.keys, () => o.keys.length ? o.keys.map((k) => {
+    const tr = el("tr");
+    tr.append(el("td", "", k.name), el("td", "", new Date(k.created_unix * 1000).toLocaleString()));
+    const td = el("td");
+    td.append(button("Revoke", "danger", async () => {
+      if (confirm(`Revoke the key ${k.name}? Programs using it are refused from then on.`)) {
+        await act({ action: "key_revoke", name: k.name }, $("settings-error"));
+      }
+    }));
+    tr.append(td);
+    return tr;
+  }) : [(() => { const tr = el("tr"); const td = el("td", "muted", "No keys: other machines cannot call the API."); td.colSpan = 3; tr.append(td); return tr; })()]);
 
   // Activity, newest first.
   const evs = [...o.events].reverse();
@@ -308,6 +356,55 @@ function render(o) {
     li.append(t, el("span", `kind kind-${e.kind}`, e.kind), el("span", "", e.text));
     return li;
   }) : [el("li", "muted", "Nothing yet.")]);
+}
+
+/** The what-if: pick a model, leave machines out or change the context, see the plan
+ *  the planner would make, then apply it (a load with those options). */
+function whatIf(models, nodes, colour) {
+  const box = el("div");
+  if (!models.length) { box.append(el("p", "muted", "Add a model first.")); return box; }
+  const form = el("div", "row wrap");
+  const pickLabel = el("label", "", "Model ");
+  const pick = el("select");
+  pick.id = "what-if-model";
+  for (const m of models) { const o = el("option", "", m.name); o.value = m.hash; pick.append(o); }
+  pickLabel.append(pick);
+  const ctxLabel = el("label", "", "Context ");
+  const ctx = el("input");
+  ctx.type = "number"; ctx.min = "16"; ctx.step = "16"; ctx.value = "4096"; ctx.id = "what-if-context";
+  ctxLabel.append(ctx);
+  form.append(pickLabel, ctxLabel);
+  const leave = [];
+  for (const n of nodes) {
+    const l = el("label");
+    const c = el("input");
+    c.type = "checkbox";
+    c.dataset.node = n.id;
+    leave.push(c);
+    l.append(c, ` leave out ${n.name}`);
+    form.append(l);
+  }
+  const out = el("div", "preview");
+  const options = () => ({ model: pick.value, context: Number(ctx.value), exclude: leave.filter((c) => c.checked).map((c) => c.dataset.node) });
+  form.append(button("Preview", "secondary", async () => {
+    out.replaceChildren();
+    const err = el("p", "error");
+    const r = await act({ action: "plan_preview", ...options() }, err);
+    if (!r) { out.append(err); return; }
+    const card = modelCard(r, nodes, colour);
+    card.classList.add("proposed");
+    if (!r.error) {
+      const apply = el("div", "actions");
+      apply.append(button("Apply this plan", "", async () => {
+        const done = await act({ action: "model_load", ...options() }, err);
+        if (done) out.replaceChildren(el("p", "muted", "Applied: the leader places the model so."));
+      }), err);
+      card.append(apply);
+    }
+    out.append(card);
+  }));
+  box.append(form, out);
+  return box;
 }
 
 // ---- machines ----
@@ -363,6 +460,54 @@ $("upload-send").addEventListener("click", () => {
   bar.value = 0;
   $("upload-send").disabled = true;
   xhr.send(file);
+});
+
+$("download-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const r = await act({ action: "model_download", source: $("download-source").value.trim() }, $("models-error"));
+  if (r) $("download-form").reset();
+});
+
+for (const b of document.querySelectorAll("[data-import]")) {
+  b.addEventListener("click", async () => {
+    $("import-status").textContent = "Looking…";
+    b.disabled = true;
+    const r = await act({ action: "model_import", from: b.dataset.import }, $("models-error"));
+    b.disabled = false;
+    if (!r) { $("import-status").textContent = ""; return; }
+    const refused = r.refused.map(([n, why]) => `${n} (${why})`).join("; ");
+    $("import-status").textContent = (r.added.length ? `Added ${r.added.join(", ")}.` : "Nothing new found.")
+      + (refused ? ` Not added: ${refused}` : "");
+  });
+}
+
+// ---- settings ----
+
+$("name-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const r = await act({ action: "cluster_name", name: $("cluster-name").value }, $("settings-error"));
+  if (r) $("settings-status").textContent = `The cluster is called ${r.name}.`;
+});
+
+$("key-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const r = await act({ action: "key_create", name: $("key-name").value.trim() }, $("settings-error"));
+  if (!r) return;
+  $("key-form").reset();
+  $("key-out").hidden = false;
+  $("key-secret").value = r.secret;
+  $("key-secret").select();
+});
+
+$("password-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  $("settings-error").textContent = "";
+  const [status, r] = await call("POST", "/admin/api/password", { current: $("password-current").value, new: $("password-new").value });
+  if (status !== 200) { $("settings-error").textContent = r.error || `Refused (${status}).`; return; }
+  csrf = r.csrf;
+  $("password-form").reset();
+  $("settings-status").textContent = "The password is changed; every other session has ended.";
+  enter(); // the live stream belonged to the old session
 });
 
 // ---- chat ----

@@ -9,6 +9,7 @@
 //   SHOAL_NEW_ID     whose id this is
 //   SHOAL_MODEL      a GGUF to add by path, load, and chat with
 //   SHOAL_BAD_UPLOAD a file shaped like a GGUF that is not a model, to upload
+//   SHOAL_DOWNLOAD   the URL of a GGUF on a local HTTP server, to download
 //   SHOAL_STAGES     how many stages its placement should show
 //   SHOAL_PROMPT     a message, and the greedy answer `shoal run` gives it in
 //   SHOAL_EXPECT     SHOAL_MAX_TOKENS tokens
@@ -147,11 +148,40 @@ async function tab(page, name) {
     const card = page.locator(`#catalog .model[data-model="${name}"]`);
     await card.waitFor({ timeout: 120000 });
     check(true, `${name} is in the catalog`);
-    await page.getByLabel("Context (positions per conversation; empty: 4096 or the model's own)").fill("512");
+    await page.getByLabel("Context when loading (positions per conversation; empty: 4096 or the model's own)").fill("512");
     await card.getByRole("button", { name: "Load" }).click();
     await page.locator(`#catalog .model[data-model="${name}"][data-state="ready"]`).waitFor({ timeout: 180000 });
     const stages = await page.locator(`#catalog .model[data-model="${name}"] .layers .stage`).count();
     check(stages === Number(env("SHOAL_STAGES")), `the placement bar shows ${stages} stages`);
+    await page.waitForFunction((n) => [...document.querySelectorAll(`#catalog .model[data-model="${n}"] .legend li`)]
+      .every((li) => li.textContent.includes("measured")), name, { timeout: 30000 });
+    check(true, "each stage shows its predicted and measured memory");
+    await card.getByText("Why this placement").click();
+    check(await card.locator(".explain li").count() > 0, "the planner's reasons are shown");
+
+    // What if a machine were left out: the planner's answer, nothing applied.
+    await page.locator("#what-if-model").selectOption({ label: name });
+    const out = env("SHOAL_KILL_ID");
+    await page.locator(`#what-if input[type=checkbox][data-node="${out}"]`).check();
+    await page.getByRole("button", { name: "Preview" }).click();
+    const proposed = page.locator("#what-if .model.proposed");
+    await proposed.waitFor({ timeout: 30000 });
+    const onIt = await proposed.locator(`.stage[data-node="${out}"]`).count();
+    const parts = await proposed.locator(".stage").count();
+    const why = (await proposed.locator(".error").allTextContents()).join(" ");
+    check(onIt === 0 && (parts > 0 || why.length > 0),
+      `the what-if leaves the machine out (${parts} stages${why ? `; ${why}` : ""})`);
+    await shot(page, "05b-what-if");
+
+    // A download from a URL shows its progress and ends in the catalog; an import
+    // from a store that is empty here says so.
+    await page.getByLabel("URL of a GGUF file, or hf://org/repo/file.gguf").fill(env("SHOAL_DOWNLOAD"));
+    await page.getByRole("button", { name: "Download", exact: true }).click();
+    await page.locator("#downloads li").filter({ hasText: "added as" }).waitFor({ timeout: 120000 });
+    check(true, `the download ended in the catalog (${await page.locator("#downloads li").first().textContent()})`);
+    await page.getByRole("button", { name: "From LM Studio" }).click();
+    await page.locator("#import-status").filter({ hasText: /Nothing new found|Added/ }).waitFor({ timeout: 30000 });
+    check(true, `an import tells what it found (${await page.locator("#import-status").textContent()})`);
     await shot(page, "05-models");
     await tab(page, "Overview");
     await shot(page, "06-overview-placed");
@@ -182,17 +212,43 @@ async function tab(page, name) {
     check(true, "the activity log tells that it went down");
     await shot(page, "09-activity");
 
+    // Settings: a name every page shows, an API key shown once and revoked, a new
+    // password (a wrong current one refused).
+    await tab(page, "Settings");
+    await page.getByLabel("Name shown on every machine's page").fill("Home lab");
+    await page.getByRole("button", { name: "Save name" }).click();
+    await page.locator("#cluster").filter({ hasText: "Home lab" }).waitFor();
+    check(true, "the cluster's name shows in the header");
+    await page.getByLabel("What the key is for").fill("open-webui");
+    await page.getByRole("button", { name: "Create key" }).click();
+    await page.waitForFunction(() => document.getElementById("key-secret").value.startsWith("sk-shoal-"));
+    await page.locator("#keys tbody tr").filter({ hasText: "open-webui" }).waitFor();
+    check(true, "a new API key is shown once and listed by name");
+    await shot(page, "10-settings");
+    page.once("dialog", (d) => d.accept());
+    await page.locator("#keys tbody tr").filter({ hasText: "open-webui" }).getByRole("button", { name: "Revoke" }).click();
+    await page.locator("#keys tbody tr").filter({ hasText: "open-webui" }).waitFor({ state: "detached" });
+    check(true, "a revoked key leaves the list");
+    await page.getByLabel("Current password").fill("not it at all");
+    await page.getByLabel(/^New password/).fill(PASSWORD + "2");
+    await page.getByRole("button", { name: "Change password" }).click();
+    await page.locator("#settings-error").filter({ hasText: "current password is wrong" }).waitFor();
+    await page.getByLabel("Current password").fill(PASSWORD);
+    await page.getByRole("button", { name: "Change password" }).click();
+    await page.locator("#settings-status").filter({ hasText: "password is changed" }).waitFor();
+    check(true, "the password is changed from the page (a wrong current one refused)");
+
     // Dark, and a phone's width.
     const dark = await browser.newContext({ colorScheme: "dark", viewport: { width: 390, height: 844 }, isMobile: true });
     const phone = await dark.newPage();
     watch(phone);
     await phone.goto(url + "/admin/");
-    await phone.getByLabel("Admin password", { exact: true }).fill(PASSWORD);
+    await phone.getByLabel("Admin password", { exact: true }).fill(PASSWORD + "2");
     await phone.getByRole("button", { name: "Log in" }).click();
     await phone.locator("#nodes .node").first().waitFor();
     const fits = await phone.evaluate(() => document.documentElement.scrollWidth <= window.innerWidth + 1);
     check(fits, "no sideways scrolling on a phone");
-    await shot(phone, "10-phone-dark");
+    await shot(phone, "11-phone-dark");
 
     check(errors.length === 0, `no script errors (${errors.join("; ")})`);
     const foreign = requests.filter((r) => { try { return new URL(r).host !== origin; } catch { return true; } });

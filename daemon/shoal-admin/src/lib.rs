@@ -23,7 +23,7 @@ pub mod auth;
 pub mod overview;
 
 pub use auth::{AuthRecord, AUTH_KEY};
-pub use overview::{Gpu, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, StageCard};
+pub use overview::{Download, Gpu, KeyRow, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, StageCard};
 
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Path, State};
@@ -117,6 +117,43 @@ pub enum Action {
         /// Name or hash prefix.
         model: String,
     },
+    /// Download a model (`https://…` or `hf://org/repo[@rev]/file.gguf`) into the
+    /// node's models folder and add it; runs on, its progress in the overview.
+    ModelDownload {
+        /// URL or `hf://` name.
+        source: String,
+    },
+    /// Add every model found in another program's store on the node's machine.
+    ModelImport {
+        /// "ollama", "lmstudio" or "hf" (the Hugging Face cache).
+        from: String,
+    },
+    /// Make an API key; its secret is in the answer, once.
+    KeyCreate {
+        /// What it is for, e.g. open-webui.
+        name: String,
+    },
+    /// Revoke an API key: every node refuses it from then on.
+    KeyRevoke {
+        /// Its name.
+        name: String,
+    },
+    /// What the planner would do with a model at another context, or without some
+    /// members; nothing changes (a [`ModelCard`] in the answer).
+    PlanPreview {
+        /// Name or hash prefix.
+        model: String,
+        /// Positions per session.
+        context: u32,
+        /// Members (ids or prefixes) to leave out.
+        #[serde(default)]
+        exclude: Vec<String>,
+    },
+    /// Name the cluster (shown on every node's page).
+    ClusterName {
+        /// 1 to 64 characters.
+        name: String,
+    },
 }
 
 fn a_day() -> u64 {
@@ -188,6 +225,7 @@ pub fn router<B: AdminBackend>(backend: Arc<B>, cfg: Config, llm: Router) -> Rou
         .route("/admin/api/setup", post(setup::<B>))
         .route("/admin/api/login", post(login::<B>))
         .route("/admin/api/logout", post(logout::<B>))
+        .route("/admin/api/password", post(password::<B>))
         .route("/admin/api/overview", get(overview::<B>))
         .route("/admin/api/events", get(events::<B>))
         .route(
@@ -323,6 +361,63 @@ async fn login<B: AdminBackend>(
         tracing::warn!(%peer, "admin login: wrong password");
         return error(StatusCode::UNAUTHORIZED, "wrong password");
     }
+    admin.start_session(&cluster, &record)
+}
+
+/// The body of `password`.
+#[derive(serde::Deserialize)]
+struct NewPassword {
+    current: String,
+    new: String,
+}
+
+/// `POST /admin/api/password {"current", "new"}`: a new admin password (the current one
+/// checked, within the same limit on wrong ones as login). Every session on every node
+/// ends, but the caller's, which gets a new one.
+async fn password<B: AdminBackend>(
+    State(admin): State<Arc<Admin<B>>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    method: Method,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = admin.authorize(&method, &headers) {
+        return r;
+    }
+    let body: NewPassword = match parse(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let (Some(cluster), Some(record)) = admin.backend.credentials() else {
+        return error(StatusCode::CONFLICT, "no admin password is set yet");
+    };
+    if let Err(e) = auth::check_length(&body.new) {
+        return error(StatusCode::BAD_REQUEST, &e.to_string());
+    }
+    if let Err(wait) = lock(&admin.attempts).allow(peer.ip(), unix_now()) {
+        return error(StatusCode::TOO_MANY_REQUESTS, &format!("too many wrong passwords: try again in {wait} s"));
+    }
+    let now = unix_now();
+    let made = tokio::task::spawn_blocking(move || {
+        if !record.verify(&body.current) {
+            return Ok(None);
+        }
+        AuthRecord::new(&body.new, now).map(Some)
+    })
+    .await;
+    let record = match made {
+        Ok(Ok(Some(r))) => r,
+        Ok(Ok(None)) => {
+            lock(&admin.attempts).failed(peer.ip(), unix_now());
+            return error(StatusCode::UNAUTHORIZED, "the current password is wrong");
+        }
+        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    };
+    if let Err(e) = admin.backend.set_credentials(record.clone()).await {
+        return error(StatusCode::SERVICE_UNAVAILABLE, &format!("the password was not stored: {e}"));
+    }
+    tracing::info!("admin password changed from the page");
     admin.start_session(&cluster, &record)
 }
 

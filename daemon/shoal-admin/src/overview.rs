@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 pub struct Overview {
     /// The cluster's id (hex), or empty while this node is in none.
     pub cluster: String,
+    /// The name its owner gave it (empty: none yet).
+    pub name: String,
     /// The node that answered (its id).
     pub node: String,
     /// The members, the leader first.
@@ -18,6 +20,34 @@ pub struct Overview {
     pub models: Vec<ModelCard>,
     /// What happened lately, as the answering node saw it, oldest first.
     pub events: Vec<LogEvent>,
+    /// The API keys (names and dates; secrets are never kept).
+    pub keys: Vec<KeyRow>,
+    /// Downloads started from the page on the answering node, newest last.
+    pub downloads: Vec<Download>,
+}
+
+/// One API key.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct KeyRow {
+    /// Its name.
+    pub name: String,
+    /// When it was made, Unix seconds.
+    pub created_unix: u64,
+}
+
+/// A model download the page started.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Download {
+    /// The URL or `hf://` name.
+    pub source: String,
+    /// Bytes so far.
+    pub done: u64,
+    /// Bytes in all, when the server said.
+    pub total: Option<u64>,
+    /// "running", "added" or "failed".
+    pub state: String,
+    /// The catalog name once added, or why it failed.
+    pub message: String,
 }
 
 /// One event of the answering node's log.
@@ -139,4 +169,11 @@ pub struct StageCard {
     pub end: u32,
     /// Memory the planner predicts, bytes.
     pub memory_bytes: u64,
+    /// The stage's state on its node ("fetching", "loading", "running", …), when it
+    /// reported.
+    pub state: Option<String>,
+    /// Memory llama.cpp's buffers hold once loaded, bytes (measured on the node).
+    pub loaded_bytes: Option<u64>,
+    /// The node process's resident memory growth since the stage loaded, bytes.
+    pub resident_bytes: Option<u64>,
 }

@@ -3,13 +3,14 @@
 //! own reports, which members answer over the node protocol
 //! ([`NodeRequest::Inventory`]).
 
+use crate::api::StageStatus;
 use crate::api::{NodeRequest, NodeResponse};
 use crate::models;
 use crate::runtime::{self, Runtime};
 use serde_json::json;
 use shoal_admin::{
-    Action, ActionError, AuthRecord, Gpu, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, StageCard,
-    AUTH_KEY,
+    Action, ActionError, AuthRecord, Download, Gpu, KeyRow, LogEvent, Machine, ModelCard, NodeCard, Overview,
+    PendingNode, StageCard, AUTH_KEY,
 };
 use shoal_membership::wire::{AdminRequest, AdminResponse};
 use shoal_net::NodeId;
@@ -17,6 +18,18 @@ use shoal_types::{ModelPlacement, NodeInventory, Offer};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// The cluster state entry holding the cluster's name (a JSON string).
+pub const NAME_KEY: &str = "cluster/name";
+
+/// What a member reports of itself: its machine and the stage it runs.
+#[derive(Clone, Default)]
+pub(crate) struct Report {
+    /// Its machine, when it answered.
+    inventory: Option<NodeInventory>,
+    /// Its stages and their measured memory.
+    stages: Vec<StageStatus>,
+}
 
 /// How long a member's report is reused before it is asked again.
 const REPORT_FRESH: Duration = Duration::from_secs(5);
@@ -29,7 +42,9 @@ pub struct NodeAdmin {
     pub(crate) rt: Arc<Runtime>,
     /// Members' last reports and when they came (a page refreshes every second;
     /// machines change slower).
-    pub(crate) reports: Mutex<HashMap<NodeId, (Instant, Option<NodeInventory>)>>,
+    pub(crate) reports: Mutex<HashMap<NodeId, (Instant, Report)>>,
+    /// Downloads started from the page, newest last (shared with their tasks).
+    pub(crate) downloads: Arc<Mutex<Vec<Download>>>,
     /// Where the page's uploads go (`<data dir>/models`, as downloads).
     pub(crate) uploads: std::path::PathBuf,
 }
@@ -113,7 +128,7 @@ impl shoal_admin::AdminBackend for NodeAdmin {
                 .into(),
                 leader: m.leader,
                 addr: m.addr.clone(),
-                machine: reports.get(&m.node).cloned().flatten().map(machine),
+                machine: reports.get(&m.node).and_then(|r| r.inventory.clone()).map(machine),
                 offered_bytes: offers
                     .get(&m.node)
                     .map(|o| o.memory_bytes + o.gpus.iter().map(|g| g.memory_bytes).sum::<u64>()),
@@ -142,7 +157,7 @@ impl shoal_admin::AdminBackend for NodeAdmin {
                 Some(p) if runtime::stages_ready(&self.rt, &view, p).await => "ready",
                 Some(_) => "loading",
             };
-            models.push(model_card(&entry, p, state));
+            models.push(model_card(&entry, p, state, &reports));
         }
         models.sort_by(|a, b| a.name.cmp(&b.name));
         let events = self
@@ -152,13 +167,27 @@ impl shoal_admin::AdminBackend for NodeAdmin {
             .into_iter()
             .map(|e| LogEvent { at_ms: e.at_ms, kind: e.kind, text: e.text })
             .collect();
+        let name = view
+            .state
+            .as_ref()
+            .and_then(|s| s.entries.get(NAME_KEY))
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string();
+        let keys = crate::keys::list(&view)
+            .into_iter()
+            .map(|k| KeyRow { name: k.name, created_unix: k.created_unix })
+            .collect();
         Overview {
             cluster: status.cluster.map(|c| c.to_string()).unwrap_or_default(),
+            name,
             node: self.rt.me.to_string(),
             nodes,
             pending,
             models,
             events,
+            keys,
+            downloads: lock(&self.downloads).clone(),
         }
     }
 
@@ -209,8 +238,123 @@ impl shoal_admin::AdminBackend for NodeAdmin {
             Action::ModelRemove { model } => {
                 models::remove(&rt.membership, &model).await.map(|e| json!({"removed": e.name})).map_err(failure)
             }
+            Action::ModelDownload { source } => self.download(source),
+            Action::ModelImport { from } => {
+                let kind = match from.as_str() {
+                    "ollama" => crate::api::StoreKind::Ollama,
+                    "lmstudio" => crate::api::StoreKind::Lmstudio,
+                    "hf" => crate::api::StoreKind::Hf,
+                    other => return Err(bad(format!("no store {other:?}: ollama, lmstudio or hf"))),
+                };
+                match models::import(rt.me, &rt.membership, kind, &[]).await {
+                    NodeResponse::Imported { added, refused } => Ok(json!({
+                        "added": added.into_iter().map(|e| e.name).collect::<Vec<_>>(),
+                        "refused": refused,
+                    })),
+                    NodeResponse::Error(e) => Err(failure(e)),
+                    other => Err(ActionError { status: 503, message: format!("unexpected answer: {other:?}") }),
+                }
+            }
+            Action::KeyCreate { name } => crate::keys::create(&rt.membership, &name)
+                .await
+                .map(|(key, secret)| json!({"name": key.name, "secret": secret}))
+                .map_err(failure),
+            Action::KeyRevoke { name } => {
+                crate::keys::revoke(&rt.membership, &name).await.map(|k| json!({"revoked": k.name})).map_err(failure)
+            }
+            Action::PlanPreview { model, context, exclude } => {
+                let view = rt.membership.view().borrow().clone();
+                let catalog = models::entries(&view);
+                let entry = models::find(&catalog, &model).map_err(failure)?.clone();
+                let p = runtime::what_if(rt, &model, context, &exclude).map_err(failure)?;
+                let card = model_card(&entry, Some(&p), "proposed", &HashMap::new());
+                // Invariant: plain data always serialises.
+                Ok(serde_json::to_value(card).expect("a card serialises"))
+            }
+            Action::ClusterName { name } => {
+                let name = name.trim().to_string();
+                if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
+                    return Err(bad("a cluster name has 1 to 64 characters, none of them control characters".into()));
+                }
+                ask(AdminRequest::Put { key: NAME_KEY.into(), value: json!(name) }).await.map(|_| json!({"name": name}))
+            }
         }
     }
+}
+
+impl NodeAdmin {
+    /// Start downloading `source` into the uploads folder (the node's models folder),
+    /// then add it; its progress goes to [`NodeAdmin::downloads`].
+    fn download(&self, source: String) -> Result<serde_json::Value, ActionError> {
+        let scheme_ok = ["https://", "http://", "hf://"].iter().any(|s| source.starts_with(s));
+        if !scheme_ok || source.len() > 2048 || source.chars().any(char::is_control) {
+            return Err(bad("give an https:// URL of a GGUF file, or hf://org/repo/file.gguf".into()));
+        }
+        let downloads = self.downloads.clone();
+        {
+            let mut list = lock(&downloads);
+            if list.iter().any(|d| d.source == source && d.state == "running") {
+                return Err(ActionError { status: 409, message: format!("{source} is being downloaded already") });
+            }
+            // The newest 20 are kept: the list is for the page, not a history.
+            if list.len() >= 20 {
+                list.remove(0);
+            }
+            list.push(Download { source: source.clone(), state: "running".into(), ..Download::default() });
+        }
+        let (rt, dest) = (self.rt.clone(), self.uploads.clone());
+        let finished = source.clone();
+        tokio::spawn(async move {
+            let (list, url) = (downloads.clone(), source.clone());
+            let update = move |list: &Arc<Mutex<Vec<Download>>>, f: &dyn Fn(&mut Download)| {
+                if let Some(d) = lock(list).iter_mut().rev().find(|d| d.source == source && d.state == "running") {
+                    f(d);
+                }
+            };
+            let fetched = tokio::task::spawn_blocking(move || {
+                shoal_catalog::download(&url, &dest, &mut |p| {
+                    update(&list, &|d| {
+                        d.done = p.done;
+                        d.total = p.total;
+                    })
+                })
+            })
+            .await;
+            let path = match fetched {
+                Ok(Ok(d)) => Ok(d.path),
+                // Downloaded before: the file is whole; adding it again checks it.
+                Ok(Err(shoal_catalog::DownloadError::Exists(path))) => Ok(path),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            let result = match path {
+                Ok(path) => models::add(rt.me, &rt.membership, &path.display().to_string(), None)
+                    .await
+                    .map(|e| e.name)
+                    .map_err(|e| e.message),
+                Err(e) => Err(e),
+            };
+            let mut list = lock(&downloads);
+            if let Some(d) = list.iter_mut().rev().find(|d| d.state == "running" && d.source == finished) {
+                match result {
+                    Ok(name) => {
+                        d.state = "added".into();
+                        d.message = name;
+                    }
+                    Err(why) => {
+                        d.state = "failed".into();
+                        d.message = why;
+                    }
+                }
+            }
+        });
+        Ok(json!({"started": true}))
+    }
+}
+
+/// A bad request.
+fn bad(message: String) -> ActionError {
+    ActionError { status: 400, message }
 }
 
 /// A node error as the page's action answers it.
@@ -230,16 +374,13 @@ fn failure(e: crate::api::ApiError) -> ActionError {
 impl NodeAdmin {
     /// The admin page's backend for the node `rt`, uploads going to `uploads`.
     pub fn new(rt: Arc<Runtime>, uploads: std::path::PathBuf) -> NodeAdmin {
-        NodeAdmin { rt, reports: Mutex::new(HashMap::new()), uploads }
+        NodeAdmin { rt, reports: Mutex::new(HashMap::new()), uploads, downloads: Arc::default() }
     }
 
-    /// The reports of `members` (this node's own from its inventory), asking those not
-    /// heard from within [`REPORT_FRESH`], all at once, each for at most [`REPORT_WAIT`].
-    async fn reports(
-        &self,
-        view: &shoal_membership::node::View,
-        members: &[NodeId],
-    ) -> HashMap<NodeId, Option<NodeInventory>> {
+    /// The reports of `members` (this node's own from its inventory and stage),
+    /// asking those not heard from within [`REPORT_FRESH`], all at once, each for at
+    /// most [`REPORT_WAIT`]. A member that does not answer keeps its last report.
+    async fn reports(&self, view: &shoal_membership::node::View, members: &[NodeId]) -> HashMap<NodeId, Report> {
         let now = Instant::now();
         let stale: Vec<NodeId> = {
             let cache = lock(&self.reports);
@@ -256,28 +397,46 @@ impl NodeAdmin {
             Some(async move {
                 let ask = async {
                     let conn = node.connect(addr, id, shoal_net::alpn::NODE).await.ok()?;
-                    let (mut send, mut recv) = conn.open_bi().await.ok()?;
-                    shoal_membership::wire::write_msg(&mut send, &NodeRequest::Inventory).await.ok()?;
-                    let _ = send.finish();
-                    match shoal_membership::wire::read_msg::<NodeResponse>(&mut recv).await {
-                        Ok(Some(NodeResponse::Inventory(inv))) => Some(*inv),
-                        _ => None,
-                    }
+                    let one = |req: NodeRequest| {
+                        let conn = conn.clone();
+                        async move {
+                            let (mut send, mut recv) = conn.open_bi().await.ok()?;
+                            shoal_membership::wire::write_msg(&mut send, &req).await.ok()?;
+                            let _ = send.finish();
+                            shoal_membership::wire::read_msg::<NodeResponse>(&mut recv).await.ok().flatten()
+                        }
+                    };
+                    let (inv, stages) = tokio::join!(one(NodeRequest::Inventory), one(NodeRequest::Stages));
+                    Some(Report {
+                        inventory: match inv {
+                            Some(NodeResponse::Inventory(i)) => Some(*i),
+                            _ => None,
+                        },
+                        stages: match stages {
+                            Some(NodeResponse::Stages(s)) => s,
+                            _ => Vec::new(),
+                        },
+                    })
                 };
                 (id, tokio::time::timeout(REPORT_WAIT, ask).await.ok().flatten())
             })
         });
         let answers = futures_util::future::join_all(asks).await;
         let mut cache = lock(&self.reports);
-        for (id, inv) in answers {
-            // A member that did not answer keeps its last report until the next try.
-            let keep = inv.or_else(|| cache.get(&id).and_then(|(_, old)| old.clone()));
+        for (id, report) in answers {
+            let keep = report.or_else(|| cache.get(&id).map(|(_, old)| old.clone())).unwrap_or_default();
             cache.insert(id, (now, keep));
         }
         cache.retain(|id, _| members.contains(id));
-        let mut out: HashMap<NodeId, Option<NodeInventory>> =
-            members.iter().filter_map(|id| cache.get(id).map(|(_, inv)| (*id, inv.clone()))).collect();
-        out.insert(self.rt.me, Some(self.rt.inventory.borrow().clone()));
+        let mut out: HashMap<NodeId, Report> =
+            members.iter().filter_map(|id| cache.get(id).map(|(_, r)| (*id, r.clone()))).collect();
+        out.insert(
+            self.rt.me,
+            Report {
+                inventory: Some(self.rt.inventory.borrow().clone()),
+                stages: runtime::stage_report(&self.rt).into_iter().collect(),
+            },
+        );
         out
     }
 }
@@ -304,7 +463,22 @@ fn machine(inv: NodeInventory) -> Machine {
 }
 
 /// A catalog entry with its placement, as the page shows it.
-fn model_card(entry: &shoal_types::CatalogEntry, p: Option<&ModelPlacement>, state: &str) -> ModelCard {
+fn model_card(
+    entry: &shoal_types::CatalogEntry,
+    p: Option<&ModelPlacement>,
+    state: &str,
+    reports: &HashMap<NodeId, Report>,
+) -> ModelCard {
+    // What the stage's node says of the stage it runs for this placement.
+    let measured = |s: &shoal_types::PlacedStage| {
+        let p = p?;
+        reports
+            .get(&s.node)?
+            .stages
+            .iter()
+            .find(|st| st.model == p.model && st.generation == p.generation && st.layers == s.layers)
+            .cloned()
+    };
     ModelCard {
         name: entry.name.clone(),
         hash: entry.content_hash.clone(),
@@ -317,12 +491,18 @@ fn model_card(entry: &shoal_types::CatalogEntry, p: Option<&ModelPlacement>, sta
             .map(|p| {
                 p.stages
                     .iter()
-                    .map(|s| StageCard {
-                        node: s.node.to_string(),
-                        layers: format!("{}-{}", s.layers.start, s.layers.end),
-                        first: s.layers.start,
-                        end: s.layers.end,
-                        memory_bytes: s.memory_bytes,
+                    .map(|s| {
+                        let st = measured(s);
+                        StageCard {
+                            node: s.node.to_string(),
+                            layers: format!("{}-{}", s.layers.start, s.layers.end),
+                            first: s.layers.start,
+                            end: s.layers.end,
+                            memory_bytes: s.memory_bytes,
+                            state: st.as_ref().map(|st| format!("{:?}", st.state).to_lowercase()),
+                            loaded_bytes: st.as_ref().and_then(|st| st.loaded_bytes),
+                            resident_bytes: st.as_ref().and_then(|st| st.resident_bytes),
+                        }
                     })
                     .collect()
             })

@@ -1013,6 +1013,53 @@ pub fn plan_of(rt: &Runtime, model: &str) -> Result<NodeResponse, ApiError> {
     }
 }
 
+/// The members `prefixes` name (each 8+ hex digits of one member's id).
+fn member_ids(view: &View, prefixes: &[String]) -> Result<Vec<NodeId>, ApiError> {
+    let members: Vec<NodeId> = view.state.as_ref().map(|s| s.members.keys().copied().collect()).unwrap_or_default();
+    let mut ids = Vec::new();
+    for x in prefixes {
+        let found: Vec<&NodeId> =
+            members.iter().filter(|m| m.to_string().starts_with(&x.to_ascii_lowercase())).collect();
+        match found.as_slice() {
+            [one] if x.len() >= 8 => ids.push(**one),
+            _ => {
+                return Err(ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("{x:?} names no single member (give 8+ hex digits of its id)"),
+                ))
+            }
+        }
+    }
+    Ok(ids)
+}
+
+/// What the planner would do with `model` loaded at `context` positions, keeping off
+/// the members `exclude` names, the other loaded models staying where they are.
+/// Nothing is committed: the admin page's what-if.
+pub fn what_if(rt: &Runtime, model: &str, context: u32, exclude: &[String]) -> Result<ModelPlacement, ApiError> {
+    let view = rt.view();
+    let catalog = models::entries(&view);
+    let entry = models::find(&catalog, model)?.clone();
+    if context < 16 {
+        return Err(ApiError::new(ErrorKind::BadRequest, "context must be at least 16"));
+    }
+    let exclude = member_ids(&view, exclude)?;
+    let hash = entry.content_hash.clone();
+    let mut i = inputs(&view);
+    i.loads.retain(|l| l.model != hash);
+    i.placements.remove(&hash);
+    i.loads.push(LoadSpec { model: hash.clone(), context, sessions: 1, exclude });
+    schedule::schedule(&i)
+        .into_iter()
+        .find_map(|d| match d {
+            Decision::Place(p) if p.model == hash => Some(p),
+            _ => None,
+        })
+        .ok_or_else(|| {
+            ApiError::new(ErrorKind::Unavailable, "the planner proposed nothing (it is measuring the members)")
+        })
+}
+
 /// Keep `model` loaded with this sizing.
 pub async fn load(
     rt: &Runtime,
@@ -1027,21 +1074,7 @@ pub async fn load(
     if context == 0 || sessions == 0 || context < 16 {
         return Err(ApiError::new(ErrorKind::BadRequest, "context must be at least 16 and sessions at least 1"));
     }
-    let members: Vec<NodeId> = view.state.as_ref().map(|s| s.members.keys().copied().collect()).unwrap_or_default();
-    let mut ids = Vec::new();
-    for x in exclude {
-        let found: Vec<&NodeId> =
-            members.iter().filter(|m| m.to_string().starts_with(&x.to_ascii_lowercase())).collect();
-        match found.as_slice() {
-            [one] if x.len() >= 8 => ids.push(**one),
-            _ => {
-                return Err(ApiError::new(
-                    ErrorKind::BadRequest,
-                    format!("{x:?} names no single member (give 8+ hex digits of its id)"),
-                ))
-            }
-        }
-    }
+    let ids = member_ids(&view, exclude)?;
     if !view.state.as_ref().is_some_and(|s| s.entries.contains_key(&format!("{PROFILE_PREFIX}{}", entry.content_hash)))
     {
         return Err(ApiError::new(ErrorKind::Unavailable, "the model's description is missing; add it again"));

@@ -55,6 +55,19 @@ fn the_admin_page_runs_the_cluster_in_a_real_browser() {
     let victim = ["beta", "gamma"].into_iter().find(|n| key(&dir(n)) != leader).unwrap();
     let pid = nodes.0.iter().find(|(n, _)| *n == victim).unwrap().1.id();
     let artifacts = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("admin-page");
+    // A local web server with the test model, for the page's download.
+    let site = tmp.path().join("site");
+    std::fs::create_dir_all(&site).unwrap();
+    std::os::unix::fs::symlink(&model, site.join("served.gguf")).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let server = std::process::Command::new("python3")
+        .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+        .arg(&site)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("python3 (scripts/setup.sh installs it)");
+    let _server = KillOnDrop(server);
     let bad = tmp.path().join("broken.gguf");
     std::fs::write(&bad, [&b"GGUF"[..], &[0u8; 4096]].concat()).unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../web/tests/admin.cjs");
@@ -68,6 +81,7 @@ fn the_admin_page_runs_the_cluster_in_a_real_browser() {
         .env("SHOAL_NEW_ID", key(&dir("delta")))
         .env("SHOAL_MODEL", &model)
         .env("SHOAL_BAD_UPLOAD", &bad)
+        .env("SHOAL_DOWNLOAD", format!("http://127.0.0.1:{port}/served.gguf"))
         .env("SHOAL_STAGES", "3")
         .env("SHOAL_PROMPT", prompt)
         .env("SHOAL_EXPECT", &expect)
@@ -82,7 +96,7 @@ fn the_admin_page_runs_the_cluster_in_a_real_browser() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
     assert!(out.status.success(), "the browser test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    for shot in ["01-first-run", "02-overview", "05-models", "07-chat", "09-activity", "10-phone-dark"] {
+    for shot in ["01-first-run", "02-overview", "05-models", "07-chat", "09-activity", "10-settings", "11-phone-dark"] {
         let f = artifacts.join(format!("{shot}.png"));
         assert!(std::fs::metadata(&f).is_ok_and(|m| m.len() > 1000), "screenshot {}", f.display());
     }
@@ -109,8 +123,11 @@ fn the_admin_page_runs_the_cluster_in_a_real_browser() {
             .unwrap()
             .status()
     };
+    // (Each wrong try counts towards the limit of 5 a minute: give the commit a beat
+    // to reach alpha's view first.)
+    std::thread::sleep(std::time::Duration::from_millis(500));
     wait_for("the new password", 10, || (try_login("a new admin password") == 200).then_some(()));
-    assert_eq!(try_login("a long admin password"), 401, "the old password no longer works");
+    assert_eq!(try_login("a long admin password2"), 401, "the page's password no longer works");
     drop(nodes);
 }
 
@@ -213,4 +230,14 @@ fn a_gigabyte_upload_streams_to_disk_and_is_refused_whole_when_it_is_not_a_model
         std::fs::read_dir(&models).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
     assert!(left.is_empty(), "nothing of the refused upload is left: {left:?}");
     drop(nodes);
+}
+
+/// A child process killed when the test ends, passed or failed.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
