@@ -130,7 +130,7 @@ fi
 ln -sfn "$CLIENTS" "$PY/clients"
 say "API clients ready in $CLIENTS"
 
-# --- the admin page's browser test: playwright-core (npm), by version -----------------
+# --- the admin page: its browser test's playwright-core and its charts' uPlot (npm) ---
 # 1.57 still runs on Debian 12's Node.js 18; it drives the system's Chromium (no browser
 # download). The test finds it through the link `playwright-core`.
 NPM="$HOME/.cache/shoal/npm"
@@ -142,6 +142,15 @@ if [ ! -f "$PLAYWRIGHT/.complete" ]; then
   touch "$PLAYWRIGHT/.complete"
 fi
 ln -sfn "$PLAYWRIGHT" "$NPM/playwright-core"
+# uPlot, the admin page's charts: shoal-admin's build embeds it from here (build.rs).
+UPLOT="$NPM/uplot-1.6.32"
+if [ ! -f "$UPLOT/.complete" ]; then
+  say "installing uplot 1.6.32 (npm) into $UPLOT"
+  rm -rf "$UPLOT"; mkdir -p "$UPLOT"
+  npm install --silent --no-audit --no-fund --prefix "$UPLOT" uplot@1.6.32 >&2
+  touch "$UPLOT/.complete"
+fi
+ln -sfn "$UPLOT" "$NPM/uplot"
 
 # --- packaging: cargo-deb, and a clean Debian root for the package test ------------
 # cargo-deb at a pinned version (its own lock file), into Cargo's bin folder.

@@ -134,6 +134,7 @@ function nodeCard(n) {
   const m = n.machine;
   if (m) {
     card.append(el("p", "facts", `${m.cpu || "CPU"} · ${m.cores} cores · ${m.os} · Shoal ${m.version}`));
+    if (m.cpu_percent != null) card.append(meter("CPU", m.cpu_percent, 100, `${Math.round(m.cpu_percent)}% busy`));
     const used = m.ram_total - m.ram_available;
     card.append(meter("RAM", used, m.ram_total, `${bytes(used)} used of ${bytes(m.ram_total)}`));
     for (const g of m.gpus) {
@@ -183,11 +184,19 @@ function modelCard(m, nodes, colour) {
       sw.style.background = part.style.background;
       const measured = s.resident_bytes != null ? `, ${bytes(s.resident_bytes)} measured`
         : s.loaded_bytes != null ? `, ${bytes(s.loaded_bytes)} loaded` : s.state ? ` (${s.state})` : "";
-      item.append(sw, `${names.get(s.node) || s.node.slice(0, 8)}: ${span(s)}, ${bytes(s.memory_bytes)} predicted${measured}`);
+      const speed = s.decode_ms != null ? `, ${s.decode_ms.toFixed(1)} ms per token` : "";
+      item.append(sw, `${names.get(s.node) || s.node.slice(0, 8)}: ${span(s)}, ${bytes(s.memory_bytes)} predicted${measured}${speed}`);
       legend.append(item);
     }
     card.append(bar, legend);
-    if (m.predicted_tok_s) card.append(el("p", "facts", `Predicted: ${m.predicted_tok_s.toFixed(1)} tokens/s for one conversation.`));
+    if (m.predicted_tok_s) {
+      const timed = m.stages.filter((s) => s.decode_ms != null);
+      const compute = timed.reduce((a, s) => a + s.decode_ms, 0);
+      const measured = timed.length === m.stages.length && compute > 0
+        ? ` Measured: the stages compute a token in ${compute.toFixed(1)} ms together (at most ${(1000 / compute).toFixed(0)} tokens/s before the network).`
+        : "";
+      card.append(el("p", "facts", `Predicted: ${m.predicted_tok_s.toFixed(1)} tokens/s for one conversation.${measured}`));
+    }
     if (m.explanation.length) {
       const why = el("details");
       why.append(el("summary", "facts", "Why this placement"));
@@ -347,6 +356,8 @@ function render(o) {
     return tr;
   }) : [(() => { const tr = el("tr"); const td = el("td", "muted", "No keys: other machines cannot call the API."); td.colSpan = 3; tr.append(td); return tr; })()]);
 
+  activity(o.activity, o.nodes);
+
   // Activity, newest first.
   const evs = [...o.events].reverse();
   renderIf($("events"), evs, () => evs.length ? evs.map((e) => {
@@ -405,6 +416,64 @@ function whatIf(models, nodes, colour) {
   }));
   box.append(form, out);
   return box;
+}
+
+// ---- activity ----
+
+/** Successive counters (seconds, tokens streamed, requests), the newest 300. */
+const samples = [];
+let chart = null;
+
+function activity(a, nodes) {
+  const last = samples[samples.length - 1];
+  if (!last || a.at_ms / 1000 > last.t) samples.push({ t: a.at_ms / 1000, tokens: a.streamed_tokens, requests: a.requests });
+  if (samples.length > 300) samples.shift();
+  const rate = (k, i) => {
+    const [p, q] = [samples[i - 1], samples[i]];
+    return q.t > p.t ? Math.max(0, (q[k] - p[k]) / (q.t - p.t)) : 0;
+  };
+  const times = samples.slice(1).map((s) => s.t);
+  const tokens = samples.slice(1).map((_, i) => rate("tokens", i + 1));
+  const now = tokens.length ? tokens[tokens.length - 1] : 0;
+  const tile = (title, value, note) => {
+    const c = el("div", "card");
+    c.append(el("strong", "", title), el("p", "big", value));
+    if (note) c.append(el("p", "facts", note));
+    return c;
+  };
+  $("rates").replaceChildren(
+    tile("Tokens/s now", now.toFixed(1)),
+    tile("Streaming now", String(a.in_flight)),
+    tile("Requests answered", String(a.requests), `${a.failed_requests} refused or failed`),
+  );
+  const box = $("chart");
+  if (window.uPlot && !$("activity").hidden) {
+    const width = Math.max(280, box.clientWidth);
+    if (!chart) {
+      const accent = getComputedStyle(document.documentElement).getPropertyValue("--accent").trim() || "#0b6e99";
+      const fg = getComputedStyle(document.documentElement).getPropertyValue("--muted").trim() || "#555";
+      chart = new window.uPlot({
+        width, height: 220,
+        series: [{}, { label: "tokens/s", stroke: accent, fill: accent + "22", width: 2 }],
+        axes: [{ stroke: fg }, { stroke: fg }],
+        scales: { y: { range: (u, min, max) => [0, Math.max(1, max)] } },
+      }, [times, tokens], box);
+    } else {
+      if (chart.width !== width) chart.setSize({ width, height: 220 });
+      chart.setData([times, tokens]);
+    }
+  } else if (!window.uPlot) {
+    box.textContent = `Tokens/s over the last ${times.length} samples: ${tokens.map((v) => v.toFixed(0)).join(" ")}`;
+  }
+  const names = new Map(nodes.map((n) => [n.id, n.name]));
+  renderIf($("hops").tBodies[0], a.hops, () => a.hops.length ? a.hops.map((h) => {
+    const tr = el("tr");
+    const us = (v) => (v >= 1000 ? `${(v / 1000).toFixed(1)} ms` : `${v} µs`);
+    tr.append(el("td", "", h.model), el("td", "", `${names.get(h.node) || h.node.slice(0, 8)}, ${h.end - h.first === 1 ? `layer ${h.first}` : `layers ${h.first}–${h.end - 1}`}`),
+      el("td", "", h.class), el("td", "", String(h.frames)), el("td", "", us(h.p50_us)), el("td", "", us(h.p99_us)),
+      el("td", "", String(h.replays)), el("td", "", String(h.link_connects)));
+    return tr;
+  }) : [(() => { const tr = el("tr"); const td = el("td", "muted", "No model is running."); td.colSpan = 8; tr.append(td); return tr; })()]);
 }
 
 // ---- machines ----

@@ -201,6 +201,14 @@ async function tab(page, name) {
     console.log(`chat: ${await page.locator("#chat-stats").textContent()}`);
     await shot(page, "07-chat");
 
+    // Activity: the tokens/s chart (uPlot, embedded) and each stage's hop latency.
+    await tab(page, "Activity");
+    await page.locator("#chart .uplot canvas").first().waitFor({ timeout: 10000 });
+    await page.waitForFunction(() => document.querySelectorAll("#hops tbody tr td").length >= 8, null, { timeout: 15000 });
+    const hopRows = await page.locator("#hops tbody tr").count();
+    check(true, `the activity shows the tokens/s chart and ${hopRows} rows of hop latency`);
+    await shot(page, "08a-activity-running");
+
     // A member stops: its card says so without a reload, and the log tells it.
     process.kill(Number(env("SHOAL_KILL_PID")), "SIGKILL");
     await tab(page, "Overview");

@@ -23,7 +23,9 @@ pub mod auth;
 pub mod overview;
 
 pub use auth::{AuthRecord, AUTH_KEY};
-pub use overview::{Download, Gpu, KeyRow, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, StageCard};
+pub use overview::{
+    Activity, Download, Gpu, Hop, KeyRow, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, StageCard,
+};
 
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Path, State};
@@ -242,6 +244,9 @@ const ASSETS: &[(&str, &str, &str)] = &[
     ("app.js", "text/javascript; charset=utf-8", include_str!("../../../web/app.js")),
     ("style.css", "text/css; charset=utf-8", include_str!("../../../web/style.css")),
     ("icon.svg", "image/svg+xml", include_str!("../../../web/icon.svg")),
+    // uPlot (MIT), from the npm cache when the build found it (build.rs).
+    ("uplot.js", "text/javascript; charset=utf-8", include_str!(concat!(env!("OUT_DIR"), "/uplot.js"))),
+    ("uplot.css", "text/css; charset=utf-8", include_str!(concat!(env!("OUT_DIR"), "/uplot.css"))),
 ];
 
 /// One of the page's files, or 404.

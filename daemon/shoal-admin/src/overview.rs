@@ -24,6 +24,51 @@ pub struct Overview {
     pub keys: Vec<KeyRow>,
     /// Downloads started from the page on the answering node, newest last.
     pub downloads: Vec<Download>,
+    /// Counters for the activity charts.
+    pub activity: Activity,
+}
+
+/// What the activity charts are drawn from: the answering node's API counters (the
+/// page turns successive ones into rates) and the stages' hop latencies.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Activity {
+    /// When these were read, Unix milliseconds.
+    pub at_ms: u64,
+    /// Tokens this node's API streamed since it started.
+    pub streamed_tokens: u64,
+    /// Requests this node's API answered.
+    pub requests: u64,
+    /// Of which refused or failed (status 400 or more).
+    pub failed_requests: u64,
+    /// Generations streaming through this node's API now.
+    pub in_flight: u64,
+    /// Frame latency into each running stage, by frame size, as the stages measure it.
+    pub hops: Vec<Hop>,
+}
+
+/// Latency of the frames reaching one stage.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Hop {
+    /// The model's name.
+    pub model: String,
+    /// The node that runs the stage (id).
+    pub node: String,
+    /// Its layers, first and one past the last.
+    pub first: u32,
+    /// See `first`.
+    pub end: u32,
+    /// Which frames, e.g. "hidden <= 4 KiB".
+    pub class: String,
+    /// Frames recorded.
+    pub frames: u64,
+    /// Median, microseconds.
+    pub p50_us: u64,
+    /// 99th percentile, microseconds.
+    pub p99_us: u64,
+    /// Replays the stage made (a restarted or replaced stage catches up).
+    pub replays: u64,
+    /// Times its link to the next stage was (re)connected.
+    pub link_connects: u64,
 }
 
 /// One API key.
@@ -97,6 +142,8 @@ pub struct Machine {
     pub cpu: String,
     /// Logical cores.
     pub cores: u32,
+    /// CPU busy over every core lately, percent (absent: not measured yet).
+    pub cpu_percent: Option<f32>,
     /// RAM installed, bytes.
     pub ram_total: u64,
     /// RAM available now, bytes.
@@ -176,4 +223,6 @@ pub struct StageCard {
     pub loaded_bytes: Option<u64>,
     /// The node process's resident memory growth since the stage loaded, bytes.
     pub resident_bytes: Option<u64>,
+    /// Its measured compute per decode step, milliseconds (once it decoded).
+    pub decode_ms: Option<f64>,
 }

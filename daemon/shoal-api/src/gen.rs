@@ -179,6 +179,7 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
             t = tokens.recv() => {
                 // The channel closes when the generation is over and dropped its sender.
                 let Some((t, lp)) = t else { break };
+                backend.metrics().token();
                 made += 1;
                 last = Some(t);
                 last_at = Instant::now();

@@ -11,7 +11,7 @@
 mod anthropic;
 pub mod backend;
 mod metrics;
-pub use metrics::Metrics;
+pub use metrics::{Metrics, Snapshot};
 mod common;
 mod gen;
 pub mod grammar;

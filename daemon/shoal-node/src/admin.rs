@@ -29,6 +29,8 @@ pub(crate) struct Report {
     inventory: Option<NodeInventory>,
     /// Its stages and their measured memory.
     stages: Vec<StageStatus>,
+    /// What its running stages' services say (hop latencies, replays, links).
+    services: Vec<shoal_pipeline::NodeStatus>,
 }
 
 /// How long a member's report is reused before it is asked again.
@@ -45,6 +47,8 @@ pub struct NodeAdmin {
     pub(crate) reports: Mutex<HashMap<NodeId, (Instant, Report)>>,
     /// Downloads started from the page, newest last (shared with their tasks).
     pub(crate) downloads: Arc<Mutex<Vec<Download>>>,
+    /// The HTTP API's counters (the activity charts).
+    pub(crate) api: Arc<crate::http::NodeBackend>,
     /// Where the page's uploads go (`<data dir>/models`, as downloads).
     pub(crate) uploads: std::path::PathBuf,
 }
@@ -174,6 +178,42 @@ impl shoal_admin::AdminBackend for NodeAdmin {
             .and_then(|v| v.as_str())
             .unwrap_or_default()
             .to_string();
+        let snap = shoal_api::Backend::metrics(&*self.api).snapshot();
+        let mut hops = Vec::new();
+        for (hash, p) in &placements {
+            let model = models.iter().find(|m| &m.hash == hash).map_or_else(|| hash.clone(), |m| m.name.clone());
+            for s in &p.stages {
+                let Some(service) =
+                    reports.get(&s.node).and_then(|r| r.services.iter().find(|st| st.layers == s.layers))
+                else {
+                    continue;
+                };
+                for h in &service.hop_in {
+                    hops.push(shoal_admin::Hop {
+                        model: model.clone(),
+                        node: s.node.to_string(),
+                        first: s.layers.start,
+                        end: s.layers.end,
+                        class: h.class.clone(),
+                        frames: h.frames,
+                        p50_us: h.p50_us,
+                        p99_us: h.p99_us,
+                        replays: service.counters.replays,
+                        link_connects: service.link_connects,
+                    });
+                }
+            }
+        }
+        let activity = shoal_admin::Activity {
+            at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            streamed_tokens: snap.streamed_tokens,
+            requests: snap.requests,
+            failed_requests: snap.failed_requests,
+            in_flight: snap.in_flight,
+            hops,
+        };
         let keys = crate::keys::list(&view)
             .into_iter()
             .map(|k| KeyRow { name: k.name, created_unix: k.created_unix })
@@ -188,6 +228,7 @@ impl shoal_admin::AdminBackend for NodeAdmin {
             events,
             keys,
             downloads: lock(&self.downloads).clone(),
+            activity,
         }
     }
 
@@ -372,9 +413,10 @@ fn failure(e: crate::api::ApiError) -> ActionError {
 }
 
 impl NodeAdmin {
-    /// The admin page's backend for the node `rt`, uploads going to `uploads`.
-    pub fn new(rt: Arc<Runtime>, uploads: std::path::PathBuf) -> NodeAdmin {
-        NodeAdmin { rt, reports: Mutex::new(HashMap::new()), uploads, downloads: Arc::default() }
+    /// The admin page's backend for the node `rt` serving the API `api`, uploads going
+    /// to `uploads`.
+    pub fn new(rt: Arc<Runtime>, api: Arc<crate::http::NodeBackend>, uploads: std::path::PathBuf) -> NodeAdmin {
+        NodeAdmin { rt, reports: Mutex::new(HashMap::new()), uploads, downloads: Arc::default(), api }
     }
 
     /// The reports of `members` (this node's own from its inventory and stage),
@@ -416,12 +458,33 @@ impl NodeAdmin {
                             Some(NodeResponse::Stages(s)) => s,
                             _ => Vec::new(),
                         },
+                        services: Vec::new(),
                     })
                 };
                 (id, tokio::time::timeout(REPORT_WAIT, ask).await.ok().flatten())
             })
         });
-        let answers = futures_util::future::join_all(asks).await;
+        let mut answers = futures_util::future::join_all(asks).await;
+        // Then the running stages' services, all at once (this node's own among them).
+        let mine = Report {
+            inventory: Some(self.rt.inventory.borrow().clone()),
+            stages: runtime::stage_report(&self.rt).into_iter().collect(),
+            services: Vec::new(),
+        };
+        answers.push((self.rt.me, Some(mine)));
+        let running = |st: &&StageStatus| st.state == crate::api::StageState::Running;
+        let services = answers.iter().flat_map(|(id, r)| {
+            r.iter().flat_map(|r| r.stages.iter().filter(running)).map(move |st| {
+                let (id, layers) = (*id, st.layers);
+                async move { (id, runtime::stage_status(&self.rt, view, id, layers, REPORT_WAIT).await) }
+            })
+        });
+        for (id, status) in futures_util::future::join_all(services).await {
+            if let (Some(status), Some((_, Some(r)))) = (status, answers.iter_mut().find(|(n, _)| *n == id)) {
+                r.services.push(status);
+            }
+        }
+        let mine = answers.pop().and_then(|(_, r)| r).unwrap_or_default();
         let mut cache = lock(&self.reports);
         for (id, report) in answers {
             let keep = report.or_else(|| cache.get(&id).map(|(_, old)| old.clone())).unwrap_or_default();
@@ -430,13 +493,7 @@ impl NodeAdmin {
         cache.retain(|id, _| members.contains(id));
         let mut out: HashMap<NodeId, Report> =
             members.iter().filter_map(|id| cache.get(id).map(|(_, r)| (*id, r.clone()))).collect();
-        out.insert(
-            self.rt.me,
-            Report {
-                inventory: Some(self.rt.inventory.borrow().clone()),
-                stages: runtime::stage_report(&self.rt).into_iter().collect(),
-            },
-        );
+        out.insert(self.rt.me, mine);
         out
     }
 }
@@ -448,6 +505,7 @@ fn machine(inv: NodeInventory) -> Machine {
         os: inv.os,
         cpu: inv.cpu_model,
         cores: inv.cpu_cores,
+        cpu_percent: inv.cpu_used_permille.map(|p| p as f32 / 10.0),
         ram_total: inv.ram_total_bytes,
         ram_available: inv.ram_available_bytes,
         gpus: inv
@@ -502,6 +560,11 @@ fn model_card(
                             state: st.as_ref().map(|st| format!("{:?}", st.state).to_lowercase()),
                             loaded_bytes: st.as_ref().and_then(|st| st.loaded_bytes),
                             resident_bytes: st.as_ref().and_then(|st| st.resident_bytes),
+                            decode_ms: reports
+                                .get(&s.node)
+                                .and_then(|r| r.services.iter().find(|n| n.layers == s.layers))
+                                .filter(|n| n.decode_steps > 0)
+                                .map(|n| n.decode_compute_ms / n.decode_steps as f64),
                         }
                     })
                     .collect()

@@ -181,7 +181,7 @@ async fn serve_http(
     eprintln!("[shoal] admin page: http://{bound}/admin/");
     // The admin page's routes carry their own login; the API's key check and CORS
     // apply to the API's routes only.
-    let page = admin::NodeAdmin::new(rt, data_dir.join("models"));
+    let page = admin::NodeAdmin::new(rt, backend.clone(), data_dir.join("models"));
     let router = shoal_api::router(backend.clone(), access).merge(shoal_admin::router(
         Arc::new(page),
         shoal_admin::Config::default(),

@@ -171,6 +171,10 @@ pub struct NodeInventory {
     pub ram_total_bytes: u64,
     /// RAM available to new allocations now, bytes.
     pub ram_available_bytes: u64,
+    /// CPU busy over every core since the previous refresh, in thousandths (absent:
+    /// not measured yet, or an older node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_used_permille: Option<u32>,
     /// GPUs and iGPUs (not the CPU device) from llama.cpp's backend registry.
     pub gpus: Vec<DeviceInventory>,
 }

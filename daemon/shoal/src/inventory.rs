@@ -28,6 +28,8 @@ pub fn collect() -> NodeInventory {
 pub struct Refresher {
     sys: System,
     fixed: NodeInventory,
+    /// Whether CPU times were read once: usage is the busy share between two reads.
+    cpu_primed: bool,
 }
 
 impl Refresher {
@@ -49,15 +51,21 @@ impl Refresher {
             cpu_cores: u32::try_from(cores).unwrap_or(u32::MAX),
             ..Default::default()
         };
-        Refresher { sys, fixed }
+        Refresher { sys, fixed, cpu_primed: false }
     }
 
-    /// The inventory now: the fixed facts, with RAM and GPU memory read afresh.
+    /// The inventory now: the fixed facts, with RAM, CPU use (since the last refresh)
+    /// and GPU memory read afresh.
     pub fn refresh(&mut self) -> NodeInventory {
         self.sys.refresh_memory();
+        // One read of /proc/stat; the first gives no share yet.
+        self.sys.refresh_cpu_usage();
+        let cpu = self.cpu_primed.then(|| (self.sys.global_cpu_usage().clamp(0.0, 100.0) * 10.0).round() as u32);
+        self.cpu_primed = true;
         NodeInventory {
             ram_total_bytes: self.sys.total_memory(),
             ram_available_bytes: self.sys.available_memory(),
+            cpu_used_permille: cpu,
             gpus: gpus(shoal_engine::devices()),
             ..self.fixed.clone()
         }
@@ -174,5 +182,8 @@ mod tests {
             (&second.hostname, &second.cpu_model, second.cpu_cores)
         );
         assert_eq!(first.gpus.len(), second.gpus.len());
+        // CPU use is a share between two reads: none at the first, a permille after.
+        assert_eq!(first.cpu_used_permille, None);
+        assert!(second.cpu_used_permille.is_some_and(|p| p <= 1000), "{:?}", second.cpu_used_permille);
     }
 }
