@@ -195,7 +195,8 @@ function modelCard(m, nodes, colour) {
       const measured = timed.length === m.stages.length && compute > 0
         ? ` Measured: the stages compute a token in ${compute.toFixed(1)} ms together (at most ${(1000 / compute).toFixed(0)} tokens/s before the network).`
         : "";
-      card.append(el("p", "facts", `Predicted: ${m.predicted_tok_s.toFixed(1)} tokens/s for one conversation.${measured}`));
+      const last = m.measured_tok_s != null ? ` Last answer through this machine: ${m.measured_tok_s.toFixed(1)} tokens/s.` : "";
+      card.append(el("p", "facts", `Predicted: ${m.predicted_tok_s.toFixed(1)} tokens/s for one conversation.${last}${measured}`));
     }
     if (m.explanation.length) {
       const why = el("details");
@@ -338,6 +339,14 @@ function render(o) {
   }));
 
   // Settings.
+  if ($("api-open").dataset.key !== String(o.settings.api_open)) {
+    $("api-open").checked = o.settings.api_open;
+    $("api-open").dataset.key = String(o.settings.api_open);
+  }
+  if ($("keepalive").dataset.key !== o.settings.keepalive) {
+    $("keepalive").value = o.settings.keepalive;
+    $("keepalive").dataset.key = o.settings.keepalive;
+  }
   if (document.activeElement !== $("cluster-name") && $("cluster-name").dataset.key !== o.name) {
     $("cluster-name").value = o.name;
     $("cluster-name").dataset.key = o.name;
@@ -556,6 +565,22 @@ $("name-form").addEventListener("submit", async (e) => {
   e.preventDefault();
   const r = await act({ action: "cluster_name", name: $("cluster-name").value }, $("settings-error"));
   if (r) $("settings-status").textContent = `The cluster is called ${r.name}.`;
+});
+
+$("api-open").addEventListener("change", async (e) => {
+  const open = e.target.checked;
+  if (open && !confirm("Every machine that reaches this network will be able to run models here without a key. Go on?")) {
+    e.target.checked = false;
+    return;
+  }
+  const r = await act({ action: "api_open", open }, $("settings-error"));
+  if (r) $("settings-status").textContent = open ? "Other machines need no key now." : "Other machines need a key now.";
+  else e.target.checked = !open;
+});
+
+$("keepalive").addEventListener("change", async (e) => {
+  const r = await act({ action: "keep_alive", mode: e.target.value }, $("settings-error"));
+  if (r) $("settings-status").textContent = "Saved: stages started from now on follow it.";
 });
 
 $("key-form").addEventListener("submit", async (e) => {

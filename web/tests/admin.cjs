@@ -200,6 +200,19 @@ async function tab(page, name) {
     check(answer === env("SHOAL_EXPECT"), `the chat answers as shoal run does (${JSON.stringify(answer)})`);
     console.log(`chat: ${await page.locator("#chat-stats").textContent()}`);
     await shot(page, "07-chat");
+    // Stop ends a long answer part way.
+    await page.locator("#chat-max").fill("400");
+    await page.getByLabel("Message").fill("Write a long story about the sea.");
+    await page.getByRole("button", { name: "Send" }).click();
+    await page.waitForFunction(() => [...document.querySelectorAll("#chat-log .msg.assistant .text")].pop().textContent.length > 20,
+      null, { timeout: 60000 });
+    await page.getByRole("button", { name: "Stop" }).click();
+    await page.locator("#chat-log .msg.assistant .text").last().filter({ hasText: "[stopped]" }).waitFor({ timeout: 10000 });
+    check(await page.locator("#chat-send").isEnabled(), "Stop ends an answer part way, and the chat goes on");
+    await tab(page, "Models");
+    await page.locator(`#catalog .model[data-model="${name}"]`).filter({ hasText: "Last answer through this machine" })
+      .waitFor({ timeout: 10000 });
+    check(true, "the model's card shows the measured speed of the last answer beside the prediction");
 
     // Activity: the tokens/s chart (uPlot, embedded) and each stage's hop latency.
     await tab(page, "Activity");
@@ -237,6 +250,12 @@ async function tab(page, name) {
     await page.locator("#keys tbody tr").filter({ hasText: "open-webui" }).getByRole("button", { name: "Revoke" }).click();
     await page.locator("#keys tbody tr").filter({ hasText: "open-webui" }).waitFor({ state: "detached" });
     check(true, "a revoked key leaves the list");
+    page.once("dialog", (d) => d.accept());
+    await page.getByLabel(/Let every machine on the network call the API without a key/).check();
+    await page.locator("#settings-status").filter({ hasText: "need no key" }).waitFor();
+    await page.getByLabel("Stages between tokens").selectOption("on");
+    await page.locator("#settings-status").filter({ hasText: "stages started from now on" }).waitFor();
+    check(true, "the API's key requirement and keep-alive are set for every machine");
     await page.getByLabel("Current password").fill("not it at all");
     await page.getByLabel(/^New password/).fill(PASSWORD + "2");
     await page.getByRole("button", { name: "Change password" }).click();

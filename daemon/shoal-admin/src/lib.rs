@@ -24,7 +24,8 @@ pub mod overview;
 
 pub use auth::{AuthRecord, AUTH_KEY};
 pub use overview::{
-    Activity, Download, Gpu, Hop, KeyRow, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, StageCard,
+    Activity, Download, Gpu, Hop, KeyRow, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, Settings,
+    StageCard,
 };
 
 use axum::body::Bytes;
@@ -150,6 +151,17 @@ pub enum Action {
         /// Members (ids or prefixes) to leave out.
         #[serde(default)]
         exclude: Vec<String>,
+    },
+    /// Let every machine call the API without a key (`true`), or only with one.
+    ApiOpen {
+        /// Whether no key is needed.
+        open: bool,
+    },
+    /// Whether stages spin between tokens: "on", "off", or "node" (each node's flag).
+    /// Stages started from then on follow it.
+    KeepAlive {
+        /// "on", "off" or "node".
+        mode: String,
     },
     /// Name the cluster (shown on every node's page).
     ClusterName {

@@ -26,6 +26,17 @@ pub struct Overview {
     pub downloads: Vec<Download>,
     /// Counters for the activity charts.
     pub activity: Activity,
+    /// The cluster-wide settings.
+    pub settings: Settings,
+}
+
+/// Settings every node follows, kept in the cluster state.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Settings {
+    /// Every machine may call the API without a key (else: keys for other machines).
+    pub api_open: bool,
+    /// Stages spin between tokens: "on", "off", or "node" (each node's own flag).
+    pub keepalive: String,
 }
 
 /// What the activity charts are drawn from: the answering node's API counters (the
@@ -201,6 +212,9 @@ pub struct ModelCard {
     pub predicted_tok_s: Option<f64>,
     /// The planner's reasons.
     pub explanation: Vec<String>,
+    /// The decode speed of the last generation of it through the answering node's
+    /// API, tokens/s.
+    pub measured_tok_s: Option<f64>,
 }
 
 /// One stage of a placed model.

@@ -50,6 +50,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Constant time in the key.
     fn authorized(&self, key: &str) -> bool;
 
+    /// Whether the cluster's owner let every machine in without a key (a setting that
+    /// can change while the node runs; `Access::open` is the node's own flag).
+    fn open(&self) -> bool {
+        false
+    }
+
     /// Run `request` on `model` wherever its stages run, sending each token to
     /// `tokens` as it comes (with its log-probabilities when the request's sampling
     /// asked for them); the report at the end. Dropping the future cancels the

@@ -223,7 +223,7 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
     let finish =
         if stopped_by_text || ended_by_eog || made < job.max_tokens as usize { Finish::Stop } else { Finish::Length };
     let first_at = first_at.unwrap_or(last_at);
-    backend.metrics().finished(job.prompt.len(), made, first_at - t0, last_at - first_at);
+    backend.metrics().finished(&job.model, job.prompt.len(), made, first_at - t0, last_at - first_at);
     let _ = events
         .send(Event::End(Outcome {
             finish,

@@ -140,7 +140,7 @@ async fn auth<B: Backend>(
 ) -> Response {
     let loopback = serve::is_loopback(peer.ip());
     let local = access.loopback_free && loopback && local_caller(req.headers(), &access.cors_origins);
-    if access.open || local || req.uri().path() == "/" {
+    if access.open || local || req.uri().path() == "/" || backend.open() {
         return next.run(req).await;
     }
     let headers = req.headers();

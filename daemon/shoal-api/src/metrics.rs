@@ -27,6 +27,9 @@ pub struct Metrics {
     /// Tokens streamed so far, counted as each arrives (live rates; the totals above
     /// count only finished generations).
     streamed: AtomicU64,
+    /// The decode speed of the last finished generation of each model, by the name the
+    /// client used (a model's few names; tokens/s).
+    last_decode: Mutex<BTreeMap<String, f64>>,
     ttft: Histogram<10>,
     tok_per_s: Histogram<10>,
 }
@@ -76,6 +79,7 @@ impl Metrics {
             completion_tokens: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             streamed: AtomicU64::new(0),
+            last_decode: Mutex::default(),
             ttft: Histogram::new(TTFT_BUCKETS),
             tok_per_s: Histogram::new(TPS_BUCKETS),
         }
@@ -109,14 +113,27 @@ impl Metrics {
         }
     }
 
-    /// A generation ended normally.
-    pub(crate) fn finished(&self, prompt: usize, completion: usize, ttft: Duration, decode: Duration) {
+    /// A generation of `model` ended normally.
+    pub(crate) fn finished(&self, model: &str, prompt: usize, completion: usize, ttft: Duration, decode: Duration) {
         self.prompt_tokens.fetch_add(prompt as u64, Relaxed);
         self.completion_tokens.fetch_add(completion as u64, Relaxed);
         self.ttft.observe(ttft.as_secs_f64());
         if completion > 1 && !decode.is_zero() {
-            self.tok_per_s.observe((completion - 1) as f64 / decode.as_secs_f64());
+            let speed = (completion - 1) as f64 / decode.as_secs_f64();
+            self.tok_per_s.observe(speed);
+            let mut last = self.last_decode.lock().unwrap_or_else(|e| e.into_inner());
+            // A model is asked for by a few names; a client inventing names cannot grow
+            // the map past this.
+            if last.len() < 256 || last.contains_key(model) {
+                last.insert(model.to_string(), speed);
+            }
         }
+    }
+
+    /// The decode speed (tokens/s) of the last finished generation of each model, by
+    /// the name the client used.
+    pub fn last_decode(&self) -> BTreeMap<String, f64> {
+        self.last_decode.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Everything, in Prometheus' text format, then `extra` (the node's own lines).

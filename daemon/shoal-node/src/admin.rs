@@ -21,6 +21,25 @@ use std::time::{Duration, Instant};
 
 /// The cluster state entry holding the cluster's name (a JSON string).
 pub const NAME_KEY: &str = "cluster/name";
+/// The cluster state entry that lets every machine call the API without a key (`true`).
+pub const API_OPEN_KEY: &str = "settings/api_open";
+/// The cluster state entry that turns stages' keep-alive on or off for every node
+/// (`"on"` or `"off"`; absent: each node's `--keepalive`).
+pub const KEEPALIVE_KEY: &str = "settings/keepalive";
+
+/// Whether the cluster lets every machine call the API without a key.
+pub fn api_open(view: &shoal_membership::node::View) -> bool {
+    view.state.as_ref().and_then(|s| s.entries.get(API_OPEN_KEY)).and_then(|v| v.as_bool()).unwrap_or(false)
+}
+
+/// The cluster's keep-alive setting: `Some(on)`, or `None` (each node's flag).
+pub fn keepalive(view: &shoal_membership::node::View) -> Option<bool> {
+    match view.state.as_ref().and_then(|s| s.entries.get(KEEPALIVE_KEY)).and_then(|v| v.as_str()) {
+        Some("on") => Some(true),
+        Some("off") => Some(false),
+        _ => None,
+    }
+}
 
 /// What a member reports of itself: its machine and the stage it runs.
 #[derive(Clone, Default)]
@@ -164,6 +183,15 @@ impl shoal_admin::AdminBackend for NodeAdmin {
             models.push(model_card(&entry, p, state, &reports));
         }
         models.sort_by(|a, b| a.name.cmp(&b.name));
+        // The last generation through this node's API, by the name the client used (the
+        // model's name, or a prefix of its hash).
+        let decode = shoal_api::Backend::metrics(&*self.api).last_decode();
+        for m in &mut models {
+            m.measured_tok_s = decode
+                .iter()
+                .find(|(asked, _)| **asked == m.name || (asked.len() >= 8 && m.hash.starts_with(asked.as_str())))
+                .map(|(_, s)| *s);
+        }
         let events = self
             .rt
             .events
@@ -229,6 +257,15 @@ impl shoal_admin::AdminBackend for NodeAdmin {
             keys,
             downloads: lock(&self.downloads).clone(),
             activity,
+            settings: shoal_admin::Settings {
+                api_open: api_open(&view),
+                keepalive: match keepalive(&view) {
+                    Some(true) => "on",
+                    Some(false) => "off",
+                    None => "node",
+                }
+                .into(),
+            },
         }
     }
 
@@ -311,6 +348,22 @@ impl shoal_admin::AdminBackend for NodeAdmin {
                 let card = model_card(&entry, Some(&p), "proposed", &HashMap::new());
                 // Invariant: plain data always serialises.
                 Ok(serde_json::to_value(card).expect("a card serialises"))
+            }
+            Action::ApiOpen { open } => {
+                let req = if open {
+                    AdminRequest::Put { key: API_OPEN_KEY.into(), value: json!(true) }
+                } else {
+                    AdminRequest::Delete { key: API_OPEN_KEY.into() }
+                };
+                ask(req).await.map(|_| json!({"api_open": open}))
+            }
+            Action::KeepAlive { mode } => {
+                let req = match mode.as_str() {
+                    "on" | "off" => AdminRequest::Put { key: KEEPALIVE_KEY.into(), value: json!(mode) },
+                    "node" => AdminRequest::Delete { key: KEEPALIVE_KEY.into() },
+                    other => return Err(bad(format!("keep-alive {other:?}: on, off or node"))),
+                };
+                ask(req).await.map(|_| json!({"keepalive": mode}))
             }
             Action::ClusterName { name } => {
                 let name = name.trim().to_string();
@@ -572,6 +625,7 @@ fn model_card(
             .unwrap_or_default(),
         predicted_tok_s: p.filter(|p| !p.stages.is_empty()).map(|p| p.predicted_tok_s),
         explanation: p.map(|p| p.explanation.clone()).unwrap_or_default(),
+        measured_tok_s: None,
     }
 }
 

@@ -195,6 +195,10 @@ impl Backend for NodeBackend {
         crate::keys::check(&self.rt.membership.view().borrow(), key)
     }
 
+    fn open(&self) -> bool {
+        crate::admin::api_open(&self.rt.membership.view().borrow())
+    }
+
     async fn generate(
         &self,
         model: &str,

@@ -613,7 +613,12 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         samplers: engine.samplers(&obtained.file.path),
         dtype: Dtype::F32,
         retry: RetryPolicy::default(),
-        keepalive: rt.keepalive,
+        // The cluster's setting, where its owner made one; else this node's flag.
+        keepalive: match crate::admin::keepalive(&rt.view()) {
+            Some(true) => Some(shoal_pipeline::KEEPALIVE_WINDOW),
+            Some(false) => None,
+            None => rt.keepalive,
+        },
     };
     status.state = StageState::Running;
     *lock(&rt.stage) = Some(status.clone());

@@ -55,6 +55,13 @@ fn the_admin_page_runs_the_cluster_in_a_real_browser() {
     let victim = ["beta", "gamma"].into_iter().find(|n| key(&dir(n)) != leader).unwrap();
     let pid = nodes.0.iter().find(|(n, _)| *n == victim).unwrap().1.id();
     let artifacts = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("admin-page");
+    // A web page of another site, through this machine's browser: it needs a key (the
+    // page's setting lifts that below).
+    let foreign = || {
+        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        agent.get(&format!("{url}/v1/models")).header("origin", "http://elsewhere.example").call().unwrap().status()
+    };
+    assert_eq!(foreign(), 401);
     // A local web server with the test model, for the page's download.
     let site = tmp.path().join("site");
     std::fs::create_dir_all(&site).unwrap();
@@ -100,6 +107,8 @@ fn the_admin_page_runs_the_cluster_in_a_real_browser() {
         let f = artifacts.join(format!("{shot}.png"));
         assert!(std::fs::metadata(&f).is_ok_and(|m| m.len() > 1000), "screenshot {}", f.display());
     }
+
+    assert_eq!(foreign(), 200, "the page let every machine in without a key");
 
     // The owner of a node sets a new password without the page (a forgotten one): the
     // old one stops working on every node, the new one works.
