@@ -25,7 +25,7 @@ const TABS = ["overview", "machines", "models", "chat", "activity", "settings"];
 /** Show one of the page's views: a login step, or (logged in) the tab in the URL. */
 function show(view) {
   const inside = view === "in";
-  for (const id of ["loading", "unpaired", "setup", "login"]) $(id).hidden = id !== view;
+  for (const id of ["loading", "unpaired", "setup", "setup-elsewhere", "login"]) $(id).hidden = id !== view;
   $("tabs").hidden = !inside;
   $("logout").hidden = !inside;
   $("live").hidden = !inside;
@@ -44,7 +44,8 @@ async function start() {
   if (status !== 200) { show("loading"); $("loading").textContent = s.error || `The node answered ${status}.`; return; }
   if (s.cluster) $("cluster").textContent = `cluster ${s.cluster.slice(0, 8)}`;
   if (s.state === "in") { csrf = s.csrf; enter(); }
-  else show(s.state === "unpaired" ? "unpaired" : s.state === "setup" ? "setup" : "login");
+  else if (s.state === "setup") show(s.here ? "setup" : "setup-elsewhere");
+  else show(s.state === "unpaired" ? "unpaired" : "login");
 }
 
 function enter() {
@@ -429,14 +430,29 @@ function whatIf(models, nodes, colour) {
 
 // ---- activity ----
 
-/** Successive counters (seconds, tokens streamed, requests), the newest 300. */
+/** Successive counters (seconds, tokens streamed, requests), the newest 300: one per
+ *  update and one a second between them (the node sends nothing while nothing moves). */
 const samples = [];
 let chart = null;
+let lastActivity = null;
+
+function sample() {
+  samples.push({ t: Date.now() / 1000, tokens: lastActivity.streamed_tokens, requests: lastActivity.requests });
+  if (samples.length > 300) samples.shift();
+}
+setInterval(() => {
+  if (!lastActivity || $("tabs").hidden) return;
+  sample();
+  drawActivity(lastActivity.a, lastActivity.nodes);
+}, 1000);
 
 function activity(a, nodes) {
-  const last = samples[samples.length - 1];
-  if (!last || a.at_ms / 1000 > last.t) samples.push({ t: a.at_ms / 1000, tokens: a.streamed_tokens, requests: a.requests });
-  if (samples.length > 300) samples.shift();
+  lastActivity = { streamed_tokens: a.streamed_tokens, requests: a.requests, a, nodes };
+  sample();
+  drawActivity(a, nodes);
+}
+
+function drawActivity(a, nodes) {
   const rate = (k, i) => {
     const [p, q] = [samples[i - 1], samples[i]];
     return q.t > p.t ? Math.max(0, (q[k] - p[k]) / (q.t - p.t)) : 0;

@@ -58,7 +58,9 @@ async function tab(page, name) {
     // Root in CI: no sandbox. No background traffic (the machine has no internet and
     // the test counts every request).
     args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-      "--disable-component-update", "--disable-sync", "--disable-default-apps"],
+      "--disable-component-update", "--disable-sync", "--disable-default-apps",
+      // A name of another site that leads to this node (what DNS rebinding does).
+      "--host-resolver-rules=MAP shoal.test 127.0.0.1"],
   });
   const origin = new URL(url).host;
   const requests = [];
@@ -72,6 +74,19 @@ async function tab(page, name) {
     });
   };
   try {
+    // Through a name that is not this machine's, a fresh cluster's page does not offer
+    // to set the first password (whoever sets it owns the cluster), and the node
+    // refuses it.
+    const stranger = await (await browser.newContext()).newPage();
+    const port = new URL(url).port;
+    await stranger.goto(`http://shoal.test:${port}/admin/`);
+    await stranger.locator("#setup-elsewhere").waitFor({ state: "visible" });
+    const refused = await stranger.evaluate(async () => (await fetch("/admin/api/setup", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ password: "taken over!" }),
+    })).status);
+    check(refused === 403, `the first password cannot be set through another name (${refused})`);
+    await shot(stranger, "00-first-run-elsewhere");
+
     const context = await browser.newContext({ colorScheme: "light", viewport: { width: 1280, height: 900 } });
     const page = await context.newPage();
     watch(page);

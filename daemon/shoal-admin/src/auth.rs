@@ -174,19 +174,23 @@ pub fn check_length(password: &str) -> Result<(), AuthError> {
 
 /// Wrong passwords per client address: after `max` within `window` seconds, further
 /// attempts from that address are refused without being checked until the oldest
-/// falls out of the window. A total over every address bounds a LAN full of
-/// addresses (IPv6 gives a machine many) to `max_total` per window.
+/// falls out of the window. An attempt counts as wrong from the moment it is let
+/// through ([`Attempts::begin`]) until it proves right ([`Attempts::right`]), so
+/// attempts sent at once cannot all slip past the limit while their hashes run.
+/// IPv6 addresses count by their /64 (one machine can hold many addresses in it). A
+/// total over every address (loopback aside) bounds a LAN full of addresses to
+/// `max_total` per window; this machine's own browser is never locked out by others.
 #[derive(Debug)]
 pub struct Attempts {
-    /// Failures allowed per address within the window.
+    /// Attempts allowed per address within the window.
     max: usize,
-    /// Failures allowed over all addresses within the window.
+    /// Attempts allowed over all addresses within the window.
     max_total: usize,
     /// The window, seconds.
     window: u64,
-    /// Times (Unix seconds) of recent failures, per address.
+    /// Times (Unix seconds) of recent attempts not proven right, per address.
     by_addr: HashMap<IpAddr, VecDeque<u64>>,
-    /// Times of recent failures, all addresses.
+    /// The same, all addresses but loopback.
     all: VecDeque<u64>,
 }
 
@@ -198,36 +202,53 @@ impl Default for Attempts {
 }
 
 impl Attempts {
-    /// A limit of `max` failures per address and `max_total` in all per `window` seconds.
+    /// A limit of `max` attempts per address and `max_total` in all per `window` seconds.
     pub fn new(max: usize, max_total: usize, window: u64) -> Attempts {
         Attempts { max, max_total, window, by_addr: HashMap::new(), all: VecDeque::new() }
     }
 
-    /// Whether an attempt from `ip` at `now` may be checked; `Err(seconds)`: when the
-    /// next one may.
-    pub fn allow(&mut self, ip: IpAddr, now: u64) -> Result<(), u64> {
+    /// Let an attempt from `ip` at `now` be checked, counting it as wrong until
+    /// [`Attempts::right`] says otherwise; `Err(seconds)`: refused unchecked, and when
+    /// the next one may come.
+    pub fn begin(&mut self, ip: IpAddr, now: u64) -> Result<(), u64> {
         self.expire(now);
+        let (key, counted) = (group(ip), !ip_is_loopback(ip));
         let retry = |oldest: Option<&u64>, window: u64| oldest.map_or(1, |t| (t + window).saturating_sub(now).max(1));
-        if let Some(q) = self.by_addr.get(&ip) {
+        if let Some(q) = self.by_addr.get(&key) {
             if q.len() >= self.max {
                 return Err(retry(q.front(), self.window));
             }
         }
-        if self.all.len() >= self.max_total {
+        if counted && self.all.len() >= self.max_total {
             return Err(retry(self.all.front(), self.window));
+        }
+        self.by_addr.entry(key).or_default().push_back(now);
+        if counted {
+            self.all.push_back(now);
         }
         Ok(())
     }
 
-    /// Record a wrong password from `ip` at `now`.
-    pub fn failed(&mut self, ip: IpAddr, now: u64) {
-        self.expire(now);
-        self.by_addr.entry(ip).or_default().push_back(now);
-        self.all.push_back(now);
+    /// The attempt from `ip` begun at `at` was right: it no longer counts.
+    pub fn right(&mut self, ip: IpAddr, at: u64) {
+        let key = group(ip);
+        if let Some(q) = self.by_addr.get_mut(&key) {
+            if let Some(i) = q.iter().rposition(|t| *t == at) {
+                q.remove(i);
+            }
+            if q.is_empty() {
+                self.by_addr.remove(&key);
+            }
+        }
+        if !ip_is_loopback(ip) {
+            if let Some(i) = self.all.iter().rposition(|t| *t == at) {
+                self.all.remove(i);
+            }
+        }
     }
 
-    /// Forget failures older than the window (the maps stay as small as the window's
-    /// failures, which the total bounds).
+    /// Forget attempts older than the window (the maps stay as small as the window's
+    /// attempts, which the limits bound).
     fn expire(&mut self, now: u64) {
         let window = self.window;
         let old = |t: &u64| t.saturating_add(window) <= now;
@@ -240,6 +261,26 @@ impl Attempts {
             }
             !q.is_empty()
         });
+    }
+}
+
+/// The address attempts are counted under: an IPv4 address, or an IPv6 one's /64.
+fn group(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_none() => {
+            let s = v6.segments();
+            IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+        }
+        IpAddr::V6(v6) => IpAddr::V4(v6.to_ipv4_mapped().unwrap_or(std::net::Ipv4Addr::UNSPECIFIED)),
+        v4 => v4,
+    }
+}
+
+/// Whether `ip` is this machine (IPv4-mapped loopback included).
+pub fn ip_is_loopback(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
     }
 }
 
@@ -292,21 +333,33 @@ mod tests {
     }
 
     #[test]
-    fn the_sixth_failure_within_the_window_is_refused_until_the_first_ages_out() {
+    fn the_sixth_attempt_within_the_window_is_refused_until_the_first_ages_out() {
         let mut at = Attempts::new(5, 60, 60);
         let (ip, other): (IpAddr, IpAddr) = ("10.0.0.2".parse().unwrap(), "10.0.0.3".parse().unwrap());
         for t in 0..5 {
-            assert_eq!(at.allow(ip, 100 + t), Ok(()));
-            at.failed(ip, 100 + t);
+            assert_eq!(at.begin(ip, 100 + t), Ok(()), "attempt {t}, all still being checked");
         }
-        assert_eq!(at.allow(ip, 110), Err(50), "retry when the first failure is a minute old");
-        assert_eq!(at.allow(other, 110), Ok(()), "another address has its own count");
-        assert_eq!(at.allow(ip, 160), Ok(()), "the first failure aged out");
-        let mut total = Attempts::new(5, 3, 60);
-        for (i, t) in (0..3).enumerate() {
-            let ip: IpAddr = format!("10.0.1.{i}").parse().unwrap();
-            total.failed(ip, t);
-        }
-        assert!(total.allow(other, 3).is_err(), "the total over every address");
+        assert_eq!(at.begin(ip, 110), Err(50), "five in flight or wrong: retry when the first is a minute old");
+        assert_eq!(at.begin(other, 110), Ok(()), "another address has its own count");
+        at.right(ip, 104);
+        assert_eq!(at.begin(ip, 111), Ok(()), "a right one no longer counts");
+        assert!(at.begin(ip, 112).is_err());
+        assert_eq!(at.begin(ip, 160), Ok(()), "the first aged out");
+    }
+
+    #[test]
+    fn ipv6_counts_by_its_64_and_loopback_is_kept_out_of_the_total() {
+        let mut at = Attempts::new(2, 3, 60);
+        let a: IpAddr = "fd00:1:2:3::10".parse().unwrap();
+        let b: IpAddr = "fd00:1:2:3::11".parse().unwrap();
+        assert!(at.begin(a, 0).is_ok() && at.begin(b, 0).is_ok());
+        assert!(at.begin("fd00:1:2:3::12".parse().unwrap(), 0).is_err(), "one /64, one count");
+        assert!(at.begin("10.0.0.9".parse().unwrap(), 0).is_ok());
+        assert!(at.begin("10.0.0.8".parse().unwrap(), 0).is_err(), "the total over every address");
+        assert!(
+            at.begin("127.0.0.1".parse().unwrap(), 0).is_ok(),
+            "this machine's browser is not locked out by others"
+        );
+        assert!(at.begin("::ffff:127.0.0.1".parse().unwrap(), 0).is_ok());
     }
 }

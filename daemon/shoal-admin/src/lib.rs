@@ -42,6 +42,13 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// Password hashes (login, setup, change) running at once.
+const HASHING: usize = 2;
+/// Largest JSON body the admin routes take (uploads aside).
+const MAX_JSON: usize = 64 << 10;
+/// Longest wait for the next bytes of an upload.
+const UPLOAD_IDLE: Duration = Duration::from_secs(60);
+
 /// The session cookie's name.
 pub const COOKIE: &str = "shoal_session";
 /// The header that carries the CSRF token.
@@ -213,6 +220,12 @@ struct Admin<B> {
     /// it): a token is stateless, so logging out elsewhere ends it only there; a new
     /// password ends every session everywhere.
     revoked: Mutex<HashMap<String, u64>>,
+    /// Password hashes running at once (each holds ~19 MiB for a few tens of ms): more
+    /// are answered "busy" rather than queued.
+    hashing: Arc<tokio::sync::Semaphore>,
+    /// The last overview and when it was made: every open page shares it within a
+    /// refresh period.
+    last: tokio::sync::Mutex<Option<(std::time::Instant, Overview)>>,
 }
 
 /// Every admin route over `backend`: the page under `/admin/`, its API under
@@ -226,26 +239,34 @@ pub fn router<B: AdminBackend>(backend: Arc<B>, cfg: Config, llm: Router) -> Rou
         cfg,
         attempts: Mutex::new(auth::Attempts::default()),
         revoked: Mutex::new(HashMap::new()),
+        hashing: Arc::new(tokio::sync::Semaphore::new(HASHING)),
+        last: tokio::sync::Mutex::new(None),
     });
-    Router::new()
-        .nest_service("/admin/api/llm", llm.layer(axum::middleware::from_fn_with_state(admin.clone(), guard::<B>)))
+    let guarded = || axum::middleware::from_fn_with_state(admin.clone(), guard::<B>);
+    // Behind the login: nothing of a request is read before its session is checked.
+    let inside = Router::new()
         .route("/admin/api/action", post(act::<B>))
+        .route("/admin/api/logout", post(logout::<B>))
+        .route("/admin/api/password", post(password::<B>))
+        .route("/admin/api/overview", get(overview::<B>))
+        .route("/admin/api/events", get(events::<B>))
         // A model is gigabytes: no body limit here, the body streams to disk.
         .route("/admin/api/upload", post(upload::<B>).layer(axum::extract::DefaultBodyLimit::disable()))
+        .route_layer(guarded());
+    Router::new()
+        .nest_service("/admin/api/llm", llm.layer(guarded()))
+        .merge(inside)
         .route("/admin", get(|| async { Redirect::to("/admin/") }))
         .route("/admin/", get(|| async { asset("index.html") }))
         .route("/admin/{file}", get(|Path(file): Path<String>| async move { asset(&file) }))
         .route("/admin/api/session", get(session::<B>))
         .route("/admin/api/setup", post(setup::<B>))
         .route("/admin/api/login", post(login::<B>))
-        .route("/admin/api/logout", post(logout::<B>))
-        .route("/admin/api/password", post(password::<B>))
-        .route("/admin/api/overview", get(overview::<B>))
-        .route("/admin/api/events", get(events::<B>))
         .route(
             "/admin/api/{*rest}",
             axum::routing::any(|| async { error(StatusCode::NOT_FOUND, "no such admin route") }),
         )
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON))
         .layer(axum::middleware::map_response(security_headers))
         .with_state(admin)
 }
@@ -290,10 +311,17 @@ async fn security_headers(mut response: Response) -> Response {
 
 /// `GET /admin/api/session`: what the page should show: `unpaired` (this node is in no
 /// cluster yet), `setup` (no password yet), `login`, or `in` with the CSRF token.
-async fn session<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, headers: HeaderMap) -> Response {
+async fn session<B: AdminBackend>(
+    State(admin): State<Arc<Admin<B>>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
     let (cluster, record) = admin.backend.credentials();
     let Some(cluster) = cluster else { return no_store(Json(json!({"state": "unpaired"}))) };
-    let Some(record) = record else { return no_store(Json(json!({"state": "setup", "cluster": cluster}))) };
+    let Some(record) = record else {
+        let here = this_machine(peer, &headers);
+        return no_store(Json(json!({"state": "setup", "cluster": cluster, "here": here, "why": SETUP_HERE})));
+    };
     match admin.session(&cluster, &record, &headers) {
         Ok((token, s)) => no_store(Json(json!({
             "state": "in",
@@ -305,6 +333,16 @@ async fn session<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, headers: H
     }
 }
 
+/// Where the first password may be set from.
+const SETUP_HERE: &str = "set the first admin password from a browser on one of the cluster's machines \
+     (http://localhost:11434/admin/), or with `shoal password` on one of them";
+
+/// Whether a request comes from a program on this machine, addressed to this machine
+/// (loopback, and a `Host` and `Origin` that name it: not a DNS-rebinding page).
+fn this_machine(peer: SocketAddr, headers: &HeaderMap) -> bool {
+    auth::ip_is_loopback(peer.ip()) && shoal_api::local_caller(headers, &[])
+}
+
 /// The body of `setup` and `login`.
 #[derive(serde::Deserialize)]
 struct PasswordBody {
@@ -313,9 +351,20 @@ struct PasswordBody {
 
 /// `POST /admin/api/setup {"password"}`: the first password of a cluster that has none;
 /// logs the caller in.
-async fn setup<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn setup<B: AdminBackend>(
+    State(admin): State<Arc<Admin<B>>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(r) = same_origin_json(&headers) {
         return r;
+    }
+    // Until the first password, whoever sets it owns the cluster: only a browser on
+    // this machine may (or its owner, with `shoal password`), never another machine of
+    // the LAN, nor a page that reaches this port through a name of its own.
+    if !this_machine(peer, &headers) {
+        return error(StatusCode::FORBIDDEN, SETUP_HERE);
     }
     let body: PasswordBody = match parse(&body) {
         Ok(b) => b,
@@ -362,23 +411,15 @@ async fn login<B: AdminBackend>(
     let (Some(cluster), Some(record)) = admin.backend.credentials() else {
         return error(StatusCode::CONFLICT, "no admin password is set yet: set one first");
     };
-    // Refused before any hashing: the limit bounds the guessing and the work.
-    if let Err(wait) = lock(&admin.attempts).allow(peer.ip(), unix_now()) {
-        let mut r = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            &format!("too many wrong passwords from this address: try again in {wait} s"),
-        );
-        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(wait));
-        return r;
-    }
     let check = record.clone();
-    let right = tokio::task::spawn_blocking(move || check.verify(&body.password)).await.unwrap_or(false);
-    if !right {
-        lock(&admin.attempts).failed(peer.ip(), unix_now());
-        tracing::warn!(%peer, "admin login: wrong password");
-        return error(StatusCode::UNAUTHORIZED, "wrong password");
+    match admin.check_password(peer.ip(), move || check.verify(&body.password)).await {
+        Ok(true) => admin.start_session(&cluster, &record),
+        Ok(false) => {
+            tracing::warn!(%peer, "admin login: wrong password");
+            error(StatusCode::UNAUTHORIZED, "wrong password")
+        }
+        Err(r) => r,
     }
-    admin.start_session(&cluster, &record)
 }
 
 /// The body of `password`.
@@ -411,25 +452,26 @@ async fn password<B: AdminBackend>(
     if let Err(e) = auth::check_length(&body.new) {
         return error(StatusCode::BAD_REQUEST, &e.to_string());
     }
-    if let Err(wait) = lock(&admin.attempts).allow(peer.ip(), unix_now()) {
-        return error(StatusCode::TOO_MANY_REQUESTS, &format!("too many wrong passwords: try again in {wait} s"));
-    }
     let now = unix_now();
-    let made = tokio::task::spawn_blocking(move || {
-        if !record.verify(&body.current) {
-            return Ok(None);
-        }
-        AuthRecord::new(&body.new, now).map(Some)
-    })
-    .await;
-    let record = match made {
-        Ok(Ok(Some(r))) => r,
-        Ok(Ok(None)) => {
-            lock(&admin.attempts).failed(peer.ip(), unix_now());
-            return error(StatusCode::UNAUTHORIZED, "the current password is wrong");
-        }
-        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    let (current, new) = (body.current, body.new);
+    // The new record is made in the same blocking task as the check (two hashes).
+    let made = Arc::new(Mutex::new(None));
+    let out = made.clone();
+    let checked = admin
+        .check_password(peer.ip(), move || {
+            if !record.verify(&current) {
+                return false;
+            }
+            *lock(&out) = Some(AuthRecord::new(&new, now));
+            true
+        })
+        .await;
+    let made = lock(&made).take();
+    let record = match (checked, made) {
+        (Ok(true), Some(Ok(r))) => r,
+        (Ok(true), Some(Err(e))) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        (Ok(_), _) => return error(StatusCode::UNAUTHORIZED, "the current password is wrong"),
+        (Err(r), _) => return r,
     };
     if let Err(e) = admin.backend.set_credentials(record.clone()).await {
         return error(StatusCode::SERVICE_UNAVAILABLE, &format!("the password was not stored: {e}"));
@@ -520,7 +562,7 @@ async fn upload<B: AdminBackend>(
         );
     };
     let dir = admin.backend.upload_dir();
-    let (dest, part) = (dir.join(&name), dir.join(format!("{name}.part")));
+    let dest = dir.join(&name);
     if dest.exists() {
         return error(StatusCode::CONFLICT, &format!("{} exists on this node: rename the file", dest.display()));
     }
@@ -528,42 +570,70 @@ async fn upload<B: AdminBackend>(
     if let Err(e) = tokio::fs::create_dir_all(&dir).await {
         return io(&dir.display().to_string(), e);
     }
-    // `create_new`: two uploads of one name do not write into each other.
-    let mut file = match tokio::fs::OpenOptions::new().write(true).create_new(true).open(&part).await {
+    // A staging name of its own (downloads resume from `NAME.part`: the two must never
+    // share a file), removed by the guard however this ends, a dropped request too.
+    let mut nonce = [0u8; 8];
+    if let Err(e) = getrandom::getrandom(&mut nonce) {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, &format!("no randomness: {e}"));
+    }
+    let staging = Staging(dir.join(format!(".upload-{}-{name}.part", hex::encode(nonce))));
+    let mut file = match tokio::fs::OpenOptions::new().write(true).create_new(true).open(&staging.0).await {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            return error(StatusCode::CONFLICT, &format!("{name} is being uploaded already"));
-        }
-        Err(e) => return io(&part.display().to_string(), e),
+        Err(e) => return io(&staging.0.display().to_string(), e),
     };
     let mut stream = body.into_data_stream();
     let mut received: u64 = 0;
+    let part = staging.0.display().to_string();
     let written = async {
-        while let Some(chunk) = stream.next().await {
+        loop {
+            // A client that stops sending without closing does not hold the upload.
+            let next = tokio::time::timeout(UPLOAD_IDLE, stream.next())
+                .await
+                .map_err(|_| (StatusCode::REQUEST_TIMEOUT, format!("no bytes for {} s", UPLOAD_IDLE.as_secs())))?;
+            let Some(chunk) = next else { break };
             let chunk = chunk.map_err(|e| (StatusCode::BAD_REQUEST, format!("the upload broke off: {e}")))?;
             received += chunk.len() as u64;
-            file.write_all(&chunk)
-                .await
-                .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", part.display())))?;
+            file.write_all(&chunk).await.map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{part}: {e}")))?;
         }
-        file.sync_all().await.map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", part.display())))?;
+        file.sync_all().await.map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{part}: {e}")))?;
         drop(file);
-        tokio::fs::rename(&part, &dest)
-            .await
-            .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", dest.display())))
+        // A link fails where the name exists (a file that appeared meanwhile stays).
+        match tokio::fs::hard_link(&staging.0, &dest).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                Err((StatusCode::CONFLICT, format!("{} appeared meanwhile: rename the file", dest.display())))
+            }
+            Err(e) => Err((StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", dest.display()))),
+        }
     };
-    if let Err((status, why)) = written.await {
-        let _ = tokio::fs::remove_file(&part).await;
+    let result = written.await;
+    drop(staging);
+    if let Err((status, why)) = result {
         return error(status, &why);
     }
     tracing::info!(file = %dest.display(), bytes = received, "model uploaded from the admin page");
     match admin.backend.act(Action::ModelAdd { path: dest.display().to_string(), name: None }).await {
         Ok(v) => no_store(Json(json!({"added": v.get("added").cloned().unwrap_or(json!(name)), "bytes": received}))),
-        Err(e) => {
-            // Not a model the cluster can use: nothing of it stays.
+        // Not a model the cluster can use: nothing of it stays.
+        Err(e) if e.status == 400 => {
             let _ = tokio::fs::remove_file(&dest).await;
-            error(StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST), &e.message)
+            error(StatusCode::BAD_REQUEST, &e.message)
         }
+        // Anything else (the catalog unavailable for a moment): the file stays, whole.
+        Err(e) => error(
+            StatusCode::from_u16(e.status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+            &format!("{} (the file is kept at {}: add it by path later)", e.message, dest.display()),
+        ),
+    }
+}
+
+/// An upload's staging file, deleted when dropped (after the link to its name, or on
+/// any failure, or when the request is dropped part way).
+struct Staging(std::path::PathBuf);
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }
 
@@ -584,7 +654,7 @@ async fn overview<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: M
     if let Err(r) = admin.authorize(&method, &headers) {
         return r;
     }
-    no_store(Json(admin.backend.overview().await))
+    no_store(Json(admin.cached_overview().await))
 }
 
 /// `GET /admin/api/events`: the overview as server-sent events (`overview`), sent when
@@ -602,10 +672,15 @@ async fn events<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: Met
             if admin.authorize(&Method::GET, &headers).is_err() {
                 return None;
             }
-            let json = serde_json::to_string(&admin.backend.overview().await).unwrap_or_default();
-            if last.as_deref() != Some(json.as_str()) {
-                let event = Event::default().event("overview").data(json.clone());
-                return Some((Ok::<_, std::convert::Infallible>(event), (admin, headers, Some(json))));
+            let overview = admin.cached_overview().await;
+            // The time the counters were read always moves: it alone is no change.
+            let mut same = overview.clone();
+            same.activity.at_ms = 0;
+            let key = serde_json::to_string(&same).unwrap_or_default();
+            if last.as_deref() != Some(key.as_str()) {
+                let event =
+                    Event::default().event("overview").data(serde_json::to_string(&overview).unwrap_or_default());
+                return Some((Ok::<_, std::convert::Infallible>(event), (admin, headers, Some(key))));
             }
         }
     });
@@ -617,8 +692,8 @@ async fn events<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: Met
 impl<B: AdminBackend> Admin<B> {
     /// The session the request's cookie proves, with its token; and, for anything but
     /// GET and HEAD, its CSRF token in [`CSRF_HEADER`]. Else the answer to send: 401
-    /// (no session, or not valid here), 403 (no or a wrong CSRF token), 409 (no
-    /// password set yet).
+    /// (no session, not valid here, or no password set yet), 403 (no or a wrong CSRF
+    /// token).
     fn authorize(&self, method: &Method, headers: &HeaderMap) -> Result<auth::Session, Response> {
         let (Some(cluster), Some(record)) = self.backend.credentials() else {
             return Err(error(StatusCode::UNAUTHORIZED, "no admin password is set yet: set one first"));
@@ -633,6 +708,55 @@ impl<B: AdminBackend> Admin<B> {
             }
         }
         Ok(s)
+    }
+
+    /// Run `check` (a password hash: slow, memory-hungry) for a caller at `ip`, within
+    /// the limit on wrong passwords (the attempt counts as wrong until it proves right)
+    /// and on hashes at once. `Err`: the answer that refuses it unchecked.
+    async fn check_password(
+        &self,
+        ip: std::net::IpAddr,
+        check: impl FnOnce() -> bool + Send + 'static,
+    ) -> Result<bool, Response> {
+        let Ok(permit) = self.hashing.clone().try_acquire_owned() else {
+            let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "busy checking other passwords: try again in a moment");
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1));
+            return Err(r);
+        };
+        let at = unix_now();
+        if let Err(wait) = lock(&self.attempts).begin(ip, at) {
+            let mut r = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                &format!("too many wrong passwords from this address: try again in {wait} s"),
+            );
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(wait));
+            return Err(r);
+        }
+        // The hash runs to its end even if the caller goes away; it holds the permit
+        // until then, so the bound holds.
+        let right = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            check()
+        })
+        .await
+        .unwrap_or(false);
+        if right {
+            lock(&self.attempts).right(ip, at);
+        }
+        Ok(right)
+    }
+
+    /// The overview, made at most once per refresh period for every open page.
+    async fn cached_overview(&self) -> Overview {
+        let mut last = self.last.lock().await;
+        if let Some((at, o)) = last.as_ref() {
+            if at.elapsed() < self.cfg.refresh / 2 {
+                return o.clone();
+            }
+        }
+        let o = self.backend.overview().await;
+        *last = Some((std::time::Instant::now(), o.clone()));
+        o
     }
 
     /// The session token in `headers`' cookie and the session it proves.

@@ -318,7 +318,10 @@ fn the_page_is_served_with_a_policy_that_keeps_it_on_this_node() {
         &get(&format!("{url}/admin/app.js"), None).body,
         &get(&format!("{url}/admin/style.css"), None).body,
     ] {
-        assert!(!body.contains("http://") && !body.contains("https://") && !body.contains("//cdn"), "no other host");
+        // (Text may name a URL for people to type; nothing the browser loads may.)
+        for load in ["src=\"http", "href=\"http", "src=\"//", "href=\"//", "url(http", "url(//", "(\"http", "(`http"] {
+            assert!(!body.contains(load), "a resource from another host: {load}");
+        }
     }
     assert_eq!(get(&format!("{url}/admin/nope.js"), None).status, 404);
     assert_eq!(get(&format!("{url}/admin/api/nope"), None).status, 404);
@@ -431,4 +434,37 @@ fn uploads_stream_to_the_upload_folder_and_what_is_refused_leaves_nothing() {
     left.sort();
     assert_eq!(left, ["escape.gguf", "m.gguf"], "the refused file and every .part are gone");
     assert_eq!(std::fs::read_dir(fake.uploads.path()).unwrap().count(), 1, "only the models folder");
+}
+
+#[test]
+fn the_first_password_is_set_only_from_this_machine() {
+    let (url, fake) = server(Some("c1"), Config::default());
+    let body = format!("{{\"password\":\"{PASSWORD}\"}}");
+    // A page that reaches this port through a name of its own (DNS rebinding), or
+    // another site's page: neither is this machine's own browser.
+    for (k, v) in [("host", "shoal.evil.example"), ("origin", "http://evil.example")] {
+        let s = call("GET", &format!("{url}/admin/api/session"), None, None, None, &[(k, v)]).json();
+        assert_eq!((s["state"].as_str(), s["here"].as_bool()), (Some("setup"), Some(false)), "{k}: {v}");
+    }
+    let a = call("POST", &format!("{url}/admin/api/setup"), None, None, Some(&body), &[("host", "shoal.evil.example")]);
+    assert_eq!(a.status, 403, "{}", a.body);
+    assert!(a.json()["error"].as_str().unwrap().contains("shoal password"), "{}", a.body);
+    assert!(fake.record.lock().unwrap().is_none());
+    assert_eq!(get(&format!("{url}/admin/api/session"), None).json()["here"], true, "this machine's browser may");
+}
+
+#[test]
+fn wrong_passwords_sent_at_once_cannot_slip_past_the_limit() {
+    let (url, _) = server(Some("c1"), Config::default());
+    setup(&url);
+    let login = format!("{url}/admin/api/login");
+    let answers: Vec<u16> = std::thread::scope(|s| {
+        let all: Vec<_> = (0..12)
+            .map(|_| s.spawn(|| call("POST", &login, None, None, Some(r#"{"password":"wrong password"}"#), &[]).status))
+            .collect();
+        all.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let checked = answers.iter().filter(|s| **s == 401).count();
+    assert!(checked <= 5, "at most five were checked: {answers:?}");
+    assert!(answers.iter().all(|s| [401, 429, 503].contains(s)), "{answers:?}");
 }

@@ -77,7 +77,17 @@ impl shoal_admin::AdminBackend for NodeAdmin {
         let view = self.rt.membership.view();
         let view = view.borrow();
         let Some(state) = &view.state else { return (None, None) };
-        let record = state.entries.get(AUTH_KEY).and_then(|v| serde_json::from_value(v.clone()).ok());
+        let record = state.entries.get(AUTH_KEY).map(|v| {
+            serde_json::from_value(v.clone()).unwrap_or_else(|e| {
+                // Present but unreadable (another version's, or damaged): still a password
+                // is set, so the first-run setup stays closed; none can log in until the
+                // owner sets one with `shoal password`.
+                tracing::warn!(
+                    "the admin credentials in the cluster state are unreadable ({e}): set them with `shoal password`"
+                );
+                AuthRecord { password: String::new(), session_key: String::new(), set_at: 0 }
+            })
+        });
         (Some(state.cluster.to_string()), record)
     }
 
@@ -387,12 +397,19 @@ impl NodeAdmin {
         let downloads = self.downloads.clone();
         {
             let mut list = lock(&downloads);
-            if list.iter().any(|d| d.source == source && d.state == "running") {
-                return Err(ActionError { status: 409, message: format!("{source} is being downloaded already") });
+            // Two sources of one file name would write one `NAME.part`.
+            let file = file_name(&source);
+            if let Some(d) = list.iter().find(|d| d.state == "running" && file_name(&d.source) == file) {
+                return Err(ActionError {
+                    status: 409,
+                    message: format!("{file} is being downloaded already ({})", d.source),
+                });
             }
-            // The newest 20 are kept: the list is for the page, not a history.
-            if list.len() >= 20 {
-                list.remove(0);
+            // The newest finished ones are kept, 20 entries in all: the list is for the
+            // page, not a history; running ones always stay.
+            while list.len() >= 20 {
+                let Some(i) = list.iter().position(|d| d.state != "running") else { break };
+                list.remove(i);
             }
             list.push(Download { source: source.clone(), state: "running".into(), ..Download::default() });
         }
@@ -444,6 +461,13 @@ impl NodeAdmin {
         });
         Ok(json!({"started": true}))
     }
+}
+
+/// The file name a download of `source` takes: its last path component, without a
+/// query or a revision.
+fn file_name(source: &str) -> &str {
+    let path = source.split(['?', '#']).next().unwrap_or(source);
+    path.rsplit('/').next().unwrap_or(path)
 }
 
 /// A bad request.

@@ -67,7 +67,7 @@ impl Seen {
         let placements = runtime::placements(view)
             .into_iter()
             .map(|(hash, p): (String, ModelPlacement)| {
-                let name = names.get(&hash).cloned().unwrap_or_else(|| hash[..hash.len().min(12)].to_string());
+                let name = names.get(&hash).cloned().unwrap_or_else(|| hash.chars().take(12).collect());
                 (hash, (p.generation, p.error, name))
             })
             .collect();
@@ -121,7 +121,8 @@ pub fn diff(before: &Seen, after: &Seen) -> Vec<(&'static str, String)> {
             _ => {}
         }
     }
-    for (hash, (_, _, model)) in &before.placements {
+    // A node that left its cluster sees nothing at all: not a wave of unloads.
+    for (hash, (_, _, model)) in before.placements.iter().filter(|_| !after.members.is_empty()) {
         if !after.placements.contains_key(hash) {
             out.push(("unloaded", format!("{model} unloaded")));
         }
@@ -201,6 +202,8 @@ mod tests {
         let c = seen(&[(1, "alpha"), (3, "gamma")], &[1, 3], Some(3), &[]);
         let kinds: Vec<_> = diff(&b, &c).into_iter().map(|(k, _)| k).collect();
         assert_eq!(kinds, ["leave", "unloaded", "unloaded"]);
+        // A node that left (or reset) sees nothing: not a wave of leaves and unloads.
+        assert!(diff(&a, &Seen::default()).is_empty());
         // The first state a fresh node adopts is not a flood of joins.
         let kinds: Vec<_> = diff(&Seen::default(), &a).into_iter().map(|(k, _)| k).collect();
         assert_eq!(kinds, ["leader", "placed"]);

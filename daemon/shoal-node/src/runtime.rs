@@ -1039,8 +1039,11 @@ fn member_ids(view: &View, prefixes: &[String]) -> Result<Vec<NodeId>, ApiError>
 }
 
 /// What the planner would do with `model` loaded at `context` positions, keeping off
-/// the members `exclude` names, the other loaded models staying where they are.
-/// Nothing is committed: the admin page's what-if.
+/// the members `exclude` names, the other loaded models staying where they are: as
+/// the leader would, a placement that still fits the new sizing is kept, one that
+/// lost a member is repaired. Nothing is committed: the admin page's what-if. (For a
+/// model never placed, the leader first has members time it; this uses the speeds
+/// measured so far.)
 pub fn what_if(rt: &Runtime, model: &str, context: u32, exclude: &[String]) -> Result<ModelPlacement, ApiError> {
     let view = rt.view();
     let catalog = models::entries(&view);
@@ -1051,18 +1054,19 @@ pub fn what_if(rt: &Runtime, model: &str, context: u32, exclude: &[String]) -> R
     let exclude = member_ids(&view, exclude)?;
     let hash = entry.content_hash.clone();
     let mut i = inputs(&view);
+    let sessions = i.loads.iter().find(|l| l.model == hash).map_or(1, |l| l.sessions);
     i.loads.retain(|l| l.model != hash);
-    i.placements.remove(&hash);
-    i.loads.push(LoadSpec { model: hash.clone(), context, sessions: 1, exclude });
+    i.loads.push(LoadSpec { model: hash.clone(), context, sessions, exclude });
+    let kept = i.placements.get(&hash).cloned();
     schedule::schedule(&i)
         .into_iter()
         .find_map(|d| match d {
             Decision::Place(p) if p.model == hash => Some(p),
             _ => None,
         })
-        .ok_or_else(|| {
-            ApiError::new(ErrorKind::Unavailable, "the planner proposed nothing (it is measuring the members)")
-        })
+        // No change proposed: the placement it has stays.
+        .or(kept)
+        .ok_or_else(|| ApiError::new(ErrorKind::Unavailable, "the planner proposed nothing"))
 }
 
 /// Keep `model` loaded with this sizing.
