@@ -965,13 +965,18 @@ async fn replaced(view_rx: &mut watch::Receiver<View>, model: &str, generation: 
 }
 
 /// Whether every stage of `p` runs (asking each stage's node over the node protocol,
-/// as a fellow member; this node's own stage directly).
+/// as a fellow member, all at once; this node's own stage directly). A stage on a
+/// member this node sees down is not running: it is not asked (each ask may wait 2 s,
+/// and the admin page and `/v1/models` ask often).
 pub(crate) async fn stages_ready(rt: &Runtime, view: &View, p: &ModelPlacement) -> bool {
-    for s in &p.stages {
+    if p.stages.iter().any(|s| s.node != rt.me && !view.alive.contains(&s.node)) {
+        return false;
+    }
+    let asks = p.stages.iter().map(|s| async move {
         let status = if s.node == rt.me {
             lock(&rt.stage).clone()
         } else {
-            let Some(addr) = view.addrs.get(&s.node).copied() else { return false };
+            let addr = view.addrs.get(&s.node).copied()?;
             let ask = async {
                 let conn = rt.node.connect(addr, s.node, shoal_net::alpn::NODE).await.ok()?;
                 let (mut send, mut recv) = conn.open_bi().await.ok()?;
@@ -986,13 +991,9 @@ pub(crate) async fn stages_ready(rt: &Runtime, view: &View, p: &ModelPlacement) 
             };
             tokio::time::timeout(Duration::from_secs(2), ask).await.ok().flatten()
         };
-        let running = status
-            .is_some_and(|st| st.model == p.model && st.generation == p.generation && st.state == StageState::Running);
-        if !running {
-            return false;
-        }
-    }
-    true
+        status.filter(|st| st.model == p.model && st.generation == p.generation && st.state == StageState::Running)
+    });
+    futures_util::future::join_all(asks).await.iter().all(Option::is_some)
 }
 
 /// The placement of `model`: committed, or what the scheduler would do now.
