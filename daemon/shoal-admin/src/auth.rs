@@ -212,7 +212,7 @@ impl Attempts {
     /// the next one may come.
     pub fn begin(&mut self, ip: IpAddr, now: u64) -> Result<(), u64> {
         self.expire(now);
-        let (key, counted) = (group(ip), !ip_is_loopback(ip));
+        let (key, counted) = (group(ip), !shoal_api::is_loopback(ip));
         let retry = |oldest: Option<&u64>, window: u64| oldest.map_or(1, |t| (t + window).saturating_sub(now).max(1));
         if let Some(q) = self.by_addr.get(&key) {
             if q.len() >= self.max {
@@ -240,7 +240,7 @@ impl Attempts {
                 self.by_addr.remove(&key);
             }
         }
-        if !ip_is_loopback(ip) {
+        if !shoal_api::is_loopback(ip) {
             if let Some(i) = self.all.iter().rposition(|t| *t == at) {
                 self.all.remove(i);
             }
@@ -273,14 +273,6 @@ fn group(ip: IpAddr) -> IpAddr {
         }
         IpAddr::V6(v6) => IpAddr::V4(v6.to_ipv4_mapped().unwrap_or(std::net::Ipv4Addr::UNSPECIFIED)),
         v4 => v4,
-    }
-}
-
-/// Whether `ip` is this machine (IPv4-mapped loopback included).
-pub fn ip_is_loopback(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => v4.is_loopback(),
-        IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
     }
 }
 

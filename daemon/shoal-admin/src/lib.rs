@@ -29,7 +29,7 @@ pub use overview::{
 };
 
 use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Path, State};
+use axum::extract::{ConnectInfo, Extension, Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Redirect, Response};
@@ -340,7 +340,7 @@ const SETUP_HERE: &str = "set the first admin password from a browser on one of 
 /// Whether a request comes from a program on this machine, addressed to this machine
 /// (loopback, and a `Host` and `Origin` that name it: not a DNS-rebinding page).
 fn this_machine(peer: SocketAddr, headers: &HeaderMap) -> bool {
-    auth::ip_is_loopback(peer.ip()) && shoal_api::local_caller(headers, &[])
+    shoal_api::is_loopback(peer.ip()) && shoal_api::local_caller(headers, &[])
 }
 
 /// The body of `setup` and `login`.
@@ -435,19 +435,12 @@ struct NewPassword {
 async fn password<B: AdminBackend>(
     State(admin): State<Arc<Admin<B>>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    method: Method,
-    headers: HeaderMap,
+    Extension(Authorized { cluster, record, .. }): Extension<Authorized>,
     body: Bytes,
 ) -> Response {
-    if let Err(r) = admin.authorize(&method, &headers) {
-        return r;
-    }
     let body: NewPassword = match parse(&body) {
         Ok(b) => b,
         Err(r) => return r,
-    };
-    let (Some(cluster), Some(record)) = admin.backend.credentials() else {
-        return error(StatusCode::CONFLICT, "no admin password is set yet");
     };
     if let Err(e) = auth::check_length(&body.new) {
         return error(StatusCode::BAD_REQUEST, &e.to_string());
@@ -481,11 +474,10 @@ async fn password<B: AdminBackend>(
 }
 
 /// `POST /admin/api/logout`: ends the session on this node and clears the cookie.
-async fn logout<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: Method, headers: HeaderMap) -> Response {
-    let s = match admin.authorize(&method, &headers) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
+async fn logout<B: AdminBackend>(
+    State(admin): State<Arc<Admin<B>>>,
+    Extension(Authorized { session: s, .. }): Extension<Authorized>,
+) -> Response {
     {
         let mut revoked = lock(&admin.revoked);
         let now = unix_now();
@@ -501,25 +493,31 @@ async fn logout<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: Met
 /// a change, its CSRF token).
 async fn guard<B: AdminBackend>(
     State(admin): State<Arc<Admin<B>>>,
-    req: axum::extract::Request,
+    mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let Err(r) = admin.authorize(req.method(), req.headers()) {
-        return r;
+    match admin.authorize(req.method(), req.headers()) {
+        Ok(proved) => {
+            req.extensions_mut().insert(proved);
+            next.run(req).await
+        }
+        Err(r) => r,
     }
-    next.run(req).await
+}
+
+/// What [`guard`] proved of a request behind the login, handed to its handler.
+#[derive(Clone)]
+struct Authorized {
+    /// The cluster the session belongs to.
+    cluster: String,
+    /// The credentials it was checked against.
+    record: AuthRecord,
+    /// The session.
+    session: auth::Session,
 }
 
 /// `POST /admin/api/action {"action": …}`: see [`Action`].
-async fn act<B: AdminBackend>(
-    State(admin): State<Arc<Admin<B>>>,
-    method: Method,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Err(r) = admin.authorize(&method, &headers) {
-        return r;
-    }
+async fn act<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, body: Bytes) -> Response {
     let action: Action = match parse(&body) {
         Ok(a) => a,
         Err(r) => return r,
@@ -538,23 +536,19 @@ struct UploadQuery {
     name: String,
 }
 
-/// `POST /admin/api/upload?name=FILE.gguf` with the file as the body: streamed to
-/// `<upload dir>/FILE.gguf.part` as it arrives (one network chunk in memory at a
-/// time, whatever the file's size), then checked and added to the catalog as
+/// `POST /admin/api/upload?name=FILE.gguf` with the file as the body: streamed to a
+/// staging file `<upload dir>/.upload-<nonce>-FILE.gguf.part` as it arrives (one
+/// network chunk in memory at a time, whatever the file's size), linked to
+/// `FILE.gguf` if that name is still free, then checked and added to the catalog as
 /// [`Action::ModelAdd`] does. A file that is not a usable model is deleted and
 /// refused with the reason; an upload cut short leaves nothing behind.
 async fn upload<B: AdminBackend>(
     State(admin): State<Arc<Admin<B>>>,
-    method: Method,
-    headers: HeaderMap,
     axum::extract::Query(q): axum::extract::Query<UploadQuery>,
     body: axum::body::Body,
 ) -> Response {
     use futures_util::StreamExt;
     use tokio::io::AsyncWriteExt;
-    if let Err(r) = admin.authorize(&method, &headers) {
-        return r;
-    }
     let Some(name) = upload_name(&q.name) else {
         return error(
             StatusCode::BAD_REQUEST,
@@ -650,25 +644,20 @@ fn upload_name(name: &str) -> Option<String> {
 }
 
 /// `GET /admin/api/overview`: the pool now.
-async fn overview<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: Method, headers: HeaderMap) -> Response {
-    if let Err(r) = admin.authorize(&method, &headers) {
-        return r;
-    }
+async fn overview<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>) -> Response {
     no_store(Json(admin.cached_overview().await))
 }
 
 /// `GET /admin/api/events`: the overview as server-sent events (`overview`), sent when
 /// it changes; the stream ends when the session does (expiry, or a new password).
-async fn events<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, method: Method, headers: HeaderMap) -> Response {
-    if let Err(r) = admin.authorize(&method, &headers) {
-        return r;
-    }
+async fn events<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>, headers: HeaderMap) -> Response {
     let stream = futures_util::stream::unfold((admin, headers, None::<String>), |(admin, headers, last)| async move {
         loop {
             // The first overview goes at once; later ones when they differ.
             if last.is_some() {
                 tokio::time::sleep(admin.cfg.refresh).await;
             }
+            // The guard checked the session at the start; it may end meanwhile.
             if admin.authorize(&Method::GET, &headers).is_err() {
                 return None;
             }
@@ -694,7 +683,7 @@ impl<B: AdminBackend> Admin<B> {
     /// GET and HEAD, its CSRF token in [`CSRF_HEADER`]. Else the answer to send: 401
     /// (no session, not valid here, or no password set yet), 403 (no or a wrong CSRF
     /// token).
-    fn authorize(&self, method: &Method, headers: &HeaderMap) -> Result<auth::Session, Response> {
+    fn authorize(&self, method: &Method, headers: &HeaderMap) -> Result<Authorized, Response> {
         let (Some(cluster), Some(record)) = self.backend.credentials() else {
             return Err(error(StatusCode::UNAUTHORIZED, "no admin password is set yet: set one first"));
         };
@@ -707,7 +696,7 @@ impl<B: AdminBackend> Admin<B> {
                 return Err(error(StatusCode::FORBIDDEN, "missing or wrong CSRF token: reload the page"));
             }
         }
-        Ok(s)
+        Ok(Authorized { cluster, record, session: s })
     }
 
     /// Run `check` (a password hash: slow, memory-hungry) for a caller at `ip`, within

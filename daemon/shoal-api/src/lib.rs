@@ -19,7 +19,7 @@ mod ollama;
 mod openai;
 mod serve;
 mod tools;
-pub use serve::{serve_router, Limits};
+pub use serve::{is_loopback, serve_router, Limits};
 
 pub use backend::{
     Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PullProgress, Sampled, TextModel, ToolSyntax,

@@ -93,7 +93,7 @@ impl Drop for Slot {
 }
 
 /// Whether `ip` is this machine (IPv4-mapped IPv6 loopback included).
-pub(crate) fn is_loopback(ip: IpAddr) -> bool {
+pub fn is_loopback(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => v4.is_loopback(),
         IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
