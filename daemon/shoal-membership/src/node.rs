@@ -69,6 +69,10 @@ pub struct NodeConfig {
     pub role: Role,
     /// Interfaces mDNS may use.
     pub interfaces: InterfaceFilter,
+    /// The HTTP port the admin page is served on, if any (`shoal_node::run` fills it in
+    /// once the HTTP API is bound): a hub advertises it over mDNS as `Shoal._http._tcp`
+    /// on the host `shoal.local` ([`Discovery::advertise_web`]); a PC never does.
+    pub web_port: Option<u16>,
     /// Creating a cluster when there is none.
     pub create: CreatePolicy,
     /// The cluster (id or id prefix, at least 8 hex digits) whose approval this node's
@@ -446,6 +450,14 @@ pub async fn run_shared(
     let hard: HardState = store.get_json(Space::Election, "hard")?.unwrap_or_default();
     let advert = Advert::new(me, state.as_ref().map(|s| s.cluster), cfg.role, main_addr.port(), join_addr.port(), &inv);
     let (discovery, found) = Discovery::start(advert, &cfg.interfaces)?;
+    if let Some(port) = cfg.web_port {
+        match discovery.advertise_web(port) {
+            Ok(true) => tracing::info!("admin page advertised as http://shoal.local:{port}/admin/"),
+            Ok(false) => {}
+            // The cluster works without it; the page is still at the box's address.
+            Err(e) => tracing::warn!("cannot advertise shoal.local: {e}"),
+        }
+    }
     let Inbox { tx, rx, view } = inbox;
     let public = Arc::new(Mutex::new(PublicInfo {
         node: me,

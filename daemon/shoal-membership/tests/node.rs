@@ -38,6 +38,7 @@ fn start_cfg(dir: &Path, name: &str, create: CreatePolicy, tweak: impl FnOnce(&m
         name: name.into(),
         role: Role::Pc,
         interfaces: InterfaceFilter::loopback(),
+        web_port: None,
         create,
         accept: None,
         join_token: None,

@@ -2,6 +2,10 @@
 //! (its id, cluster, ports and a memory summary in TXT properties) and browses for the
 //! others, reporting them as [`DiscoveryEvent`]s on a tokio channel.
 //!
+//! A hub also advertises its admin page ([`Discovery::advertise_web`]): the web service
+//! `Shoal._http._tcp.local.` on the host `shoal.local.`, so that mdns-sd answers
+//! A/AAAA queries for `shoal.local` and a browser on the LAN finds the box by name.
+//!
 //! Built on `mdns-sd`, whose daemon runs on its own thread; a second plain thread turns
 //! its events into ours. What peers advertise is untrusted input: a TXT record that does
 //! not decode is ignored with one warning, never a panic or an event. Discovery only
@@ -20,6 +24,16 @@ use tokio::sync::mpsc;
 
 /// The DNS-SD service type every Shoal node registers and browses.
 pub const SERVICE_TYPE: &str = "_shoal._udp.local.";
+
+/// The DNS-SD service type of a hub's admin page.
+pub const WEB_SERVICE_TYPE: &str = "_http._tcp.local.";
+/// The instance name of a hub's admin page (mdns-sd renames it if another takes it).
+pub const WEB_INSTANCE: &str = "Shoal";
+/// The host name a hub answers for (mdns-sd probes it and, if another hub holds it,
+/// takes `shoal-2.local.` and so on).
+pub const WEB_HOST: &str = "shoal.local.";
+/// Where the admin page is under the web service (its TXT `path`, RFC 6763 §7.1 style).
+pub const WEB_PATH: &str = "/admin/";
 
 /// Version of the protocols a node speaks (advertised as `pv`); peers with another
 /// version are still reported, membership decides what to do with them.
@@ -365,6 +379,9 @@ pub enum DiscoveryError {
     /// The thread forwarding events could not be started.
     #[error("cannot start the discovery thread: {0}")]
     Thread(std::io::Error),
+    /// The admin page's port was 0.
+    #[error("the admin page's port is 0")]
+    WebPort,
 }
 
 /// Advertises this node and browses for the others while it lives.
@@ -380,6 +397,8 @@ pub struct Discovery {
     adverts: Mutex<(Advert, Advert)>,
     /// Set when we stop, so the forwarder does not restart the browse.
     stopping: Arc<AtomicBool>,
+    /// The admin page's registration (a hub's), by full name, once made.
+    web: Mutex<Option<String>>,
 }
 
 impl fmt::Debug for Discovery {
@@ -395,6 +414,17 @@ fn service_info(advert: &Advert) -> Result<ServiceInfo, DiscoveryError> {
     let host = format!("{instance}.local.");
     let props = advert.to_txt();
     Ok(ServiceInfo::new(SERVICE_TYPE, &instance, &host, (), advert.port, &props[..])?.enable_addr_auto())
+}
+
+/// The admin page's registration: [`WEB_INSTANCE`] of [`WEB_SERVICE_TYPE`] on the host
+/// [`WEB_HOST`] at `port`, TXT `path=`[`WEB_PATH`], addresses filled in by mdns-sd for
+/// each enabled interface.
+fn web_info(port: u16) -> Result<ServiceInfo, DiscoveryError> {
+    if port == 0 {
+        return Err(DiscoveryError::WebPort);
+    }
+    let props = [("path", WEB_PATH)];
+    Ok(ServiceInfo::new(WEB_SERVICE_TYPE, WEB_INSTANCE, WEB_HOST, (), port, &props[..])?.enable_addr_auto())
 }
 
 impl Discovery {
@@ -437,7 +467,25 @@ impl Discovery {
             return Err(DiscoveryError::Thread(e));
         }
         let adverts = Mutex::new((advert.clone(), advert));
-        Ok((Discovery { daemon, fullname, adverts, stopping }, rx))
+        Ok((Discovery { daemon, fullname, adverts, stopping, web: Mutex::new(None) }, rx))
+    }
+
+    /// On a hub, also advertise its admin page at `port` (the HTTP API's) as
+    /// [`WEB_INSTANCE`]`.`[`WEB_SERVICE_TYPE`] on the host [`WEB_HOST`], with the same
+    /// daemon, so on the same interfaces: mdns-sd then answers A/AAAA queries for
+    /// `shoal.local`, and the page is at `http://shoal.local:PORT/admin/`. A node whose
+    /// advert is not a hub's advertises nothing (`Ok(false)`): one `shoal.local` per LAN
+    /// is the box, not whichever PC answered first. Called again, it replaces the port.
+    /// Unregistered with the node's own service when discovery stops.
+    pub fn advertise_web(&self, port: u16) -> Result<bool, DiscoveryError> {
+        if self.advert().role != Role::Hub {
+            return Ok(false);
+        }
+        let info = web_info(port)?;
+        let fullname = info.get_fullname().to_string();
+        self.daemon.register(info)?;
+        *self.web.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(fullname);
+        Ok(true)
     }
 
     /// Replace the advert. It is re-registered (and peers see a new `Found`) only if it
@@ -471,6 +519,10 @@ impl Drop for Discovery {
     fn drop(&mut self) {
         self.stopping.store(true, Ordering::SeqCst);
         // Goodbye: mdns-sd sends it at once and again after 120 ms.
+        let web = self.web.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        if let Some(Ok(status)) = web.map(|name| self.daemon.unregister(&name)) {
+            let _ = status.recv_timeout(Duration::from_secs(1));
+        }
         if let Ok(status) = self.daemon.unregister(&self.fullname) {
             let _ = status.recv_timeout(Duration::from_secs(1));
             std::thread::sleep(GOODBYE_GRACE);

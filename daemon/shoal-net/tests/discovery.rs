@@ -1,8 +1,9 @@
 //! mDNS discovery for real: two nodes in this process on loopback find each other, see
-//! each other's updates and departures, and ignore a rogue advertiser; three nodes on
-//! namespace hosts (child processes, needs root) find each other across a bridge.
+//! each other's updates and departures, and ignore a rogue advertiser; a hub answers
+//! for `shoal.local` and a PC does not; three nodes on namespace hosts (child
+//! processes, needs root) find each other across a bridge.
 
-use mdns_sd::{IfKind, ServiceDaemon, ServiceInfo};
+use mdns_sd::{HostnameResolutionEvent, IfKind, ServiceDaemon, ServiceInfo};
 use shoal_net::{Advert, Discovery, DiscoveryEvent, Identity, InterfaceFilter, NodeId, PROTOCOL_VERSION, SERVICE_TYPE};
 use shoal_types::{ClusterId, Role};
 use std::collections::{HashMap, HashSet};
@@ -14,6 +15,10 @@ use tokio::sync::mpsc::Receiver;
 
 /// How long a peer may take to show up (or go away).
 const PATIENCE: Duration = Duration::from_secs(10);
+
+/// Held by the tests that start discovery on loopback: every node browsing there warns
+/// about the rogues, and the rogue test counts the warnings.
+static LOOPBACK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Warnings logged anywhere in this process, one string per event.
 fn warnings() -> &'static Mutex<Vec<String>> {
@@ -122,6 +127,7 @@ fn register_rogue(daemon: &ServiceDaemon, instance: &str, txt: &[(&str, &str)]) 
 
 #[tokio::test]
 async fn loopback_nodes_find_update_and_lose_each_other_and_ignore_rogues() {
+    let _alone = LOOPBACK.lock().await;
     let warnings = warnings();
     let t0 = Instant::now();
 
@@ -204,11 +210,60 @@ async fn loopback_nodes_find_update_and_lose_each_other_and_ignore_rogues() {
 
 #[tokio::test]
 async fn discovery_runs_without_a_runtime_and_stops_when_dropped() {
+    let _alone = LOOPBACK.lock().await;
     let ad = advert(17420);
     let (disc, rx) =
         std::thread::spawn(move || Discovery::start(ad, &InterfaceFilter::loopback())).join().unwrap().unwrap();
     drop(rx);
     drop(disc);
+}
+
+/// The addresses `shoal.local.` resolves to, asked from a daemon of its own on loopback,
+/// within `wait`; empty if nothing answered.
+fn resolve_shoal_local(wait: Duration) -> Vec<IpAddr> {
+    let resolver = ServiceDaemon::new().unwrap();
+    resolver.disable_interface(IfKind::All).unwrap();
+    resolver.enable_interface("lo").unwrap();
+    let events = resolver.resolve_hostname(shoal_net::discovery::WEB_HOST, Some(wait.as_millis() as u64)).unwrap();
+    let start = Instant::now();
+    let mut found = Vec::new();
+    while let Some(left) = wait.checked_sub(start.elapsed()) {
+        match events.recv_timeout(left) {
+            Ok(HostnameResolutionEvent::AddressesFound(_, addrs)) => {
+                found.extend(addrs.iter().map(|a| a.to_ip_addr()));
+                break;
+            }
+            Ok(HostnameResolutionEvent::SearchTimeout(_) | HostnameResolutionEvent::SearchStopped(_)) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+    let _ = resolver.shutdown();
+    found
+}
+
+#[tokio::test]
+async fn a_hub_answers_for_shoal_local_and_a_pc_does_not() {
+    // The same wait for both: what the hub answers within it, the PC must not.
+    const WAIT: Duration = Duration::from_secs(5);
+    let _alone = LOOPBACK.lock().await;
+    let pc = Advert { role: Role::Pc, ..advert(17440) };
+    let (pc, _rx) = Discovery::start(pc, &InterfaceFilter::loopback()).unwrap();
+    assert!(!pc.advertise_web(11434).unwrap(), "a PC advertises no admin page");
+    let t0 = Instant::now();
+    let answered = tokio::task::spawn_blocking(move || resolve_shoal_local(WAIT)).await.unwrap();
+    assert!(answered.is_empty(), "shoal.local answered with only a PC running: {answered:?}");
+    eprintln!("no answer for shoal.local from a PC in {:?}", t0.elapsed());
+    drop(pc);
+
+    let hub = Advert { role: Role::Hub, ..advert(17450) };
+    let (hub, _rx) = Discovery::start(hub, &InterfaceFilter::loopback()).unwrap();
+    assert!(matches!(hub.advertise_web(0), Err(shoal_net::DiscoveryError::WebPort)));
+    assert!(hub.advertise_web(11434).unwrap());
+    let t0 = Instant::now();
+    let answered = tokio::task::spawn_blocking(move || resolve_shoal_local(WAIT)).await.unwrap();
+    eprintln!("shoal.local resolved to {answered:?} after {:?}", t0.elapsed());
+    assert!(answered.contains(&IpAddr::from([127, 0, 0, 1])), "the hub's loopback address: {answered:?}");
+    drop(hub);
 }
 
 /// Where cargo put the `mdns_probe` example: `target/<profile>/examples`, beside the

@@ -101,9 +101,12 @@ pub async fn run(
     tasks.spawn(events::watch(rt.membership.view(), rt.events.clone()));
     tasks.spawn(notify_ready(rt.membership.view(), identity.id()));
     tasks.spawn(watchdog(rt.membership.clone()));
+    let mut cfg = cfg;
     if let Some(addr) = options.http {
         match serve_http(addr, options.api_access.clone(), &cfg.data_dir, rt.clone()).await {
-            Ok(task) => {
+            Ok((port, task)) => {
+                // A hub advertises its page as shoal.local (discovery, started below).
+                cfg.web_port = Some(port);
                 tasks.spawn(task);
             }
             // The cluster and the stages run without it; the owner reads why.
@@ -158,13 +161,14 @@ async fn watchdog(membership: Handle) {
     }
 }
 
-/// Bind the HTTP API at `addr` and record where; the returned future serves it.
+/// Bind the HTTP API at `addr` and record where; the port bound, and the future that
+/// serves it.
 async fn serve_http(
     addr: std::net::SocketAddr,
     access: shoal_api::Access,
     data_dir: &std::path::Path,
     rt: Arc<Runtime>,
-) -> Result<impl Future<Output = ()>, String> {
+) -> Result<(u16, impl Future<Output = ()>), String> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         format!("cannot listen on {addr}: {e} (another server, Ollama maybe, holds the port? use --http-listen)")
     })?;
@@ -187,12 +191,12 @@ async fn serve_http(
         shoal_admin::Config::default(),
         shoal_api::chat_routes(backend),
     ));
-    Ok(async move {
+    Ok((bound.port(), async move {
         let limits = shoal_api::Limits::default();
         if let Err(e) = shoal_api::serve_router(listener, router, limits, std::future::pending()).await {
             tracing::error!("the HTTP API stopped: {e}");
         }
-    })
+    }))
 }
 
 /// Serve shards to members that fetch them.

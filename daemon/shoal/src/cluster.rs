@@ -270,6 +270,8 @@ pub fn serve(
         name,
         role: args.role,
         interfaces: InterfaceFilter { allow: args.mdns_allow, deny: args.mdns_deny },
+        // The node fills it in once its HTTP API is bound.
+        web_port: None,
         create,
         accept: args.accept.clone(),
         join_token,

@@ -44,6 +44,7 @@ pub fn start(dir: &Path, name: &str, create: CreatePolicy, options: shoal_node::
         name: name.into(),
         role: Role::Pc,
         interfaces: InterfaceFilter::loopback(),
+        web_port: None,
         create,
         accept: None,
         join_token: None,
