@@ -8,6 +8,12 @@
 //! with the cluster's session key, expiring), every change also the session's CSRF
 //! token in a header, and wrong passwords are limited per address. See [`auth`].
 //!
+//! The first password is set from a browser on the node's own machine; on a hub
+//! appliance (no screen), also from another machine of its LAN that reaches it by
+//! address or as `shoal.local`, with the box's first-boot settings. A hub appliance's
+//! page also manages its system (time zone, WiFi, updates, reboot, factory reset)
+//! through files shared with the image's scripts: see [`appliance`].
+//!
 //! It runs over an [`AdminBackend`] the node provides: this crate holds no cluster code
 //! and never links llama.cpp, so its routes are tested against a fake backend.
 //!
@@ -19,9 +25,11 @@
 // request on its way out, so its size costs nothing worth a box.
 #![allow(clippy::result_large_err)]
 
+pub mod appliance;
 pub mod auth;
 pub mod overview;
 
+pub use appliance::Appliance;
 pub use auth::{AuthRecord, AUTH_KEY};
 pub use overview::{
     Activity, Download, Gpu, Hop, KeyRow, LogEvent, Machine, ModelCard, NodeCard, Overview, PendingNode, Settings,
@@ -73,6 +81,11 @@ pub trait AdminBackend: Send + Sync + 'static {
 
     /// Where files uploaded from the page are written (then added to the catalog).
     fn upload_dir(&self) -> std::path::PathBuf;
+
+    /// The hub appliance's folder when this node is one (`shoal serve --appliance`: its
+    /// system settings, updates and resets are managed from the page); `None` on any
+    /// other node. The `appliance_*` actions go to [`appliance::act`].
+    fn appliance(&self) -> Option<&Appliance>;
 }
 
 /// What the owner can do from the page (`POST /admin/api/action`, JSON with an
@@ -175,10 +188,47 @@ pub enum Action {
         /// 1 to 64 characters.
         name: String,
     },
+    /// Hub appliance: change the time zone and the WiFi network (each absent: kept;
+    /// `null`: none), write them to `settings.json` and ask the system to apply them.
+    ApplianceSettings {
+        /// A time zone of the database (`Europe/Paris`), or `null`.
+        #[serde(default, deserialize_with = "present", skip_serializing_if = "Option::is_none")]
+        timezone: Option<Option<String>>,
+        /// `{"ssid", "passphrase"}` (no passphrase: an open network), or `null`.
+        #[serde(default, deserialize_with = "present", skip_serializing_if = "Option::is_none")]
+        wifi: Option<Option<appliance::Wifi>>,
+    },
+    /// Hub appliance: install the uploaded update bundle, then reboot.
+    ApplianceUpdate,
+    /// Hub appliance: factory reset (every piece of data wiped, back to the first boot)
+    /// and reboot.
+    ApplianceReset,
+    /// Hub appliance: reboot.
+    ApplianceReboot,
 }
 
 fn a_day() -> u64 {
     86_400
+}
+
+/// A field that is there (`null` included): `Some(value)`; with `#[serde(default)]` an
+/// absent one stays `None`.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    <Option<T> as serde::Deserialize>::deserialize(d).map(Some)
+}
+
+/// A cluster name as it is kept: `name` trimmed, 1 to 64 characters, none of them
+/// control characters; or why not.
+pub fn cluster_name(name: &str) -> Result<String, String> {
+    let name = name.trim();
+    if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
+        return Err("a cluster name has 1 to 64 characters, none of them control characters".into());
+    }
+    Ok(name.to_string())
 }
 
 /// Why an [`Action`] was not done.
@@ -226,6 +276,8 @@ struct Admin<B> {
     /// The last overview and when it was made: every open page shares it within a
     /// refresh period.
     last: tokio::sync::Mutex<Option<(std::time::Instant, Overview)>>,
+    /// Held while a first password is being set: one at a time.
+    setting_up: tokio::sync::Mutex<()>,
 }
 
 /// Every admin route over `backend`: the page under `/admin/`, its API under
@@ -241,6 +293,7 @@ pub fn router<B: AdminBackend>(backend: Arc<B>, cfg: Config, llm: Router) -> Rou
         revoked: Mutex::new(HashMap::new()),
         hashing: Arc::new(tokio::sync::Semaphore::new(HASHING)),
         last: tokio::sync::Mutex::new(None),
+        setting_up: tokio::sync::Mutex::new(()),
     });
     let guarded = || axum::middleware::from_fn_with_state(admin.clone(), guard::<B>);
     // Behind the login: nothing of a request is read before its session is checked.
@@ -252,6 +305,9 @@ pub fn router<B: AdminBackend>(backend: Arc<B>, cfg: Config, llm: Router) -> Rou
         .route("/admin/api/events", get(events::<B>))
         // A model is gigabytes: no body limit here, the body streams to disk.
         .route("/admin/api/upload", post(upload::<B>).layer(axum::extract::DefaultBodyLimit::disable()))
+        .route("/admin/api/appliance", get(appliance_state::<B>))
+        // A bundle is gigabytes: no body limit here either.
+        .route("/admin/api/appliance/bundle", post(bundle::<B>).layer(axum::extract::DefaultBodyLimit::disable()))
         .route_layer(guarded());
     Router::new()
         .nest_service("/admin/api/llm", llm.layer(guarded()))
@@ -319,8 +375,16 @@ async fn session<B: AdminBackend>(
     let (cluster, record) = admin.backend.credentials();
     let Some(cluster) = cluster else { return no_store(Json(json!({"state": "unpaired"}))) };
     let Some(record) = record else {
-        let here = this_machine(peer, &headers);
-        return no_store(Json(json!({"state": "setup", "cluster": cluster, "here": here, "why": SETUP_HERE})));
+        let appliance = admin.backend.appliance();
+        let here = may_set_up(appliance, peer, &headers);
+        let why = if appliance.is_some() { SETUP_APPLIANCE } else { SETUP_HERE };
+        return no_store(Json(json!({
+            "state": "setup",
+            "cluster": cluster,
+            "here": here,
+            "why": why,
+            "appliance": appliance.is_some(),
+        })));
     };
     match admin.session(&cluster, &record, &headers) {
         Ok((token, s)) => no_store(Json(json!({
@@ -337,20 +401,120 @@ async fn session<B: AdminBackend>(
 const SETUP_HERE: &str = "set the first admin password from a browser on one of the cluster's machines \
      (http://localhost:11434/admin/), or with `shoal password` on one of them";
 
+/// Where a hub appliance's first password may be set from.
+const SETUP_APPLIANCE: &str = "set up this hub box from a browser on its network, at \
+     http://shoal.local:11434/admin/ or at the box's IP address (not through another name), \
+     or with `shoal password` on the box";
+
 /// Whether a request comes from a program on this machine, addressed to this machine
 /// (loopback, and a `Host` and `Origin` that name it: not a DNS-rebinding page).
 fn this_machine(peer: SocketAddr, headers: &HeaderMap) -> bool {
     shoal_api::is_loopback(peer.ip()) && shoal_api::local_caller(headers, &[])
 }
 
-/// The body of `setup` and `login`.
+/// Whether a request may set the first admin password: one from this machine
+/// ([`this_machine`]) always; on a hub appliance (`appliance`), which has no screen,
+/// also one from another machine of its network that reaches it by a name of its own
+/// ([`from_lan`]).
+fn may_set_up(appliance: Option<&Appliance>, peer: SocketAddr, headers: &HeaderMap) -> bool {
+    this_machine(peer, headers) || appliance.is_some_and(|a| from_lan(a.host_name(), peer.ip(), headers))
+}
+
+/// Whether a request comes from a machine of the LAN (`peer` is not a public IPv4
+/// address: that would be a port forwarded from the Internet) to this box as browsers
+/// there reach it: a `Host` (any port) that is an IP address (`192.168.1.20`,
+/// `[fd00::2]`), `shoal.local` (or `shoal-N.local`, mDNS's name for it when another hub
+/// holds `shoal.local`) or `<host>.local` (`host`: this machine's name), case-insensitive;
+/// and an `Origin`, when there is one, of the same host and port. A DNS-rebinding page
+/// has a name of its own in `Host`, another site's page its own `Origin`: both are
+/// refused.
+fn from_lan(host: Option<&str>, peer: std::net::IpAddr, headers: &HeaderMap) -> bool {
+    if !lan_peer(peer) {
+        return false;
+    }
+    let Some(authority) = headers.get(header::HOST).and_then(|h| h.to_str().ok()) else { return false };
+    let Some((name, _)) = host_and_port(authority) else { return false };
+    let name = name.to_ascii_lowercase();
+    let numbered = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+    let names_box = name.parse::<std::net::IpAddr>().is_ok()
+        || name.strip_suffix(".local").is_some_and(|label| {
+            label == "shoal" || label.strip_prefix("shoal-").is_some_and(numbered) || host.is_some_and(|h| h == label)
+        });
+    let origin_ok = headers.get(header::ORIGIN).is_none_or(|o| {
+        o.to_str().is_ok_and(|o| {
+            o.split_once("://").is_some_and(|(scheme, rest)| {
+                matches!(scheme, "http" | "https") && rest.eq_ignore_ascii_case(authority)
+            })
+        })
+    });
+    names_box && origin_ok
+}
+
+/// `host[:port]` split into the host (an IPv6 address without its brackets) and the
+/// port, if any; `None` when it is not of that form.
+fn host_and_port(authority: &str) -> Option<(&str, Option<u16>)> {
+    let port = |p: &str| -> Option<u16> {
+        if p.is_empty() || p.len() > 5 || !p.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        p.parse().ok()
+    };
+    if let Some(rest) = authority.strip_prefix('[') {
+        let (v6, after) = rest.split_once(']')?;
+        v6.parse::<std::net::Ipv6Addr>().ok()?;
+        return match after {
+            "" => Some((v6, None)),
+            _ => Some((v6, Some(port(after.strip_prefix(':')?)?))),
+        };
+    }
+    let (h, p) = match authority.split_once(':') {
+        Some((h, p)) => (h, Some(port(p)?)),
+        None => (authority, None),
+    };
+    let ok = !h.is_empty() && h.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'));
+    ok.then_some((h, p))
+}
+
+/// Whether `ip` may be a machine of the LAN: any IPv6 address (home routers let no
+/// connection in unasked, and LANs use global ones), an IPv4 one that is loopback,
+/// private, link-local or shared (100.64/10); never a public IPv4 address.
+fn lan_peer(ip: std::net::IpAddr) -> bool {
+    let v4 = match ip {
+        std::net::IpAddr::V4(v4) => v4,
+        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4,
+            None => return true,
+        },
+    };
+    let [a, b, ..] = v4.octets();
+    let shared = a == 100 && (b & 0xc0) == 64;
+    v4.is_loopback() || v4.is_private() || v4.is_link_local() || shared
+}
+
+/// The body of `login`.
 #[derive(serde::Deserialize)]
 struct PasswordBody {
     password: String,
 }
 
-/// `POST /admin/api/setup {"password"}`: the first password of a cluster that has none;
-/// logs the caller in.
+/// The body of `setup`: the password; on a hub appliance, optionally the cluster's
+/// name, the time zone and the WiFi network too.
+#[derive(serde::Deserialize)]
+struct SetupBody {
+    password: String,
+    #[serde(default)]
+    cluster_name: Option<String>,
+    #[serde(default)]
+    timezone: Option<String>,
+    #[serde(default)]
+    wifi: Option<appliance::Wifi>,
+}
+
+/// `POST /admin/api/setup {"password", "cluster_name"?, "timezone"?, "wifi"?}`: the first
+/// password of a cluster that has none; logs the caller in. The other fields are a hub
+/// appliance's first-boot settings: every field is checked before anything is stored;
+/// then the password is stored, and the name and the system settings after it (what of
+/// those fails is said in `warnings`: the password stays set).
 async fn setup<B: AdminBackend>(
     State(admin): State<Arc<Admin<B>>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -362,11 +526,13 @@ async fn setup<B: AdminBackend>(
     }
     // Until the first password, whoever sets it owns the cluster: only a browser on
     // this machine may (or its owner, with `shoal password`), never another machine of
-    // the LAN, nor a page that reaches this port through a name of its own.
-    if !this_machine(peer, &headers) {
-        return error(StatusCode::FORBIDDEN, SETUP_HERE);
+    // the LAN, nor a page that reaches this port through a name of its own. A hub
+    // appliance has no screen: there a browser of its LAN may too (`from_lan`).
+    let appliance = admin.backend.appliance();
+    if !may_set_up(appliance, peer, &headers) {
+        return error(StatusCode::FORBIDDEN, if appliance.is_some() { SETUP_APPLIANCE } else { SETUP_HERE });
     }
-    let body: PasswordBody = match parse(&body) {
+    let body: SetupBody = match parse(&body) {
         Ok(b) => b,
         Err(r) => return r,
     };
@@ -377,11 +543,49 @@ async fn setup<B: AdminBackend>(
     if record.is_some() {
         return error(StatusCode::CONFLICT, "the admin password is set: log in with it");
     }
+    // Everything is checked before anything is stored.
     if let Err(e) = auth::check_length(&body.password) {
         return error(StatusCode::BAD_REQUEST, &e.to_string());
     }
+    let name = match body.cluster_name.as_deref().map(cluster_name).transpose() {
+        Ok(n) => n,
+        Err(why) => return error(StatusCode::BAD_REQUEST, &why),
+    };
+    let system = match (body.timezone.is_some() || body.wifi.is_some(), appliance) {
+        (false, _) => None,
+        (true, None) => {
+            return error(StatusCode::BAD_REQUEST, "the time zone and WiFi are set here only on a hub appliance");
+        }
+        (true, Some(a)) => {
+            let change = appliance::Change { timezone: body.timezone.map(Some), wifi: body.wifi.map(Some) };
+            let (a, checked) = (a.clone(), change.clone());
+            match tokio::task::spawn_blocking(move || a.validate(&a.changed(&checked))).await {
+                Ok(Ok(())) => Some(change),
+                Ok(Err(e)) => {
+                    return error(StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST), &e.to_string())
+                }
+                Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+            }
+        }
+    };
+    // One setup at a time (the next one sees the password the first set), and its hash
+    // within the bound on hashes at once: on a hub, the whole LAN may ask.
+    let busy = |what: &str| {
+        let mut r = error(StatusCode::SERVICE_UNAVAILABLE, &format!("{what}: try again in a moment"));
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1));
+        r
+    };
+    let Ok(_one) = admin.setting_up.try_lock() else { return busy("a first password is being set") };
+    if admin.backend.credentials().1.is_some() {
+        return error(StatusCode::CONFLICT, "the admin password is set: log in with it");
+    }
+    let Ok(permit) = admin.hashing.clone().try_acquire_owned() else { return busy("busy checking other passwords") };
     let now = unix_now();
-    let made = tokio::task::spawn_blocking(move || AuthRecord::new(&body.password, now)).await;
+    let made = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        AuthRecord::new(&body.password, now)
+    })
+    .await;
     let record = match made {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
@@ -390,8 +594,20 @@ async fn setup<B: AdminBackend>(
     if let Err(e) = admin.backend.set_credentials(record.clone()).await {
         return error(StatusCode::SERVICE_UNAVAILABLE, &format!("the password was not stored: {e}"));
     }
-    tracing::info!("admin password set");
-    admin.start_session(&cluster, &record)
+    tracing::info!(%peer, "admin password set");
+    let mut warnings = Vec::new();
+    if let Some(name) = name {
+        if let Err(e) = admin.backend.act(Action::ClusterName { name }).await {
+            warnings.push(format!("the cluster's name was not set: {}", e.message));
+        }
+    }
+    if let Some(change) = system {
+        let settings = Action::ApplianceSettings { timezone: change.timezone, wifi: change.wifi };
+        if let Err(e) = admin.backend.act(settings).await {
+            warnings.push(format!("the system settings were not applied: {}", e.message));
+        }
+    }
+    admin.start_session(&cluster, &record, warnings)
 }
 
 /// `POST /admin/api/login {"password"}`.
@@ -413,7 +629,7 @@ async fn login<B: AdminBackend>(
     };
     let check = record.clone();
     match admin.check_password(peer.ip(), move || check.verify(&body.password)).await {
-        Ok(true) => admin.start_session(&cluster, &record),
+        Ok(true) => admin.start_session(&cluster, &record, Vec::new()),
         Ok(false) => {
             tracing::warn!(%peer, "admin login: wrong password");
             error(StatusCode::UNAUTHORIZED, "wrong password")
@@ -470,7 +686,7 @@ async fn password<B: AdminBackend>(
         return error(StatusCode::SERVICE_UNAVAILABLE, &format!("the password was not stored: {e}"));
     }
     tracing::info!("admin password changed from the page");
-    admin.start_session(&cluster, &record)
+    admin.start_session(&cluster, &record, Vec::new())
 }
 
 /// `POST /admin/api/logout`: ends the session on this node and clears the cookie.
@@ -536,75 +752,30 @@ struct UploadQuery {
     name: String,
 }
 
-/// `POST /admin/api/upload?name=FILE.gguf` with the file as the body: streamed to a
-/// staging file `<upload dir>/.upload-<nonce>-FILE.gguf.part` as it arrives (one
-/// network chunk in memory at a time, whatever the file's size), linked to
-/// `FILE.gguf` if that name is still free, then checked and added to the catalog as
-/// [`Action::ModelAdd`] does. A file that is not a usable model is deleted and
-/// refused with the reason; an upload cut short leaves nothing behind.
+/// `POST /admin/api/upload?name=FILE.gguf` with the file as the body: streamed to
+/// `<upload dir>/FILE.gguf` ([`receive`]; the name must still be free when it arrives),
+/// then checked and added to the catalog as [`Action::ModelAdd`] does. A file that is
+/// not a usable model is deleted and refused with the reason; an upload cut short
+/// leaves nothing behind.
 async fn upload<B: AdminBackend>(
     State(admin): State<Arc<Admin<B>>>,
     axum::extract::Query(q): axum::extract::Query<UploadQuery>,
     body: axum::body::Body,
 ) -> Response {
-    use futures_util::StreamExt;
-    use tokio::io::AsyncWriteExt;
     let Some(name) = upload_name(&q.name) else {
         return error(
             StatusCode::BAD_REQUEST,
             "name the file NAME.gguf (letters, digits, '.', '-', '_', at most 200 characters)",
         );
     };
-    let dir = admin.backend.upload_dir();
-    let dest = dir.join(&name);
+    let dest = admin.backend.upload_dir().join(&name);
     if dest.exists() {
         return error(StatusCode::CONFLICT, &format!("{} exists on this node: rename the file", dest.display()));
     }
-    let io = |what: &str, e: std::io::Error| error(StatusCode::INTERNAL_SERVER_ERROR, &format!("{what}: {e}"));
-    if let Err(e) = tokio::fs::create_dir_all(&dir).await {
-        return io(&dir.display().to_string(), e);
-    }
-    // A staging name of its own (downloads resume from `NAME.part`: the two must never
-    // share a file), removed by the guard however this ends, a dropped request too.
-    let mut nonce = [0u8; 8];
-    if let Err(e) = getrandom::getrandom(&mut nonce) {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, &format!("no randomness: {e}"));
-    }
-    let staging = Staging(dir.join(format!(".upload-{}-{name}.part", hex::encode(nonce))));
-    let mut file = match tokio::fs::OpenOptions::new().write(true).create_new(true).open(&staging.0).await {
-        Ok(f) => f,
-        Err(e) => return io(&staging.0.display().to_string(), e),
+    let received = match receive(body, &dest, Land::Fresh, u64::MAX).await {
+        Ok(n) => n,
+        Err(r) => return r,
     };
-    let mut stream = body.into_data_stream();
-    let mut received: u64 = 0;
-    let part = staging.0.display().to_string();
-    let written = async {
-        loop {
-            // A client that stops sending without closing does not hold the upload.
-            let next = tokio::time::timeout(UPLOAD_IDLE, stream.next())
-                .await
-                .map_err(|_| (StatusCode::REQUEST_TIMEOUT, format!("no bytes for {} s", UPLOAD_IDLE.as_secs())))?;
-            let Some(chunk) = next else { break };
-            let chunk = chunk.map_err(|e| (StatusCode::BAD_REQUEST, format!("the upload broke off: {e}")))?;
-            received += chunk.len() as u64;
-            file.write_all(&chunk).await.map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{part}: {e}")))?;
-        }
-        file.sync_all().await.map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{part}: {e}")))?;
-        drop(file);
-        // A link fails where the name exists (a file that appeared meanwhile stays).
-        match tokio::fs::hard_link(&staging.0, &dest).await {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                Err((StatusCode::CONFLICT, format!("{} appeared meanwhile: rename the file", dest.display())))
-            }
-            Err(e) => Err((StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", dest.display()))),
-        }
-    };
-    let result = written.await;
-    drop(staging);
-    if let Err((status, why)) = result {
-        return error(status, &why);
-    }
     tracing::info!(file = %dest.display(), bytes = received, "model uploaded from the admin page");
     match admin.backend.act(Action::ModelAdd { path: dest.display().to_string(), name: None }).await {
         Ok(v) => no_store(Json(json!({"added": v.get("added").cloned().unwrap_or(json!(name)), "bytes": received}))),
@@ -618,6 +789,124 @@ async fn upload<B: AdminBackend>(
             StatusCode::from_u16(e.status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
             &format!("{} (the file is kept at {}: add it by path later)", e.message, dest.display()),
         ),
+    }
+}
+
+/// How a received file takes its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Land {
+    /// Only if the name is still free (a file that appeared meanwhile stays): 409.
+    Fresh,
+    /// In place of any file of that name, at once (a reader of the old one keeps it).
+    Replace,
+}
+
+/// Stream `body` to `dest`: first to a staging file of its own beside it,
+/// `.upload-<nonce>-<name>.part` (one network chunk in memory at a time, whatever the
+/// size), fsynced, then named `dest` as `land` says. At most `max` bytes (413 past it);
+/// a client silent for [`UPLOAD_IDLE`] is cut off (408). However it ends (a dropped
+/// request too), the staging file is gone. The bytes received, or the answer that says
+/// why not.
+async fn receive(body: axum::body::Body, dest: &std::path::Path, land: Land, max: u64) -> Result<u64, Response> {
+    use futures_util::StreamExt;
+    use tokio::io::AsyncWriteExt;
+    let io = |what: &str, e: std::io::Error| error(StatusCode::INTERNAL_SERVER_ERROR, &format!("{what}: {e}"));
+    let (Some(dir), Some(name)) = (dest.parent(), dest.file_name().and_then(|n| n.to_str())) else {
+        return Err(error(StatusCode::INTERNAL_SERVER_ERROR, &format!("{}: not a file's path", dest.display())));
+    };
+    if let Err(e) = tokio::fs::create_dir_all(dir).await {
+        return Err(io(&dir.display().to_string(), e));
+    }
+    // A staging name of its own (downloads resume from `NAME.part`: the two must never
+    // share a file), removed by the guard however this ends, a dropped request too.
+    let mut nonce = [0u8; 8];
+    if let Err(e) = getrandom::getrandom(&mut nonce) {
+        return Err(error(StatusCode::INTERNAL_SERVER_ERROR, &format!("no randomness: {e}")));
+    }
+    let staging = Staging(dir.join(format!(".upload-{}-{name}.part", hex::encode(nonce))));
+    let mut file = match tokio::fs::OpenOptions::new().write(true).create_new(true).open(&staging.0).await {
+        Ok(f) => f,
+        Err(e) => return Err(io(&staging.0.display().to_string(), e)),
+    };
+    let mut stream = body.into_data_stream();
+    let mut received: u64 = 0;
+    let part = staging.0.display().to_string();
+    let written = async {
+        loop {
+            // A client that stops sending without closing does not hold the upload.
+            let next = tokio::time::timeout(UPLOAD_IDLE, stream.next())
+                .await
+                .map_err(|_| (StatusCode::REQUEST_TIMEOUT, format!("no bytes for {} s", UPLOAD_IDLE.as_secs())))?;
+            let Some(chunk) = next else { break };
+            let chunk = chunk.map_err(|e| (StatusCode::BAD_REQUEST, format!("the upload broke off: {e}")))?;
+            received += chunk.len() as u64;
+            if received > max {
+                return Err((StatusCode::PAYLOAD_TOO_LARGE, format!("over the limit of {max} bytes")));
+            }
+            file.write_all(&chunk).await.map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{part}: {e}")))?;
+        }
+        file.sync_all().await.map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{part}: {e}")))?;
+        drop(file);
+        let named = match land {
+            // A link fails where the name exists (a file that appeared meanwhile stays).
+            Land::Fresh => tokio::fs::hard_link(&staging.0, dest).await,
+            Land::Replace => tokio::fs::rename(&staging.0, dest).await,
+        };
+        match named {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                Err((StatusCode::CONFLICT, format!("{} appeared meanwhile: rename the file", dest.display())))
+            }
+            Err(e) => Err((StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", dest.display()))),
+        }
+    };
+    let result = written.await;
+    drop(staging);
+    match result {
+        Ok(()) => Ok(received),
+        Err((status, why)) => Err(error(status, &why)),
+    }
+}
+
+/// `GET /admin/api/appliance`: whether this node is a hub appliance, its system settings
+/// as the page may see them (`{"timezone", "wifi": {"ssid"}}`, never the passphrase)
+/// and what its system side reports (`status.json` as read, or `null` when it says
+/// nothing readable).
+async fn appliance_state<B: AdminBackend>(State(admin): State<Arc<Admin<B>>>) -> Response {
+    let Some(a) = admin.backend.appliance().cloned() else {
+        return no_store(Json(json!({"appliance": false, "settings": null, "status": null})));
+    };
+    match tokio::task::spawn_blocking(move || (a.settings(), a.status())).await {
+        Ok((settings, status)) => {
+            no_store(Json(json!({"appliance": true, "settings": settings.public(), "status": status})))
+        }
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    }
+}
+
+/// `POST /admin/api/appliance/bundle` with an update bundle as the body: streamed to
+/// the appliance folder's `update.raucb` ([`receive`], in place of any earlier one), at
+/// most [`appliance::MAX_BUNDLE_BYTES`]. Installing it is the `appliance_update` action.
+async fn bundle<B: AdminBackend>(
+    State(admin): State<Arc<Admin<B>>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let Some(a) = admin.backend.appliance() else {
+        return error(StatusCode::CONFLICT, appliance::NOT_AN_APPLIANCE);
+    };
+    let max = appliance::MAX_BUNDLE_BYTES;
+    let announced = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > max) {
+        return error(StatusCode::PAYLOAD_TOO_LARGE, &format!("an update bundle has at most {} GiB", max >> 30));
+    }
+    let dest = a.bundle_path();
+    match receive(body, &dest, Land::Replace, max).await {
+        Ok(bytes) => {
+            tracing::info!(bytes, "update bundle uploaded from the admin page");
+            no_store(Json(json!({"bytes": bytes})))
+        }
+        Err(r) => r,
     }
 }
 
@@ -763,14 +1052,19 @@ impl<B: AdminBackend> Admin<B> {
         Ok((token, s))
     }
 
-    /// A new session: its cookie, and its CSRF token in the answer.
-    fn start_session(&self, cluster: &str, record: &AuthRecord) -> Response {
+    /// A new session: its cookie, and its CSRF token in the answer (with `warnings`,
+    /// when there are some: what was asked beside it and not done).
+    fn start_session(&self, cluster: &str, record: &AuthRecord, warnings: Vec<String>) -> Response {
         let ttl = self.cfg.session_ttl.as_secs().max(1);
         let token = match record.issue(cluster, unix_now(), ttl) {
             Ok(t) => t,
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
         };
-        let mut r = no_store(Json(json!({"state": "in", "cluster": cluster, "csrf": record.csrf(cluster, &token)})));
+        let mut body = json!({"state": "in", "cluster": cluster, "csrf": record.csrf(cluster, &token)});
+        if !warnings.is_empty() {
+            body["warnings"] = json!(warnings);
+        }
+        let mut r = no_store(Json(body));
         r.headers_mut().insert(header::SET_COOKIE, self.cookie(&token, ttl));
         r
     }
@@ -810,7 +1104,9 @@ fn same_origin_json(headers: &HeaderMap) -> Result<(), Response> {
     if let Some(origin) = headers.get(header::ORIGIN) {
         let host = headers.get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
         let same = origin.to_str().is_ok_and(|o| {
-            o.split_once("://").is_some_and(|(scheme, rest)| matches!(scheme, "http" | "https") && rest == host)
+            // (Host names are case-insensitive.)
+            o.split_once("://")
+                .is_some_and(|(scheme, rest)| matches!(scheme, "http" | "https") && rest.eq_ignore_ascii_case(host))
         });
         if !same {
             return Err(error(StatusCode::FORBIDDEN, "a request from another site's page"));
@@ -844,4 +1140,92 @@ fn unix_now() -> u64 {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Every critical section is a single map or queue operation: a panic leaves it whole.
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn a_hub_is_set_up_from_the_lan_only_through_its_own_names() {
+        let lan: std::net::IpAddr = "192.168.1.30".parse().unwrap();
+        let host = Some("hubbox");
+        for ok in [
+            vec![("host", "192.168.1.20:11434")],
+            vec![("host", "192.168.1.20")],
+            vec![("host", "[fd00::2]:11434"), ("origin", "http://[fd00::2]:11434")],
+            vec![("host", "[fe80::1]")],
+            vec![("host", "shoal.local:11434"), ("origin", "http://shoal.local:11434")],
+            vec![("host", "SHOAL.local"), ("origin", "http://shoal.local")],
+            vec![("host", "shoal-2.local:80")],
+            vec![("host", "hubbox.local:8080"), ("origin", "https://hubbox.local:8080")],
+        ] {
+            assert!(from_lan(host, lan, &headers(&ok)), "{ok:?}");
+        }
+        for bad in [
+            vec![],
+            vec![("host", "evil.example")],
+            vec![("host", "shoal.local.evil.example")],
+            vec![("host", "192.168.1.20.nip.io")],
+            vec![("host", "shoal.local:11434"), ("origin", "http://evil.example")],
+            vec![("host", "shoal.local:11434"), ("origin", "http://shoal.local:8080")],
+            vec![("host", "192.168.1.20:11434"), ("origin", "http://192.168.1.21:11434")],
+            vec![("host", "shoal.local"), ("origin", "null")],
+            vec![("host", "shoal.local"), ("origin", "file://shoal.local")],
+            vec![("host", "other.local")],
+            vec![("host", "shoal-x.local")],
+            vec![("host", "shoal-.local")],
+            vec![("host", "shoal.local:99999")],
+            vec![("host", "shoal.local:")],
+            vec![("host", "[fe80::1%25eth0]")],
+            vec![("host", "[not-v6]:1")],
+            vec![("host", "a:b:c")],
+        ] {
+            assert!(!from_lan(host, lan, &headers(&bad)), "{bad:?}");
+        }
+        assert!(!from_lan(None, lan, &headers(&[("host", "hubbox.local")])), "no host name known");
+        // A public IPv4 peer is a port forwarded from the Internet.
+        let ok = headers(&[("host", "shoal.local:11434")]);
+        for peer in ["127.0.0.1", "10.1.2.3", "172.16.0.9", "169.254.3.4", "100.64.0.7", "fd00::9", "2a01:e0a::5"] {
+            assert!(from_lan(host, peer.parse().unwrap(), &ok), "{peer}");
+        }
+        for peer in ["8.8.8.8", "100.128.0.1", "::ffff:8.8.8.8"] {
+            assert!(!from_lan(host, peer.parse().unwrap(), &ok), "{peer}");
+        }
+    }
+
+    #[test]
+    fn appliance_actions_read_absent_and_null_apart() {
+        let parse = |s: &str| serde_json::from_str::<Action>(s);
+        assert_eq!(
+            parse(r#"{"action":"appliance_settings","timezone":"UTC"}"#).unwrap(),
+            Action::ApplianceSettings { timezone: Some(Some("UTC".into())), wifi: None }
+        );
+        assert_eq!(
+            parse(r#"{"action":"appliance_settings","wifi":null}"#).unwrap(),
+            Action::ApplianceSettings { timezone: None, wifi: Some(None) }
+        );
+        let Action::ApplianceSettings { wifi: Some(Some(w)), .. } =
+            parse(r#"{"action":"appliance_settings","wifi":{"ssid":"home"}}"#).unwrap()
+        else {
+            panic!("a network")
+        };
+        assert_eq!((w.ssid.as_str(), w.passphrase.as_str()), ("home", ""));
+        for bad in [
+            r#"{"action":"appliance_settings","timezone":5}"#,
+            r#"{"action":"appliance_settings","wifi":{"ssid":"a","psk":"b"}}"#,
+            r#"{"action":"appliance_settings","other":1}"#,
+        ] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse(r#"{"action":"appliance_reboot"}"#).unwrap(), Action::ApplianceReboot);
+    }
 }

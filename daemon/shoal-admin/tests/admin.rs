@@ -1,8 +1,10 @@
 //! The admin routes on 127.0.0.1:0 over a fake node: first-run password, login,
 //! sessions (cookie flags, expiry, logout, another cluster's), CSRF, the limit on wrong
-//! passwords, requests another site's page could send, and the page's own files.
+//! passwords, requests another site's page could send, and the page's own files; a hub
+//! appliance's first-boot setup from the LAN and its system routes (the fake keeps the
+//! real appliance folder in a temporary directory, so the files are the real ones).
 
-use shoal_admin::{Action, ActionError, AdminBackend, AuthRecord, Config, NodeCard, Overview};
+use shoal_admin::{Action, ActionError, AdminBackend, Appliance, AuthRecord, Config, NodeCard, Overview};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,8 +15,10 @@ struct Fake {
     record: Mutex<Option<AuthRecord>>,
     /// The actions done, in order.
     done: Mutex<Vec<Action>>,
-    /// Where uploads go.
+    /// Where uploads go (and the appliance folder, on an appliance).
     uploads: tempfile::TempDir,
+    /// A hub appliance's folder, under `uploads`; `None`: a PC.
+    appliance: Option<Appliance>,
 }
 
 impl AdminBackend for Fake {
@@ -45,7 +49,25 @@ impl AdminBackend for Fake {
         self.uploads.path().join("models")
     }
 
+    fn appliance(&self) -> Option<&Appliance> {
+        self.appliance.as_ref()
+    }
+
     async fn act(&self, action: Action) -> Result<serde_json::Value, ActionError> {
+        if matches!(
+            action,
+            Action::ApplianceSettings { .. }
+                | Action::ApplianceUpdate
+                | Action::ApplianceReset
+                | Action::ApplianceReboot
+        ) {
+            // What the node does: the appliance folder's own code.
+            let answer = shoal_admin::appliance::act(self.appliance.as_ref(), action.clone()).await;
+            if answer.is_ok() {
+                self.done.lock().unwrap().push(action);
+            }
+            return answer;
+        }
         if action == (Action::Remove { node: "nobody".into() }) {
             return Err(ActionError { status: 404, message: "no member nobody".into() });
         }
@@ -63,11 +85,29 @@ impl AdminBackend for Fake {
 
 /// A server for `cluster` with `cfg`; its base URL and the fake.
 fn server(cluster: Option<&str>, cfg: Config) -> (String, Arc<Fake>) {
+    serve(cluster, cfg, false)
+}
+
+/// A hub appliance's server (host name `hubbox`, a time zone database holding
+/// Europe/Paris) for cluster c1.
+fn hub() -> (String, Arc<Fake>) {
+    serve(Some("c1"), Config::default(), true)
+}
+
+fn serve(cluster: Option<&str>, cfg: Config, appliance: bool) -> (String, Arc<Fake>) {
+    let uploads = tempfile::tempdir().unwrap();
+    let appliance = appliance.then(|| {
+        let zones = uploads.path().join("zoneinfo");
+        std::fs::create_dir_all(zones.join("Europe")).unwrap();
+        std::fs::write(zones.join("Europe/Paris"), b"TZif2").unwrap();
+        Appliance::open(uploads.path(), Some("hubbox".into())).unwrap().with_zoneinfo(zones)
+    });
     let fake = Arc::new(Fake {
         cluster: cluster.map(str::to_string),
         record: Mutex::new(None),
         done: Mutex::default(),
-        uploads: tempfile::tempdir().unwrap(),
+        uploads,
+        appliance,
     });
     // Stands for the node's OpenAI routes.
     let llm = axum::Router::new().route("/v1/chat/completions", axum::routing::post(|| async { "chat" }));
@@ -467,4 +507,245 @@ fn wrong_passwords_sent_at_once_cannot_slip_past_the_limit() {
     let checked = answers.iter().filter(|s| **s == 401).count();
     assert!(checked <= 5, "at most five were checked: {answers:?}");
     assert!(answers.iter().all(|s| [401, 429, 503].contains(s)), "{answers:?}");
+}
+
+/// The JSON of file `name` in `fake`'s appliance folder.
+fn appliance_file(fake: &Fake, name: &str) -> Option<serde_json::Value> {
+    let bytes = std::fs::read(fake.appliance.as_ref().unwrap().dir().join(name)).ok()?;
+    Some(serde_json::from_slice(&bytes).unwrap())
+}
+
+#[test]
+fn a_hub_appliance_is_set_up_from_its_lan_and_checks_everything_before_storing_anything() {
+    let (url, fake) = hub();
+    let session = |extra: &[(&str, &str)]| call("GET", &format!("{url}/admin/api/session"), None, None, None, extra);
+    let s = session(&[("host", "shoal.local:11434")]).json();
+    assert_eq!(
+        (s["state"].as_str(), s["appliance"].as_bool(), s["here"].as_bool()),
+        (Some("setup"), Some(true), Some(true))
+    );
+    for (k, v) in [("host", "evil.example"), ("origin", "http://evil.example")] {
+        assert_eq!(session(&[(k, v)]).json()["here"], false, "{k}: {v}");
+    }
+    let setup = |body: &str, extra: &[(&str, &str)]| {
+        call("POST", &format!("{url}/admin/api/setup"), None, None, Some(body), extra)
+    };
+    let good = format!(
+        r#"{{"password":"{PASSWORD}","cluster_name":"Home","timezone":"Europe/Paris","wifi":{{"ssid":"home net","passphrase":"correct horse"}}}}"#
+    );
+    // A DNS-rebinding page (its own name in Host) and another site's page are refused.
+    let rebound = setup(&good, &[("host", "evil.example:11434")]);
+    assert_eq!(rebound.status, 403, "{}", rebound.body);
+    assert!(rebound.json()["error"].as_str().unwrap().contains("shoal.local"), "{}", rebound.body);
+    let foreign = setup(&good, &[("host", "shoal.local:11434"), ("origin", "http://evil.example")]);
+    assert_eq!(foreign.status, 403, "{}", foreign.body);
+    // Anything wrong: 400, and nothing is stored (no password, no file, no name).
+    for (bad, why) in [
+        (good.replace("Europe/Paris", "Mars/Olympus"), "time zone"),
+        (good.replace("Europe/Paris", "../../etc/passwd"), "time zone"),
+        (good.replace("correct horse", "short"), "passphrase"),
+        (good.replace("home net", &"n".repeat(33)), "network name"),
+        (good.replace("\"Home\"", "\"   \""), "cluster name"),
+        (good.replace(PASSWORD, "short"), "at least 8"),
+    ] {
+        let a = setup(&bad, &[("host", "shoal.local:11434")]);
+        assert_eq!(a.status, 400, "{bad}: {}", a.body);
+        assert!(a.json()["error"].as_str().unwrap().contains(why), "{why}: {}", a.body);
+        assert!(fake.record.lock().unwrap().is_none(), "{why}: the password is not set");
+        assert!(appliance_file(&fake, "settings.json").is_none() && appliance_file(&fake, "request.json").is_none());
+        assert!(fake.done.lock().unwrap().is_empty());
+    }
+    // From a machine of the LAN that reaches the box by address (the peer here is
+    // loopback; the unit tests cover other peers).
+    let a = setup(&good, &[("host", "192.168.1.20:11434"), ("origin", "http://192.168.1.20:11434")]);
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(a.set_cookie.is_some() && a.json().get("warnings").is_none(), "{}", a.body);
+    assert!(fake.record.lock().unwrap().as_ref().unwrap().verify(PASSWORD));
+    assert_eq!(
+        appliance_file(&fake, "settings.json").unwrap(),
+        serde_json::json!({"timezone": "Europe/Paris", "wifi": {"ssid": "home net", "passphrase": "correct horse"}})
+    );
+    assert_eq!(appliance_file(&fake, "request.json").unwrap()["action"], "apply");
+    let done = fake.done.lock().unwrap().clone();
+    assert_eq!(done[0], Action::ClusterName { name: "Home".into() });
+    assert!(matches!(done[1], Action::ApplianceSettings { .. }), "{done:?}");
+    assert_eq!(setup(&good, &[("host", "shoal.local")]).status, 409, "once");
+}
+
+#[test]
+fn a_hub_appliance_is_set_up_through_shoal_local_with_the_password_alone() {
+    let (url, fake) = hub();
+    let body = format!(r#"{{"password":"{PASSWORD}"}}"#);
+    let a = call(
+        "POST",
+        &format!("{url}/admin/api/setup"),
+        None,
+        None,
+        Some(&body),
+        &[("host", "Shoal.local:11434"), ("origin", "http://shoal.local:11434")],
+    );
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(fake.record.lock().unwrap().is_some());
+    assert!(appliance_file(&fake, "settings.json").is_none(), "no system setting asked: none written");
+    assert!(fake.done.lock().unwrap().is_empty());
+}
+
+#[test]
+fn a_pc_is_set_up_only_from_itself_and_takes_no_system_settings() {
+    let (url, fake) = server(Some("c1"), Config::default());
+    let shoal_local = [("host", "shoal.local:11434")];
+    let s = call("GET", &format!("{url}/admin/api/session"), None, None, None, &shoal_local).json();
+    assert_eq!((s["appliance"].as_bool(), s["here"].as_bool()), (Some(false), Some(false)));
+    let body = format!(r#"{{"password":"{PASSWORD}"}}"#);
+    let a = call("POST", &format!("{url}/admin/api/setup"), None, None, Some(&body), &shoal_local);
+    assert_eq!(a.status, 403, "{}", a.body);
+    let with_zone = format!(r#"{{"password":"{PASSWORD}","timezone":"UTC"}}"#);
+    let a = call("POST", &format!("{url}/admin/api/setup"), None, None, Some(&with_zone), &[]);
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert!(a.json()["error"].as_str().unwrap().contains("only on a hub appliance"), "{}", a.body);
+    assert!(fake.record.lock().unwrap().is_none());
+}
+
+#[test]
+fn a_hub_appliance_writes_settings_and_requests_reads_its_status_and_takes_a_bundle() {
+    let (url, fake) = hub();
+    let api = format!("{url}/admin/api/appliance");
+    assert_eq!(get(&api, None).status, 401, "behind the login");
+    let (token, csrf) = setup(&url);
+    let dir = fake.appliance.as_ref().unwrap().dir().to_path_buf();
+    let state = || {
+        let a = get(&api, Some(&token));
+        assert_eq!(a.status, 200, "{}", a.body);
+        a
+    };
+    assert_eq!(
+        state().json(),
+        serde_json::json!({"appliance": true, "settings": {"timezone": null, "wifi": null}, "status": null})
+    );
+    let action =
+        |body: &str| call("POST", &format!("{url}/admin/api/action"), Some(&token), Some(&csrf), Some(body), &[]);
+
+    let a = action(
+        r#"{"action":"appliance_settings","timezone":"Europe/Paris","wifi":{"ssid":"home","passphrase":"correct horse"}}"#,
+    );
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(!a.body.contains("correct horse"), "the passphrase never goes back: {}", a.body);
+    assert_eq!(
+        appliance_file(&fake, "settings.json").unwrap(),
+        serde_json::json!({"timezone": "Europe/Paris", "wifi": {"ssid": "home", "passphrase": "correct horse"}})
+    );
+    let request = appliance_file(&fake, "request.json").unwrap();
+    assert_eq!(request["action"], "apply");
+    assert_eq!(a.json()["request"], request);
+    let shown = state();
+    assert!(!shown.body.contains("correct horse"), "{}", shown.body);
+    assert_eq!(shown.json()["settings"], serde_json::json!({"timezone": "Europe/Paris", "wifi": {"ssid": "home"}}));
+
+    // Refused settings change nothing; absent ones are kept, null ones cleared.
+    for bad in [
+        r#"{"action":"appliance_settings","timezone":"Europe"}"#,
+        r#"{"action":"appliance_settings","timezone":"/usr/share/zoneinfo/UTC"}"#,
+        r#"{"action":"appliance_settings","wifi":{"ssid":"home","passphrase":"1234567"}}"#,
+        r#"{"action":"appliance_settings","wifi":{"ssid":""}}"#,
+        r#"{"action":"appliance_settings","wifi":{"ssid":"home","key":"x"}}"#,
+    ] {
+        let a = action(bad);
+        assert_eq!(a.status, 400, "{bad}: {}", a.body);
+    }
+    assert_eq!(appliance_file(&fake, "request.json").unwrap(), request, "no request for a refused change");
+    let a = action(r#"{"action":"appliance_settings","wifi":null}"#);
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        appliance_file(&fake, "settings.json").unwrap(),
+        serde_json::json!({"timezone": "Europe/Paris", "wifi": null})
+    );
+
+    // status.json as the system side writes it; unknown fields dropped; a malformed one
+    // reads as null.
+    std::fs::write(
+        dir.join("status.json"),
+        r#"{"booted":"A","version":"1.2.0","request":{"id":"0011223344556677","action":"apply","state":"done","message":""},
+            "update":{"state":"good","message":"","at":7},"timezone":"Europe/Paris","wifi":null,"hardware_watchdog":true,"new":1}"#,
+    )
+    .unwrap();
+    let status = state().json()["status"].clone();
+    assert_eq!((status["booted"].as_str(), status["version"].as_str()), (Some("A"), Some("1.2.0")));
+    assert_eq!((status["update"]["state"].as_str(), status["request"]["state"].as_str()), (Some("good"), Some("done")));
+    assert!(status.get("new").is_none(), "{status}");
+    std::fs::write(dir.join("status.json"), r#"{"booted": ["#).unwrap();
+    assert_eq!(state().json()["status"], serde_json::Value::Null);
+
+    // An update needs a bundle; the bundle streams in behind the login and the CSRF token.
+    let before = appliance_file(&fake, "request.json").unwrap();
+    let a = action(r#"{"action":"appliance_update"}"#);
+    assert_eq!(a.status, 409, "{}", a.body);
+    assert!(a.json()["error"].as_str().unwrap().contains("upload"), "{}", a.body);
+    assert_eq!(appliance_file(&fake, "request.json").unwrap(), before);
+    let bundle = "b".repeat(3 << 20);
+    let upload = |body: &str, token: Option<&str>, csrf: Option<&str>| {
+        call(
+            "POST",
+            &format!("{url}/admin/api/appliance/bundle"),
+            token,
+            csrf,
+            Some(body),
+            &[("content-type", "application/octet-stream")],
+        )
+    };
+    // (Refused before the body is read: a small one, or the client's write meets the
+    // closed connection.)
+    assert_eq!(upload("b", None, None).status, 401);
+    assert_eq!(upload("b", Some(&token), None).status, 403);
+    assert!(!dir.join("update.raucb").exists());
+    let a = upload(&bundle, Some(&token), Some(&csrf));
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.json()["bytes"], bundle.len());
+    assert_eq!(std::fs::read(dir.join("update.raucb")).unwrap(), bundle.as_bytes());
+    let mut names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    names.sort();
+    assert_eq!(names, ["request.json", "settings.json", "status.json", "update.raucb"], "no staging file left");
+    for (body, name) in [
+        (r#"{"action":"appliance_update"}"#, "update"),
+        (r#"{"action":"appliance_reboot"}"#, "reboot"),
+        (r#"{"action":"appliance_reset"}"#, "reset"),
+    ] {
+        let a = action(body);
+        assert_eq!(a.status, 200, "{}", a.body);
+        let r = appliance_file(&fake, "request.json").unwrap();
+        assert_eq!(r["action"], name);
+        assert_eq!(a.json()["request"], r);
+        assert_ne!(r["id"], before["id"]);
+    }
+    // Another bundle takes the first one's place.
+    assert_eq!(upload("second", Some(&token), Some(&csrf)).status, 200);
+    assert_eq!(std::fs::read(dir.join("update.raucb")).unwrap(), b"second");
+}
+
+#[test]
+fn a_pc_refuses_the_appliance_routes() {
+    let (url, fake) = server(Some("c1"), Config::default());
+    let (token, csrf) = setup(&url);
+    let a = get(&format!("{url}/admin/api/appliance"), Some(&token));
+    assert_eq!(a.json(), serde_json::json!({"appliance": false, "settings": null, "status": null}));
+    for body in [
+        r#"{"action":"appliance_settings","timezone":"UTC"}"#,
+        r#"{"action":"appliance_update"}"#,
+        r#"{"action":"appliance_reset"}"#,
+        r#"{"action":"appliance_reboot"}"#,
+    ] {
+        let a = call("POST", &format!("{url}/admin/api/action"), Some(&token), Some(&csrf), Some(body), &[]);
+        assert_eq!(a.status, 409, "{body}: {}", a.body);
+        assert!(a.json()["error"].as_str().unwrap().contains("not a hub appliance"), "{}", a.body);
+    }
+    let a = call(
+        "POST",
+        &format!("{url}/admin/api/appliance/bundle"),
+        Some(&token),
+        Some(&csrf),
+        Some("bundle"),
+        &[("content-type", "application/octet-stream")],
+    );
+    assert_eq!(a.status, 409, "{}", a.body);
+    assert!(fake.done.lock().unwrap().is_empty());
+    assert_eq!(std::fs::read_dir(fake.uploads.path()).unwrap().count(), 0, "nothing written");
 }

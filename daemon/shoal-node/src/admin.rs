@@ -70,6 +70,8 @@ pub struct NodeAdmin {
     pub(crate) api: Arc<crate::http::NodeBackend>,
     /// Where the page's uploads go (`<data dir>/models`, as downloads).
     pub(crate) uploads: std::path::PathBuf,
+    /// The hub appliance's folder, on one (`shoal serve --appliance`).
+    pub(crate) appliance: Option<shoal_admin::Appliance>,
 }
 
 impl shoal_admin::AdminBackend for NodeAdmin {
@@ -283,6 +285,10 @@ impl shoal_admin::AdminBackend for NodeAdmin {
         self.uploads.clone()
     }
 
+    fn appliance(&self) -> Option<&shoal_admin::Appliance> {
+        self.appliance.as_ref()
+    }
+
     async fn act(&self, action: Action) -> Result<serde_json::Value, ActionError> {
         let rt = &self.rt;
         let ask = |req: AdminRequest| async move {
@@ -376,12 +382,13 @@ impl shoal_admin::AdminBackend for NodeAdmin {
                 ask(req).await.map(|_| json!({"keepalive": mode}))
             }
             Action::ClusterName { name } => {
-                let name = name.trim().to_string();
-                if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
-                    return Err(bad("a cluster name has 1 to 64 characters, none of them control characters".into()));
-                }
+                let name = shoal_admin::cluster_name(&name).map_err(bad)?;
                 ask(AdminRequest::Put { key: NAME_KEY.into(), value: json!(name) }).await.map(|_| json!({"name": name}))
             }
+            action @ (Action::ApplianceSettings { .. }
+            | Action::ApplianceUpdate
+            | Action::ApplianceReset
+            | Action::ApplianceReboot) => shoal_admin::appliance::act(self.appliance.as_ref(), action).await,
         }
     }
 }
@@ -491,9 +498,14 @@ fn failure(e: crate::api::ApiError) -> ActionError {
 
 impl NodeAdmin {
     /// The admin page's backend for the node `rt` serving the API `api`, uploads going
-    /// to `uploads`.
-    pub fn new(rt: Arc<Runtime>, api: Arc<crate::http::NodeBackend>, uploads: std::path::PathBuf) -> NodeAdmin {
-        NodeAdmin { rt, reports: Mutex::new(HashMap::new()), uploads, downloads: Arc::default(), api }
+    /// to `uploads`; on a hub appliance, its folder.
+    pub fn new(
+        rt: Arc<Runtime>,
+        api: Arc<crate::http::NodeBackend>,
+        uploads: std::path::PathBuf,
+        appliance: Option<shoal_admin::Appliance>,
+    ) -> NodeAdmin {
+        NodeAdmin { rt, reports: Mutex::new(HashMap::new()), uploads, downloads: Arc::default(), api, appliance }
     }
 
     /// The reports of `members` (this node's own from its inventory and stage),

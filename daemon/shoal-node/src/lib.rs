@@ -58,6 +58,10 @@ pub struct Options {
     pub api_access: shoal_api::Access,
     /// Stages keep spinning this long after their last frame (`None`: they sleep).
     pub keepalive: Option<std::time::Duration>,
+    /// A hub appliance's folder (`shoal serve --appliance`): the admin page manages the
+    /// box's system settings, updates and resets through it, and lets the first
+    /// password be set from the LAN. `None`: an ordinary node.
+    pub appliance: Option<shoal_admin::Appliance>,
 }
 
 /// Memory left to the system when the offer is not given.
@@ -103,7 +107,7 @@ pub async fn run(
     tasks.spawn(watchdog(rt.membership.clone()));
     let mut cfg = cfg;
     if let Some(addr) = options.http {
-        match serve_http(addr, options.api_access.clone(), &cfg.data_dir, rt.clone()).await {
+        match serve_http(addr, options.api_access.clone(), &cfg.data_dir, rt.clone(), options.appliance.clone()).await {
             Ok((port, task)) => {
                 // A hub advertises its page as shoal.local (discovery, started below).
                 cfg.web_port = Some(port);
@@ -168,6 +172,7 @@ async fn serve_http(
     access: shoal_api::Access,
     data_dir: &std::path::Path,
     rt: Arc<Runtime>,
+    appliance: Option<shoal_admin::Appliance>,
 ) -> Result<(u16, impl Future<Output = ()>), String> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         format!("cannot listen on {addr}: {e} (another server, Ollama maybe, holds the port? use --http-listen)")
@@ -185,7 +190,7 @@ async fn serve_http(
     eprintln!("[shoal] admin page: http://{bound}/admin/");
     // The admin page's routes carry their own login; the API's key check and CORS
     // apply to the API's routes only.
-    let page = admin::NodeAdmin::new(rt, backend.clone(), data_dir.join("models"));
+    let page = admin::NodeAdmin::new(rt, backend.clone(), data_dir.join("models"), appliance);
     let router = shoal_api::router(backend.clone(), access).merge(shoal_admin::router(
         Arc::new(page),
         shoal_admin::Config::default(),

@@ -168,6 +168,7 @@ fn options() -> shoal_node::Options {
         http: None,
         api_access: Default::default(),
         keepalive: None,
+        appliance: None,
     }
 }
 

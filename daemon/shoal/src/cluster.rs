@@ -80,6 +80,14 @@ pub struct ClusterArgs {
     /// (CORS); repeat for more, `*` for any. None by default.
     #[arg(long, value_name = "ORIGIN")]
     cors_origin: Vec<String>,
+    /// For the hub box's disk image only (with --role hub): this node is a hub appliance
+    /// whose system is managed from the admin page. The page sets the time zone and
+    /// WiFi, installs updates, reboots and factory-resets the box by writing files in
+    /// <data-dir>/appliance/ for the image's root-owned scripts (the node itself needs
+    /// no privilege), and the first admin password may be set from another machine of
+    /// the LAN (at http://shoal.local:11434/admin/ or the box's IP address).
+    #[arg(long)]
+    appliance: bool,
 }
 
 /// A size in bytes: a number with an optional K, M, G or T suffix (powers of 1024).
@@ -263,6 +271,17 @@ pub fn serve(
             bail!("--accept takes at least the first 8 hex digits of a cluster id");
         }
     }
+    let appliance = if args.appliance {
+        if args.role != Role::Hub {
+            bail!("--appliance is for a hub box: add --role hub");
+        }
+        let a = shoal_admin::Appliance::open(&data_dir, Some(inventory.hostname.clone()))
+            .context("the appliance folder (--appliance)")?;
+        eprintln!("[shoal] hub appliance: system settings through {}", a.dir().display());
+        Some(a)
+    } else {
+        None
+    };
     let cfg = NodeConfig {
         data_dir: data_dir.clone(),
         listen: listen.unwrap_or(SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT))),
@@ -319,6 +338,7 @@ pub fn serve(
             // loss for concurrent ones with several nodes on one machine (they spin on
             // shared cores); machines of their own may differ (`--keepalive on`).
             keepalive: (stage.keepalive == crate::pipeline::KeepAlive::On).then_some(shoal_pipeline::KEEPALIVE_WINDOW),
+            appliance,
         };
         shoal_node::run(cfg, options, identity, rx, shutdown).await
     })?;
