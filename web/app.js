@@ -44,12 +44,52 @@ async function start() {
   if (status !== 200) { show("loading"); $("loading").textContent = s.error || `The node answered ${status}.`; return; }
   if (s.cluster) $("cluster").textContent = `cluster ${s.cluster.slice(0, 8)}`;
   if (s.state === "in") { csrf = s.csrf; enter(); }
-  else if (s.state === "setup") show(s.here ? "setup" : "setup-elsewhere");
+  else if (s.state === "setup") { setupFor(Boolean(s.appliance)); show(s.here ? "setup" : "setup-elsewhere"); }
   else show(s.state === "unpaired" ? "unpaired" : "login");
+}
+
+/** The time zones this browser knows (with UTC), in the shared datalist, once. */
+function timeZones() {
+  const list = $("timezones");
+  if (list.children.length) return;
+  const zones = typeof Intl.supportedValuesOf === "function" ? Intl.supportedValuesOf("timeZone") : [];
+  list.replaceChildren(...["UTC", ...zones.filter((z) => z !== "UTC")].map((z) => { const o = el("option"); o.value = z; return o; }));
+}
+
+/** The browser's own time zone, if it says. */
+function browserZone() {
+  try { return Intl.DateTimeFormat().resolvedOptions().timeZone || ""; } catch { return ""; }
+}
+
+/** The first-run form: the password alone, or a hub box's first-boot settings too. */
+function setupFor(hub) {
+  $("setup-hub").hidden = !hub;
+  $("setup-intro-hub").hidden = !hub;
+  $("setup-intro-pc").hidden = hub;
+  $("elsewhere-hub").hidden = !hub;
+  $("elsewhere-pc").hidden = hub;
+  $("setup-submit").textContent = hub ? "Set up the box" : "Set password";
+  if (hub) {
+    timeZones();
+    if (!$("setup-timezone").value) $("setup-timezone").value = browserZone();
+  }
+}
+
+/** Why a WiFi network cannot be used, checked here first (the node checks again). */
+function wifiProblem(ssid, passphrase) {
+  const bytes = new TextEncoder().encode(ssid).length;
+  if (bytes < 1 || bytes > 32) return "A WiFi network name has 1 to 32 bytes.";
+  if (/[\u0000-\u001f\u007f-\u009f]/.test(ssid)) return "A WiFi network name has no control characters.";
+  if (passphrase && !/^[\x20-\x7e]{8,63}$/.test(passphrase)) {
+    return "A WiFi passphrase has 8 to 63 characters: letters, digits, punctuation or spaces (or none, for an open network).";
+  }
+  return "";
 }
 
 function enter() {
   show("in");
+  systemFilled = false;
+  systemRefresh();
   if (events) events.close();
   events = new EventSource("/admin/api/events");
   events.addEventListener("overview", (e) => {
@@ -66,12 +106,35 @@ function enter() {
 
 $("setup-form").addEventListener("submit", async (e) => {
   e.preventDefault();
+  const error = $("setup-error");
   const password = $("setup-password").value;
-  if (password !== $("setup-confirm").value) { $("setup-error").textContent = "The two passwords differ."; return; }
-  const [status, s] = await call("POST", "/admin/api/setup", { password });
-  if (status === 200) { csrf = s.csrf; $("setup-form").reset(); enter(); }
-  else if (status === 409) start();
-  else $("setup-error").textContent = s.error || `Refused (${status}).`;
+  if (password !== $("setup-confirm").value) { error.textContent = "The two passwords differ."; return; }
+  const body = { password };
+  if (!$("setup-hub").hidden) {
+    const name = $("setup-name").value.trim();
+    const zone = $("setup-timezone").value.trim();
+    const ssid = $("setup-ssid").value;
+    const passphrase = $("setup-passphrase").value;
+    if (name) body.cluster_name = name;
+    if (zone) body.timezone = zone;
+    if (ssid) {
+      const problem = wifiProblem(ssid, passphrase);
+      if (problem) { error.textContent = problem; $("setup-ssid").focus(); return; }
+      body.wifi = { ssid, passphrase };
+    }
+  }
+  error.textContent = "";
+  $("setup-submit").disabled = true;
+  const [status, s] = await call("POST", "/admin/api/setup", body);
+  $("setup-submit").disabled = false;
+  if (status === 200) {
+    csrf = s.csrf;
+    $("setup-form").reset();
+    enter();
+    // The password is set; what else was asked and not done is said where it is changed.
+    if (s.warnings && s.warnings.length) { location.hash = "#settings"; $("settings-error").textContent = s.warnings.join(" "); }
+  } else if (status === 409) start();
+  else error.textContent = s.error || `Refused (${status}).`;
 });
 
 $("login-form").addEventListener("submit", async (e) => {
@@ -618,6 +681,147 @@ $("password-form").addEventListener("submit", async (e) => {
   $("password-form").reset();
   $("settings-status").textContent = "The password is changed; every other session has ended.";
   enter(); // the live stream belonged to the old session
+});
+
+// ---- the hub box's system (appliance mode) ----
+
+/** The last request this page made (its id), followed until the box reports it done. */
+let sentRequest = null;
+let systemTimer = null;
+let systemFilled = false;
+
+const UPDATE_STATES = {
+  none: "",
+  installing: "Installing the update…",
+  installed: "The update is installed: the box restarts into it.",
+  good: "The box runs the update.",
+  failed: "The update failed",
+  "rolled-back": "The update did not start, and the box went back to the version before",
+};
+
+/** Ask the node for the box's settings and status; poll while something runs. */
+async function systemRefresh() {
+  clearTimeout(systemTimer);
+  systemTimer = null;
+  let status, a;
+  try { [status, a] = await call("GET", "/admin/api/appliance"); } catch { status = 0; }
+  if (status === 401) { if (events) { events.close(); events = null; } csrf = ""; start(); return; }
+  if (status !== 200) {
+    // Restarting (a reboot, an update): ask again until it answers.
+    if (sentRequest) { $("system-request").textContent = "The box is restarting…"; systemTimer = setTimeout(systemRefresh, 3000); }
+    return;
+  }
+  $("system-card").hidden = !a.appliance;
+  if (!a.appliance) return;
+  timeZones();
+  const st = a.status;
+  const set = a.settings || {};
+  $("system-facts").textContent = st
+    ? [st.booted ? `slot ${st.booted}` : "", st.version ? `version ${st.version}` : "",
+      st.hardware_watchdog != null ? `hardware watchdog ${st.hardware_watchdog ? "on" : "off"}` : ""].filter(Boolean).join(" · ")
+      || "The system reported nothing yet."
+    : "The system has not reported yet.";
+  const joined = st && st.wifi ? `Joined: ${st.wifi}.` : "";
+  const chosen = set.wifi ? `Chosen: ${set.wifi.ssid}.` : "No WiFi network chosen: the box uses its cable.";
+  $("wifi-now").textContent = `${chosen} ${joined}`.trim();
+  if (!systemFilled) {
+    $("system-timezone").value = set.timezone || (st && st.timezone) || "";
+    $("wifi-ssid").value = set.wifi ? set.wifi.ssid : "";
+    systemFilled = true;
+  }
+  const u = st && st.update;
+  $("update-status").textContent = u && UPDATE_STATES[u.state] !== undefined
+    ? `${UPDATE_STATES[u.state]}${u.message && UPDATE_STATES[u.state] ? `: ${u.message}` : ""}`
+    : (u ? `${u.state} ${u.message || ""}` : "");
+  const r = st && st.request;
+  let running = Boolean(u && u.state === "installing");
+  if (sentRequest && Date.now() / 1000 - sentRequest.at > 15 * 60) {
+    // Followed long enough: a request the box never reports on is not waited for forever.
+    $("system-request").textContent = "The box said nothing more about the last request.";
+    sentRequest = null;
+  }
+  if (sentRequest) {
+    if (r && r.id === sentRequest.id) {
+      const what = { running: "Working", done: "Done", failed: "Failed" }[r.state] || r.state;
+      $("system-request").textContent = `${what}${r.message ? `: ${r.message}` : "."}`;
+      running = running || r.state === "running";
+      if (r.state !== "running") sentRequest = null;
+    } else {
+      $("system-request").textContent = "Asked; waiting for the box…";
+      running = true;
+    }
+  }
+  if (running) systemTimer = setTimeout(systemRefresh, 3000);
+}
+
+/** Do an appliance action; follows the request it makes. */
+async function systemAct(body) {
+  const r = await act(body, $("system-error"));
+  if (!r) return null;
+  if (r.request) sentRequest = r.request;
+  systemRefresh();
+  return r;
+}
+
+$("timezone-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const r = await systemAct({ action: "appliance_settings", timezone: $("system-timezone").value.trim() });
+  if (r) $("settings-status").textContent = `The time zone is now ${r.settings.timezone}.`;
+});
+
+$("wifi-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const ssid = $("wifi-ssid").value;
+  const passphrase = $("wifi-passphrase").value;
+  let wifi = null;
+  if (ssid) {
+    const problem = wifiProblem(ssid, passphrase);
+    if (problem) { $("system-error").textContent = problem; return; }
+    wifi = { ssid, passphrase };
+  } else if (!confirm("Forget the WiFi network? The box will be reachable by cable only.")) return;
+  const r = await systemAct({ action: "appliance_settings", wifi });
+  if (r) { $("wifi-passphrase").value = ""; $("settings-status").textContent = wifi ? `The box joins ${ssid}.` : "The box uses its cable only."; }
+});
+
+$("bundle-send").addEventListener("click", () => {
+  const file = $("bundle-file").files[0];
+  const status = $("update-status");
+  if (!file) { status.textContent = "Choose an update bundle (.raucb) first."; return; }
+  const bar = $("bundle-progress");
+  const send = $("bundle-send");
+  $("system-error").textContent = "";
+  const xhr = new XMLHttpRequest(); // fetch cannot report an upload's progress
+  xhr.open("POST", "/admin/api/appliance/bundle");
+  xhr.setRequestHeader("X-CSRF-Token", csrf);
+  xhr.setRequestHeader("Content-Type", "application/octet-stream");
+  xhr.upload.onprogress = (e) => {
+    if (!e.lengthComputable) return;
+    bar.value = e.loaded / e.total;
+    status.textContent = `Uploading: ${bytes(e.loaded)} of ${bytes(e.total)}`;
+  };
+  const done = () => { bar.hidden = true; send.disabled = false; };
+  xhr.onload = async () => {
+    done();
+    let r = {}; try { r = JSON.parse(xhr.responseText); } catch { /* not JSON */ }
+    if (xhr.status !== 200) { status.textContent = `Refused: ${r.error || xhr.status}`; return; }
+    status.textContent = "Uploaded; asking the box to install it…";
+    if (await systemAct({ action: "appliance_update" })) $("bundle-file").value = "";
+  };
+  xhr.onerror = () => { done(); status.textContent = "The upload broke off."; };
+  bar.hidden = false;
+  bar.value = 0;
+  send.disabled = true;
+  xhr.send(file);
+});
+
+$("reboot").addEventListener("click", async () => {
+  if (!confirm("Reboot the box? The models it runs stop until it is back, in a minute or two.")) return;
+  await systemAct({ action: "appliance_reboot" });
+});
+
+$("factory-reset").addEventListener("click", async () => {
+  if (!confirm("Factory reset the box? Everything on it is erased: its place in the cluster and the cluster's admin password and API keys as this box holds them, the models and shards stored on it, its WiFi network and time zone. It restarts as it came, to be set up again.")) return;
+  await systemAct({ action: "appliance_reset" });
 });
 
 // ---- chat ----

@@ -9,7 +9,10 @@
 //! phone's width in dark mode, and no request to any host but the node; then `shoal
 //! password` on a node replaces the password the page set. Screenshots go
 //! to `target/tmp/admin-page/`. scripts/setup.sh installs the browser and the npm
-//! package; without them the test fails and says so.
+//! package; without them the test fails and says so. A hub box (`shoal serve --role hub
+//! --appliance`) is set up from "another machine" through `shoal.local` with its
+//! first-boot settings and managed from its System card (`web/tests/hub.cjs`, which
+//! plays the image's system side by writing `status.json`).
 
 mod common;
 use common::*;
@@ -238,6 +241,60 @@ fn a_gigabyte_upload_streams_to_disk_and_is_refused_whole_when_it_is_not_a_model
     let left: Vec<_> =
         std::fs::read_dir(&models).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
     assert!(left.is_empty(), "nothing of the refused upload is left: {left:?}");
+    drop(nodes);
+}
+
+#[test]
+fn a_hub_box_is_set_up_from_its_lan_and_its_system_managed_from_the_page() {
+    let modules = playwright();
+    let chromium = std::env::var("SHOAL_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+    assert!(std::path::Path::new(&chromium).exists(), "no browser at {chromium}: run scripts/setup.sh");
+    // The node checks time zones against this machine's database (tzdata).
+    let zone = ["Europe/Paris", "UTC"]
+        .into_iter()
+        .find(|z| std::path::Path::new("/usr/share/zoneinfo").join(z).is_file())
+        .unwrap_or("UTC");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("hub");
+    let mut serve = shoal();
+    serve
+        .args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
+        .args(["--http-listen", "127.0.0.1:0", "--name", "hub", "--max-memory", "90M", "--threads", "1"])
+        .args(["--create-cluster", "--role", "hub", "--appliance", "--data-dir"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let nodes = Nodes(vec![("hub", serve.spawn().unwrap())]);
+    wait_for("the hub's cluster", 30, || status(&dir).filter(|s| !s["cluster"].is_null()));
+    let url = format!("http://{}", wait_for("the API", 30, || std::fs::read_to_string(dir.join("http")).ok()).trim());
+    let appliance = dir.join("appliance");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&appliance).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o770, "the appliance folder");
+    }
+    let artifacts = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("admin-page");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../web/tests/hub.cjs");
+    let out = Command::new("node")
+        .arg(script)
+        .env("NODE_PATH", &modules)
+        .env("SHOAL_URL", &url)
+        .env("SHOAL_APPLIANCE", &appliance)
+        .env("SHOAL_ZONE", zone)
+        .env("SHOAL_ARTIFACTS", &artifacts)
+        .env("SHOAL_CHROMIUM", &chromium)
+        .output()
+        .expect("node (Node.js) runs: scripts/setup.sh installs it");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "the browser test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(appliance.join("settings.json")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "settings.json holds the WiFi passphrase");
+    }
     drop(nodes);
 }
 
