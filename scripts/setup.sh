@@ -19,6 +19,9 @@ ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_pkgs+=(libclang-dev
 command -v pip3 >/dev/null 2>&1 || command -v pip >/dev/null 2>&1 || need_pkgs+=(python3-pip)
 # The API's route checks call it as users do.
 command -v curl >/dev/null 2>&1 || need_pkgs+=(curl)
+# The hub image's root scripts (firmware/rootfs/usr/lib/shoal-hub) are tested here too.
+command -v jq >/dev/null 2>&1 || need_pkgs+=(jq)
+[ -e /usr/share/zoneinfo/Europe/Paris ] || need_pkgs+=(tzdata)
 # The package test: a clean Debian root to install the .deb into, booted under systemd.
 command -v debootstrap >/dev/null 2>&1 || need_pkgs+=(debootstrap)
 command -v systemd-nspawn >/dev/null 2>&1 || need_pkgs+=(systemd-container)

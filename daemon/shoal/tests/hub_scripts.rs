@@ -1,0 +1,182 @@
+//! The hub image's root script that applies what the page asks
+//! (`firmware/rootfs/usr/lib/shoal-hub/apply`), run here on folders of its own: the
+//! node (an unprivileged user) writes `settings.json` and `request.json`, the script
+//! (root, on the box) must check every value before use, apply the time zone and WiFi
+//! network, report in `status.json`, and handle each request once. The whole box is
+//! tested by `hub_image.rs` (opt-in, under qemu).
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../firmware/rootfs/usr/lib/shoal-hub/apply")
+}
+
+struct Box {
+    _tmp: tempfile::TempDir,
+    appliance: PathBuf,
+    hub: PathBuf,
+    /// What the script asked of systemctl, one call a line.
+    calls: PathBuf,
+}
+
+impl Box {
+    fn new() -> Box {
+        let tmp = tempfile::tempdir().unwrap();
+        let appliance = tmp.path().join("var/lib/shoal/appliance");
+        let hub = tmp.path().join("data/hub");
+        std::fs::create_dir_all(&appliance).unwrap();
+        std::fs::create_dir_all(&hub).unwrap();
+        let calls = tmp.path().join("systemctl.calls");
+        let fake = tmp.path().join("systemctl");
+        std::fs::write(&fake, format!("#!/bin/sh\necho \"$@\" >> {}\n", calls.display())).unwrap();
+        std::process::Command::new("chmod").arg("+x").arg(&fake).status().unwrap();
+        Box { _tmp: tmp, appliance, hub, calls }
+    }
+
+    /// Write `settings` and a request `id` for `action`, run the script; its status.
+    fn run(&self, settings: Option<&Value>, id: &str, action: &str) -> Value {
+        if let Some(s) = settings {
+            std::fs::write(self.appliance.join("settings.json"), s.to_string()).unwrap();
+        }
+        let req = json!({"id": id, "action": action, "at": 0});
+        std::fs::write(self.appliance.join("request.json"), req.to_string()).unwrap();
+        let out = Command::new("bash")
+            .arg(script())
+            .env("SHOAL_HUB_APPLIANCE", &self.appliance)
+            .env("SHOAL_HUB_DATA", &self.hub)
+            .env("SHOAL_HUB_SYSTEMCTL", self.calls.with_file_name("systemctl"))
+            .output()
+            .unwrap();
+        eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+        self.status()
+    }
+
+    fn status(&self) -> Value {
+        serde_json::from_slice(&std::fs::read(self.appliance.join("status.json")).unwrap_or_default())
+            .unwrap_or(Value::Null)
+    }
+
+    fn systemctl(&self) -> String {
+        std::fs::read_to_string(&self.calls).unwrap_or_default()
+    }
+
+    fn iwd_files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(self.hub.join("iwd"))
+            .map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn tools() -> bool {
+    let ok = Command::new("jq").arg("--version").output().is_ok_and(|o| o.status.success())
+        && Path::new("/usr/share/zoneinfo/Europe/Paris").exists();
+    if !ok {
+        // scripts/setup.sh installs both: a suite run never gets here.
+        eprintln!("SKIPPED: jq or tzdata is missing (scripts/setup.sh installs them)");
+    }
+    ok
+}
+
+#[test]
+fn apply_sets_the_time_zone_and_wifi_and_reports_each_request_once() {
+    if !tools() {
+        return;
+    }
+    let b = Box::new();
+    let st = b.run(
+        Some(&json!({"timezone": "Europe/Paris", "wifi": {"ssid": "Home Wi-Fi", "passphrase": "hunter2hunter2"}})),
+        "00aa",
+        "apply",
+    );
+    assert_eq!(st["request"], json!({"id": "00aa", "action": "apply", "state": "done", "message": "settings applied"}));
+    assert_eq!(st["timezone"], "Europe/Paris");
+    assert_eq!(st["wifi"], "Home Wi-Fi");
+    // /etc/localtime on the box points at this link.
+    let link = std::fs::read_link(b.hub.join("localtime")).unwrap();
+    assert_eq!(link, Path::new("/usr/share/zoneinfo/Europe/Paris"));
+    // iwd's file for the network: '=' and the name's bytes in hex; readable by root only.
+    let name = format!("={}.psk", hex("Home Wi-Fi"));
+    assert_eq!(b.iwd_files(), vec![name.clone()]);
+    let psk = b.hub.join("iwd").join(&name);
+    assert_eq!(std::fs::read_to_string(&psk).unwrap(), "[Security]\nPassphrase=hunter2hunter2\n");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&psk).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(b.systemctl(), "try-restart iwd.service\n");
+
+    // The same request again (the path unit fires on every change): nothing is redone.
+    std::fs::remove_file(b.hub.join("localtime")).unwrap();
+    b.run(None, "00aa", "apply");
+    assert!(!b.hub.join("localtime").exists(), "a request was handled twice");
+
+    // An open network replaces the last one; no WiFi at all removes it.
+    let st = b.run(Some(&json!({"timezone": "UTC", "wifi": {"ssid": "Café", "passphrase": ""}})), "00ab", "apply");
+    assert_eq!(st["request"]["state"], "done", "{st}");
+    assert_eq!(b.iwd_files(), vec![format!("={}.open", hex("Café"))]);
+    let st = b.run(Some(&json!({"timezone": "UTC", "wifi": null})), "00ac", "apply");
+    assert_eq!(st["wifi"], Value::Null, "{st}");
+    assert!(b.iwd_files().is_empty());
+}
+
+#[test]
+fn apply_refuses_what_the_node_should_not_ask_and_changes_nothing() {
+    if !tools() {
+        return;
+    }
+    let b = Box::new();
+    b.run(Some(&json!({"timezone": "Europe/Paris", "wifi": null})), "01", "apply");
+    let bad = [
+        (json!({"timezone": "../../../etc/shadow"}), "not a time zone"),
+        (json!({"timezone": "Europe/Atlantis"}), "not a time zone"),
+        (json!({"timezone": "Europe"}), "not a time zone"),
+        (json!({"wifi": {"ssid": "x", "passphrase": "short"}}), "8 to 63"),
+        (json!({"wifi": {"ssid": "x", "passphrase": "pässwörd-long-enough"}}), "8 to 63"),
+        (json!({"wifi": {"ssid": "a\nb", "passphrase": "long enough pass"}}), "1 to 32 bytes"),
+        (json!({"wifi": {"ssid": "x".repeat(33), "passphrase": "long enough pass"}}), "1 to 32 bytes"),
+        (json!(["not", "an", "object"]), "not a JSON object"),
+    ];
+    for (i, (settings, why)) in bad.iter().enumerate() {
+        let st = b.run(Some(settings), &format!("1{i}"), "apply");
+        assert_eq!(st["request"]["state"], "failed", "{settings}: {st}");
+        assert!(st["request"]["message"].as_str().unwrap().contains(why), "{settings}: {st}");
+        assert_eq!(
+            std::fs::read_link(b.hub.join("localtime")).unwrap(),
+            Path::new("/usr/share/zoneinfo/Europe/Paris"),
+            "{settings} changed the time zone"
+        );
+        assert!(b.iwd_files().is_empty(), "{settings} wrote a network");
+    }
+    // Requests without a valid id, or with an unknown action, do nothing but say so.
+    let before = b.status();
+    b.run(None, "not hex; rm -rf /", "apply");
+    assert_eq!(b.status(), before);
+    let st = b.run(None, "20", "format-disk");
+    assert_eq!(st["request"]["state"], "failed");
+    // A request file that is a link (to a file the node may not read) is not followed.
+    std::fs::remove_file(b.appliance.join("request.json")).unwrap();
+    let elsewhere = b.hub.join("req");
+    std::fs::write(&elsewhere, json!({"id": "21", "action": "apply"}).to_string()).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, b.appliance.join("request.json")).unwrap();
+    let out = Command::new("bash")
+        .arg(script())
+        .env("SHOAL_HUB_APPLIANCE", &b.appliance)
+        .env("SHOAL_HUB_DATA", &b.hub)
+        .env("SHOAL_HUB_SYSTEMCTL", "false")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_ne!(b.status()["request"]["id"], "21", "a linked request was followed");
+    std::fs::remove_file(b.appliance.join("request.json")).unwrap();
+    // No update without a bundle; nothing rebooted.
+    let st = b.run(None, "22", "update");
+    assert_eq!(st["request"]["state"], "failed");
+    assert!(st["request"]["message"].as_str().unwrap().contains("no update bundle"), "{st}");
+    assert!(!b.systemctl().contains("reboot"), "{}", b.systemctl());
+}
