@@ -718,7 +718,8 @@ async function systemRefresh() {
   const set = a.settings || {};
   $("system-facts").textContent = st
     ? [st.booted ? `slot ${st.booted}` : "", st.version ? `version ${st.version}` : "",
-      st.hardware_watchdog != null ? `hardware watchdog ${st.hardware_watchdog ? "on" : "off"}` : ""].filter(Boolean).join(" · ")
+      st.hardware_watchdog != null ? `hardware watchdog ${st.hardware_watchdog ? "on" : "off"}` : "",
+      st.data_bytes ? `data partition ${bytes(st.data_bytes)}` : ""].filter(Boolean).join(" · ")
       || "The system reported nothing yet."
     : "The system has not reported yet.";
   const joined = st && st.wifi ? `Joined: ${st.wifi}.` : "";

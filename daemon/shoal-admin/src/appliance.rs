@@ -183,6 +183,8 @@ pub struct Status {
     pub wifi: Option<String>,
     /// Whether a hardware watchdog guards the box.
     pub hardware_watchdog: Option<bool>,
+    /// The size of the data partition (models, shards, settings), bytes.
+    pub data_bytes: Option<u64>,
 }
 
 /// The state of a request, as the system side reports it.
@@ -657,14 +659,14 @@ mod tests {
             r#"{"booted": "B", "version": "0.2.0", "future": [1, 2],
                 "request": {"id": "00112233aabbccdd", "action": "update", "state": "running", "message": "installing"},
                 "update": {"state": "installing", "message": "", "at": 5},
-                "timezone": "Europe/Paris", "wifi": null, "hardware_watchdog": true}"#,
+                "timezone": "Europe/Paris", "wifi": null, "hardware_watchdog": true, "data_bytes": 4096}"#,
         )
         .unwrap();
         let s = a.status().unwrap();
         assert_eq!((s.booted.as_deref(), s.version.as_deref()), (Some("B"), Some("0.2.0")));
         assert_eq!(s.request.unwrap().state, "running");
         assert_eq!(s.update.unwrap().state, "installing");
-        assert_eq!((s.wifi, s.hardware_watchdog), (None, Some(true)));
+        assert_eq!((s.wifi, s.hardware_watchdog, s.data_bytes), (None, Some(true), Some(4096)));
         for bad in ["", "{", "[]", r#"{"booted": 5}"#, "\u{0}"] {
             std::fs::write(&path, bad).unwrap();
             assert_eq!(a.status(), None, "{bad:?}");

@@ -51,7 +51,9 @@ fn missing() -> Option<String> {
     if !rustix::process::geteuid().is_root() {
         return Some("needs root (image build, network namespace, tap)".into());
     }
-    for tool in ["qemu-system-x86_64", "mmdebstrap", "rauc", "mcopy", "dnsmasq", "unsquashfs", "cargo-deb"] {
+    for tool in
+        ["qemu-system-x86_64", "mmdebstrap", "rauc", "mcopy", "dnsmasq", "unsquashfs", "cargo-deb", "grub-editenv"]
+    {
         if Command::new("sh").args(["-c", &format!("command -v {tool}")]).output().map_or(true, |o| !o.status.success())
         {
             return Some(format!("{tool} is not installed (firmware/test.sh installs it)"));
@@ -104,7 +106,7 @@ impl Lan {
         let child = self
             .exec("dnsmasq")
             .args(["--no-daemon", "--conf-file=/dev/null", "--port=0", "--interface=br0", "--bind-interfaces"])
-            .arg(format!("--dhcp-range=10.99.0.50,10.99.0.99,1h"))
+            .arg("--dhcp-range=10.99.0.50,10.99.0.99,1h")
             .arg(format!("--dhcp-host={HUB_MAC},{HUB_IP}"))
             .arg(format!("--dhcp-leasefile={}", leases.display()))
             .stdout(Stdio::null())
@@ -259,6 +261,12 @@ impl Http {
     }
 
     fn login(&self) {
+        // Right after a boot the node may still be starting its cluster.
+        let s = wait_for("the page to ask for a login", 120, || {
+            let s = self.get("/admin/api/session").ok()?;
+            matches!(s["state"].as_str(), Some("login" | "in")).then_some(s)
+        });
+        let _ = s;
         let (code, v) = self.post("/admin/api/login", &json!({"password": PASSWORD}));
         assert_eq!(code, 200, "login: {v}");
         let s = self.get("/admin/api/session").unwrap();
@@ -277,25 +285,33 @@ impl Http {
     }
 }
 
-/// A copy of the image's root with `change` applied, as a signed bundle of `version`.
-fn bundle(work: &Path, rootfs: &Path, version: &str, key: (&Path, &Path), change: &dyn Fn(&Path)) -> PathBuf {
-    let dir = work.join(format!("root-{version}"));
+/// The image's root, unpacked to be changed into the roots of test updates.
+fn unpack(work: &Path, rootfs: &Path) -> PathBuf {
+    let dir = work.join("root");
     sh(Command::new("unsquashfs").args(["-q", "-n", "-d"]).arg(&dir).arg(rootfs));
-    change(&dir);
-    let sqfs = work.join(format!("{version}.sqfs"));
-    // gzip: quicker to make here than the image's xz, and GRUB reads both.
-    sh(Command::new("mksquashfs").arg(&dir).arg(&sqfs).args(["-noappend", "-comp", "gzip", "-quiet"]));
+    dir
+}
+
+/// `root` as a read-only system image (gzip: quicker to make here than the image's xz,
+/// and GRUB reads both).
+fn squash(work: &Path, root: &Path, name: &str) -> PathBuf {
+    let sqfs = work.join(format!("{name}.sqfs"));
+    sh(Command::new("mksquashfs").arg(root).arg(&sqfs).args(["-noappend", "-comp", "gzip", "-quiet"]));
+    sqfs
+}
+
+/// `sqfs` as a bundle of `version`, signed with `key` (key, certificate).
+fn bundle(work: &Path, sqfs: &Path, version: &str, key: (&Path, &Path)) -> PathBuf {
     let out = work.join(format!("{version}.raucb"));
     sh(Command::new(workspace().join("firmware/bundle.sh"))
         .arg("--rootfs")
-        .arg(&sqfs)
+        .arg(sqfs)
         .args(["--arch", "amd64", "--version", version, "--signing-key"])
         .arg(key.0)
         .arg("--signing-cert")
         .arg(key.1)
         .arg("--out")
         .arg(&out));
-    let _ = std::fs::remove_dir_all(&dir);
     out
 }
 
@@ -324,47 +340,38 @@ fn wait_status(http: &Http, what: &str, secs: u64, f: impl Fn(&Value) -> bool) -
     })
 }
 
-#[test]
-fn the_hub_image_boots_is_set_up_from_the_lan_updates_rolls_back_and_resets() {
-    if let Some(why) = missing() {
-        eprintln!("skipped: {why}");
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let work = tmp.path();
-
+/// The image (from this build's Shoal) and the test's three update bundles: the next
+/// version, one whose Shoal cannot start, one signed by a stranger.
+fn build_all(work: &Path, out: &Path, rootfs: &Path, key: (&Path, &Path)) {
     // The image, from this build's Shoal (the test profile's binary as a .deb).
     let deb = work.join("shoal.deb");
     sh(Command::new("cargo")
         .current_dir(workspace())
         .args(["deb", "-p", "shoal", "--no-build", "--profile", "dev", "--fast", "--quiet", "-o"])
         .arg(&deb));
-    let out = work.join("image");
     let t = Instant::now();
     sh(Command::new(workspace().join("firmware/build.sh"))
         .arg("--deb")
         .arg(&deb)
         .arg("--out")
-        .arg(&out)
+        .arg(out)
         .args(["--version", "1.0-test"]));
     eprintln!("image built in {:.0} s", t.elapsed().as_secs_f64());
-    let image = out.join("shoal-hub-amd64.img");
-    let rootfs = out.join("rootfs.sqfs");
-    let keys = PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/shoal/firmware-keys");
-    let key = (keys.join("dev.key.pem"), keys.join("dev.cert.pem"));
-    let key = (key.0.as_path(), key.1.as_path());
 
     // Bundles: the next version; one whose Shoal cannot start; one signed by a stranger.
     let t = Instant::now();
-    let next = bundle(work, &rootfs, "2.0-test", key, &|root| set_image_version(root, "2.0-test"));
-    let broken = bundle(work, &rootfs, "3.0-broken", key, &|root| {
-        set_image_version(root, "3.0-broken");
-        std::fs::write(
-            root.join("etc/systemd/system/shoal.service.d/zz-broken.conf"),
-            "[Service]\nExecStart=\nExecStart=/bin/false\n",
-        )
-        .unwrap();
-    });
+    let root = unpack(work, rootfs);
+    set_image_version(&root, "2.0-test");
+    let next_root = squash(work, &root, "next");
+    bundle(work, &next_root, "2.0-test", key);
+    set_image_version(&root, "3.0-broken");
+    std::fs::write(
+        root.join("etc/systemd/system/shoal.service.d/zz-broken.conf"),
+        "[Service]\nExecStart=\nExecStart=/bin/false\n",
+    )
+    .unwrap();
+    bundle(work, &squash(work, &root, "broken"), "3.0-broken", key);
+    let _ = std::fs::remove_dir_all(&root);
     let stranger = work.join("stranger");
     std::fs::create_dir(&stranger).unwrap();
     sh(Command::new("openssl")
@@ -373,14 +380,51 @@ fn the_hub_image_boots_is_set_up_from_the_lan_updates_rolls_back_and_resets() {
         .arg(stranger.join("key.pem"))
         .arg("-out")
         .arg(stranger.join("cert.pem")));
-    let forged = bundle(work, &rootfs, "9.9-forged", (&stranger.join("key.pem"), &stranger.join("cert.pem")), &|_| {});
+    bundle(work, &next_root, "9.9-forged", (&stranger.join("key.pem"), &stranger.join("cert.pem")));
     eprintln!("three bundles made in {:.0} s", t.elapsed().as_secs_f64());
+}
 
+#[test]
+fn the_hub_image_boots_is_set_up_from_the_lan_updates_rolls_back_and_resets() {
+    if let Some(why) = missing() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    // Kept after the run (the console log, the PC's log) in target/tmp/hub-image.
+    let work_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hub-image");
+    let reuse = std::env::var_os("SHOAL_HUB_REUSE").is_some() && work_dir.join("image/shoal-hub-amd64.img").exists();
+    if !reuse {
+        let _ = std::fs::remove_dir_all(&work_dir);
+    }
+    for stale in ["disk.raw", "cookies", "serial.log", "pc", "leases", "stranger", "root"] {
+        let p = work_dir.join(stale);
+        let _ = std::fs::remove_file(&p).or_else(|_| std::fs::remove_dir_all(&p));
+    }
+    std::fs::create_dir_all(&work_dir).unwrap();
+    let work = work_dir.as_path();
+
+    let out = work.join("image");
+    let image = out.join("shoal-hub-amd64.img");
+    let rootfs = out.join("rootfs.sqfs");
+    let keys = PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/shoal/firmware-keys");
+    let key = (keys.join("dev.key.pem"), keys.join("dev.cert.pem"));
+    let key = (key.0.as_path(), key.1.as_path());
+    let (next, broken, forged) =
+        (work.join("2.0-test.raucb"), work.join("3.0-broken.raucb"), work.join("9.9-forged.raucb"));
+    if !reuse {
+        build_all(work, &out, &rootfs, key);
+    }
     // The disk: a copy of the image, as written to the box.
     let disk = work.join("disk.raw");
     sh(Command::new("cp").arg("--sparse=always").arg(&image).arg(&disk));
     // The box's disk is bigger than the image: the data partition grows into the rest.
     sh(Command::new("truncate").args(["-s", "+2G"]).arg(&disk));
+    // The journal on the serial console (serial.log), through GRUB's EXTRA_CMDLINE.
+    let env = work.join("grubenv");
+    let esp = format!("{}@@1M", disk.display());
+    sh(Command::new("mcopy").args(["-o", "-i", &esp, "::/EFI/shoal/grubenv"]).arg(&env));
+    sh(Command::new("grub-editenv").arg(&env).args(["set", "EXTRA_CMDLINE=systemd.journald.forward_to_console=1"]));
+    sh(Command::new("mcopy").args(["-o", "-i", &esp]).arg(&env).arg("::/EFI/shoal/grubenv"));
     let mut lan = Lan::new(work);
     lan.start_dhcp();
     let http = Http { ns: lan.ns.clone(), jar: work.join("cookies"), csrf: Default::default() };
@@ -467,6 +511,7 @@ fn the_hub_image_boots_is_set_up_from_the_lan_updates_rolls_back_and_resets() {
         http.act(json!({"action": "appliance_update"}));
         let st = wait_status(&http, "the forged bundle refused", 300, |s| s["update"]["state"] == "failed");
         eprintln!("forged bundle: {}", st["update"]["message"]);
+        assert!(st["update"]["message"].as_str().unwrap_or("").contains("signature"), "{st}");
         assert_eq!(lan.boots().0, boots, "the box rebooted after a refused bundle");
 
         // The next version: installed into slot B, booted, kept.
@@ -501,7 +546,13 @@ fn the_hub_image_boots_is_set_up_from_the_lan_updates_rolls_back_and_resets() {
         assert!(st["version"].as_str().unwrap_or("").starts_with("2.0-test"), "{st}");
         eprintln!("broken update rolled back: {}", st["update"]["message"]);
 
-        // Factory reset: the first-boot setup again, the old password refused.
+        // Factory reset: the first-boot setup again, the old password refused, the
+        // settings gone; the system slots kept. (The PC is stopped first: a reset hub
+        // on a LAN with a cluster waits to be let in to it, as any new node does.)
+        if let Some(mut pc) = lan.node.take() {
+            let _ = pc.kill();
+            let _ = pc.wait();
+        }
         http.act(json!({"action": "appliance_reset"}));
         reboot_wait(&mut lan, &http, &mut boots, "the factory reset");
         let s = wait_for("the setup state after the reset", 120, || {
@@ -511,8 +562,15 @@ fn the_hub_image_boots_is_set_up_from_the_lan_updates_rolls_back_and_resets() {
         assert_ne!(s["cluster"], cluster_id, "the reset kept the cluster");
         let (code, _) = http.post("/admin/api/login", &json!({"password": PASSWORD}));
         assert_ne!(code, 200, "the old password still works after a factory reset");
-        let a = http.get("/admin/api/appliance");
-        assert!(a.is_err() || a.unwrap()["settings"]["timezone"].is_null());
+        let (code, v) = http.post("/admin/api/setup", &json!({"password": "a new owner's password"}));
+        assert_eq!(code, 200, "setup after the reset: {v}");
+        *http.csrf.borrow_mut() = v["csrf"].as_str().unwrap_or_default().to_string();
+        let a = http.appliance();
+        assert_eq!(a["settings"]["timezone"], Value::Null, "the time zone survived the reset: {a}");
+        let st = wait_status(&http, "the status after the reset", 120, |s| !s["booted"].is_null());
+        assert_eq!(st["booted"], "B", "the reset changed the system slot: {st}");
+        assert_eq!(st["update"], Value::Null, "{st}");
+        eprintln!("factory reset: first-boot setup again, settings gone, slot B kept");
     }));
     if let Err(e) = result {
         eprintln!("--- the box's console (last lines) ---\n{}", lan.tail());
