@@ -28,19 +28,6 @@ fn packaged_unit() -> String {
     std::fs::read_to_string(workspace().join("packaging/linux/shoal.service")).unwrap()
 }
 
-/// Run a command; its stdout, or a panic with everything it said.
-fn sh(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 fn chroot(root: &Path, args: &[&str]) -> String {
     sh(Command::new("chroot").arg(root).args(args).env("DEBIAN_FRONTEND", "noninteractive"))
 }

@@ -16,12 +16,31 @@
 
 mod common;
 use common::*;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// The folder holding playwright-core's `node_modules` (scripts/setup.sh links it).
+/// `node web/tests/SCRIPT` with what every browser script needs: Playwright's modules,
+/// where screenshots go, the Chromium to drive.
+fn browser(script: &str, modules: &Path, artifacts: &Path, chromium: &str) -> Command {
+    let mut c = Command::new("node");
+    c.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../web/tests").join(script))
+        .env("NODE_PATH", modules)
+        .env("SHOAL_ARTIFACTS", artifacts)
+        .env("SHOAL_CHROMIUM", chromium);
+    c
+}
+
+/// Run a browser script to its end; a panic with what it said unless it passed.
+fn run_browser(cmd: &mut Command) {
+    let out = cmd.output().expect("node (Node.js) runs: scripts/setup.sh installs it");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "the browser test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
 fn playwright() -> PathBuf {
     let dir = std::env::var_os("SHOAL_PLAYWRIGHT").map(PathBuf::from).unwrap_or_else(|| {
         PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
@@ -80,32 +99,24 @@ fn the_admin_page_runs_the_cluster_in_a_real_browser() {
     let _server = KillOnDrop(server);
     let bad = tmp.path().join("broken.gguf");
     std::fs::write(&bad, [&b"GGUF"[..], &[0u8; 4096]].concat()).unwrap();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../web/tests/admin.cjs");
-    let out = Command::new("node")
-        .arg(script)
-        .env("NODE_PATH", &modules)
-        .env("SHOAL_URL", &url)
-        .env("SHOAL_NODES", "3")
-        .env("SHOAL_BIN", env!("CARGO_BIN_EXE_shoal"))
-        .env("SHOAL_NEW_DIR", dir("delta"))
-        .env("SHOAL_NEW_ID", key(&dir("delta")))
-        .env("SHOAL_MODEL", &model)
-        .env("SHOAL_BAD_UPLOAD", &bad)
-        .env("SHOAL_DOWNLOAD", format!("http://127.0.0.1:{port}/served.gguf"))
-        .env("SHOAL_STAGES", "3")
-        .env("SHOAL_PROMPT", prompt)
-        .env("SHOAL_EXPECT", &expect)
-        .env("SHOAL_MAX_TOKENS", "24")
-        .env("SHOAL_KILL_PID", pid.to_string())
-        .env("SHOAL_KILL_ID", key(&dir(victim)))
-        .env("SHOAL_KILL_NAME", victim)
-        .env("SHOAL_ARTIFACTS", &artifacts)
-        .env("SHOAL_CHROMIUM", &chromium)
-        .output()
-        .expect("node (Node.js) runs: scripts/setup.sh installs it");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(out.status.success(), "the browser test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    run_browser(
+        browser("admin.cjs", &modules, &artifacts, &chromium)
+            .env("SHOAL_URL", &url)
+            .env("SHOAL_NODES", "3")
+            .env("SHOAL_BIN", env!("CARGO_BIN_EXE_shoal"))
+            .env("SHOAL_NEW_DIR", dir("delta"))
+            .env("SHOAL_NEW_ID", key(&dir("delta")))
+            .env("SHOAL_MODEL", &model)
+            .env("SHOAL_BAD_UPLOAD", &bad)
+            .env("SHOAL_DOWNLOAD", format!("http://127.0.0.1:{port}/served.gguf"))
+            .env("SHOAL_STAGES", "3")
+            .env("SHOAL_PROMPT", prompt)
+            .env("SHOAL_EXPECT", &expect)
+            .env("SHOAL_MAX_TOKENS", "24")
+            .env("SHOAL_KILL_PID", pid.to_string())
+            .env("SHOAL_KILL_ID", key(&dir(victim)))
+            .env("SHOAL_KILL_NAME", victim),
+    );
     for shot in ["01-first-run", "02-overview", "05-models", "07-chat", "09-activity", "10-settings", "11-phone-dark"] {
         let f = artifacts.join(format!("{shot}.png"));
         assert!(std::fs::metadata(&f).is_ok_and(|m| m.len() > 1000), "screenshot {}", f.display());
@@ -275,20 +286,12 @@ fn a_hub_box_is_set_up_from_its_lan_and_its_system_managed_from_the_page() {
         assert_eq!(mode & 0o777, 0o770, "the appliance folder");
     }
     let artifacts = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("admin-page");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../web/tests/hub.cjs");
-    let out = Command::new("node")
-        .arg(script)
-        .env("NODE_PATH", &modules)
-        .env("SHOAL_URL", &url)
-        .env("SHOAL_APPLIANCE", &appliance)
-        .env("SHOAL_ZONE", zone)
-        .env("SHOAL_ARTIFACTS", &artifacts)
-        .env("SHOAL_CHROMIUM", &chromium)
-        .output()
-        .expect("node (Node.js) runs: scripts/setup.sh installs it");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(out.status.success(), "the browser test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    run_browser(
+        browser("hub.cjs", &modules, &artifacts, &chromium)
+            .env("SHOAL_URL", &url)
+            .env("SHOAL_APPLIANCE", &appliance)
+            .env("SHOAL_ZONE", zone),
+    );
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;

@@ -30,6 +30,19 @@ pub fn key(dir: &Path) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
+/// Run a command; its stdout, or a panic with everything it said.
+pub fn sh(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// The JSON a successful command printed.
 pub fn json(out: Output) -> Value {
     assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
