@@ -38,6 +38,9 @@ struct Request {
     tools: Option<Vec<Value>>,
     #[serde(default)]
     tool_choice: Option<Value>,
+    /// Not Anthropic's: Shoal's switch for speculative decoding (default: the node's).
+    #[serde(default)]
+    speculative: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -210,6 +213,7 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
             sampling,
             stop: req.stop_sequences.clone(),
             ignore_eos: false,
+            speculative: req.speculative,
         };
         match toolbox {
             Some(toolbox) => answer_with_tools(backend, job, req.model, req.stream, toolbox).await,

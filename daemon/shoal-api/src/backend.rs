@@ -56,6 +56,11 @@ pub trait Backend: Send + Sync + 'static {
         false
     }
 
+    /// How generations speculate when a request does not say (`None`: they do not).
+    fn speculation(&self) -> Option<shoal_types::SpecSettings> {
+        None
+    }
+
     /// Run `request` on `model` wherever its stages run, sending each token to
     /// `tokens` as it comes (with its log-probabilities when the request's sampling
     /// asked for them); the report at the end. Dropping the future cancels the

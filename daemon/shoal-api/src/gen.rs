@@ -26,6 +26,10 @@ pub(crate) struct Job {
     /// Go on past end-of-generation tokens until `max_tokens` (llama.cpp server's
     /// `ignore_eos`: benchmarks and load tests want a known length).
     pub ignore_eos: bool,
+    /// Speculative decoding for this request: `Some(false)` off, `Some(true)` on,
+    /// `None` as the node is set (`Backend::speculation`). Not in any API's
+    /// specification: Shoal's own field.
+    pub speculative: Option<bool>,
 }
 
 /// What a generation says, in order: text pieces, then one end or failure.
@@ -160,6 +164,11 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
         stop: eog.clone(),
         sampling: serde_json::to_value(job.sampling).unwrap_or_default(),
         resume: Vec::new(),
+        speculative: match job.speculative {
+            Some(false) => None,
+            Some(true) => Some(backend.speculation().unwrap_or_default()),
+            None => backend.speculation(),
+        },
     };
     let (token_tx, mut tokens) = mpsc::unbounded_channel();
     let generation = backend.generate(&job.model, request, token_tx);

@@ -38,6 +38,9 @@ struct Options {
     repeat_last_n: Option<i32>,
     frequency_penalty: Option<f32>,
     presence_penalty: Option<f32>,
+    /// Shoal's own: speculative decoding on or off for this request (default: the node's
+    /// setting).
+    speculative: Option<bool>,
 }
 
 impl Options {
@@ -321,6 +324,7 @@ async fn job<B: Backend>(
         sampling: SamplingParams { logprobs, ..options.sampling(grammar) },
         stop: options.stop.clone().unwrap_or_default(),
         ignore_eos: false,
+        speculative: options.speculative,
     })
 }
 

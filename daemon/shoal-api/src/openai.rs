@@ -57,6 +57,8 @@ struct Knobs {
     /// Not OpenAI's: llama.cpp's server takes it (make `max_tokens`, whatever comes).
     #[serde(default)]
     ignore_eos: bool,
+    /// Not OpenAI's: Shoal's switch for speculative decoding (default: the node's setting).
+    speculative: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -308,8 +310,10 @@ async fn prepare<B: Backend>(
     }
     let prompt = tokens(&*text, toolbox.as_ref())?;
     let max_tokens = knobs.max_tokens().unwrap_or_else(|| common::default_max_tokens(&model, prompt.len()));
-    let ignore_eos = knobs.ignore_eos;
-    Ok((Job { model: model.entry.name.clone(), text, prompt, max_tokens, sampling, stop, ignore_eos }, knobs, toolbox))
+    let (ignore_eos, speculative) = (knobs.ignore_eos, knobs.speculative);
+    let job =
+        Job { model: model.entry.name.clone(), text, prompt, max_tokens, sampling, stop, ignore_eos, speculative };
+    Ok((job, knobs, toolbox))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -21,6 +21,9 @@ const CALL: &str = r#"{"tool_calls": [{"name": "get_weather", "arguments": {"cit
 const EOG: TokenId = 300;
 /// The context of the ready model.
 const CONTEXT: u32 = 1024;
+/// How the fake node speculates by default.
+const NODE_SPECULATION: shoal_types::SpecSettings =
+    shoal_types::SpecSettings { max_draft: 5, ngram_min: 2, ngram_max: 3 };
 /// The one key the fake backend takes.
 const GOOD_KEY: &str = "sk-shoal-good";
 
@@ -67,6 +70,8 @@ struct Fake {
     prompt_tokens: std::sync::Mutex<Vec<Vec<TokenId>>>,
     /// Sampling parameters seen, as the wire carries them.
     samplings: std::sync::Mutex<Vec<Value>>,
+    /// Speculation settings seen.
+    speculations: std::sync::Mutex<Vec<Option<shoal_types::SpecSettings>>>,
     metrics: shoal_api::Metrics,
     /// Models a first request asked to load.
     loads: std::sync::Mutex<Vec<String>>,
@@ -106,6 +111,10 @@ impl Backend for Fake {
 
     fn authorized(&self, key: &str) -> bool {
         key == GOOD_KEY
+    }
+
+    fn speculation(&self) -> Option<shoal_types::SpecSettings> {
+        Some(NODE_SPECULATION)
     }
 
     async fn load(&self, model: &str) -> Result<(), Failure> {
@@ -159,6 +168,7 @@ impl Backend for Fake {
         self.prompts.lock().unwrap().push(request.prompt.iter().map(|&t| t as u8 as char).collect());
         self.prompt_tokens.lock().unwrap().push(request.prompt.clone());
         self.samplings.lock().unwrap().push(request.sampling.clone());
+        self.speculations.lock().unwrap().push(request.speculative);
         struct Running<'a>(&'a AtomicUsize);
         impl Drop for Running<'_> {
             fn drop(&mut self) {
@@ -1052,6 +1062,37 @@ async fn ollama_suffix_fills_in_the_middle_with_the_models_own_tokens_or_is_refu
     let (status, _, body) = post(format!("{base}/api/generate"), req).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(fake.prompts.lock().unwrap().last().unwrap(), "<user>hi</user><assistant>");
+}
+
+/// `speculative` in a request of any API turns speculation off or on; without it, the
+/// node's setting holds.
+#[tokio::test]
+async fn the_speculative_switch_reaches_the_coordinator_from_every_api() {
+    let (base, fake) = server().await;
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    for switch in [None, Some(false), Some(true)] {
+        let with = |mut body: Value, at_options: bool| {
+            if let Some(on) = switch {
+                let target = if at_options { &mut body["options"] } else { &mut body };
+                target["speculative"] = json!(on);
+            }
+            body
+        };
+        let want = if switch == Some(false) { None } else { Some(NODE_SPECULATION) };
+        for (path, body) in [
+            ("/v1/chat/completions", with(json!({"model": "tiny", "messages": msgs, "max_tokens": 2}), false)),
+            ("/api/chat", with(json!({"model": "tiny", "messages": msgs, "stream": false, "options": {}}), true)),
+            ("/v1/messages", with(json!({"model": "tiny", "messages": msgs, "max_tokens": 2}), false)),
+        ] {
+            let (status, _, text) = post(format!("{base}{path}"), body).await;
+            assert_eq!(status, 200, "{path}: {text}");
+            assert_eq!(*fake.speculations.lock().unwrap().last().unwrap(), want, "{path} with {switch:?}");
+        }
+    }
+    // Not a boolean: refused like any malformed field.
+    let bad = json!({"model": "tiny", "messages": msgs, "speculative": "yes"});
+    let (status, _, text) = post(format!("{base}/v1/chat/completions"), bad).await;
+    assert_eq!(status, 400, "{text}");
 }
 
 #[tokio::test]

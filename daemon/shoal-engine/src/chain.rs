@@ -1,8 +1,11 @@
 //! [`Chain`]: the stages of one process driven on Shoal's canonical schedule — the
-//! prompt in chunks of C, then one token per step — so that output depends only on
-//! (model, prompt, sampling, seed, C), never on how the layers are split.
+//! prompt in chunks of C, then one token per step, or with speculation one verify
+//! batch per step (`shoal_types::speculative`) — so that output depends only on
+//! (model, prompt, sampling, seed, C, speculation settings), never on how the layers
+//! are split.
 
 use crate::sampler::Sampler;
+use shoal_types::speculative::{self, SpecSettings};
 use shoal_types::{LayerRange, LogitsDigest, SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
 use std::time::{Duration, Instant};
 
@@ -18,6 +21,9 @@ pub enum ChainError {
     /// The prompt is empty.
     #[error("the prompt is empty")]
     EmptyPrompt,
+    /// A verify step's logits do not split into its rows (an engine fault).
+    #[error("{0}")]
+    Verify(#[from] speculative::VerifyError),
     /// The prompt plus the tokens asked for do not fit the context.
     #[error("prompt of {prompt} tokens + {new} new tokens exceeds the context of {n_ctx} tokens")]
     ContextExceeded { prompt: usize, new: usize, n_ctx: u32 },
@@ -44,6 +50,11 @@ pub struct Generation {
     pub decode: Duration,
     /// Where the time went.
     pub timing: StepTiming,
+    /// Decode steps taken (the prompt's chunks not counted).
+    pub decode_steps: usize,
+    /// Tokens drafted, and of them accepted, over all decode steps (speculation).
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl Generation {
@@ -120,13 +131,25 @@ impl Chain {
         tokens: &[TokenId],
         timing: &mut StepTiming,
     ) -> Result<Vec<f32>, ChainError> {
+        self.step_rows(session, first_pos, tokens, false, timing)
+    }
+
+    /// [`Chain::step`], returning every position's logits when `all_rows` (a verify step).
+    pub fn step_rows(
+        &mut self,
+        session: SessionId,
+        first_pos: u32,
+        tokens: &[TokenId],
+        all_rows: bool,
+        timing: &mut StepTiming,
+    ) -> Result<Vec<f32>, ChainError> {
         timing.per_stage.resize(self.stages.len(), Duration::ZERO);
         let mut hidden: Vec<f32> = Vec::new();
         for (k, stage) in self.stages.iter_mut().enumerate() {
             let input = if k == 0 { StageInput::Tokens(tokens) } else { StageInput::Hidden(&hidden) };
             let t0 = Instant::now();
             let out = stage
-                .forward(session, first_pos, input)
+                .forward_rows(session, first_pos, input, all_rows)
                 .map_err(|source| ChainError::Stage { layers: stage.info().layers, source })?;
             timing.per_stage[k] += t0.elapsed();
             match out {
@@ -147,13 +170,33 @@ impl Chain {
         sampler: &mut Sampler,
         observer: &mut dyn Observer,
     ) -> Result<Generation, ChainError> {
-        let result = self.generate_inner(session, prompt, max_new, sampler, observer);
+        self.generate_speculative(session, prompt, max_new, sampler, observer, &SpecSettings::OFF, &[])
+    }
+
+    /// [`Chain::generate`] with speculative decoding: each decode step verifies the
+    /// drafts prompt lookup proposes (`spec`; drafts stop before any token of `stop`,
+    /// which should be the tokens that end the generation). The schedule is the
+    /// pipeline coordinator's, so a split run with the same settings gives the same
+    /// tokens and logits digest.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate_speculative(
+        &mut self,
+        session: SessionId,
+        prompt: &[TokenId],
+        max_new: usize,
+        sampler: &mut Sampler,
+        observer: &mut dyn Observer,
+        spec: &SpecSettings,
+        stop: &[TokenId],
+    ) -> Result<Generation, ChainError> {
+        let result = self.generate_inner(session, prompt, max_new, sampler, observer, spec, stop);
         for s in &mut self.stages {
             s.free_session(session);
         }
         result
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn generate_inner(
         &mut self,
         session: SessionId,
@@ -161,6 +204,8 @@ impl Chain {
         max_new: usize,
         sampler: &mut Sampler,
         observer: &mut dyn Observer,
+        spec: &SpecSettings,
+        stop: &[TokenId],
     ) -> Result<Generation, ChainError> {
         if prompt.is_empty() {
             return Err(ChainError::EmptyPrompt);
@@ -169,29 +214,68 @@ impl Chain {
         if prompt.len() + max_new > n_ctx as usize {
             return Err(ChainError::ContextExceeded { prompt: prompt.len(), new: max_new, n_ctx });
         }
+        let chunk = self.chunk();
         let mut timing = StepTiming::default();
         let mut digest = LogitsDigest::default();
-        let mut tokens = Vec::with_capacity(max_new);
+        let mut tokens: Vec<TokenId> = Vec::with_capacity(max_new);
         let t0 = Instant::now();
         let mut logits = Vec::new();
         let mut pos = 0u32;
-        for chunk in prompt.chunks(self.chunk() as usize) {
+        for chunk in prompt.chunks(chunk as usize) {
             logits = self.step(session, pos, chunk, &mut timing)?;
             pos += chunk.len() as u32;
         }
         let prefill = t0.elapsed();
         let t1 = Instant::now();
-        while tokens.len() < max_new {
+        let (mut decode_steps, mut drafted, mut accepted) = (0, 0, 0);
+        // The prompt's last chunk gives the first token.
+        let mut emitted = Vec::new();
+        if max_new > 0 {
             digest.update(&logits);
             observer.logits(&logits);
-            let token = sampler.sample(&logits);
-            tokens.push(token);
-            if !observer.token(token) || tokens.len() == max_new {
-                break;
-            }
-            logits = self.step(session, pos, &[token], &mut timing)?;
-            pos += 1;
+            emitted.push(sampler.sample(&logits));
         }
-        Ok(Generation { tokens, logits_digest: digest.hex(), prefill, decode: t1.elapsed(), timing })
+        'generate: while !emitted.is_empty() {
+            for &token in &emitted {
+                tokens.push(token);
+                if !observer.token(token) || tokens.len() == max_new {
+                    break 'generate;
+                }
+            }
+            // A decode step: the last token, and the drafts (if any) to verify.
+            let n = tokens.len();
+            let limits = speculative::limits_at(prompt.len(), n, max_new, n_ctx as usize, chunk, stop);
+            let drafts = speculative::draft(prompt, &tokens, spec, &limits);
+            let first_pos = (prompt.len() + n - 1) as u32;
+            decode_steps += 1;
+            if drafts.is_empty() {
+                logits = self.step(session, first_pos, &tokens[n - 1..], &mut timing)?;
+                digest.update(&logits);
+                observer.logits(&logits);
+                emitted = vec![sampler.sample(&logits)];
+            } else {
+                let mut input = Vec::with_capacity(1 + drafts.len());
+                input.push(tokens[n - 1]);
+                input.extend(&drafts);
+                let rows = self.step_rows(session, first_pos, &input, true, &mut timing)?;
+                emitted = speculative::verify(sampler, &rows, &input, &mut digest)?;
+                let n_vocab = rows.len() / input.len();
+                for row in rows.chunks_exact(n_vocab).take(emitted.len()) {
+                    observer.logits(row);
+                }
+                drafted += drafts.len();
+                accepted += emitted.len() - 1;
+            }
+        }
+        Ok(Generation {
+            tokens,
+            logits_digest: digest.hex(),
+            prefill,
+            decode: t1.elapsed(),
+            timing,
+            decode_steps,
+            drafted,
+            accepted,
+        })
     }
 }

@@ -397,11 +397,12 @@ impl Stage for LlamaStage {
         &self.info
     }
 
-    fn forward(
+    fn forward_rows(
         &mut self,
         session: SessionId,
         first_pos: u32,
         input: StageInput<'_>,
+        all_rows: bool,
     ) -> Result<StageOutput, StageError> {
         let n = self.check_input(&input)?;
         let known = self.sessions.get(&session).map_or(0, |s| s.n_pos);
@@ -437,8 +438,9 @@ impl Stage for LlamaStage {
                 *b.n_seq_id.add(i) = 1;
                 *(*b.seq_id.add(i)) = slot.seq;
                 // A non-tail stage marks every token as output so that the last layer
-                // keeps every row; the tail needs the last token's logits only.
-                *b.logits.add(i) = i8::from(!tail || i == n - 1);
+                // keeps every row; the tail needs the last token's logits only, or every
+                // token's for a verify step.
+                *b.logits.add(i) = i8::from(!tail || all_rows || i == n - 1);
             }
         }
         if let Some(c) = self.capture.as_mut() {
@@ -456,13 +458,24 @@ impl Stage for LlamaStage {
                 Err(StageError::Engine(format!("layer output {:?} was not captured", c.target)))
             }
         } else {
-            // SAFETY: the last token was marked for output; llama.cpp returns a pointer
-            // to n_vocab floats valid until the next decode, or null on error.
-            let p = unsafe { sys::llama_get_logits_ith(self.ctx.as_ptr(), n as i32 - 1) };
-            if p.is_null() {
+            let n_vocab = self.info.n_vocab as usize;
+            let rows = if all_rows { 0..n } else { n - 1..n };
+            let mut logits = Vec::with_capacity(rows.len() * n_vocab);
+            let mut missing = false;
+            for i in rows {
+                // SAFETY: token i was marked for output; llama.cpp returns a pointer to
+                // n_vocab floats valid until the next decode, or null on error.
+                let p = unsafe { sys::llama_get_logits_ith(self.ctx.as_ptr(), i as i32) };
+                if p.is_null() {
+                    missing = true;
+                    break;
+                }
+                logits.extend_from_slice(unsafe { std::slice::from_raw_parts(p, n_vocab) });
+            }
+            if missing {
                 Err(StageError::Engine("llama.cpp returned no logits".into()))
             } else {
-                Ok(StageOutput::Logits(unsafe { std::slice::from_raw_parts(p, self.info.n_vocab as usize) }.to_vec()))
+                Ok(StageOutput::Logits(logits))
             }
         };
         match result {

@@ -75,6 +75,11 @@ pub fn wall_us() -> u32 {
 
 /// Flag: the tail should sample and return a token for this step.
 pub const FLAG_SAMPLE: u8 = 1;
+/// Flag: a speculative verify step. Its Hidden frames carry, after the hidden states,
+/// the step's input token ids (`n_tokens` i32: the last emitted token, then the
+/// drafts); the tail computes every position's logits, samples row by row while the
+/// samples equal the drafts, and answers with every token it sampled.
+pub const FLAG_VERIFY: u8 = 2;
 
 /// One frame.
 #[derive(Clone, Debug, PartialEq)]
@@ -260,7 +265,10 @@ impl Frame {
                     return Err(FrameError::Tokens { n: n_tokens, max: limits.max_tokens });
                 }
                 let per_token = if kind == FrameKind::Hidden { limits.n_embd as usize } else { 1 };
-                n_tokens as usize * per_token * dtype.size()
+                // A verify step's Hidden frame carries its token ids too.
+                let ids =
+                    if kind == FrameKind::Hidden && bytes[29] & FLAG_VERIFY != 0 { n_tokens as usize * 4 } else { 0 };
+                n_tokens as usize * per_token * dtype.size() + ids
             }
             (FrameKind::Token, Dtype::Bytes) => {
                 // One token with its log-probabilities: 8 bytes, then 8 per alternative.
@@ -308,11 +316,38 @@ impl Frame {
 
     /// The hidden states, as f32 (converted from f16 if sent so).
     pub fn hidden_values(&self) -> Vec<f32> {
+        let values = &self.payload[..self.payload.len() - self.step_token_bytes()];
         match self.dtype {
-            Dtype::F16 => {
-                self.payload.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-            }
-            _ => self.payload.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F16 => values.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            _ => values.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        }
+    }
+
+    /// Mark a Hidden frame as a verify step carrying its input token ids
+    /// ([`FLAG_VERIFY`]); `tokens` must number `n_tokens`.
+    pub fn with_step_tokens(mut self, tokens: &[i32]) -> Frame {
+        debug_assert_eq!(tokens.len(), self.n_tokens as usize);
+        self.flags |= FLAG_VERIFY;
+        self.payload.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+        self
+    }
+
+    /// A verify step's input token ids (empty for other frames).
+    pub fn step_tokens(&self) -> Vec<i32> {
+        let n = self.step_token_bytes();
+        self.payload[self.payload.len() - n..]
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    /// Bytes at the end of the payload that hold a verify step's token ids (decode
+    /// checked that they are there).
+    fn step_token_bytes(&self) -> usize {
+        if self.kind == FrameKind::Hidden && self.flags & FLAG_VERIFY != 0 {
+            (self.n_tokens as usize * 4).min(self.payload.len())
+        } else {
+            0
         }
     }
 
@@ -384,6 +419,24 @@ mod tests {
             let limits = FrameLimits { max_message: 4096, ..L };
             assert!(matches!(Frame::decode(&b, &limits), Err(FrameError::Length { .. })), "{n_tokens} {len}");
         }
+    }
+
+    #[test]
+    fn a_verify_step_carries_its_tokens() {
+        let h = Frame::hidden(7, 3, 1, 10, &[1.0, -2.5, 3.25, 0.0, 5.0, 6.0, 7.0, 8.0], 4, Dtype::F32);
+        let v = h.clone().with_step_tokens(&[11, 12]);
+        let d = Frame::decode(&v.encode(), &L).unwrap();
+        assert_eq!(d.flags & FLAG_VERIFY, FLAG_VERIFY);
+        assert_eq!(d.hidden_values(), h.hidden_values());
+        assert_eq!(d.step_tokens(), vec![11, 12]);
+        assert!(h.step_tokens().is_empty());
+        // The flag without the ids, or the ids without the flag: refused.
+        let mut b = h.encode();
+        b[29] |= FLAG_VERIFY;
+        assert!(matches!(Frame::decode(&b, &L), Err(FrameError::Length { .. })));
+        let mut b = v.encode();
+        b[29] &= !FLAG_VERIFY;
+        assert!(matches!(Frame::decode(&b, &L), Err(FrameError::Length { .. })));
     }
 
     #[test]

@@ -199,6 +199,10 @@ impl Backend for NodeBackend {
         crate::admin::api_open(&self.rt.membership.view().borrow())
     }
 
+    fn speculation(&self) -> Option<shoal_types::SpecSettings> {
+        self.rt.speculation
+    }
+
     async fn generate(
         &self,
         model: &str,

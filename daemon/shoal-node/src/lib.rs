@@ -62,6 +62,9 @@ pub struct Options {
     /// box's system settings, updates and resets through it, and lets the first
     /// password be set from the LAN. `None`: an ordinary node.
     pub appliance: Option<shoal_admin::Appliance>,
+    /// How generations through this node's API speculate unless a request says
+    /// otherwise (`None`: they do not; `shoal serve --draft K`).
+    pub speculation: Option<shoal_types::SpecSettings>,
 }
 
 /// Memory left to the system when the offer is not given.
@@ -94,6 +97,7 @@ pub async fn run(
         measuring: Default::default(),
         inventory: inventory.clone(),
         events: Default::default(),
+        speculation: options.speculation,
     });
     let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, trusted: shared.trusted.clone(), rt: rt.clone() });
     let mut tasks = tokio::task::JoinSet::new();

@@ -106,6 +106,8 @@ pub struct Runtime {
     pub inventory: tokio::sync::watch::Receiver<shoal_types::NodeInventory>,
     /// What changed in the cluster as this node saw it (the admin page's log).
     pub events: crate::events::Log,
+    /// How API generations speculate unless a request says otherwise (`Options`).
+    pub speculation: Option<shoal_types::SpecSettings>,
 }
 
 impl Runtime {

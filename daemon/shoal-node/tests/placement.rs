@@ -44,11 +44,12 @@ impl Stage for FakeStage {
         &self.info
     }
 
-    fn forward(
+    fn forward_rows(
         &mut self,
         session: SessionId,
         first_pos: u32,
         input: StageInput<'_>,
+        all_rows: bool,
     ) -> Result<StageOutput, StageError> {
         std::thread::sleep(STEP);
         let rows: Vec<Vec<f32>> = match input {
@@ -80,9 +81,14 @@ impl Stage for FakeStage {
             out.extend(x);
         }
         if self.info.is_tail() {
-            let last = &out[out.len() - N_EMBD as usize..];
-            let logits = (0..N_VOCAB)
-                .map(|i| last.iter().enumerate().map(|(j, v)| (v * (i + j as u32) as f32).cos()).sum())
+            // The last row's logits, or every row's (a verify step).
+            let first_row = if all_rows { 0 } else { out.len() / N_EMBD as usize - 1 };
+            let logits = out
+                .chunks(N_EMBD as usize)
+                .skip(first_row)
+                .flat_map(|row| {
+                    (0..N_VOCAB).map(|i| row.iter().enumerate().map(|(j, v)| (v * (i + j as u32) as f32).cos()).sum())
+                })
                 .collect();
             Ok(StageOutput::Logits(logits))
         } else {
@@ -169,6 +175,7 @@ fn options() -> shoal_node::Options {
         api_access: Default::default(),
         keepalive: None,
         appliance: None,
+        speculation: None,
     }
 }
 
@@ -258,6 +265,7 @@ fn request(max_new: u32) -> GenerateRequest {
         stop: vec![],
         sampling: serde_json::json!({}),
         resume: vec![],
+        speculative: None,
     }
 }
 

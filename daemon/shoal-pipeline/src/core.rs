@@ -29,8 +29,9 @@
 //! - after `session_idle` without a frame (a coordinator that died for good).
 
 use crate::protocol::{GenEvent, GenerateRequest, Report};
-use shoal_net::frame::FLAG_SAMPLE;
+use shoal_net::frame::{FLAG_SAMPLE, FLAG_VERIFY};
 use shoal_net::{Dtype, Frame, FrameKind};
+use shoal_types::speculative::{self, DecodeStep, SpecSettings};
 use shoal_types::{LogitsDigest, TokenId, TokenLogprobs, TokenSampler};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -61,7 +62,8 @@ pub enum Input {
 pub enum StepOutput {
     /// Hidden states for the next stage.
     Hidden(Vec<f32>),
-    /// The tail's logits for the last token of the step.
+    /// The tail's logits for the last token of the step, or for every token of a
+    /// verify step ([`FLAG_VERIFY`]).
     Logits(Vec<f32>),
     /// The stage does not hold the positions before the step (restarted, or frames lost).
     Gap,
@@ -93,6 +95,9 @@ pub struct Job {
     pub first_pos: u32,
     pub flags: u8,
     pub input: JobInput,
+    /// A verify step's input token ids ([`FLAG_VERIFY`]: the last emitted token, then
+    /// the drafts), passed along the ring to the tail; empty otherwise.
+    pub step_tokens: Vec<TokenId>,
 }
 
 /// A job's input.
@@ -195,6 +200,12 @@ struct Session {
     epoch: u32,
     /// Highest step handled in this epoch (duplicates are dropped).
     last_step: Option<u32>,
+    /// The last step this node's stage was given, in any epoch (stages). A step more
+    /// than one past it means frames were lost in between, and the positions the stage
+    /// holds past the last step's first may be drafts the lost steps rejected and
+    /// replaced: only a replay makes them right (without speculation the stage sees the
+    /// gap in positions by itself).
+    submitted: Option<u32>,
     /// Sampling parameters (kept to re-open the session after a restart).
     params: serde_json::Value,
     /// Tail only.
@@ -206,9 +217,10 @@ struct Session {
 struct TailState {
     sampler: Box<dyn TokenSampler>,
     digest: LogitsDigest,
-    /// Token sampled at each step (by step number), with its log-probabilities when
-    /// asked for: a re-sent step answers the same without sampling again.
-    sampled: HashMap<u32, (TokenId, Option<TokenLogprobs>)>,
+    /// Tokens sampled at each step (by step number: one, or a verify step's several),
+    /// with the token's log-probabilities when asked for: a re-sent step answers the
+    /// same without sampling again.
+    sampled: HashMap<u32, (Vec<TokenId>, Option<TokenLogprobs>)>,
     /// Alternatives per token's log-probabilities (`SamplingParams::logprobs`); `None`:
     /// the request wants none (nothing computed).
     logprobs: Option<usize>,
@@ -223,6 +235,16 @@ struct Driver {
     tokens: Vec<TokenId>,
     /// Steps taken by the prompt (its chunks).
     prompt_steps: u32,
+    /// How this generation speculates (off when the request asks for log-probabilities:
+    /// a Token frame carries those for one token).
+    spec: SpecSettings,
+    /// The decode steps so far, in order (step `prompt_steps + i` is `steps[i]`): which
+    /// token and drafts each carried, so re-drives and replays send them in their
+    /// original shapes. The last is the step awaited.
+    steps: Vec<DecodeStep>,
+    /// Drafted tokens sent, and how many of them the tail accepted.
+    drafted: u64,
+    accepted: u64,
     /// The step whose token we wait for (or, when `closing`, the Close).
     awaiting: u32,
     closing: bool,
@@ -274,6 +296,14 @@ pub struct Counters {
     /// Sessions freed after `session_idle` without a frame (stages).
     #[serde(default)]
     pub idle_freed: u64,
+    /// Speculative decoding (coordinator): verify steps sent, tokens drafted in them,
+    /// and drafted tokens the tail accepted.
+    #[serde(default)]
+    pub verify_steps: u64,
+    #[serde(default)]
+    pub drafted: u64,
+    #[serde(default)]
+    pub accepted: u64,
 }
 
 /// One node's protocol state.
@@ -375,10 +405,20 @@ impl NodeCore {
         }
         let session = session_id(self.incarnation, self.next_session);
         let prompt_steps = req.prompt.len().div_ceil(self.cfg.chunk as usize) as u32;
+        let logprobs = req.sampling.get("logprobs").is_some_and(|v| !v.is_null());
+        let spec = req.speculative.filter(|s| s.is_on() && !logprobs).unwrap_or(SpecSettings::OFF);
         // A resumed generation starts as a replay would: every step up to the one after
-        // the tokens it already has, in their original shapes (validate bounded them
-        // below max_new, so the step count fits the context).
-        let resumed = req.resume.len() as u32;
+        // the tokens it already has, in their original shapes, which the tokens and the
+        // settings determine (validate bounded them below max_new, so the steps fit the
+        // context).
+        let (n_ctx, chunk, max_new) = (self.cfg.n_ctx as usize, self.cfg.chunk, req.max_new as usize);
+        let mut steps = speculative::schedule_of(&req.prompt, &req.resume, &spec, max_new, n_ctx, chunk, &req.stop);
+        if !req.resume.is_empty() {
+            let limits = speculative::limits_at(req.prompt.len(), req.resume.len(), max_new, n_ctx, chunk, &req.stop);
+            let drafts = speculative::draft(&req.prompt, &req.resume, &spec, &limits);
+            steps.push(DecodeStep { n_before: req.resume.len(), drafts });
+        }
+        let resumed = steps.len() as u32;
         let driver = Driver {
             client,
             prompt: req.prompt,
@@ -386,6 +426,10 @@ impl NodeCore {
             stop: req.stop,
             tokens: req.resume,
             prompt_steps,
+            spec,
+            steps,
+            drafted: 0,
+            accepted: 0,
             awaiting: prompt_steps - 1 + resumed,
             closing: false,
             sent_at: now,
@@ -404,7 +448,14 @@ impl NodeCore {
         };
         self.sessions.insert(
             session,
-            Session { epoch: 0, last_step: None, params: req.sampling, tail: None, driver: Some(driver) },
+            Session {
+                epoch: 0,
+                last_step: None,
+                submitted: None,
+                params: req.sampling,
+                tail: None,
+                driver: Some(driver),
+            },
         );
         self.open_and_send(session, 0, now, out);
     }
@@ -418,9 +469,31 @@ impl NodeCore {
             let flags = if step + 1 == d.prompt_steps { FLAG_SAMPLE } else { 0 };
             (start as u32, d.prompt[start..end].to_vec(), flags)
         } else {
-            let i = (step - d.prompt_steps) as usize;
-            (d.prompt.len() as u32 + i as u32, vec![d.tokens[i]], FLAG_SAMPLE)
+            // Invariant: every step up to the awaited one is in `steps`, and each names
+            // at least one emitted token (n_before ≥ 1).
+            let s = &d.steps[(step - d.prompt_steps) as usize];
+            let mut tokens = Vec::with_capacity(1 + s.drafts.len());
+            tokens.push(d.tokens[s.n_before - 1]);
+            tokens.extend(&s.drafts);
+            let flags = if s.drafts.is_empty() { FLAG_SAMPLE } else { FLAG_SAMPLE | FLAG_VERIFY };
+            ((d.prompt.len() + s.n_before - 1) as u32, tokens, flags)
         }
+    }
+
+    /// Where the tokens of step `step` start in the emitted tokens (`None` for a prompt
+    /// chunk that samples nothing).
+    fn first_token_of(d: &Driver, step: u32) -> Option<usize> {
+        match step.checked_sub(d.prompt_steps) {
+            Some(i) => d.steps.get(i as usize).map(|s| s.n_before),
+            None => (step + 1 == d.prompt_steps).then_some(0),
+        }
+    }
+
+    /// Job for step `step` of a driven session, in its original shape.
+    fn job(d: &Driver, chunk: u32, session: u64, epoch: u32, step: u32) -> Job {
+        let (first_pos, tokens, flags) = Self::step_input(d, chunk, step);
+        let step_tokens = if flags & FLAG_VERIFY != 0 { tokens.clone() } else { Vec::new() };
+        Job { session, epoch, step, first_pos, flags, input: JobInput::Tokens(tokens), step_tokens }
     }
 
     /// (Re)open the session in `epoch` along the ring and send steps `from..=awaiting`.
@@ -436,12 +509,7 @@ impl NodeCore {
         d.sent_at = now;
         let steps = d.awaiting + 1 - from;
         d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout) * steps.min(8);
-        let jobs: Vec<Job> = (from..=d.awaiting)
-            .map(|step| {
-                let (first_pos, tokens, flags) = Self::step_input(d, chunk, step);
-                Job { session, epoch, step, first_pos, flags, input: JobInput::Tokens(tokens) }
-            })
-            .collect();
+        let jobs: Vec<Job> = (from..=d.awaiting).map(|step| Self::job(d, chunk, session, epoch, step)).collect();
         if tail {
             self.open_tail(session, epoch, &params, now, out);
         } else {
@@ -455,8 +523,12 @@ impl NodeCore {
     }
 
     fn on_token(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
-        let Some(&token) = f.token_ids().first() else { return };
+        let got = f.token_ids();
+        if got.is_empty() {
+            return;
+        }
         let chunk = self.cfg.chunk;
+        let n_ctx = self.cfg.n_ctx as usize;
         let Some(s) = self.sessions.get_mut(&f.session) else { return };
         let current_epoch = f.epoch == s.epoch;
         let Some(d) = s.driver.as_mut() else { return };
@@ -466,15 +538,27 @@ impl NodeCore {
             d.progress_at = now;
         }
         if d.closing || f.step != d.awaiting {
-            // A token of an earlier step (re-sent during a replay) or a late duplicate.
-            if let Some(i) = f.step.checked_sub(d.prompt_steps - 1).map(|i| i as usize) {
-                if i < d.tokens.len() && d.tokens[i] != token {
-                    tracing::error!(session = f.session, step = f.step, token, was = d.tokens[i], "replay diverged");
+            // Tokens of an earlier step (re-sent during a replay) or a late duplicate.
+            if let Some(i) = Self::first_token_of(d, f.step) {
+                let had = d.tokens.get(i..(i + got.len()).min(d.tokens.len())).unwrap_or_default();
+                if !had.is_empty() && had != &got[..had.len()] {
+                    tracing::error!(session = f.session, step = f.step, ?got, ?had, "replay diverged");
                 }
             }
             self.counters.duplicates_dropped += 1;
             return;
         }
+        // A step answers one token, a verify step up to one more than its drafts; the
+        // answer's head must be the drafts themselves (the tail's rule). Anything else
+        // is a broken tail: fail rather than emit tokens nobody verified.
+        let drafts = d.awaiting.checked_sub(d.prompt_steps).and_then(|i| d.steps.get(i as usize)).map(|s| &s.drafts);
+        let drafts: &[TokenId] = drafts.map_or(&[], |v| v.as_slice());
+        if got.len() > drafts.len() + 1 || got[..got.len() - 1] != drafts[..got.len() - 1] {
+            let message =
+                format!("the tail answered {} tokens that do not verify the step's {} drafts", got.len(), drafts.len());
+            return self.fail(f.session, message, out);
+        }
+        let verified = !drafts.is_empty();
         let epoch = s.epoch;
         if d.replaying_finished {
             // A finished generation replayed so the tail could rebuild its digest:
@@ -486,32 +570,53 @@ impl NodeCore {
             self.send_close(close, now, out);
             return;
         }
+        if verified {
+            d.accepted += got.len() as u64 - 1;
+            self.counters.accepted += got.len() as u64 - 1;
+        }
         let step_time = now.saturating_duration_since(d.sent_at);
         d.ewma = if d.ewma.is_zero() { step_time } else { (d.ewma * 7 + step_time) / 8 };
         d.first_token.get_or_insert(now);
         d.last_token = Some(now);
         d.progress_at = now;
         d.replays_in_row = 0;
-        d.tokens.push(token);
-        let event = match f.token_logprobs() {
-            Some(lp) => GenEvent::Scored(token, lp),
-            None => GenEvent::Token(token),
-        };
-        out.push(Action::Reply(d.client, event));
-        if d.tokens.len() >= d.max_new || d.stop.contains(&token) {
+        let logprobs = f.token_logprobs();
+        let mut done = false;
+        for token in got {
+            d.tokens.push(token);
+            let event = match &logprobs {
+                Some(lp) => GenEvent::Scored(token, lp.clone()),
+                None => GenEvent::Token(token),
+            };
+            out.push(Action::Reply(d.client, event));
+            if d.tokens.len() >= d.max_new || d.stop.contains(&token) {
+                // Drafts stop before stop tokens and within max_new, so this is the
+                // step's last token.
+                done = true;
+                break;
+            }
+        }
+        if done {
             d.closing = true;
             d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
             let close = Frame::message(FrameKind::Close, f.session, d.awaiting, epoch, Vec::new());
             self.send_close(close, now, out);
             return;
         }
+        // The next step: the last token, and whatever prompt lookup drafts after it.
+        let n = d.tokens.len();
+        let limits = speculative::limits_at(d.prompt.len(), n, d.max_new, n_ctx, chunk, &d.stop);
+        let drafts = speculative::draft(&d.prompt, &d.tokens, &d.spec, &limits);
+        if !drafts.is_empty() {
+            d.drafted += drafts.len() as u64;
+            self.counters.drafted += drafts.len() as u64;
+            self.counters.verify_steps += 1;
+        }
+        d.steps.push(DecodeStep { n_before: n, drafts });
         d.awaiting += 1;
         d.sent_at = now;
         d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
-        let (first_pos, tokens, flags) = Self::step_input(d, chunk, d.awaiting);
-        let job =
-            Job { session: f.session, epoch, step: d.awaiting, first_pos, flags, input: JobInput::Tokens(tokens) };
-        out.push(Action::Submit(job));
+        out.push(Action::Submit(Self::job(d, chunk, f.session, epoch, d.awaiting)));
     }
 
     fn send_close(&mut self, close: Frame, now: Instant, out: &mut Vec<Action>) {
@@ -548,6 +653,9 @@ impl NodeCore {
             logits_digest: String::from_utf8_lossy(&f.payload).into_owned(),
             prefill_s: first.saturating_duration_since(d.started).as_secs_f64(),
             decode_s: decode.as_secs_f64(),
+            decode_steps: d.steps.len() as u64,
+            drafted: d.drafted,
+            accepted: d.accepted,
         };
         out.push(Action::Reply(d.client, GenEvent::Done(report)));
     }
@@ -770,6 +878,7 @@ impl NodeCore {
             let s = self.sessions.entry(f.session).or_insert(Session {
                 epoch: f.epoch,
                 last_step: None,
+                submitted: None,
                 params,
                 tail: None,
                 driver: None,
@@ -832,6 +941,7 @@ impl NodeCore {
                 let s = self.sessions.entry(session).or_insert(Session {
                     epoch,
                     last_step: None,
+                    submitted: None,
                     params: v,
                     tail: None,
                     driver: None,
@@ -875,7 +985,12 @@ impl NodeCore {
             self.counters.duplicates_dropped += 1;
             return;
         }
+        if s.submitted.is_some_and(|l| f.step > l + 1) {
+            self.counters.lost_reported += 1;
+            return self.send_to_coordinator(self.lost_frame(f.session, f.step, f.epoch), now, out);
+        }
         s.last_step = Some(f.step);
+        s.submitted = Some(f.step);
         let job = Job {
             session: f.session,
             epoch: f.epoch,
@@ -883,6 +998,7 @@ impl NodeCore {
             first_pos: f.first_pos,
             flags: f.flags,
             input: JobInput::Hidden(f.hidden_values()),
+            step_tokens: f.step_tokens(),
         };
         out.push(Action::Submit(job));
     }
@@ -923,7 +1039,15 @@ impl NodeCore {
             Ok(StepOutput::Hidden(h)) => {
                 let mut f =
                     Frame::hidden(job.session, job.step, job.epoch, job.first_pos, &h, self.cfg.n_embd, self.cfg.dtype);
-                f.flags = job.flags;
+                f.flags = job.flags & !FLAG_VERIFY;
+                if job.flags & FLAG_VERIFY != 0 {
+                    if job.step_tokens.len() as u32 != f.n_tokens {
+                        let m = format!("stage {}: a verify step's tokens do not match its positions", self.cfg.index);
+                        let e = Frame::message(FrameKind::Error, job.session, job.step, job.epoch, m.into_bytes());
+                        return self.send_to_coordinator(e, now, out);
+                    }
+                    f = f.with_step_tokens(&job.step_tokens);
+                }
                 out.push(Action::Send(f));
             }
             Ok(StepOutput::Logits(logits)) => {
@@ -935,24 +1059,40 @@ impl NodeCore {
                     let f = self.lost_frame(job.session, job.step, job.epoch);
                     return self.send_to_coordinator(f, now, out);
                 };
-                let (token, lp) = match tail.sampled.get(&job.step) {
+                let (tokens, lp) = match tail.sampled.get(&job.step) {
                     Some(t) => {
                         self.counters.cached_tokens_resent += 1;
                         t.clone()
+                    }
+                    None if job.flags & FLAG_VERIFY != 0 => {
+                        match speculative::verify(tail.sampler.as_mut(), &logits, &job.step_tokens, &mut tail.digest) {
+                            Ok(t) => {
+                                tail.sampled.insert(job.step, (t.clone(), None));
+                                (t, None)
+                            }
+                            Err(e) => {
+                                let m = format!("stage {}: {e}", self.cfg.index);
+                                let f =
+                                    Frame::message(FrameKind::Error, job.session, job.step, job.epoch, m.into_bytes());
+                                return self.send_to_coordinator(f, now, out);
+                            }
+                        }
                     }
                     None => {
                         tail.digest.update(&logits);
                         let t = tail.sampler.sample(&logits);
                         // The model's distribution (the sampler reshapes its own copy).
                         let lp = tail.logprobs.map(|n| TokenLogprobs::of(&logits, t, n));
-                        tail.sampled.insert(job.step, (t, lp.clone()));
-                        (t, lp)
+                        tail.sampled.insert(job.step, (vec![t], lp.clone()));
+                        (vec![t], lp)
                     }
                 };
                 let next_pos = job.first_pos + job.input.n_tokens(self.cfg.n_embd);
-                let f = match &lp {
-                    Some(lp) => Frame::token_with_logprobs(job.session, job.step, job.epoch, next_pos, token, lp),
-                    None => Frame::tokens(job.session, job.step, job.epoch, next_pos, &[token]),
+                let f = match (&lp, tokens.as_slice()) {
+                    (Some(lp), [token]) => {
+                        Frame::token_with_logprobs(job.session, job.step, job.epoch, next_pos, *token, lp)
+                    }
+                    _ => Frame::tokens(job.session, job.step, job.epoch, next_pos, &tokens),
                 };
                 self.send_to_coordinator(f, now, out);
             }
@@ -1064,7 +1204,14 @@ mod tests {
     }
 
     fn request(prompt_len: usize, max_new: u32, sampling: serde_json::Value) -> GenerateRequest {
-        GenerateRequest { prompt: vec![1; prompt_len], max_new, stop: vec![], sampling, resume: vec![] }
+        GenerateRequest {
+            prompt: vec![1; prompt_len],
+            max_new,
+            stop: vec![],
+            sampling,
+            resume: vec![],
+            speculative: None,
+        }
     }
 
     /// The coordinator's answer to a request it refuses: one error to the client, and

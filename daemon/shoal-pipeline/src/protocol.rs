@@ -6,7 +6,7 @@ use crate::placement::StagePlace;
 use crate::PipelineError;
 use serde::{Deserialize, Serialize};
 use shoal_net::{alpn, Node};
-use shoal_types::{SamplingParams, TokenId};
+use shoal_types::{SamplingParams, SpecSettings, TokenId};
 
 /// Largest request accepted (a prompt of ~250k tokens).
 pub const MAX_REQUEST: usize = 1 << 20;
@@ -29,6 +29,11 @@ pub struct GenerateRequest {
     /// The answer is then the one an uninterrupted run gives (DESIGN point 10).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub resume: Vec<TokenId>,
+    /// Speculative decoding: each decode step verifies what prompt lookup drafts
+    /// (`shoal_types::speculative`). `None` or `max_draft` 0: one token per step. Off for
+    /// requests that ask for log-probabilities.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpecSettings>,
 }
 
 impl GenerateRequest {
@@ -44,6 +49,9 @@ impl GenerateRequest {
                 self.resume.len(),
                 self.max_new
             ));
+        }
+        if let Some(spec) = &self.speculative {
+            spec.validate().map_err(|e| e.to_string())?;
         }
         if self.resume.iter().any(|t| self.stop.contains(t)) {
             return Err("a resumed generation cannot hold a stop token: it would have ended there".into());
@@ -74,6 +82,14 @@ pub struct Report {
     pub decode_s: f64,
     /// Tokens after the first per second of decode.
     pub tok_per_s: f64,
+    /// Decode steps taken (passes through the stages after the prompt's).
+    #[serde(default)]
+    pub decode_steps: u64,
+    /// Tokens drafted by speculation, and how many of them were accepted.
+    #[serde(default)]
+    pub drafted: u64,
+    #[serde(default)]
+    pub accepted: u64,
 }
 
 /// A request on the control protocol.

@@ -420,7 +420,8 @@ fn run_job(stage: &mut dyn Stage, job: &Job, stats: &ShellCounters) -> Result<St
         JobInput::Hidden(h) => StageInput::Hidden(h),
     };
     let t0 = Instant::now();
-    let result = stage.forward(SessionId(job.session), job.first_pos, input);
+    let all_rows = job.flags & shoal_net::frame::FLAG_VERIFY != 0;
+    let result = stage.forward_rows(SessionId(job.session), job.first_pos, input, all_rows);
     if is_decode(job, stage.info().n_embd) {
         stats.decode_steps.fetch_add(1, Relaxed);
         stats.decode_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);

@@ -90,7 +90,14 @@ async fn start(ranges: &[LayerRange]) -> (Placement, Node) {
 }
 
 fn request(prompt: &[TokenId], max_new: u32) -> GenerateRequest {
-    GenerateRequest { prompt: prompt.to_vec(), max_new, stop: vec![], sampling: serde_json::json!({}), resume: vec![] }
+    GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_new,
+        stop: vec![],
+        sampling: serde_json::json!({}),
+        resume: vec![],
+        speculative: None,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

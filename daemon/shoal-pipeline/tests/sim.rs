@@ -12,11 +12,13 @@
 
 mod common;
 use common::*;
+use shoal_net::frame::FLAG_VERIFY;
 use shoal_net::{Dtype, Frame};
 use shoal_pipeline::core::{
     session_id, Action, ClientId, CoreConfig, Input, JobInput, NodeCore, RetryPolicy, SamplerFactory, StepOutput,
 };
-use shoal_pipeline::{GenEvent, GenerateRequest};
+use shoal_pipeline::{GenEvent, GenerateRequest, Report};
+use shoal_types::SpecSettings;
 use shoal_types::{LayerRange, SessionId, Stage, StageError, StageInput, StageOutput, TokenId, TokenSampler};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -84,6 +86,20 @@ fn simulate(
     max_new: u32,
     f: &Faults,
 ) -> (Vec<TokenId>, Vec<TokenId>, String, u64) {
+    let (streamed, r, recoveries) = simulate_spec(seed, ranges, prompt, max_new, f, None);
+    (streamed, r.tokens, r.logits_digest, recoveries)
+}
+
+/// [`simulate`] with speculation settings; returns the streamed tokens, the report and
+/// the recoveries.
+fn simulate_spec(
+    seed: u64,
+    ranges: &[LayerRange],
+    prompt: &[TokenId],
+    max_new: u32,
+    f: &Faults,
+    speculative: Option<SpecSettings>,
+) -> (Vec<TokenId>, Report, u64) {
     let n = ranges.len();
     let mut rng = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
     let t0 = Instant::now();
@@ -112,6 +128,7 @@ fn simulate(
         stop: vec![],
         sampling: serde_json::json!({}),
         resume: vec![],
+        speculative,
     };
     let mut inputs: VecDeque<(usize, Input)> = VecDeque::from([(0, Input::Generate(req, 1))]);
     let mut next_tick = Duration::ZERO;
@@ -156,12 +173,14 @@ fn simulate(
                             JobInput::Tokens(t) => StageInput::Tokens(t),
                             JobInput::Hidden(h) => StageInput::Hidden(h),
                         };
-                        let out = match stages[node].forward(SessionId(job.session), job.first_pos, input) {
-                            Ok(StageOutput::Hidden(h)) => Ok(StepOutput::Hidden(h)),
-                            Ok(StageOutput::Logits(l)) => Ok(StepOutput::Logits(l)),
-                            Err(StageError::PositionGap { .. }) => Ok(StepOutput::Gap),
-                            Err(e) => Err(e.to_string()),
-                        };
+                        let all_rows = job.flags & FLAG_VERIFY != 0;
+                        let out =
+                            match stages[node].forward_rows(SessionId(job.session), job.first_pos, input, all_rows) {
+                                Ok(StageOutput::Hidden(h)) => Ok(StepOutput::Hidden(h)),
+                                Ok(StageOutput::Logits(l)) => Ok(StepOutput::Logits(l)),
+                                Err(StageError::PositionGap { .. }) => Ok(StepOutput::Gap),
+                                Err(e) => Err(e.to_string()),
+                            };
                         let at = busy_until[node] - t0;
                         push(&mut queue, at, Ev::Done(node, life[node], job, out));
                     }
@@ -215,7 +234,7 @@ fn simulate(
     }
     let r = result.unwrap();
     recoveries += cores[0].counters.redrives + cores[0].counters.replays;
-    (streamed, r.tokens, r.logits_digest, recoveries)
+    (streamed, r, recoveries)
 }
 
 fn ranges3() -> Vec<LayerRange> {
@@ -253,6 +272,42 @@ fn faults_never_change_the_output() {
     // The faults really happened and were recovered from.
     assert!(total_recoveries > 1000, "only {total_recoveries} recoveries: the faults are not exercising anything");
     eprintln!("{total_steps} steps, {total_recoveries} node restarts + re-drives + replays, all outputs exact");
+}
+
+/// Speculation: the pipeline's verify steps give what the in-process speculative
+/// schedule gives, tokens and logits digest, through drops, duplicates, reorders and
+/// restarts (replays resend the verify batches in their original shapes); drafts are
+/// accepted and rejected along the way.
+#[test]
+fn speculation_matches_its_reference_under_faults() {
+    let faults = Faults { brk: 0.03, dup: 0.05, reorder: 0.02, restart: 0.01 };
+    let none = Faults { brk: 0.0, dup: 0.0, reorder: 0.0, restart: 0.0 };
+    let spec = SpecSettings { max_draft: 3, ngram_min: 1, ngram_max: 3 };
+    let (mut drafted, mut accepted, mut recovered) = (0, 0, 0);
+    let mut fewer_steps = 0;
+    for seed in 0..300u64 {
+        let len = 5 + (seed % 11) as usize;
+        // A prompt that repeats itself, so that lookup finds drafts.
+        let prompt: Vec<TokenId> = (0..len).map(|i| ((i as u64 % 4 * 7 + seed) % 50) as TokenId).collect();
+        let max_new = 20 + (seed % 17) as u32;
+        let ranges = if seed % 3 == 0 { vec![LayerRange::new(0, 3), LayerRange::new(3, 6)] } else { ranges3() };
+        let (want, digest, d, a) = reference_speculative(&ranges, &prompt, max_new as usize, &spec);
+        let f = if seed % 2 == 0 { &faults } else { &none };
+        let (streamed, r, recoveries) = simulate_spec(seed, &ranges, &prompt, max_new, f, Some(spec));
+        assert_eq!(streamed, want, "seed {seed}: streamed tokens differ (missing or duplicated)");
+        assert_eq!(r.tokens, want, "seed {seed}: tokens differ");
+        assert_eq!(r.logits_digest, digest, "seed {seed}: logits digest differs");
+        if recoveries == 0 {
+            // Without faults the coordinator's counts are the reference's.
+            assert_eq!((r.drafted, r.accepted), (d as u64, a as u64), "seed {seed}");
+        }
+        fewer_steps += usize::from((r.decode_steps as usize) < want.len() - 1);
+        (drafted, accepted, recovered) = (drafted + d, accepted + a, recovered + recoveries);
+    }
+    assert!(accepted > 100 && drafted > accepted + 100, "drafted {drafted}, accepted {accepted}");
+    assert!(fewer_steps > 50, "only {fewer_steps} generations took fewer steps than tokens");
+    assert!(recovered > 200, "only {recovered} recoveries");
+    eprintln!("drafted {drafted}, accepted {accepted}, {recovered} recoveries, all outputs exact");
 }
 
 /// The fault-free ring the scenario tests run on: frames are delivered and jobs run
@@ -296,6 +351,7 @@ impl Ring {
             stop: vec![],
             sampling: serde_json::json!({}),
             resume: vec![],
+            speculative: None,
         };
         self.queue.push_back((0, Input::Generate(req, client)));
     }

@@ -14,11 +14,13 @@ pub use inventory::{BadClusterId, BadNodeId, ClusterId, DeviceInventory, NodeId,
 pub mod placement;
 pub use placement::{GpuOffer, GpuShare, LoadSpec, ModelPlacement, Offer, PlacedStage, Speed};
 pub mod sampling;
+pub mod speculative;
 pub mod text;
 pub use sampling::{
     validate_generation, GenerationError, SamplingParams, TokenLogprobs, LOGPROB_FLOOR, MAX_GRAMMAR_BYTES,
     MAX_TOP_LOGPROBS,
 };
+pub use speculative::SpecSettings;
 pub use text::{StopText, Utf8Stream};
 
 /// A token id in the model's vocabulary (llama.cpp's `llama_token`).
@@ -161,7 +163,8 @@ impl StageInput<'_> {
 pub enum StageOutput {
     /// Hidden states after this stage's last layer, `n_tokens × n_embd` values.
     Hidden(Vec<f32>),
-    /// The tail's logits for the last token of the step (`n_vocab` values).
+    /// The tail's logits for the last token of the step (`n_vocab` values), or for
+    /// every token when asked (`forward_rows`).
     Logits(Vec<f32>),
 }
 
@@ -223,9 +226,25 @@ pub enum StageError {
 pub trait Stage: Send {
     /// What this stage runs.
     fn info(&self) -> &StageInfo;
-    /// Run one step; see the trait's contract.
-    fn forward(&mut self, session: SessionId, first_pos: u32, input: StageInput<'_>)
-        -> Result<StageOutput, StageError>;
+    /// Run one step; see the trait's contract. The tail returns the last position's logits.
+    fn forward(
+        &mut self,
+        session: SessionId,
+        first_pos: u32,
+        input: StageInput<'_>,
+    ) -> Result<StageOutput, StageError> {
+        self.forward_rows(session, first_pos, input, false)
+    }
+    /// Run one step; with `all_rows` the tail returns the logits of every position of
+    /// the step, in order (`n × n_vocab` values: a speculative verify step), otherwise of
+    /// the last. Other stages ignore `all_rows`.
+    fn forward_rows(
+        &mut self,
+        session: SessionId,
+        first_pos: u32,
+        input: StageInput<'_>,
+        all_rows: bool,
+    ) -> Result<StageOutput, StageError>;
     /// Forget a session and free its KV cache. Unknown sessions are ignored.
     fn free_session(&mut self, session: SessionId);
     /// Memory this stage holds.

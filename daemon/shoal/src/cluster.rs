@@ -88,6 +88,10 @@ pub struct ClusterArgs {
     /// the LAN (at http://shoal.local:11434/admin/ or the box's IP address).
     #[arg(long)]
     appliance: bool,
+    /// Speculative decoding for API requests that do not say (`"speculative": true/false`
+    /// in the request): verify up to K tokens drafted by prompt lookup per step; 0: off.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    draft: u32,
 }
 
 /// A size in bytes: a number with an optional K, M, G or T suffix (powers of 1024).
@@ -282,6 +286,14 @@ pub fn serve(
     } else {
         None
     };
+    let speculation = match args.draft {
+        0 => None,
+        k => {
+            let s = shoal_types::SpecSettings { max_draft: k, ..Default::default() };
+            s.validate()?;
+            Some(s)
+        }
+    };
     let cfg = NodeConfig {
         data_dir: data_dir.clone(),
         listen: listen.unwrap_or(SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT))),
@@ -339,6 +351,7 @@ pub fn serve(
             // shared cores); machines of their own may differ (`--keepalive on`).
             keepalive: (stage.keepalive == crate::pipeline::KeepAlive::On).then_some(shoal_pipeline::KEEPALIVE_WINDOW),
             appliance,
+            speculation,
         };
         shoal_node::run(cfg, options, identity, rx, shutdown).await
     })?;

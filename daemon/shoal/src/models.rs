@@ -327,9 +327,10 @@ pub fn generate(model: String, dir: &Option<PathBuf>, progress: bool, t: &crate:
     let request = shoal_pipeline::GenerateRequest {
         prompt: prompt.clone(),
         max_new: u32::try_from(t.max_tokens).unwrap_or(u32::MAX),
-        stop: if t.ignore_eos { Vec::new() } else { vocab.eog_tokens() },
+        stop: t.stop_tokens(&vocab),
         sampling: serde_json::to_value(sampling)?,
         resume: Vec::new(),
+        speculative: t.speculation()?,
     };
     let data_dir = data_dir(dir);
     let identity = Arc::new(shoal_net::Identity::load_or_create(&data_dir)?);
@@ -365,6 +366,9 @@ pub fn generate(model: String, dir: &Option<PathBuf>, progress: bool, t: &crate:
             memory: None,
             stage_ms: None,
             peak_rss_bytes: None,
+            decode_steps: report.decode_steps,
+            drafted: report.drafted,
+            accepted: report.accepted,
         };
         println!("{}", serde_json::to_string(&r)?);
     } else {

@@ -379,9 +379,10 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let request = GenerateRequest {
         prompt: prompt.clone(),
         max_new: max_new as u32,
-        stop: if t.ignore_eos { Vec::new() } else { vocab.eog_tokens() },
+        stop: t.stop_tokens(&vocab),
         sampling: serde_json::to_value(sampling)?,
         resume: Vec::new(),
+        speculative: t.speculation()?,
     };
     let dir = data_dir(&a.data_dir);
     let identity = Arc::new(Identity::load_or_create(&dir)?);
@@ -422,6 +423,9 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             memory: None,
             stage_ms: None,
             peak_rss_bytes: None,
+            decode_steps: report.decode_steps,
+            drafted: report.drafted,
+            accepted: report.accepted,
         };
         println!("{}", serde_json::to_string(&r)?);
     } else {

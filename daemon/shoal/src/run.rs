@@ -7,7 +7,7 @@ use serde::Serialize;
 use shoal_engine::{
     load_split, open_model, Chain, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Utf8Stream, Vocab,
 };
-use shoal_types::{LayerRange, SessionId, Stage, StageMemory, TokenId};
+use shoal_types::{LayerRange, SessionId, SpecSettings, Stage, StageMemory, TokenId};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -60,6 +60,10 @@ pub struct TextArgs {
     /// read from this file: the API's JSON modes use the same mechanism.
     #[arg(long, value_name = "FILE")]
     pub grammar: Option<PathBuf>,
+    /// Speculative decoding: verify up to K tokens drafted by prompt lookup in each
+    /// decode step (0: off). Split and unsplit runs with the same K answer alike.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub draft: u32,
 }
 
 impl TextArgs {
@@ -74,6 +78,25 @@ impl TextArgs {
         } else {
             vocab.tokenize(&vocab.chat_prompt(&text)?, true)
         })
+    }
+
+    /// The speculation settings the flags describe (`None`: off).
+    pub fn speculation(&self) -> Result<Option<SpecSettings>> {
+        if self.draft == 0 {
+            return Ok(None);
+        }
+        let s = SpecSettings { max_draft: self.draft, ..SpecSettings::default() };
+        s.validate()?;
+        Ok(Some(s))
+    }
+
+    /// The tokens that end a generation, unless --ignore-eos.
+    pub fn stop_tokens(&self, vocab: &Vocab) -> Vec<TokenId> {
+        if self.ignore_eos {
+            Vec::new()
+        } else {
+            vocab.eog_tokens()
+        }
     }
 
     /// The sampling parameters the flags describe.
@@ -179,6 +202,14 @@ pub struct RunReport {
     /// Peak resident memory of the process (in-process runs only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_rss_bytes: Option<u64>,
+    /// Decode steps (passes through the stages after the prompt), and with
+    /// speculation the tokens drafted and accepted in them.
+    #[serde(default)]
+    pub decode_steps: u64,
+    #[serde(default)]
+    pub drafted: u64,
+    #[serde(default)]
+    pub accepted: u64,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -228,7 +259,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     } else {
         Sampler::new(&sampling)
     };
-    let gen = chain.generate(SessionId(0), &prompt, max_new, &mut sampler, &mut out)?;
+    let spec = t.speculation()?.unwrap_or(SpecSettings::OFF);
+    let stop = t.stop_tokens(&vocab);
+    let gen = chain.generate_speculative(SessionId(0), &prompt, max_new, &mut sampler, &mut out, &spec, &stop)?;
     let tail = out.finish();
     if t.json {
         let report = RunReport {
@@ -244,6 +277,9 @@ pub fn run(a: RunArgs) -> Result<()> {
             memory: Some(memory),
             stage_ms: Some(gen.timing.per_stage.iter().map(|d| d.as_secs_f64() * 1e3).collect()),
             peak_rss_bytes: peak_rss(),
+            decode_steps: gen.decode_steps as u64,
+            drafted: gen.drafted as u64,
+            accepted: gen.accepted as u64,
         };
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -229,6 +229,41 @@ fn bench_pipeline_prints_its_table() {
 }
 
 #[test]
+fn bench_speculative_prints_its_tables() {
+    let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal-lab"))
+        .args(["bench", "speculative", "--model", m.to_str().unwrap(), "-n", "24", "--rounds", "1"])
+        .args(["--links", ";delay=1ms"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    // Two prompts over two links: four tables of four configurations, each with its
+    // ratio to unsplit without speculation (1 for that row itself).
+    for row in ["unsplit, no speculation", "unsplit, speculation", "split, no speculation", "split, speculation"] {
+        let lines: Vec<&str> =
+            text.lines().filter(|l| l.starts_with(row) && !l[row.len()..].starts_with(',')).collect();
+        assert_eq!(lines.len(), 4, "{row}: {text}");
+        for l in lines {
+            let f: Vec<f64> = l[row.len()..].split_whitespace().map(|x| x.parse().unwrap()).collect();
+            assert!(f.len() == 2 && f.iter().all(|x| x.is_finite() && *x > 0.0), "{l}");
+            if row == "unsplit, no speculation" {
+                assert_eq!(f[1], 1.0, "{l}");
+            }
+        }
+    }
+    assert_eq!(text.matches("acceptance ").count(), 4, "{text}");
+    assert_eq!(text.matches("per-token overhead of the split").count(), 4, "{text}");
+    assert_eq!(
+        text.matches("split == unsplit (tokens and logits digest): yes without speculation, yes with").count(),
+        4
+    );
+    // The repetitive prompt's drafts are accepted.
+    let first = text.lines().find(|l| l.starts_with("acceptance ")).unwrap();
+    assert!(!first.starts_with("acceptance 0.0%"), "{first}");
+}
+
+#[test]
 fn bench_keepalive_prints_both_sides() {
     let m = model("SmolLM2-135M-Instruct.Q4_1.gguf");
     let out = Command::new(env!("CARGO_BIN_EXE_shoal-lab"))

@@ -96,35 +96,59 @@ fn start_sessions(dir: &Path, model: &Path, splits: &[[u32; 2]], chunk: u32, ses
 }
 
 fn check(file: &str, splits: &[[u32; 2]]) {
-    check_impaired(file, splits, "");
+    check_impaired(file, splits, "", PROMPT, &[]);
 }
 
-/// `impair` applies to every stage's outgoing packets (so once per hop).
-fn check_impaired(file: &str, splits: &[[u32; 2]], impair: &str) {
+/// A prompt that asks for a copy: speculation's drafts (prompt lookup) are often right.
+fn rewrite_prompt() -> String {
+    format!("Copy this paragraph, word for word.\n\n{PROMPT}\n\nCopy:\n\n{}", &PROMPT[..40])
+}
+
+/// Speculation on (`--draft 6`): the split run verifies the same drafts in the same
+/// batches as the unsplit one, so tokens and logits digest are equal; drafts were
+/// accepted, so it took fewer steps than tokens.
+fn check_speculative(file: &str, splits: &[[u32; 2]]) {
+    let (g, r) = check_impaired(file, splits, "", &rewrite_prompt(), &["--draft", "6"]);
+    for k in ["decode_steps", "drafted", "accepted"] {
+        assert_eq!(g[k], r[k], "{file}: {k} differs between the pipeline and the unsplit run");
+    }
+    assert!(g["accepted"].as_u64().unwrap() > 0, "{file}: no draft accepted: {g}");
+    assert!(g["decode_steps"].as_u64().unwrap() < 63, "{file}: {g}");
+    eprintln!(
+        "{file}: {} decode steps for 64 tokens, {} of {} drafts accepted",
+        g["decode_steps"], g["accepted"], g["drafted"]
+    );
+}
+
+/// `impair` applies to every stage's outgoing packets (so once per hop). Returns the
+/// pipeline's and the unsplit run's JSON reports.
+fn check_impaired(file: &str, splits: &[[u32; 2]], impair: &str, prompt: &str, extra: &[&str]) -> (Value, Value) {
     let m = model(file);
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("impair"), impair).unwrap();
     let chunk = 32;
     let (placement, _stages) = start(dir.path(), &m, splits, chunk);
-    let args = ["--prompt", PROMPT, "--raw", "-n", "64", "--ignore-eos", "--json"];
+    let mut args = vec!["--prompt", prompt, "--raw", "-n", "64", "--ignore-eos", "--json"];
+    args.extend(extra);
     let g = json(
         shoal()
             .args(["generate", "--placement"])
             .arg(&placement)
             .arg("--data-dir")
             .arg(dir.path().join("client"))
-            .args(args)
+            .args(&args)
             .output()
             .unwrap(),
     );
     let r = json(
-        shoal().args(["run", "--model"]).arg(&m).args(["--chunk", "32", "--ctx", "1024"]).args(args).output().unwrap(),
+        shoal().args(["run", "--model"]).arg(&m).args(["--chunk", "32", "--ctx", "1024"]).args(&args).output().unwrap(),
     );
     assert!(g["prompt_tokens"].as_u64().unwrap() > 2 * chunk as u64, "prompt should span at least 3 chunks");
     assert_eq!(g["tokens"].as_array().unwrap().len(), 64);
     assert_eq!(g["tokens"], r["tokens"], "{file}: pipeline tokens differ from the unsplit run");
     assert_eq!(g["logits_digest"], r["logits_digest"], "{file}: pipeline logits differ from the unsplit run");
     assert_eq!(g["text"], r["text"]);
+    (g, r)
 }
 
 #[test]
@@ -139,7 +163,19 @@ fn gemma3_in_three_processes_matches_unsplit() {
 
 #[test]
 fn wifi_like_impairment_changes_nothing() {
-    check_impaired("SmolLM2-135M-Instruct.Q4_1.gguf", &[[0, 10], [10, 20], [20, 30]], "delay=3ms,jitter=2ms,loss=1%");
+    let splits = &[[0, 10], [10, 20], [20, 30]];
+    check_impaired("SmolLM2-135M-Instruct.Q4_1.gguf", splits, "delay=3ms,jitter=2ms,loss=1%", PROMPT, &[]);
+}
+
+#[test]
+fn smollm2_speculative_in_two_and_three_processes_matches_unsplit() {
+    check_speculative("SmolLM2-135M-Instruct.Q4_1.gguf", &[[0, 15], [15, 30]]);
+    check_speculative("SmolLM2-135M-Instruct.Q4_1.gguf", &[[0, 10], [10, 20], [20, 30]]);
+}
+
+#[test]
+fn gemma3_speculative_in_three_processes_matches_unsplit() {
+    check_speculative("gemma-3-270m-q4_k_m.gguf", &[[0, 6], [6, 12], [12, 18]]);
 }
 
 #[test]
@@ -161,18 +197,20 @@ fn a_client_outside_the_placement_is_refused() {
 }
 
 /// SIGKILL the middle stage after 100 generated tokens and start it again: the
-/// coordinator replays the session in its original shapes and the output is unchanged.
-fn restart_middle(file: &str, splits: &[[u32; 2]]) {
+/// coordinator replays the session in its original shapes (with `extra` = `--draft K`,
+/// its verify batches too) and the output is unchanged.
+fn restart_middle(file: &str, splits: &[[u32; 2]], prompt: &str, extra: &[&str]) {
     let m = model(file);
     let dir = tempfile::tempdir().unwrap();
     let (placement, mut stages) = start(dir.path(), &m, splits, 32);
-    let args = ["--prompt", PROMPT, "--raw", "-n", "160", "--ignore-eos", "--json"];
+    let mut args = vec!["--prompt", prompt, "--raw", "-n", "160", "--ignore-eos", "--json"];
+    args.extend(extra);
     let mut gen = shoal()
         .args(["generate", "--progress", "--placement"])
         .arg(&placement)
         .arg("--data-dir")
         .arg(dir.path().join("client"))
-        .args(args)
+        .args(&args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -198,11 +236,12 @@ fn restart_middle(file: &str, splits: &[[u32; 2]]) {
     let g: Value = serde_json::from_slice(&out.stdout).unwrap();
     eprintln!("{file}: generation with a middle-stage restart took {:.1} s", t0.elapsed().as_secs_f64());
     let r = json(
-        shoal().args(["run", "--model"]).arg(&m).args(["--chunk", "32", "--ctx", "1024"]).args(args).output().unwrap(),
+        shoal().args(["run", "--model"]).arg(&m).args(["--chunk", "32", "--ctx", "1024"]).args(&args).output().unwrap(),
     );
     assert_eq!(g["tokens"].as_array().unwrap().len(), 160);
     assert_eq!(g["tokens"], r["tokens"], "{file}: tokens changed across the restart");
     assert_eq!(g["logits_digest"], r["logits_digest"], "{file}: logits changed across the restart");
+    assert_eq!((&g["decode_steps"], &g["accepted"]), (&r["decode_steps"], &r["accepted"]), "{file}");
     assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 60, "tokens missing or duplicated: {rest:?}");
     // The coordinator counted the recovery; every node answers status.
     let st = placement_status(&placement, &dir.path().join("client"));
@@ -216,12 +255,18 @@ fn restart_middle(file: &str, splits: &[[u32; 2]]) {
 
 #[test]
 fn smollm2_survives_a_middle_stage_restart() {
-    restart_middle("SmolLM2-135M-Instruct.Q4_1.gguf", &[[0, 10], [10, 20], [20, 30]]);
+    restart_middle("SmolLM2-135M-Instruct.Q4_1.gguf", &[[0, 10], [10, 20], [20, 30]], PROMPT, &[]);
 }
 
 #[test]
 fn gemma3_survives_a_middle_stage_restart() {
-    restart_middle("gemma-3-270m-q4_k_m.gguf", &[[0, 6], [6, 12], [12, 18]]);
+    restart_middle("gemma-3-270m-q4_k_m.gguf", &[[0, 6], [6, 12], [12, 18]], PROMPT, &[]);
+}
+
+#[test]
+fn smollm2_speculative_survives_a_middle_stage_restart() {
+    let splits = &[[0, 10], [10, 20], [20, 30]];
+    restart_middle("SmolLM2-135M-Instruct.Q4_1.gguf", splits, &rewrite_prompt(), &["--draft", "6"]);
 }
 
 /// `shoal generate --progress` for `n` tokens, its progress lines readable.

@@ -45,11 +45,12 @@ impl Stage for FakeStage {
         &self.info
     }
 
-    fn forward(
+    fn forward_rows(
         &mut self,
         session: SessionId,
         first_pos: u32,
         input: StageInput<'_>,
+        all_rows: bool,
     ) -> Result<StageOutput, StageError> {
         let rows: Vec<Vec<f32>> = match input {
             StageInput::Tokens(t) => {
@@ -79,9 +80,14 @@ impl Stage for FakeStage {
             out.extend(next);
         }
         if self.info.is_tail() {
-            let last = &out[out.len() - N_EMBD as usize..];
-            let logits = (0..N_VOCAB)
-                .map(|i| last.iter().enumerate().map(|(j, v)| (v * (i + j as u32) as f32).cos()).sum())
+            // The last row's logits, or every row's (a verify step).
+            let first_row = if all_rows { 0 } else { out.len() / N_EMBD as usize - 1 };
+            let logits = out
+                .chunks(N_EMBD as usize)
+                .skip(first_row)
+                .flat_map(|row| {
+                    (0..N_VOCAB).map(|i| row.iter().enumerate().map(|(j, v)| (v * (i + j as u32) as f32).cos()).sum())
+                })
                 .collect();
             Ok(StageOutput::Logits(logits))
         } else {
@@ -137,4 +143,52 @@ pub fn reference(ranges: &[LayerRange], prompt: &[TokenId], max_new: usize) -> (
         pos += 1;
     }
     (tokens, digest.finalize().to_hex().to_string())
+}
+
+/// What [`reference_speculative`] returns: tokens, digest, drafted, accepted.
+pub type SpecRun = (Vec<TokenId>, String, usize, usize);
+
+/// The same stages in-process on the speculative schedule (the engine's `Chain` does
+/// the same with llama.cpp stages): drafts by prompt lookup, one verify batch per step.
+pub fn reference_speculative(
+    ranges: &[LayerRange],
+    prompt: &[TokenId],
+    max_new: usize,
+    spec: &shoal_types::SpecSettings,
+) -> SpecRun {
+    use shoal_types::speculative;
+    let mut stages: Vec<FakeStage> = ranges.iter().map(|r| FakeStage::new(*r)).collect();
+    let s = SessionId(1);
+    let mut step = |first_pos: u32, tokens: &[TokenId], all: bool| {
+        let mut out = stages[0].forward_rows(s, first_pos, StageInput::Tokens(tokens), all).unwrap();
+        for st in stages.iter_mut().skip(1) {
+            let StageOutput::Hidden(h) = out else { unreachable!() };
+            out = st.forward_rows(s, first_pos, StageInput::Hidden(&h), all).unwrap();
+        }
+        let StageOutput::Logits(l) = out else { unreachable!() };
+        l
+    };
+    let mut pos = 0;
+    let mut logits = Vec::new();
+    for c in prompt.chunks(CHUNK as usize) {
+        logits = step(pos, c, false);
+        pos += c.len() as u32;
+    }
+    let mut digest = shoal_types::LogitsDigest::default();
+    digest.update(&logits);
+    let mut tokens = vec![Greedy.sample(&logits)];
+    let (mut drafted, mut accepted) = (0, 0);
+    while tokens.len() < max_new {
+        let n = tokens.len();
+        let limits = speculative::limits_at(prompt.len(), n, max_new, 256, CHUNK, &[]);
+        let drafts = speculative::draft(prompt, &tokens, spec, &limits);
+        let mut input = vec![tokens[n - 1]];
+        input.extend(&drafts);
+        let rows = step((prompt.len() + n - 1) as u32, &input, !drafts.is_empty());
+        let out = speculative::verify(&mut Greedy, &rows, &input, &mut digest).unwrap();
+        drafted += drafts.len();
+        accepted += out.len() - 1;
+        tokens.extend(out);
+    }
+    (tokens, digest.hex(), drafted, accepted)
 }

@@ -18,6 +18,7 @@ mod node;
 mod plan;
 mod reconnect;
 mod serve;
+mod speculative;
 mod zoo;
 
 #[derive(Subcommand, Debug)]
@@ -57,6 +58,10 @@ pub enum BenchCommand {
     /// unsplit: decode tok/s, time to first token of a long prompt, the API's cost per
     /// token, aggregate tok/s with 1, 2, 3 and 6 concurrent streams.
     Serve(serve::ServeArgs),
+    /// Speculative decoding: unsplit without vs with speculation vs split with it, on
+    /// a repetitive prompt and a free-form one, on loopback and over a delayed link:
+    /// decode tok/s, ratios, acceptance rate, mean k, per-token overhead.
+    Speculative(speculative::SpeculativeArgs),
     /// The model zoo: the time to write each family's zoo model, and its decode tok/s
     /// unsplit vs split into two in-process stages, with the output compared.
     Zoo(zoo::ZooArgs),
@@ -140,6 +145,7 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Replace(a) => node::replace(a),
         BenchCommand::Serve(a) => serve::serve(a),
         BenchCommand::Zoo(a) => zoo::zoo(a),
+        BenchCommand::Speculative(a) => speculative::speculative(a),
     }
 }
 
@@ -241,6 +247,12 @@ pub(crate) struct GenOutput {
     pub prefill_s: f64,
     pub prompt_tokens: usize,
     pub logits_digest: String,
+    #[serde(default)]
+    pub decode_steps: u64,
+    #[serde(default)]
+    pub drafted: u64,
+    #[serde(default)]
+    pub accepted: u64,
 }
 
 /// Stage processes killed when the bench ends.
@@ -327,10 +339,16 @@ impl LoopbackPipeline {
 
     /// A greedy generation of `n` tokens (EOS ignored) through the pipeline.
     pub(crate) fn generate(&self, prompt: &str, n: usize) -> Result<GenOutput> {
+        self.generate_with(prompt, n, &[])
+    }
+
+    /// [`LoopbackPipeline::generate`] with more `shoal generate` flags.
+    pub(crate) fn generate_with(&self, prompt: &str, n: usize, extra: &[&str]) -> Result<GenOutput> {
         let exe = shoal::shoal_exe().context("locating the shoal binary")?;
         let mut cmd = Command::new(exe);
         cmd.args(["generate", "--placement"]).arg(&self.placement).arg("--data-dir").arg(self.client());
         cmd.args(["--raw", "--ignore-eos", "--json", "--prompt", prompt, "-n", &n.to_string()]);
+        cmd.args(extra);
         json_of(cmd, "generate")
     }
 
@@ -463,6 +481,7 @@ fn probe_frames(placement: &std::path::Path, client: &std::path::Path, n_embd: u
         stop: Vec::new(),
         sampling: serde_json::json!({}),
         resume: Vec::new(),
+        speculative: None,
     };
     shoal::pipeline::runtime()?.block_on(async {
         let node = shoal::pipeline::client_node(&placement, identity)?;

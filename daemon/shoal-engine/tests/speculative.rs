@@ -1,0 +1,134 @@
+//! Speculative decoding on real models, in process: a model split into stages gives the
+//! unsplit model's tokens and logits digest with the same draft/verify schedule, and a
+//! rejected draft leaves nothing behind in any stage's KV cache.
+
+use shoal_engine::{load_split, Chain, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
+use shoal_types::{SessionId, SpecSettings, Stage, StageInput, StageOutput, TokenId};
+use std::path::{Path, PathBuf};
+
+const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const GEMMA: &str = "gemma-3-270m-q4_k_m.gguf";
+const NEW_TOKENS: usize = 64;
+
+fn model(file: &str) -> PathBuf {
+    let p = shoal_gguf::models_dir().join(file);
+    assert!(p.exists(), "test model {} is missing: run scripts/setup.sh (or set SHOAL_MODELS)", p.display());
+    p
+}
+
+fn config() -> StageConfig {
+    StageConfig { n_ctx_per_session: 512, max_sessions: 2, chunk: 32, threads: 1, gpu_layers: 0, gpus: Vec::new() }
+}
+
+const PARAGRAPH: &str = "The history of the lighthouse begins in antiquity, when fires were lit on hilltops \
+    to guide ships into harbour. The Pharos of Alexandria, built in the third century BC, stood over a \
+    hundred metres tall and was counted among the wonders of the ancient world.";
+
+/// A prompt asking for a copy, so prompt lookup's drafts are often right.
+fn copy_prompt(file: &Path) -> Vec<TokenId> {
+    let vocab = Vocab::load(file).unwrap();
+    vocab.tokenize(&format!("Copy this paragraph.\n\n{PARAGRAPH}\n\nCopy:\n\n{}", &PARAGRAPH[..30]), false)
+}
+
+/// (tokens, digest, decode steps, drafted, accepted) of a greedy run split at `points`.
+fn run(
+    file: &Path,
+    points: &[u32],
+    cache: &ShardCache,
+    spec: &SpecSettings,
+) -> (Vec<TokenId>, String, usize, usize, usize) {
+    let (_, stages) = load_split(file, points, cache, &config()).unwrap();
+    let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect()).unwrap();
+    let sampler = &mut Sampler::new(&SamplingParams::default());
+    let g =
+        chain.generate_speculative(SessionId(1), &copy_prompt(file), NEW_TOKENS, sampler, &mut (), spec, &[]).unwrap();
+    assert_eq!(g.tokens.len(), NEW_TOKENS);
+    (g.tokens, g.logits_digest, g.decode_steps, g.drafted, g.accepted)
+}
+
+fn assert_speculative_splits_match(file: &Path, splits: &[&[u32]]) {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = ShardCache::new(dir.path());
+    let spec = SpecSettings { max_draft: 6, ..SpecSettings::default() };
+    let whole = run(file, &[], &cache, &spec);
+    let (_, _, steps, drafted, accepted) = whole;
+    let name = file.file_name().unwrap().to_string_lossy();
+    assert!(accepted > 0 && steps < NEW_TOKENS - 1, "{name}: no draft accepted ({drafted} drafted)");
+    for points in splits {
+        assert_eq!(run(file, points, &cache, &spec), whole, "{name} split at {points:?} differs from unsplit");
+    }
+    // Against the same model without speculation: how often near-ties in verify batches
+    // change a greedy token (informational; DESIGN point 10).
+    let plain = run(file, &[], &cache, &SpecSettings::OFF);
+    let first_diff = plain.0.iter().zip(&whole.0).position(|(a, b)| a != b);
+    eprintln!(
+        "{name}: {steps} steps for {NEW_TOKENS} tokens, {accepted}/{drafted} drafts accepted; \
+         first token that differs from the non-speculative run: {first_diff:?}"
+    );
+}
+
+#[test]
+fn smollm2_speculative_split_matches_unsplit() {
+    assert_speculative_splits_match(&model(SMOL), &[&[15], &[10, 20]]);
+}
+
+#[test]
+fn gemma3_speculative_split_matches_unsplit() {
+    assert_speculative_splits_match(&model(GEMMA), &[&[6], &[6, 12]]);
+}
+
+fn hidden(o: StageOutput) -> Vec<f32> {
+    match o {
+        StageOutput::Hidden(h) => h,
+        StageOutput::Logits(_) => panic!("expected hidden states"),
+    }
+}
+
+fn logits(o: StageOutput) -> Vec<f32> {
+    match o {
+        StageOutput::Logits(l) => l,
+        StageOutput::Hidden(_) => panic!("expected logits"),
+    }
+}
+
+/// After a verify step whose last drafts were rejected, every stage holds exactly the
+/// accepted positions: two sessions verify the same accepted prefix followed by
+/// different rejected drafts, continue from the first rejected position, and get
+/// bit-identical logits (a leftover of a rejected draft would change them). The
+/// accepted rows of both verify batches are identical too.
+#[test]
+fn a_rejected_draft_leaves_nothing_behind() {
+    let file = model(SMOL);
+    let dir = tempfile::tempdir().unwrap();
+    let cache = ShardCache::new(dir.path());
+    let (_, mut stages) = load_split(&file, &[10, 20], &cache, &config()).unwrap();
+    let prompt = copy_prompt(&file);
+    let n_vocab = stages[2].info().n_vocab as usize;
+    // Run `tokens` at `pos` through the three stages; every row's logits when `all`.
+    let mut step = |s: SessionId, pos: u32, tokens: &[TokenId], all: bool| -> Vec<f32> {
+        let h = hidden(stages[0].forward_rows(s, pos, StageInput::Tokens(tokens), all).unwrap());
+        let h = hidden(stages[1].forward_rows(s, pos, StageInput::Hidden(&h), all).unwrap());
+        logits(stages[2].forward_rows(s, pos, StageInput::Hidden(&h), all).unwrap())
+    };
+    let p = prompt.len() as u32;
+    let (last, accepted) = (prompt[5], prompt[6]);
+    let mut after = Vec::new();
+    let mut accepted_rows = Vec::new();
+    for (i, rejected) in [[101, 102, 103], [7, 8, 9]].iter().enumerate() {
+        let s = SessionId(i as u64 + 1);
+        for (k, c) in prompt.chunks(32).enumerate() {
+            step(s, 32 * k as u32, c, false);
+        }
+        // Verify [last, accepted, rejected…] at p: 5 rows of logits.
+        let rows = step(s, p, &[last, accepted, rejected[0], rejected[1], rejected[2]], true);
+        assert_eq!(rows.len(), 5 * n_vocab);
+        accepted_rows.push(rows[..2 * n_vocab].to_vec());
+        // The next step starts after the accepted positions (p, p + 1): the stages drop
+        // the rejected ones themselves (the Stage contract).
+        after.push(step(s, p + 2, &[42], false));
+        after.push(step(s, p + 3, &[43, 44], true));
+    }
+    assert_eq!(accepted_rows[0], accepted_rows[1], "the accepted rows depend on the rejected drafts");
+    assert_eq!(after[0], after[2], "the step after the rejected drafts sees them");
+    assert_eq!(after[1], after[3], "a later verify step sees the rejected drafts");
+}

@@ -1,0 +1,434 @@
+//! Speculative decoding's pure parts, shared by the in-process `Chain` and the
+//! pipeline's coordinator and tail so that both follow one schedule to the bit:
+//! drafts by prompt lookup ([`draft`]), the verify rule ([`verify`]), and the
+//! schedule a finished generation's tokens imply ([`schedule_of`], for replays).
+//!
+//! A decode step normally computes one position: the last token. With speculation it
+//! computes `1 + k` positions, the last token and `k` drafted ones, in one batch; the
+//! tail samples row 0, and while the sample equals the next draft it samples the next
+//! row too. Every sampled token is emitted: the accepted drafts and the first token
+//! that differs (or one more after the last draft). Rejected positions are dropped on
+//! every stage by the next step, which starts right after the accepted ones (the
+//! `Stage` contract drops what a session holds from a step's first position on).
+//!
+//! Why the output distribution is unchanged: a prompt-lookup draft is one token, not a
+//! distribution (q is a point mass on d). The standard speculative-sampling rule then
+//! accepts d with probability min(1, p(d)/q(d)) = p(d) and otherwise samples from
+//! p without d, renormalised. Sampling y from p and accepting iff y = d does exactly
+//! that, and keeps the sampler's state (penalties, grammar, random stream) as a
+//! non-speculative run's: one sample per emitted token.
+//!
+//! Why split equals unsplit: drafts depend only on the tokens so far and the settings,
+//! so the same request makes the same verify batches whatever the placement (DESIGN
+//! point 10: batch shapes decide the numbers). Greedy output with speculation may
+//! differ from greedy output without it at near-ties, because a position's logits
+//! computed in a batch of `1 + k` rows are not bit-identical to the same position
+//! computed alone.
+
+use crate::{LogitsDigest, TokenId, TokenSampler};
+use serde::{Deserialize, Serialize};
+
+/// Longest draft a step may carry.
+pub const MAX_DRAFT: u32 = 32;
+/// Longest n-gram prompt lookup matches.
+pub const MAX_NGRAM: u32 = 8;
+
+/// How a generation speculates. The wire form (JSON) in generation requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SpecSettings {
+    /// Most drafted tokens per step (k); 0 turns speculation off.
+    pub max_draft: u32,
+    /// Shortest suffix of the text so far that prompt lookup matches.
+    pub ngram_min: u32,
+    /// Longest suffix tried first.
+    pub ngram_max: u32,
+}
+
+impl Default for SpecSettings {
+    fn default() -> Self {
+        Self { max_draft: 8, ngram_min: 2, ngram_max: 4 }
+    }
+}
+
+/// Settings outside their bounds.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SpecError {
+    /// `max_draft` over [`MAX_DRAFT`].
+    #[error("speculation: max_draft {0} is over {MAX_DRAFT}")]
+    Draft(u32),
+    /// The n-gram lengths are not 1 ≤ min ≤ max ≤ [`MAX_NGRAM`].
+    #[error("speculation: n-gram lengths {0}..={1} must satisfy 1 <= min <= max <= {MAX_NGRAM}")]
+    Ngram(u32, u32),
+}
+
+impl SpecSettings {
+    /// Speculation off.
+    pub const OFF: SpecSettings = SpecSettings { max_draft: 0, ngram_min: 2, ngram_max: 4 };
+
+    /// Whether steps may carry drafts at all.
+    pub fn is_on(&self) -> bool {
+        self.max_draft > 0
+    }
+
+    /// Check the bounds (values come from the network and from users).
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.max_draft > MAX_DRAFT {
+            return Err(SpecError::Draft(self.max_draft));
+        }
+        if self.ngram_min == 0 || self.ngram_min > self.ngram_max || self.ngram_max > MAX_NGRAM {
+            return Err(SpecError::Ngram(self.ngram_min, self.ngram_max));
+        }
+        Ok(())
+    }
+}
+
+/// What bounds a step's draft besides the settings.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftLimits<'a> {
+    /// Most tokens the generation may still emit (max_new − emitted): a step emits at
+    /// most `1 + k`, so k ≤ this − 1 and a generation never computes past its end.
+    pub remaining: usize,
+    /// Positions left in the session's context after the step's first one.
+    pub context_left: usize,
+    /// The chunk size C: a step carries at most C positions.
+    pub chunk: u32,
+    /// Tokens that end a generation: a draft stops before the first of them, so an
+    /// emitted stop token is always a step's last and nothing is computed after it.
+    pub stop: &'a [TokenId],
+}
+
+/// Drafts for the next step of a generation whose text so far is `prompt` followed by
+/// `tokens` (at least one: the step's first input is the last token): the tokens that
+/// followed the most recent earlier occurrence of the longest suffix (from
+/// `ngram_max` down to `ngram_min` tokens) found in that text. Empty when nothing
+/// matches or speculation is off. Pure and deterministic: the schedule it makes is a
+/// function of the tokens alone.
+pub fn draft(prompt: &[TokenId], tokens: &[TokenId], s: &SpecSettings, limits: &DraftLimits<'_>) -> Vec<TokenId> {
+    let k = (s.max_draft as usize)
+        .min(limits.remaining.saturating_sub(1))
+        .min(limits.context_left)
+        .min((limits.chunk as usize).saturating_sub(1));
+    if k == 0 || tokens.is_empty() {
+        return Vec::new();
+    }
+    let text = Text { prompt, tokens };
+    let len = text.len();
+    for n in (s.ngram_min as usize..=s.ngram_max as usize).rev() {
+        if n >= len {
+            continue;
+        }
+        let suffix = len - n;
+        // The most recent earlier occurrence: its start lies before the suffix's.
+        let found = (0..suffix).rev().find(|&i| (0..n).all(|j| text.at(i + j) == text.at(suffix + j)));
+        if let Some(i) = found {
+            let from = i + n;
+            let mut out: Vec<TokenId> = (from..len.min(from + k)).map(|p| text.at(p)).collect();
+            if let Some(cut) = out.iter().position(|t| limits.stop.contains(t)) {
+                out.truncate(cut);
+            }
+            return out;
+        }
+    }
+    Vec::new()
+}
+
+/// The prompt and the tokens so far as one sequence, without copying.
+struct Text<'a> {
+    prompt: &'a [TokenId],
+    tokens: &'a [TokenId],
+}
+
+impl Text<'_> {
+    fn len(&self) -> usize {
+        self.prompt.len() + self.tokens.len()
+    }
+
+    fn at(&self, i: usize) -> TokenId {
+        if i < self.prompt.len() {
+            self.prompt[i]
+        } else {
+            self.tokens[i - self.prompt.len()]
+        }
+    }
+}
+
+/// The tail's verify rule for a step whose input was `step_tokens` (the last emitted
+/// token, then the drafts) and whose logits are `logits` (one row of `n_vocab` per
+/// input position, in order): sample row 0; while the sample equals the next draft,
+/// sample the next row. Returns every sampled token (1 to `step_tokens.len()`); each
+/// sampled row's logits go into `digest`, as a non-speculative step's do.
+pub fn verify(
+    sampler: &mut dyn TokenSampler,
+    logits: &[f32],
+    step_tokens: &[TokenId],
+    digest: &mut LogitsDigest,
+) -> Result<Vec<TokenId>, VerifyError> {
+    let n = step_tokens.len();
+    if n == 0 || logits.is_empty() || !logits.len().is_multiple_of(n) {
+        return Err(VerifyError { rows: n, values: logits.len() });
+    }
+    let n_vocab = logits.len() / n;
+    let mut out = Vec::with_capacity(n);
+    for (i, row) in logits.chunks_exact(n_vocab).enumerate() {
+        digest.update(row);
+        let t = sampler.sample(row);
+        out.push(t);
+        if step_tokens.get(i + 1) != Some(&t) {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// A verify step's logits do not match its positions.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{values} logits do not split into {rows} rows")]
+pub struct VerifyError {
+    rows: usize,
+    values: usize,
+}
+
+/// One decode step of a schedule: the step's input is the last of the first
+/// `n_before` emitted tokens, then `drafts`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodeStep {
+    /// Tokens emitted before this step (≥ 1: the prompt's last chunk emits the first).
+    pub n_before: usize,
+    /// The drafted tokens the step verifies (empty: an ordinary one-token step).
+    pub drafts: Vec<TokenId>,
+}
+
+/// The decode steps that produced `tokens` (after `prompt`), as a run with settings
+/// `s` took them: each step's drafts are recomputed from the text before it, and it
+/// emitted the drafts that match what followed, plus one. Used to replay a generation
+/// in its original shapes on a new placement (only the tokens survive there). Steps
+/// end at the last whole one; the step that makes the next token is not included.
+pub fn schedule_of(
+    prompt: &[TokenId],
+    tokens: &[TokenId],
+    s: &SpecSettings,
+    max_new: usize,
+    n_ctx: usize,
+    chunk: u32,
+    stop: &[TokenId],
+) -> Vec<DecodeStep> {
+    let mut steps = Vec::new();
+    let mut n = 1;
+    while n < tokens.len() {
+        let limits = limits_at(prompt.len(), n, max_new, n_ctx, chunk, stop);
+        let mut drafts = draft(prompt, &tokens[..n], s, &limits);
+        let rest = &tokens[n..];
+        let accepted = drafts.iter().zip(rest).take_while(|(d, t)| d == t).count();
+        // A step emits accepted + 1 tokens; one that would run past the known tokens
+        // (not a whole step of the original run) is cut so that it ends with them.
+        if accepted + 1 > rest.len() {
+            drafts.truncate(rest.len() - 1);
+        }
+        let emitted = (accepted + 1).min(rest.len());
+        steps.push(DecodeStep { n_before: n, drafts });
+        n += emitted;
+    }
+    steps
+}
+
+/// The draft limits of the step after `n` emitted tokens.
+pub fn limits_at(
+    prompt_len: usize,
+    n: usize,
+    max_new: usize,
+    n_ctx: usize,
+    chunk: u32,
+    stop: &[TokenId],
+) -> DraftLimits<'_> {
+    // The step's first position is prompt_len + n − 1 (the last emitted token's).
+    DraftLimits {
+        remaining: max_new.saturating_sub(n),
+        context_left: n_ctx.saturating_sub(prompt_len + n),
+        chunk,
+        stop,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lim(stop: &[TokenId]) -> DraftLimits<'_> {
+        DraftLimits { remaining: 100, context_left: 100, chunk: 16, stop }
+    }
+
+    #[test]
+    fn lookup_proposes_what_followed_the_most_recent_match() {
+        let s = SpecSettings { max_draft: 3, ngram_min: 2, ngram_max: 3 };
+        // prompt: 1 2 3 4 5 ... 1 2 9 7; text ends with "1 2": the latest "1 2" earlier
+        // is followed by 9 7.
+        let prompt = [1, 2, 3, 4, 5, 1, 2, 9, 7, 8];
+        assert_eq!(draft(&prompt, &[1, 2], &s, &lim(&[])), vec![9, 7, 8]);
+        // A longer suffix wins: "5 1 2" occurs once, followed by 9 7 8.
+        assert_eq!(draft(&prompt, &[5, 1, 2], &s, &lim(&[])), vec![9, 7, 8]);
+        // No match: no draft. Speculation off: no draft.
+        assert!(draft(&prompt, &[42, 43], &s, &lim(&[])).is_empty());
+        assert!(draft(&prompt, &[1, 2], &SpecSettings::OFF, &lim(&[])).is_empty());
+        // The draft stops before a stop token, and within every limit.
+        assert_eq!(draft(&prompt, &[1, 2], &s, &lim(&[7])), vec![9]);
+        for (remaining, context_left, chunk, want) in [(2, 100, 16, 1), (100, 2, 16, 2), (100, 100, 3, 2), (1, 9, 9, 0)]
+        {
+            let l = DraftLimits { remaining, context_left, chunk, stop: &[] };
+            assert_eq!(draft(&prompt, &[1, 2], &s, &l).len(), want, "{remaining} {context_left} {chunk}");
+        }
+    }
+
+    #[test]
+    fn lookup_runs_up_to_the_end_of_the_text() {
+        let s = SpecSettings { max_draft: 8, ngram_min: 1, ngram_max: 2 };
+        // "7 7" then "7": the match at 0 is followed by the text's own end.
+        assert_eq!(draft(&[7, 7], &[7], &s, &lim(&[])), vec![7]);
+    }
+
+    struct Fixed(Vec<TokenId>);
+    impl TokenSampler for Fixed {
+        fn sample(&mut self, _: &[f32]) -> TokenId {
+            self.0.remove(0)
+        }
+    }
+
+    #[test]
+    fn verify_emits_accepted_drafts_and_one_more() {
+        let logits = vec![0.0; 4 * 3];
+        let mut d = LogitsDigest::default();
+        // Input [last, 5, 6, 7]: samples 5 (= draft), 6 (= draft), 9 (≠ 7): stop there.
+        let got = verify(&mut Fixed(vec![5, 6, 9, 1]), &logits, &[0, 5, 6, 7], &mut d).unwrap();
+        assert_eq!(got, vec![5, 6, 9]);
+        // Every draft accepted: one more token after them.
+        assert_eq!(verify(&mut Fixed(vec![5, 6, 7, 8]), &logits, &[0, 5, 6, 7], &mut d).unwrap(), vec![5, 6, 7, 8]);
+        // The first sample differs: one token, as without speculation.
+        assert_eq!(verify(&mut Fixed(vec![4]), &logits, &[0, 5, 6, 7], &mut d).unwrap(), vec![4]);
+        assert!(verify(&mut Fixed(vec![4]), &logits[..5], &[0, 5, 6, 7], &mut d).is_err());
+        // Digests count the sampled rows only.
+        let (mut a, mut b) = (LogitsDigest::default(), LogitsDigest::default());
+        verify(&mut Fixed(vec![4]), &logits, &[0, 5, 6, 7], &mut a).unwrap();
+        b.update(&logits[..3]);
+        assert_eq!(a.hex(), b.hex());
+    }
+
+    #[test]
+    fn the_schedule_is_recovered_from_the_tokens() {
+        let s = SpecSettings { max_draft: 4, ngram_min: 1, ngram_max: 2 };
+        let prompt = [10, 11, 12, 13, 10, 11, 12, 14];
+        let chunk = 16;
+        let (max_new, n_ctx) = (12, 64);
+        // Run the schedule forward with a "model" that continues a fixed answer.
+        let answer = [10, 11, 12, 13, 15, 10, 11, 12, 13, 16, 17, 18];
+        let mut tokens = vec![answer[0]];
+        let mut steps = Vec::new();
+        while tokens.len() < max_new {
+            let n = tokens.len();
+            let drafts = draft(&prompt, &tokens, &s, &limits_at(prompt.len(), n, max_new, n_ctx, chunk, &[]));
+            let mut input = vec![tokens[n - 1]];
+            input.extend(&drafts);
+            let mut model = Fixed(answer[n..].to_vec());
+            let out = verify(&mut model, &vec![0.0; input.len()], &input, &mut LogitsDigest::default()).unwrap();
+            steps.push(DecodeStep { n_before: n, drafts });
+            tokens.extend(out);
+        }
+        assert_eq!(tokens, answer);
+        assert!(steps.iter().any(|s| s.drafts.len() > 1), "the answer repeats the prompt: drafts were accepted");
+        assert!(steps.len() < max_new - 1);
+        assert_eq!(schedule_of(&prompt, &tokens, &s, max_new, n_ctx, chunk, &[]), steps);
+        // Without speculation: one step per token.
+        let plain = schedule_of(&prompt, &tokens, &SpecSettings::OFF, max_new, n_ctx, chunk, &[]);
+        assert_eq!(plain.len(), tokens.len() - 1);
+        assert!(plain.iter().enumerate().all(|(i, s)| s.n_before == i + 1 && s.drafts.is_empty()));
+    }
+
+    /// A seeded sampler drawing from softmax(logits) (temperature 1).
+    struct Draw(u64);
+    impl Draw {
+        fn uniform(&mut self) -> f64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 >> 11) as f64 / (1u64 << 53) as f64
+        }
+    }
+    impl TokenSampler for Draw {
+        fn sample(&mut self, logits: &[f32]) -> TokenId {
+            let max = logits.iter().copied().fold(f32::MIN, f32::max);
+            let w: Vec<f64> = logits.iter().map(|l| f64::from(l - max).exp()).collect();
+            let mut u = self.uniform() * w.iter().sum::<f64>();
+            for (i, x) in w.iter().enumerate() {
+                if u < *x {
+                    return i as TokenId;
+                }
+                u -= x;
+            }
+            (w.len() - 1) as TokenId
+        }
+    }
+
+    /// The fake model: a Markov chain over 4 tokens, p(next | this token).
+    const P: [[f64; 4]; 4] = [[0.1, 0.6, 0.2, 0.1], [0.05, 0.15, 0.7, 0.1], [0.3, 0.1, 0.2, 0.4], [0.5, 0.2, 0.2, 0.1]];
+
+    /// Chi-square statistic of `n` sequences of 3 tokens after token 0, generated with
+    /// prompt-lookup drafts and `rule` deciding what a verify step emits, against the
+    /// chain's exact distribution (64 outcomes).
+    fn chi_square(n: usize, rule: impl Fn(&mut Draw, &[f32], &[TokenId]) -> Vec<TokenId>) -> f64 {
+        // The prompt cycles 0 1 2 3, so lookup drafts the cycle (often right: P favours
+        // it, sometimes wrong).
+        let prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0];
+        let s = SpecSettings { max_draft: 2, ngram_min: 1, ngram_max: 2 };
+        let mut rng = Draw(0x9E37_79B9_7F4A_7C15);
+        let mut counts = [0usize; 64];
+        let logits_of = |t: TokenId| P[t as usize].iter().map(|p| p.ln() as f32).collect::<Vec<f32>>();
+        for _ in 0..n {
+            let mut tokens = vec![rng.sample(&logits_of(0))];
+            while tokens.len() < 3 {
+                let limits = DraftLimits { remaining: 3 - tokens.len(), context_left: 99, chunk: 8, stop: &[] };
+                let drafts = draft(&prompt, &tokens, &s, &limits);
+                let mut input = vec![*tokens.last().unwrap()];
+                input.extend(&drafts);
+                // Row i is the model's distribution after input[i].
+                let rows: Vec<f32> = input.iter().flat_map(|&t| logits_of(t)).collect();
+                tokens.extend(rule(&mut rng, &rows, &input));
+            }
+            counts[(tokens[0] * 16 + tokens[1] * 4 + tokens[2]) as usize] += 1;
+        }
+        let mut chi = 0.0;
+        for (i, &c) in counts.iter().enumerate() {
+            let (a, b, c2) = (i / 16, i / 4 % 4, i % 4);
+            let expected = n as f64 * P[0][a] * P[a][b] * P[b][c2];
+            chi += (c as f64 - expected).powi(2) / expected;
+        }
+        chi
+    }
+
+    /// The verify rule keeps the model's distribution for sampled requests: sequences
+    /// generated with drafts follow the exact target distribution. Fixed seed; the
+    /// tolerance is the chi-square critical value for 63 degrees of freedom at
+    /// p = 0.001 (103.4). A rule that accepts every draft is caught by the same test.
+    #[test]
+    fn sampled_verification_keeps_the_target_distribution() {
+        let n = 200_000;
+        let verified =
+            chi_square(n, |rng, rows, input| verify(rng, rows, input, &mut LogitsDigest::default()).unwrap());
+        assert!(verified < 103.4, "chi-square {verified:.1} over 63 degrees of freedom");
+        let wrong = chi_square(n, |rng, rows, input| {
+            let mut out = input[1..].to_vec();
+            out.push(rng.sample(&rows[rows.len() - 4..]));
+            out
+        });
+        assert!(wrong > 1000.0, "accepting every draft must be caught: chi-square {wrong:.1}");
+        eprintln!("chi-square over 63 degrees of freedom: {verified:.1} (verify rule), {wrong:.1} (accept all)");
+    }
+
+    #[test]
+    fn settings_are_bounded() {
+        assert!(SpecSettings::default().validate().is_ok());
+        assert_eq!(SpecSettings { max_draft: 33, ..Default::default() }.validate(), Err(SpecError::Draft(33)));
+        for (a, b) in [(0, 2), (3, 2), (2, 9)] {
+            let s = SpecSettings { ngram_min: a, ngram_max: b, ..Default::default() };
+            assert_eq!(s.validate(), Err(SpecError::Ngram(a, b)));
+        }
+    }
+}
