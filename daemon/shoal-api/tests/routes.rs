@@ -23,7 +23,7 @@ const EOG: TokenId = 300;
 const CONTEXT: u32 = 1024;
 /// How the fake node speculates by default.
 const NODE_SPECULATION: shoal_types::SpecSettings =
-    shoal_types::SpecSettings { max_draft: 5, ngram_min: 2, ngram_max: 3 };
+    shoal_types::SpecSettings { max_draft: 5, ngram_min: 2, ngram_max: 3, position_cost: 0, step_cost: 0 };
 /// The one key the fake backend takes.
 const GOOD_KEY: &str = "sk-shoal-good";
 

@@ -228,6 +228,8 @@ impl Chain {
         let prefill = t0.elapsed();
         let t1 = Instant::now();
         let (mut decode_steps, mut drafted, mut accepted) = (0, 0, 0);
+        // The steps so far: the adaptive draft length reads their acceptance.
+        let mut steps = Vec::new();
         // The prompt's last chunk gives the first token.
         let mut emitted = Vec::new();
         if max_new > 0 {
@@ -245,7 +247,8 @@ impl Chain {
             // A decode step: the last token, and the drafts (if any) to verify.
             let n = tokens.len();
             let limits = speculative::limits_at(prompt.len(), n, max_new, n_ctx as usize, chunk, stop);
-            let drafts = speculative::draft(prompt, &tokens, spec, &limits);
+            let drafts = speculative::next_draft(prompt, &tokens, &steps, spec, &limits);
+            steps.push(speculative::DecodeStep { n_before: n, drafts: drafts.clone() });
             let first_pos = (prompt.len() + n - 1) as u32;
             decode_steps += 1;
             if drafts.is_empty() {

@@ -415,7 +415,7 @@ impl NodeCore {
         let mut steps = speculative::schedule_of(&req.prompt, &req.resume, &spec, max_new, n_ctx, chunk, &req.stop);
         if !req.resume.is_empty() {
             let limits = speculative::limits_at(req.prompt.len(), req.resume.len(), max_new, n_ctx, chunk, &req.stop);
-            let drafts = speculative::draft(&req.prompt, &req.resume, &spec, &limits);
+            let drafts = speculative::next_draft(&req.prompt, &req.resume, &steps, &spec, &limits);
             steps.push(DecodeStep { n_before: req.resume.len(), drafts });
         }
         let resumed = steps.len() as u32;
@@ -606,7 +606,7 @@ impl NodeCore {
         // The next step: the last token, and whatever prompt lookup drafts after it.
         let n = d.tokens.len();
         let limits = speculative::limits_at(d.prompt.len(), n, d.max_new, n_ctx, chunk, &d.stop);
-        let drafts = speculative::draft(&d.prompt, &d.tokens, &d.spec, &limits);
+        let drafts = speculative::next_draft(&d.prompt, &d.tokens, &d.steps, &d.spec, &limits);
         if !drafts.is_empty() {
             d.drafted += drafts.len() as u64;
             self.counters.drafted += drafts.len() as u64;

@@ -282,7 +282,9 @@ fn faults_never_change_the_output() {
 fn speculation_matches_its_reference_under_faults() {
     let faults = Faults { brk: 0.03, dup: 0.05, reorder: 0.02, restart: 0.01 };
     let none = Faults { brk: 0.0, dup: 0.0, reorder: 0.0, restart: 0.0 };
-    let spec = SpecSettings { max_draft: 3, ngram_min: 1, ngram_max: 3 };
+    let fixed = SpecSettings { max_draft: 3, ngram_min: 1, ngram_max: 3, position_cost: 0, step_cost: 0 };
+    // The draft length chosen step by step from acceptance and costs, alike on replays.
+    let adaptive = SpecSettings { position_cost: 200, step_cost: 500, ..fixed };
     let (mut drafted, mut accepted, mut recovered) = (0, 0, 0);
     let mut fewer_steps = 0;
     for seed in 0..300u64 {
@@ -291,6 +293,7 @@ fn speculation_matches_its_reference_under_faults() {
         let prompt: Vec<TokenId> = (0..len).map(|i| ((i as u64 % 4 * 7 + seed) % 50) as TokenId).collect();
         let max_new = 20 + (seed % 17) as u32;
         let ranges = if seed % 3 == 0 { vec![LayerRange::new(0, 3), LayerRange::new(3, 6)] } else { ranges3() };
+        let spec = if seed % 4 < 2 { fixed } else { adaptive };
         let (want, digest, d, a) = reference_speculative(&ranges, &prompt, max_new as usize, &spec);
         let f = if seed % 2 == 0 { &faults } else { &none };
         let (streamed, r, recoveries) = simulate_spec(seed, &ranges, &prompt, max_new, f, Some(spec));

@@ -43,11 +43,22 @@ pub struct SpecSettings {
     pub ngram_min: u32,
     /// Longest suffix tried first.
     pub ngram_max: u32,
+    /// The cost model that chooses k at each step ([`draft_cap`]): what each drafted
+    /// position adds to a pass, in thousandths of a one-position pass. 0: no model,
+    /// every step drafts up to `max_draft`.
+    pub position_cost: u32,
+    /// What a step costs besides its positions' compute (hops, wake-ups), in
+    /// thousandths of a one-position pass: the dearer a step, the longer the drafts
+    /// worth sending.
+    pub step_cost: u32,
 }
 
 impl Default for SpecSettings {
+    /// Up to 8 drafted tokens, k chosen by the cost model with what a CPU pass costs
+    /// on a small model (`shoal-lab bench speculative` measured each extra position at
+    /// ~0.45 of a one-position pass for SmolLM2 on one thread).
     fn default() -> Self {
-        Self { max_draft: 8, ngram_min: 2, ngram_max: 4 }
+        Self { max_draft: 8, ngram_min: 2, ngram_max: 4, position_cost: 450, step_cost: 100 }
     }
 }
 
@@ -60,11 +71,19 @@ pub enum SpecError {
     /// The n-gram lengths are not 1 ≤ min ≤ max ≤ [`MAX_NGRAM`].
     #[error("speculation: n-gram lengths {0}..={1} must satisfy 1 <= min <= max <= {MAX_NGRAM}")]
     Ngram(u32, u32),
+    /// A cost over [`MAX_COST`].
+    #[error("speculation: position_cost {0} and step_cost {1} must be at most {MAX_COST}")]
+    Cost(u32, u32),
 }
+
+/// Largest cost accepted (in thousandths of a one-position pass: a step that costs a
+/// thousand passes is no step to speculate on).
+pub const MAX_COST: u32 = 1_000_000;
 
 impl SpecSettings {
     /// Speculation off.
-    pub const OFF: SpecSettings = SpecSettings { max_draft: 0, ngram_min: 2, ngram_max: 4 };
+    pub const OFF: SpecSettings =
+        SpecSettings { max_draft: 0, ngram_min: 2, ngram_max: 4, position_cost: 0, step_cost: 0 };
 
     /// Whether steps may carry drafts at all.
     pub fn is_on(&self) -> bool {
@@ -78,6 +97,9 @@ impl SpecSettings {
         }
         if self.ngram_min == 0 || self.ngram_min > self.ngram_max || self.ngram_max > MAX_NGRAM {
             return Err(SpecError::Ngram(self.ngram_min, self.ngram_max));
+        }
+        if self.position_cost > MAX_COST || self.step_cost > MAX_COST {
+            return Err(SpecError::Cost(self.position_cost, self.step_cost));
         }
         Ok(())
     }
@@ -199,6 +221,71 @@ pub struct DecodeStep {
     pub drafts: Vec<TokenId>,
 }
 
+/// Verify steps whose acceptance sets the next cap ([`draft_cap`]).
+const WINDOW: usize = 8;
+/// Steps without drafts after which a step drafts again (to see whether drafts have
+/// become worth it).
+const PROBE_AFTER: usize = 16;
+
+/// The most tokens the next step drafts, given `steps` so far (all answered) and the
+/// tokens they emitted: `max_draft` without a cost model; with one, the k that makes
+/// most tokens per unit of cost, E(k) / (1 + step_cost + k × position_cost), where
+/// E(k) = 1 + a + … + a^k and a is the acceptance rate of drafted tokens over the
+/// last verify steps (Laplace-smoothed). k = 0 when no draft pays, but after
+/// [`PROBE_AFTER`] such steps one step drafts again. A function of the tokens alone
+/// (plain float arithmetic, no clock): replays and unsplit runs choose alike.
+pub fn draft_cap(s: &SpecSettings, steps: &[DecodeStep], n_tokens: usize) -> usize {
+    if s.position_cost == 0 || !s.is_on() {
+        return s.max_draft as usize;
+    }
+    let emitted = |i: usize| steps.get(i + 1).map_or(n_tokens, |next| next.n_before) - steps[i].n_before;
+    let (mut drafted, mut accepted, mut verify_steps) = (0usize, 0usize, 0usize);
+    let mut idle = 0;
+    for i in (0..steps.len()).rev() {
+        if steps[i].drafts.is_empty() {
+            if verify_steps == 0 {
+                idle += 1;
+            }
+            continue;
+        }
+        drafted += steps[i].drafts.len();
+        accepted += emitted(i).saturating_sub(1);
+        verify_steps += 1;
+        if verify_steps == WINDOW {
+            break;
+        }
+    }
+    let a = (accepted as f64 + 1.0) / (drafted as f64 + 2.0);
+    let (step, position) = (f64::from(s.step_cost) / 1000.0, f64::from(s.position_cost) / 1000.0);
+    let (mut best, mut best_value) = (0, 1.0 / (1.0 + step));
+    let (mut expected, mut power) = (1.0, 1.0);
+    for k in 1..=s.max_draft as usize {
+        power *= a;
+        expected += power;
+        let value = expected / (1.0 + step + k as f64 * position);
+        if value > best_value {
+            (best, best_value) = (k, value);
+        }
+    }
+    if best == 0 && idle >= PROBE_AFTER {
+        return s.max_draft as usize;
+    }
+    best
+}
+
+/// The next step's drafts after `steps` (all answered) emitted `tokens`: prompt lookup
+/// within `limits` and [`draft_cap`].
+pub fn next_draft(
+    prompt: &[TokenId],
+    tokens: &[TokenId],
+    steps: &[DecodeStep],
+    s: &SpecSettings,
+    limits: &DraftLimits<'_>,
+) -> Vec<TokenId> {
+    let cap = draft_cap(s, steps, tokens.len()) as u32;
+    draft(prompt, tokens, &SpecSettings { max_draft: cap.min(s.max_draft), ..*s }, limits)
+}
+
 /// The decode steps that produced `tokens` (after `prompt`), as a run with settings
 /// `s` took them: each step's drafts are recomputed from the text before it, and it
 /// emitted the drafts that match what followed, plus one. Used to replay a generation
@@ -217,7 +304,7 @@ pub fn schedule_of(
     let mut n = 1;
     while n < tokens.len() {
         let limits = limits_at(prompt.len(), n, max_new, n_ctx, chunk, stop);
-        let mut drafts = draft(prompt, &tokens[..n], s, &limits);
+        let mut drafts = next_draft(prompt, &tokens[..n], &steps, s, &limits);
         let rest = &tokens[n..];
         let accepted = drafts.iter().zip(rest).take_while(|(d, t)| d == t).count();
         // A step emits accepted + 1 tokens; one that would run past the known tokens
@@ -260,7 +347,7 @@ mod tests {
 
     #[test]
     fn lookup_proposes_what_followed_the_most_recent_match() {
-        let s = SpecSettings { max_draft: 3, ngram_min: 2, ngram_max: 3 };
+        let s = SpecSettings { max_draft: 3, ngram_min: 2, ngram_max: 3, position_cost: 0, step_cost: 0 };
         // prompt: 1 2 3 4 5 ... 1 2 9 7; text ends with "1 2": the latest "1 2" earlier
         // is followed by 9 7.
         let prompt = [1, 2, 3, 4, 5, 1, 2, 9, 7, 8];
@@ -281,7 +368,7 @@ mod tests {
 
     #[test]
     fn lookup_runs_up_to_the_end_of_the_text() {
-        let s = SpecSettings { max_draft: 8, ngram_min: 1, ngram_max: 2 };
+        let s = SpecSettings { max_draft: 8, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0 };
         // "7 7" then "7": the match at 0 is followed by the text's own end.
         assert_eq!(draft(&[7, 7], &[7], &s, &lim(&[])), vec![7]);
     }
@@ -314,32 +401,74 @@ mod tests {
 
     #[test]
     fn the_schedule_is_recovered_from_the_tokens() {
-        let s = SpecSettings { max_draft: 4, ngram_min: 1, ngram_max: 2 };
-        let prompt = [10, 11, 12, 13, 10, 11, 12, 14];
-        let chunk = 16;
-        let (max_new, n_ctx) = (12, 64);
-        // Run the schedule forward with a "model" that continues a fixed answer.
-        let answer = [10, 11, 12, 13, 15, 10, 11, 12, 13, 16, 17, 18];
-        let mut tokens = vec![answer[0]];
-        let mut steps = Vec::new();
-        while tokens.len() < max_new {
-            let n = tokens.len();
-            let drafts = draft(&prompt, &tokens, &s, &limits_at(prompt.len(), n, max_new, n_ctx, chunk, &[]));
-            let mut input = vec![tokens[n - 1]];
-            input.extend(&drafts);
-            let mut model = Fixed(answer[n..].to_vec());
-            let out = verify(&mut model, &vec![0.0; input.len()], &input, &mut LogitsDigest::default()).unwrap();
-            steps.push(DecodeStep { n_before: n, drafts });
-            tokens.extend(out);
+        let fixed = SpecSettings { max_draft: 4, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0 };
+        let adaptive = SpecSettings { position_cost: 300, step_cost: 100, ..fixed };
+        for s in [fixed, adaptive] {
+            let prompt = [10, 11, 12, 13, 10, 11, 12, 14];
+            let chunk = 16;
+            let (max_new, n_ctx) = (12, 64);
+            // Run the schedule forward with a "model" that continues a fixed answer.
+            let answer = [10, 11, 12, 13, 15, 10, 11, 12, 13, 16, 17, 18];
+            let mut tokens = vec![answer[0]];
+            let mut steps = Vec::new();
+            while tokens.len() < max_new {
+                let n = tokens.len();
+                let limits = limits_at(prompt.len(), n, max_new, n_ctx, chunk, &[]);
+                let drafts = next_draft(&prompt, &tokens, &steps, &s, &limits);
+                let mut input = vec![tokens[n - 1]];
+                input.extend(&drafts);
+                let mut model = Fixed(answer[n..].to_vec());
+                let out = verify(&mut model, &vec![0.0; input.len()], &input, &mut LogitsDigest::default()).unwrap();
+                steps.push(DecodeStep { n_before: n, drafts });
+                tokens.extend(out);
+            }
+            assert_eq!(tokens, answer);
+            assert!(steps.iter().any(|s| s.drafts.len() > 1), "the answer repeats the prompt: drafts were accepted");
+            assert!(steps.len() < max_new - 1);
+            assert_eq!(schedule_of(&prompt, &tokens, &s, max_new, n_ctx, chunk, &[]), steps, "{s:?}");
         }
-        assert_eq!(tokens, answer);
-        assert!(steps.iter().any(|s| s.drafts.len() > 1), "the answer repeats the prompt: drafts were accepted");
-        assert!(steps.len() < max_new - 1);
-        assert_eq!(schedule_of(&prompt, &tokens, &s, max_new, n_ctx, chunk, &[]), steps);
         // Without speculation: one step per token.
-        let plain = schedule_of(&prompt, &tokens, &SpecSettings::OFF, max_new, n_ctx, chunk, &[]);
+        let tokens = [1, 2, 3, 4, 5];
+        let plain = schedule_of(&[1, 2, 3], &tokens, &SpecSettings::OFF, 12, 64, 16, &[]);
         assert_eq!(plain.len(), tokens.len() - 1);
         assert!(plain.iter().enumerate().all(|(i, s)| s.n_before == i + 1 && s.drafts.is_empty()));
+    }
+
+    /// Steps that drafted `d` tokens each and had `a` of them accepted, `n` times.
+    fn history(n: usize, d: usize, a: usize) -> (Vec<DecodeStep>, usize) {
+        let mut steps = Vec::new();
+        let mut at = 1;
+        for _ in 0..n {
+            steps.push(DecodeStep { n_before: at, drafts: vec![0; d] });
+            at += a + 1;
+        }
+        (steps, at)
+    }
+
+    #[test]
+    fn the_draft_length_follows_acceptance_and_costs() {
+        let s = SpecSettings { max_draft: 8, position_cost: 150, step_cost: 100, ..SpecSettings::default() };
+        // Without a cost model: always the most.
+        let (steps, n) = history(8, 4, 0);
+        assert_eq!(draft_cap(&SpecSettings { position_cost: 0, ..s }, &steps, n), 8);
+        // Drafts all accepted: long drafts pay.
+        let (steps, n) = history(8, 8, 8);
+        assert_eq!(draft_cap(&s, &steps, n), 8);
+        // None accepted: none pay.
+        let (steps, n) = history(8, 8, 0);
+        assert_eq!(draft_cap(&s, &steps, n), 0);
+        // Half accepted: a short draft; over a dear link (step cost 3 passes) a longer one.
+        let (steps, n) = history(8, 4, 2);
+        let (cheap, dear) = (draft_cap(&s, &steps, n), draft_cap(&SpecSettings { step_cost: 3000, ..s }, &steps, n));
+        assert!(cheap >= 1 && cheap < dear, "{cheap} {dear}");
+        // After 16 steps without drafts, one step drafts again.
+        let (mut steps, mut n) = history(8, 8, 0);
+        for _ in 0..PROBE_AFTER {
+            assert_eq!(draft_cap(&s, &steps, n), 0);
+            steps.push(DecodeStep { n_before: n, drafts: vec![] });
+            n += 1;
+        }
+        assert_eq!(draft_cap(&s, &steps, n), 8);
     }
 
     /// A seeded sampler drawing from softmax(logits) (temperature 1).
@@ -377,7 +506,7 @@ mod tests {
         // The prompt cycles 0 1 2 3, so lookup drafts the cycle (often right: P favours
         // it, sometimes wrong).
         let prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0];
-        let s = SpecSettings { max_draft: 2, ngram_min: 1, ngram_max: 2 };
+        let s = SpecSettings { max_draft: 2, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0 };
         let mut rng = Draw(0x9E37_79B9_7F4A_7C15);
         let mut counts = [0usize; 64];
         let logits_of = |t: TokenId| P[t as usize].iter().map(|p| p.ln() as f32).collect::<Vec<f32>>();

@@ -64,6 +64,19 @@ pub struct TextArgs {
     /// decode step (0: off). Split and unsplit runs with the same K answer alike.
     #[arg(long, value_name = "K", default_value_t = 0)]
     pub draft: u32,
+    /// With --draft: choose each step's k from the acceptance so far and these costs, in
+    /// thousandths of a one-position pass: what each drafted position adds, and what a
+    /// step costs besides (hops). "0,0" drafts up to K every step. Default: "450,100",
+    /// what a CPU pass costs on a small model (each extra position ~0.45 of a pass).
+    #[arg(long, value_name = "POSITION,STEP", value_parser = parse_costs)]
+    pub draft_cost: Option<(u32, u32)>,
+}
+
+/// `--draft-cost`: two numbers separated by a comma.
+fn parse_costs(s: &str) -> Result<(u32, u32), String> {
+    let (a, b) = s.split_once(',').ok_or_else(|| format!("{s:?}: expected POSITION,STEP (e.g. 450,100)"))?;
+    let n = |x: &str| x.trim().parse::<u32>().map_err(|e| format!("{x:?}: {e}"));
+    Ok((n(a)?, n(b)?))
 }
 
 impl TextArgs {
@@ -85,7 +98,9 @@ impl TextArgs {
         if self.draft == 0 {
             return Ok(None);
         }
-        let s = SpecSettings { max_draft: self.draft, ..SpecSettings::default() };
+        let d = SpecSettings::default();
+        let (position_cost, step_cost) = self.draft_cost.unwrap_or((d.position_cost, d.step_cost));
+        let s = SpecSettings { max_draft: self.draft, position_cost, step_cost, ..d };
         s.validate()?;
         Ok(Some(s))
     }

@@ -178,10 +178,12 @@ pub fn reference_speculative(
     digest.update(&logits);
     let mut tokens = vec![Greedy.sample(&logits)];
     let (mut drafted, mut accepted) = (0, 0);
+    let mut steps = Vec::new();
     while tokens.len() < max_new {
         let n = tokens.len();
         let limits = speculative::limits_at(prompt.len(), n, max_new, 256, CHUNK, &[]);
-        let drafts = speculative::draft(prompt, &tokens, spec, &limits);
+        let drafts = speculative::next_draft(prompt, &tokens, &steps, spec, &limits);
+        steps.push(speculative::DecodeStep { n_before: n, drafts: drafts.clone() });
         let mut input = vec![tokens[n - 1]];
         input.extend(&drafts);
         let rows = step((prompt.len() + n - 1) as u32, &input, !drafts.is_empty());

@@ -42,10 +42,13 @@ tall and was counted among the wonders of the ancient world. Later, Roman engine
 coasts of their empire, from Dover to the Black Sea. In the eighteenth century, reflectors and oil lamps \
 replaced open fires, and in 1822 Augustin Fresnel designed the lens that bears his name.";
 
+/// Asks for the paragraph back with one word changed, and starts the answer (a raw
+/// prompt: a small model follows the pattern rather than the instruction).
 fn rewrite_prompt() -> String {
     format!(
         "Rewrite the paragraph below with small edits: write \"beacon\" for \"lighthouse\", and keep everything \
-         else as it is.\n\nParagraph: {PARAGRAPH}\n\nRewritten paragraph: The history of the beacon"
+         else as it is.\n\nParagraph: {PARAGRAPH}\n\nRewritten paragraph: The history of the beacon begins in \
+         antiquity"
     )
 }
 
@@ -84,15 +87,19 @@ pub fn speculative(a: SpeculativeArgs) -> Result<()> {
     let exe = shoal::shoal_exe().context("locating the shoal binary")?;
     let context = 2048;
     let draft = a.draft.to_string();
-    let unsplit = |prompt: &str, spec: bool| -> Result<GenOutput> {
+    // The configurations: no speculation, k up to --draft every step (no cost model),
+    // and k chosen step by step by the default cost model.
+    let fixed = ["--draft", &draft, "--draft-cost", "0,0"];
+    let adaptive = ["--draft", &draft];
+    let configs: [(&str, &[&str]); 3] =
+        [("no speculation", &[]), ("speculation, k fixed", &fixed), ("speculation, k adaptive", &adaptive)];
+    let unsplit = |prompt: &str, extra: &[&str]| -> Result<GenOutput> {
         drop_page_cache(&a.model);
         let mut cmd = Command::new(&exe);
         cmd.arg("run").arg("--model").arg(&a.model).args(["--raw", "--ignore-eos", "--json", "--prompt", prompt]);
         cmd.args(["--threads", "1", "-n", &a.tokens.to_string(), "--chunk", &a.chunk.to_string()]);
         cmd.args(["--ctx", &context.to_string()]);
-        if spec {
-            cmd.args(["--draft", &draft]);
-        }
+        cmd.args(extra);
         json_of(cmd, "run")
     };
     println!(
@@ -108,6 +115,7 @@ pub fn speculative(a: SpeculativeArgs) -> Result<()> {
         a.chunk,
         a.rounds
     );
+    pass_costs(&a)?;
     let prompts = [("repetitive", rewrite_prompt()), ("free-form", SHORT_PROMPT.to_string())];
     let mut identical = true;
     for link in a.links.split(';') {
@@ -117,57 +125,104 @@ pub fn speculative(a: SpeculativeArgs) -> Result<()> {
         lp.generate(SHORT_PROMPT, 8).context("warm-up")?;
         let link_name = if impair.is_none() { "loopback".to_string() } else { format!("loopback, {link} per hop") };
         for (name, prompt) in &prompts {
-            // Unsplit without, unsplit with, split without, split with: alternating.
-            let mut s: Vec<Series> = (0..4).map(|_| Series::new()).collect();
+            // Unsplit and split in each configuration, alternating round by round.
+            let mut runs: Vec<Series> = (0..2 * configs.len()).map(|_| Series::new()).collect();
             for _ in 0..a.rounds {
-                s[0].push(unsplit(prompt, false)?);
-                s[1].push(unsplit(prompt, true)?);
-                s[2].push(lp.generate_with(prompt, a.tokens, &[])?);
-                s[3].push(lp.generate_with(prompt, a.tokens, &["--draft", &draft])?);
+                for (i, (_, extra)) in configs.iter().enumerate() {
+                    runs[2 * i].push(unsplit(prompt, extra)?);
+                    runs[2 * i + 1].push(lp.generate_with(prompt, a.tokens, extra)?);
+                }
             }
-            let m: Vec<f64> = s.iter_mut().map(Series::median).collect();
-            let (plain, spec) = (s[0].last(), s[1].last());
-            let same_spec = s[3].last().tokens == spec.tokens && s[3].last().logits_digest == spec.logits_digest;
-            let same_plain = s[2].last().tokens == plain.tokens && s[2].last().logits_digest == plain.logits_digest;
-            identical &= same_spec && same_plain;
-            let acceptance = spec.accepted as f64 / spec.drafted.max(1) as f64;
-            let mean_k = spec.drafted as f64 / spec.decode_steps.max(1) as f64;
-            let per_step = (spec.tokens.len() - 1) as f64 / spec.decode_steps.max(1) as f64;
-            let differ = plain.tokens.iter().zip(&spec.tokens).position(|(x, y)| x != y);
+            let m: Vec<f64> = runs.iter_mut().map(Series::median).collect();
             println!("\n{name} prompt, split over {link_name}: median decode tok/s of {} rounds", a.rounds);
-            println!("{:<34} {:>9} {:>10}", "", "tok/s", "vs unsplit");
-            for (label, v) in [
-                ("unsplit, no speculation", m[0]),
-                ("unsplit, speculation", m[1]),
-                ("split, no speculation", m[2]),
-                ("split, speculation", m[3]),
-            ] {
-                println!("{label:<34} {v:>9.2} {:>10.3}", v / m[0]);
+            println!(
+                "{:<34} {:>9} {:>10} {:>11} {:>8} {:>10} {:>6}",
+                "", "tok/s", "vs unsplit", "tok/step", "accepted", "mean k", "same"
+            );
+            let plain = runs[0].last().tokens.clone();
+            for (i, (label, _)) in configs.iter().enumerate() {
+                for (j, place) in ["unsplit", "split"].iter().enumerate() {
+                    let r = runs[2 * i + j].last();
+                    let steps = r.decode_steps.max(1) as f64;
+                    let u = runs[2 * i].last();
+                    // Split == unsplit with the same settings, tokens and logits digest.
+                    let same = r.tokens == u.tokens && r.logits_digest == u.logits_digest;
+                    identical &= same;
+                    println!(
+                        "{:<34} {:>9.2} {:>10.3} {:>11.2} {:>7.1}% {:>10.2} {:>6}",
+                        format!("{place}, {label}"),
+                        m[2 * i + j],
+                        m[2 * i + j] / m[0],
+                        (r.tokens.len() - 1) as f64 / steps,
+                        100.0 * r.accepted as f64 / r.drafted.max(1) as f64,
+                        r.drafted as f64 / steps,
+                        if same { "yes" } else { "NO" }
+                    );
+                }
             }
-            println!(
-                "acceptance {:.1}% ({} of {} drafts), mean k {mean_k:.2} per step, {per_step:.2} tokens per step",
-                acceptance * 100.0,
-                spec.accepted,
-                spec.drafted
-            );
-            let overhead_plain = 1000.0 / m[2] - 1000.0 / m[0];
-            let overhead_spec = 1000.0 / m[3] - 1000.0 / m[1];
-            println!(
-                "per-token overhead of the split (split minus unsplit ms/token): {overhead_plain:.2} ms without \
-                 speculation, {overhead_spec:.2} ms with (ratio {:.2})",
-                overhead_spec / overhead_plain
-            );
-            println!(
-                "split == unsplit (tokens and logits digest): {} without speculation, {} with; speculative greedy \
-                 output first differs from non-speculative at token {}",
-                if same_plain { "yes" } else { "NO" },
-                if same_spec { "yes" } else { "NO" },
-                differ.map_or("— (never)".to_string(), |i| i.to_string())
-            );
+            for (i, (label, _)) in configs.iter().enumerate().skip(1) {
+                let overhead_plain = 1000.0 / m[1] - 1000.0 / m[0];
+                let overhead = 1000.0 / m[2 * i + 1] - 1000.0 / m[2 * i];
+                let differ = plain.iter().zip(&runs[2 * i].last().tokens).position(|(x, y)| x != y);
+                println!(
+                    "{label}: per-token overhead of the split (split minus unsplit ms/token) {overhead:.2} ms vs \
+                     {overhead_plain:.2} ms without (ratio {:.2}); greedy output first differs from the \
+                     non-speculative run at token {}",
+                    overhead / overhead_plain,
+                    differ.map_or("— (never)".to_string(), |i| i.to_string())
+                );
+            }
         }
     }
     if !identical {
         bail!("a split run's output differs from the unsplit run's with the same settings");
     }
+    Ok(())
+}
+
+/// What a verify pass costs: one step of n positions (n = 1 … k + 1) of the unsplit
+/// model in this process (1 thread), after a 100-token prompt, each timed 15 times
+/// (the session rolled back between), median ms and the ratio to one position.
+fn pass_costs(a: &SpeculativeArgs) -> Result<()> {
+    use shoal_engine::{load_split, Chain, StageConfig, Vocab};
+    use shoal_types::{SessionId, Stage};
+    let config = StageConfig {
+        n_ctx_per_session: 512,
+        max_sessions: 1,
+        chunk: a.chunk,
+        threads: 1,
+        gpu_layers: 0,
+        gpus: Vec::new(),
+    };
+    let cache = shoal_engine::ShardCache::new(shoal::run::default_cache());
+    let (_, stages) = load_split(&a.model, &[], &cache, &config)?;
+    let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect())?;
+    let vocab = Vocab::load(&a.model)?;
+    let mut prompt = vocab.tokenize(PARAGRAPH, false);
+    prompt.truncate(100);
+    let s = SessionId(1);
+    let mut timing = Default::default();
+    let mut pos = 0;
+    for c in prompt.chunks(a.chunk as usize) {
+        chain.step(s, pos, c, &mut timing)?;
+        pos += c.len() as u32;
+    }
+    let max_n = (a.draft + 1).min(a.chunk) as usize;
+    let mut line = String::new();
+    let mut one = 0.0;
+    for n in 1..=max_n {
+        let mut ms = Vec::new();
+        for _ in 0..15 {
+            let t0 = std::time::Instant::now();
+            chain.step_rows(s, pos, &prompt[..n], n > 1, &mut timing)?;
+            ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let m = median(&mut ms);
+        if n == 1 {
+            one = m;
+        }
+        line += &format!(" {n}: {m:.2} ms ({:.2}×)", m / one);
+    }
+    println!("a pass of n positions, unsplit, 1 thread —{line}");
     Ok(())
 }
