@@ -221,13 +221,12 @@ impl Chain {
         let t0 = Instant::now();
         let mut logits = Vec::new();
         let mut pos = 0u32;
-        for chunk in prompt.chunks(chunk as usize) {
-            logits = self.step(session, pos, chunk, &mut timing)?;
-            pos += chunk.len() as u32;
+        for piece in prompt.chunks(chunk as usize) {
+            logits = self.step(session, pos, piece, &mut timing)?;
+            pos += piece.len() as u32;
         }
         let prefill = t0.elapsed();
         let t1 = Instant::now();
-        let (mut decode_steps, mut drafted, mut accepted) = (0, 0, 0);
         // The steps so far: the adaptive draft length reads their acceptance.
         let mut steps = Vec::new();
         // The prompt's last chunk gives the first token.
@@ -248,35 +247,27 @@ impl Chain {
             let n = tokens.len();
             let limits = speculative::limits_at(prompt.len(), n, max_new, n_ctx as usize, chunk, stop);
             let drafts = speculative::next_draft(prompt, &tokens, &steps, spec, &limits);
-            steps.push(speculative::DecodeStep { n_before: n, drafts: drafts.clone() });
+            let mut input = Vec::with_capacity(1 + drafts.len());
+            input.push(tokens[n - 1]);
+            input.extend(&drafts);
+            steps.push(speculative::DecodeStep { n_before: n, drafts });
+            // Without drafts this is an ordinary one-token step, and `verify` samples
+            // its one row as such a step does.
             let first_pos = (prompt.len() + n - 1) as u32;
-            decode_steps += 1;
-            if drafts.is_empty() {
-                logits = self.step(session, first_pos, &tokens[n - 1..], &mut timing)?;
-                digest.update(&logits);
-                observer.logits(&logits);
-                emitted = vec![sampler.sample(&logits)];
-            } else {
-                let mut input = Vec::with_capacity(1 + drafts.len());
-                input.push(tokens[n - 1]);
-                input.extend(&drafts);
-                let rows = self.step_rows(session, first_pos, &input, true, &mut timing)?;
-                emitted = speculative::verify(sampler, &rows, &input, &mut digest)?;
-                let n_vocab = rows.len() / input.len();
-                for row in rows.chunks_exact(n_vocab).take(emitted.len()) {
-                    observer.logits(row);
-                }
-                drafted += drafts.len();
-                accepted += emitted.len() - 1;
+            let rows = self.step_rows(session, first_pos, &input, input.len() > 1, &mut timing)?;
+            emitted = speculative::verify(sampler, &rows, &input, &mut digest)?;
+            for row in rows.chunks_exact(rows.len() / input.len()).take(emitted.len()) {
+                observer.logits(row);
             }
         }
+        let (drafted, accepted) = speculative::tally(&steps, tokens.len());
         Ok(Generation {
             tokens,
             logits_digest: digest.hex(),
             prefill,
             decode: t1.elapsed(),
             timing,
-            decode_steps,
+            decode_steps: steps.len(),
             drafted,
             accepted,
         })

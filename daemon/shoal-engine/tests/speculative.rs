@@ -2,19 +2,15 @@
 //! unsplit model's tokens and logits digest with the same draft/verify schedule, and a
 //! rejected draft leaves nothing behind in any stage's KV cache.
 
+mod common;
+use common::{hidden, logits, model};
 use shoal_engine::{load_split, Chain, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
-use shoal_types::{SessionId, SpecSettings, Stage, StageInput, StageOutput, TokenId};
-use std::path::{Path, PathBuf};
+use shoal_types::{SessionId, SpecSettings, Stage, StageInput, TokenId};
+use std::path::Path;
 
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const GEMMA: &str = "gemma-3-270m-q4_k_m.gguf";
 const NEW_TOKENS: usize = 64;
-
-fn model(file: &str) -> PathBuf {
-    let p = shoal_gguf::models_dir().join(file);
-    assert!(p.exists(), "test model {} is missing: run scripts/setup.sh (or set SHOAL_MODELS)", p.display());
-    p
-}
 
 fn config() -> StageConfig {
     StageConfig { n_ctx_per_session: 512, max_sessions: 2, chunk: 32, threads: 1, gpu_layers: 0, gpus: Vec::new() }
@@ -75,20 +71,6 @@ fn smollm2_speculative_split_matches_unsplit() {
 #[test]
 fn gemma3_speculative_split_matches_unsplit() {
     assert_speculative_splits_match(&model(GEMMA), &[&[6], &[6, 12]]);
-}
-
-fn hidden(o: StageOutput) -> Vec<f32> {
-    match o {
-        StageOutput::Hidden(h) => h,
-        StageOutput::Logits(_) => panic!("expected hidden states"),
-    }
-}
-
-fn logits(o: StageOutput) -> Vec<f32> {
-    match o {
-        StageOutput::Logits(l) => l,
-        StageOutput::Hidden(_) => panic!("expected logits"),
-    }
 }
 
 /// After a verify step whose last drafts were rejected, every stage holds exactly the

@@ -2,23 +2,19 @@
 //! the unsplit model's greedy tokens and logits, replays are exact, sessions do not
 //! disturb each other, and bad input changes nothing.
 
+mod common;
+use common::{hidden, logits, model};
 use shoal_engine::{
     load_split, offload_split, Chain, GpuLayers, LlamaStage, Observer, Sampler, SamplingParams, ShardCache,
     StageConfig, Vocab,
 };
-use shoal_types::{LayerRange, SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
-use std::path::{Path, PathBuf};
+use shoal_types::{LayerRange, SessionId, Stage, StageError, StageInput, TokenId};
+use std::path::Path;
 
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const GEMMA: &str = "gemma-3-270m-q4_k_m.gguf";
 const PROMPT_TOKENS: usize = 100;
 const NEW_TOKENS: usize = 64;
-
-fn model(file: &str) -> PathBuf {
-    let p = shoal_gguf::models_dir().join(file);
-    assert!(p.exists(), "test model {} is missing: run scripts/setup.sh (or set SHOAL_MODELS)", p.display());
-    p
-}
 
 /// Chunk of 32: the 100-token prompt crosses three chunk boundaries.
 fn config() -> StageConfig {
@@ -227,20 +223,6 @@ fn two_stages_of(file: &Path, point: u32) -> (tempfile::TempDir, LlamaStage, Lla
     let tail = stages.pop().unwrap();
     let head = stages.pop().unwrap();
     (dir, head, tail)
-}
-
-fn hidden(o: StageOutput) -> Vec<f32> {
-    match o {
-        StageOutput::Hidden(h) => h,
-        StageOutput::Logits(_) => panic!("expected hidden states"),
-    }
-}
-
-fn logits(o: StageOutput) -> Vec<f32> {
-    match o {
-        StageOutput::Logits(l) => l,
-        StageOutput::Hidden(_) => panic!("expected logits"),
-    }
 }
 
 #[test]

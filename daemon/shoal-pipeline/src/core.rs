@@ -242,9 +242,6 @@ struct Driver {
     /// token and drafts each carried, so re-drives and replays send them in their
     /// original shapes. The last is the step awaited.
     steps: Vec<DecodeStep>,
-    /// Drafted tokens sent, and how many of them the tail accepted.
-    drafted: u64,
-    accepted: u64,
     /// The step whose token we wait for (or, when `closing`, the Close).
     awaiting: u32,
     closing: bool,
@@ -428,8 +425,6 @@ impl NodeCore {
             prompt_steps,
             spec,
             steps,
-            drafted: 0,
-            accepted: 0,
             awaiting: prompt_steps - 1 + resumed,
             closing: false,
             sent_at: now,
@@ -571,7 +566,6 @@ impl NodeCore {
             return;
         }
         if verified {
-            d.accepted += got.len() as u64 - 1;
             self.counters.accepted += got.len() as u64 - 1;
         }
         let step_time = now.saturating_duration_since(d.sent_at);
@@ -608,7 +602,6 @@ impl NodeCore {
         let limits = speculative::limits_at(d.prompt.len(), n, d.max_new, n_ctx, chunk, &d.stop);
         let drafts = speculative::next_draft(&d.prompt, &d.tokens, &d.steps, &d.spec, &limits);
         if !drafts.is_empty() {
-            d.drafted += drafts.len() as u64;
             self.counters.drafted += drafts.len() as u64;
             self.counters.verify_steps += 1;
         }
@@ -646,6 +639,7 @@ impl NodeCore {
         let last = d.last_token.unwrap_or(first);
         let decode = last.saturating_duration_since(first);
         let n = d.tokens.len();
+        let (drafted, accepted) = speculative::tally(&d.steps, n);
         tracing::debug!(session = f.session, redrives = d.redrives, replays = d.replays, "generation finished");
         let report = Report {
             tok_per_s: if n > 1 && !decode.is_zero() { (n - 1) as f64 / decode.as_secs_f64() } else { 0.0 },
@@ -654,8 +648,8 @@ impl NodeCore {
             prefill_s: first.saturating_duration_since(d.started).as_secs_f64(),
             decode_s: decode.as_secs_f64(),
             decode_steps: d.steps.len() as u64,
-            drafted: d.drafted,
-            accepted: d.accepted,
+            drafted: drafted as u64,
+            accepted: accepted as u64,
         };
         out.push(Action::Reply(d.client, GenEvent::Done(report)));
     }

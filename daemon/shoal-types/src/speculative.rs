@@ -238,7 +238,7 @@ pub fn draft_cap(s: &SpecSettings, steps: &[DecodeStep], n_tokens: usize) -> usi
     if s.position_cost == 0 || !s.is_on() {
         return s.max_draft as usize;
     }
-    let emitted = |i: usize| steps.get(i + 1).map_or(n_tokens, |next| next.n_before) - steps[i].n_before;
+    let emitted = |i: usize| emitted(steps, i, n_tokens);
     let (mut drafted, mut accepted, mut verify_steps) = (0usize, 0usize, 0usize);
     let mut idle = 0;
     for i in (0..steps.len()).rev() {
@@ -271,6 +271,19 @@ pub fn draft_cap(s: &SpecSettings, steps: &[DecodeStep], n_tokens: usize) -> usi
         return s.max_draft as usize;
     }
     best
+}
+
+/// Tokens step `i` of `steps` emitted, when all of them emitted `n_tokens` in all.
+fn emitted(steps: &[DecodeStep], i: usize, n_tokens: usize) -> usize {
+    steps.get(i + 1).map_or(n_tokens, |next| next.n_before) - steps[i].n_before
+}
+
+/// Tokens drafted and of them accepted over `steps`, which emitted `n_tokens` in all
+/// (the figures a generation reports).
+pub fn tally(steps: &[DecodeStep], n_tokens: usize) -> (usize, usize) {
+    (0..steps.len())
+        .filter(|&i| !steps[i].drafts.is_empty())
+        .fold((0, 0), |(d, a), i| (d + steps[i].drafts.len(), a + emitted(steps, i, n_tokens).saturating_sub(1)))
 }
 
 /// The next step's drafts after `steps` (all answered) emitted `tokens`: prompt lookup
