@@ -162,20 +162,60 @@ pub enum ToolSyntax {
     /// answers one call as `{"name": …, "parameters": {…}}` and reads results as
     /// `ipython` turns.
     Llama3,
+    /// Command R7B's (and Cohere's later templates that keep it): the template lists
+    /// the tools, the model answers its calls as one JSON list,
+    /// `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": …, "parameters": {…}}]<|END_ACTION|>`,
+    /// a reply as `<|START_RESPONSE|>…<|END_RESPONSE|>`, and reads results in
+    /// `<|START_TOOL_RESULT|>`.
+    CommandR7b,
+    /// DeepSeek R1's (and its Qwen and Llama distills'): each call
+    /// `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then its arguments in a
+    /// `` ```json `` fence and `<｜tool▁call▁end｜>`, one per line, all between
+    /// `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>`.
+    DeepSeekR1 {
+        /// Whether the template lists the tools (llama.cpp's fixed template does);
+        /// DeepSeek's own does not, and Shoal then describes them in the system
+        /// message.
+        lists_tools: bool,
+    },
+    /// DeepSeek V3.1's: as R1's, but each call is
+    /// `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{ARGS}<｜tool▁call▁end｜>`, chained
+    /// without separators.
+    DeepSeekV31 {
+        /// Whether the template lists the tools (DeepSeek's own does not: Shoal then
+        /// describes them in the system message, as the model card says to).
+        lists_tools: bool,
+    },
 }
 
 impl ToolSyntax {
-    /// The syntax a Jinja chat template speaks: Hermes' when it writes `<tool_call>`
-    /// and lists `tools`; Llama 3's when it answers tools in an `ipython` environment
-    /// with `"parameters"`; otherwise the generic one (templates with other syntaxes,
-    /// Mistral's or gpt-oss's, get the generic format until Shoal reads theirs).
+    /// The syntax a Jinja chat template speaks: DeepSeek's when it writes
+    /// `<｜tool▁calls▁begin｜>` and `<｜tool▁sep｜>` (R1's when its call has a
+    /// `` ```json `` fence, V3.1's otherwise; whether it lists `tools` noted); and
+    /// among templates that list `tools`: Hermes' when it writes `<tool_call>`;
+    /// Llama 3's when it answers tools in an `ipython` environment with
+    /// `"parameters"`; Command R7B's when it writes `<|START_ACTION|>` lists of
+    /// `"tool_name"`s. Otherwise the generic one (templates with other syntaxes,
+    /// Mistral's, gpt-oss's or Command R+'s `Action:` lists, get the generic format
+    /// until Shoal reads theirs).
     pub fn of(template: &str) -> ToolSyntax {
-        if !template.contains("tools") {
+        // A template that never names `tools` cannot list them; DeepSeek's own are
+        // such, and are told the tools by Shoal instead.
+        let lists_tools = template.contains("tools");
+        if template.contains("<｜tool▁calls▁begin｜>") && template.contains("<｜tool▁sep｜>") {
+            if template.contains("```json") {
+                ToolSyntax::DeepSeekR1 { lists_tools }
+            } else {
+                ToolSyntax::DeepSeekV31 { lists_tools }
+            }
+        } else if !lists_tools {
             ToolSyntax::Generic
         } else if template.contains("<tool_call>") {
             ToolSyntax::Hermes
         } else if template.contains("Environment: ipython") && template.contains("\"parameters\": ") {
             ToolSyntax::Llama3
+        } else if template.contains("<|START_ACTION|>") && template.contains("\"tool_name\"") {
+            ToolSyntax::CommandR7b
         } else {
             ToolSyntax::Generic
         }

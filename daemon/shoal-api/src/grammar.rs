@@ -76,10 +76,22 @@ const MAX_CALLS: usize = 8;
 /// schema allows, several calls when `parallel`, or, when `reply`, `{"response": "…"}`
 /// instead. In a model's own `syntax` instead (`reply` is then not offered: a reply is
 /// free text, without a grammar): Hermes' `<tool_call>\n{"name", "arguments"}\n</tool_call>`
-/// blocks, one per line; Llama 3's one object `{"name", "parameters"}`. A schema the
+/// blocks, one per line; Llama 3's one object `{"name", "parameters"}`; Command R7B's
+/// `<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, …]<|END_ACTION|>`;
+/// DeepSeek R1's `<｜tool▁calls▁begin｜>` then calls
+/// `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`
+/// one per line, then `<｜tool▁calls▁end｜>`; V3.1's the same with calls
+/// `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` chained. A schema the
 /// grammar cannot follow (or one making the grammar too large) allows any JSON object.
 pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool, syntax: ToolSyntax) -> String {
-    let args_key = if syntax == ToolSyntax::Llama3 { "\"parameters\"" } else { "\"arguments\"" };
+    // Up to MAX_CALLS of `item` after the first, each after `sep`, when parallel.
+    let more = |sep: &str, item: &str| {
+        if parallel {
+            format!(" ( {sep} {item} ){{0,{}}}", MAX_CALLS - 1)
+        } else {
+            String::new()
+        }
+    };
     let build = |strict: bool| {
         let mut rules = BTreeMap::new();
         let mut calls = Vec::new();
@@ -95,36 +107,62 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool,
                 None => "object".to_string(),
             };
             let rule = format!("call-{i}");
-            let name = literal(&Value::String((*name).to_string()).to_string());
-            rules.insert(
-                rule.clone(),
-                format!(
-                    "\"{{\" ws {} ws \":\" ws {name} ws \",\" ws {} ws \":\" ws {args} ws \"}}\"",
-                    literal("\"name\""),
-                    literal(args_key)
-                ),
-            );
+            let quoted = literal(&Value::String((*name).to_string()).to_string());
+            // `"key": value` members of a JSON object.
+            let object = |members: &[(&str, &str)]| {
+                let members: Vec<String> =
+                    members.iter().map(|(k, v)| format!("{} ws \":\" ws {v} ws", literal(k))).collect();
+                format!("\"{{\" ws {} \"}}\"", members.join(" \",\" ws "))
+            };
+            let body = match syntax {
+                ToolSyntax::Generic | ToolSyntax::Hermes => object(&[("\"name\"", &quoted), ("\"arguments\"", &args)]),
+                ToolSyntax::Llama3 => object(&[("\"name\"", &quoted), ("\"parameters\"", &args)]),
+                // The template numbers calls from 0 across the conversation; any
+                // small number will do for a new one.
+                ToolSyntax::CommandR7b => object(&[
+                    ("\"tool_call_id\"", "\"\\\"\" [0-9]{1,4} \"\\\"\""),
+                    ("\"tool_name\"", &quoted),
+                    ("\"parameters\"", &args),
+                ]),
+                // DeepSeek writes the name bare.
+                ToolSyntax::DeepSeekR1 { .. } => format!("{} \"\\n```json\\n\" {args} \"\\n```\"", literal(name)),
+                ToolSyntax::DeepSeekV31 { .. } => format!("{} \"<｜tool▁sep｜>\" {args}", literal(name)),
+            };
+            rules.insert(rule.clone(), body);
             calls.push(rule);
         }
+        let call = format!("call ::= {}\n", alternatives(calls.into_iter()));
         let head = match syntax {
-            ToolSyntax::Hermes => {
-                let more = if parallel { format!(" ( \"\\n\" block ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
-                format!(
-                    "root ::= block{more}\nblock ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall ::= {}\n",
-                    alternatives(calls.into_iter()),
-                )
-            }
+            ToolSyntax::Hermes => format!(
+                "root ::= block{}\nblock ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n{call}",
+                more("\"\\n\"", "block")
+            ),
             // Llama 3's templates allow one call per message.
-            ToolSyntax::Llama3 => format!("root ::= call\ncall ::= {}\n", alternatives(calls.into_iter())),
+            ToolSyntax::Llama3 => format!("root ::= call\n{call}"),
+            // A template that opens the model's thinking (Cohere's later ones) has it
+            // closed at once, as llama.cpp does.
+            ToolSyntax::CommandR7b => format!(
+                "root ::= ( \"<|END_THINKING|>\" )? \"<|START_ACTION|>[\" ws call{} ws \"]<|END_ACTION|>\"\n{call}",
+                more("ws \",\" ws", "call")
+            ),
+            // Likewise `<think>` (llama.cpp's R1 template opens it).
+            ToolSyntax::DeepSeekR1 { .. } => format!(
+                "root ::= ( \"</think>\" ws )? \"<｜tool▁calls▁begin｜>\" block{} \"<｜tool▁calls▁end｜>\"\n\
+                 block ::= \"<｜tool▁call▁begin｜>function<｜tool▁sep｜>\" call \"<｜tool▁call▁end｜>\"\n{call}",
+                more("\"\\n\"", "block")
+            ),
+            ToolSyntax::DeepSeekV31 { .. } => format!(
+                "root ::= ( \"</think>\" ws )? \"<｜tool▁calls▁begin｜>\" block{} \"<｜tool▁calls▁end｜>\"\n\
+                 block ::= \"<｜tool▁call▁begin｜>\" call \"<｜tool▁call▁end｜>\"\n{call}",
+                more("", "block")
+            ),
             ToolSyntax::Generic => {
                 let more =
                     if parallel { format!("( \",\" ws call ws ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
                 format!(
-                    "root ::= ws {} ws\ncalls ::= \"{{\" ws {} ws \":\" ws \"[\" ws call ws {more} \"]\" ws \"}}\"\n\
-                     call ::= {}\n",
+                    "root ::= ws {} ws\ncalls ::= \"{{\" ws {} ws \":\" ws \"[\" ws call ws {more} \"]\" ws \"}}\"\n{call}",
                     if reply { "( calls | reply )" } else { "calls" },
                     literal("\"tool_calls\""),
-                    alternatives(calls.into_iter()),
                 )
             }
         };
@@ -351,6 +389,211 @@ fn rule_name(name: &str) -> String {
     name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
 }
 
+/// A recognizer for the GBNF these grammars are written in (literals, character
+/// classes, rules, groups, alternatives, `?` `*` `+` `{m,n}`), so tests can check that a
+/// grammar accepts the answers it promises and refuses others without a model.
+#[cfg(test)]
+pub(crate) mod gbnf {
+    use std::collections::HashMap;
+
+    #[derive(Debug)]
+    enum G {
+        Lit(Vec<char>),
+        /// Negated, ranges.
+        Class(bool, Vec<(char, char)>),
+        Rule(String),
+        Seq(Vec<G>),
+        Alt(Vec<G>),
+        Rep(Box<G>, usize, Option<usize>),
+    }
+
+    struct Parser {
+        s: Vec<char>,
+        i: usize,
+    }
+
+    impl Parser {
+        fn peek(&self) -> Option<char> {
+            self.s.get(self.i).copied()
+        }
+        fn skip(&mut self) {
+            while self.peek().is_some_and(|c| c == ' ' || c == '\t') {
+                self.i += 1;
+            }
+        }
+        fn char(&mut self) -> char {
+            let c = self.s[self.i];
+            self.i += 1;
+            if c != '\\' {
+                return c;
+            }
+            let e = self.s[self.i];
+            self.i += 1;
+            match e {
+                'n' => '\n',
+                'r' => '\r',
+                't' => '\t',
+                'x' => {
+                    let hex: String = self.s[self.i..self.i + 2].iter().collect();
+                    self.i += 2;
+                    char::from_u32(u32::from_str_radix(&hex, 16).unwrap()).unwrap()
+                }
+                other => other,
+            }
+        }
+        fn alt(&mut self) -> G {
+            let mut alts = vec![self.seq()];
+            while self.peek() == Some('|') {
+                self.i += 1;
+                alts.push(self.seq());
+            }
+            G::Alt(alts)
+        }
+        fn seq(&mut self) -> G {
+            let mut items = Vec::new();
+            loop {
+                self.skip();
+                let item = match self.peek() {
+                    None | Some('|') | Some(')') => break,
+                    Some('"') => {
+                        self.i += 1;
+                        let mut lit = Vec::new();
+                        while self.peek() != Some('"') {
+                            lit.push(self.char());
+                        }
+                        self.i += 1;
+                        G::Lit(lit)
+                    }
+                    Some('[') => {
+                        self.i += 1;
+                        let negated = self.peek() == Some('^');
+                        if negated {
+                            self.i += 1;
+                        }
+                        let mut ranges = Vec::new();
+                        while self.peek() != Some(']') {
+                            let lo = self.char();
+                            let hi = if self.peek() == Some('-') && self.s.get(self.i + 1) != Some(&']') {
+                                self.i += 1;
+                                self.char()
+                            } else {
+                                lo
+                            };
+                            ranges.push((lo, hi));
+                        }
+                        self.i += 1;
+                        G::Class(negated, ranges)
+                    }
+                    Some('(') => {
+                        self.i += 1;
+                        let g = self.alt();
+                        assert_eq!(self.peek(), Some(')'), "unclosed group");
+                        self.i += 1;
+                        g
+                    }
+                    Some(c) if c.is_ascii_alphanumeric() || c == '-' => {
+                        let start = self.i;
+                        while self.peek().is_some_and(|c| c.is_ascii_alphanumeric() || c == '-') {
+                            self.i += 1;
+                        }
+                        G::Rule(self.s[start..self.i].iter().collect())
+                    }
+                    Some(c) => panic!("unexpected {c:?} in the grammar"),
+                };
+                let rep = match self.peek() {
+                    Some('?') => Some((0, Some(1))),
+                    Some('*') => Some((0, None)),
+                    Some('+') => Some((1, None)),
+                    Some('{') => {
+                        let end = self.i + self.s[self.i..].iter().position(|&c| c == '}').unwrap();
+                        let inner: String = self.s[self.i + 1..end].iter().collect();
+                        self.i = end;
+                        let (lo, hi) = match inner.split_once(',') {
+                            None => (inner.parse().unwrap(), Some(inner.parse().unwrap())),
+                            Some((lo, "")) => (lo.parse().unwrap(), None),
+                            Some((lo, hi)) => (lo.parse().unwrap(), Some(hi.parse().unwrap())),
+                        };
+                        Some((lo, hi))
+                    }
+                    _ => None,
+                };
+                items.push(match rep {
+                    Some((lo, hi)) => {
+                        self.i += 1;
+                        G::Rep(Box::new(item), lo, hi)
+                    }
+                    None => item,
+                });
+            }
+            G::Seq(items)
+        }
+    }
+
+    /// Whether `grammar` matches the whole of `text` from its `root`.
+    pub(crate) fn accepts(grammar: &str, text: &str) -> bool {
+        let mut rules = HashMap::new();
+        for line in grammar.lines().filter(|l| !l.trim().is_empty()) {
+            let (name, body) = line.split_once(" ::= ").expect("a rule per line");
+            let mut p = Parser { s: body.chars().collect(), i: 0 };
+            let g = p.alt();
+            assert_eq!(p.i, p.s.len(), "rule {name} not read to its end");
+            rules.insert(name.trim().to_string(), g);
+        }
+        let text: Vec<char> = text.chars().collect();
+        let m = Matcher { rules: &rules, text: &text };
+        m.ends(&G::Rule("root".into()), 0).contains(&text.len())
+    }
+
+    struct Matcher<'a> {
+        rules: &'a HashMap<String, G>,
+        text: &'a [char],
+    }
+
+    impl Matcher<'_> {
+        /// Every position where `g` can end when it starts at `at`.
+        fn ends(&self, g: &G, at: usize) -> Vec<usize> {
+            let mut out = match g {
+                G::Lit(l) => {
+                    if self.text.get(at..at + l.len()) == Some(&l[..]) {
+                        vec![at + l.len()]
+                    } else {
+                        vec![]
+                    }
+                }
+                G::Class(negated, ranges) => match self.text.get(at) {
+                    Some(c) if ranges.iter().any(|(lo, hi)| lo <= c && c <= hi) != *negated => vec![at + 1],
+                    _ => vec![],
+                },
+                G::Rule(name) => self.ends(self.rules.get(name).unwrap_or_else(|| panic!("no rule {name}")), at),
+                G::Seq(items) => items
+                    .iter()
+                    .fold(vec![at], |from, item| from.iter().flat_map(|&p| self.ends(item, p)).collect::<Vec<_>>()),
+                G::Alt(alts) => alts.iter().flat_map(|a| self.ends(a, at)).collect(),
+                G::Rep(item, lo, hi) => {
+                    let mut out = if *lo == 0 { vec![at] } else { vec![] };
+                    let mut from = vec![at];
+                    for n in 1..=hi.unwrap_or(self.text.len() + 1) {
+                        let mut next: Vec<usize> = from.iter().flat_map(|&p| self.ends(item, p)).collect();
+                        next.sort_unstable();
+                        next.dedup();
+                        if next.is_empty() || next == from {
+                            break;
+                        }
+                        if n >= *lo {
+                            out.extend(&next);
+                        }
+                        from = next;
+                    }
+                    out
+                }
+            };
+            out.sort_unstable();
+            out.dedup();
+            out
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -402,6 +645,22 @@ mod tests {
             deep = json!({"type": "array", "items": deep});
         }
         assert!(from_schema(&deep).unwrap_err().contains("deeper"));
+    }
+
+    /// The tests' recognizer reads these grammars as llama.cpp does.
+    #[test]
+    fn the_recognizer_accepts_json_and_refuses_the_rest() {
+        let g = json_object();
+        for ok in [r#"{}"#, r#" {"a": [1, -2.5e3, "x\"y", true, null, {"b": {}}]} "#] {
+            assert!(gbnf::accepts(&g, ok), "{ok}");
+        }
+        for bad in [r#"{"a": }"#, r#"[1]"#, r#"{"a": 01}"#, "{\"a\": \"\u{1}\"}"] {
+            assert!(!gbnf::accepts(&g, bad), "{bad}");
+        }
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["a", "b"]}}});
+        let g = from_schema(&schema).unwrap();
+        assert!(gbnf::accepts(&g, r#"{"n": 3, "s": "b"}"#));
+        assert!(!gbnf::accepts(&g, r#"{"n": 3, "s": "c"}"#) && !gbnf::accepts(&g, r#"{"s": "a", "n": 3}"#));
     }
 
     #[test]

@@ -1,8 +1,10 @@
-//! Tool calling. Models whose template speaks Hermes' tool syntax (Qwen 2.5 and 3 …,
-//! [`ToolSyntax::Hermes`]) get their own: the template lists the tools and writes the
-//! conversation's calls and results, the model answers `<tool_call>` blocks (held by a
-//! grammar when a call is required; read back from free text with `auto`). Any other
-//! model gets the generic format: the tools are described in
+//! Tool calling. Models whose template speaks a tool syntax Shoal reads (Hermes' for
+//! Qwen 2.5 and 3 …, Llama 3's, Command R7B's, DeepSeek R1's and V3.1's: see
+//! [`ToolSyntax`]) get their own: the template lists the tools (or, for DeepSeek's
+//! templates, which do not, the system message does) and writes the conversation's
+//! calls and results, the model answers in its syntax (held by a grammar when a call
+//! is required; read back from free text with `auto`). Any other model gets the
+//! generic format: the tools are described in
 //! the system message, and a grammar holds the answer to one JSON object, either
 //! `{"tool_calls": [{"name": …, "arguments": {…}}]}` or `{"response": "…"}` (the
 //! generic format llama.cpp falls back to for templates without a tool syntax of their
@@ -144,8 +146,8 @@ impl Toolbox {
     /// The grammar that holds the answer to a call of the offered tools (or, with
     /// `auto`, a reply). A tool whose parameter schema uses keywords the grammar
     /// cannot follow (`pattern`, `minimum`, …) gets any JSON object as arguments: the
-    /// tool then checks them, as it must anyway. None in Hermes' syntax with `auto`:
-    /// the model writes text or `<tool_call>` blocks as it was trained to.
+    /// tool then checks them, as it must anyway. None in a model's own syntax with
+    /// `auto`: the model writes text or calls as it was trained to.
     pub fn grammar(&self) -> Option<String> {
         let callable: Vec<(&str, &Value)> = self
             .tools
@@ -159,10 +161,45 @@ impl Toolbox {
         let auto = self.choice == Choice::Auto;
         match self.syntax {
             ToolSyntax::Generic => Some(crate::grammar::tool_answer(&callable, auto, self.parallel, self.syntax)),
-            ToolSyntax::Hermes | ToolSyntax::Llama3 if auto => None,
-            ToolSyntax::Hermes | ToolSyntax::Llama3 => {
-                Some(crate::grammar::tool_answer(&callable, false, self.parallel, self.syntax))
+            _ if auto => None,
+            _ => Some(crate::grammar::tool_answer(&callable, false, self.parallel, self.syntax)),
+        }
+    }
+
+    /// What the model is told of the tools in the system message, where its own syntax
+    /// is used but its template does not list them (DeepSeek's own templates): the
+    /// tools and the syntax, as the model's makers describe them.
+    fn told(&self) -> Option<String> {
+        match self.syntax {
+            ToolSyntax::DeepSeekR1 { lists_tools: false } => {
+                let described: Vec<&Value> = self.tools.iter().map(|t| &t.described).collect();
+                let list = serde_json::to_string_pretty(&described).unwrap_or_default();
+                Some(format!(
+                    "You can call any of the following function tools to satisfy the user's requests: {list}\n\n\
+                     Example function tool call syntax:\n\n\
+                     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>example_function_name\n\
+                     ```json\n{{\n  \"arg1\": \"some_value\"\n}}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+                ))
             }
+            ToolSyntax::DeepSeekV31 { lists_tools: false } => {
+                let mut out = String::from("## Tools\nYou have access to the following tools:\n");
+                for t in &self.tools {
+                    out += &format!("\n### {}\n", t.name);
+                    if let Some(d) = t.described.get("description").and_then(Value::as_str) {
+                        out += &format!("Description: {d}\n");
+                    }
+                    out += &format!("\nParameters: {}\n", t.parameters);
+                }
+                out += "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n\
+                        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments\
+                        <｜tool▁call▁end｜>{additional_tool_calls}<｜tool▁calls▁end｜>\n\n\
+                        Where:\n\
+                        - `tool_call_name` must be an exact match to one of the available tools\n\
+                        - `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n\
+                        - For multiple tool calls, chain them directly without separators or spaces";
+                Some(out)
+            }
+            _ => None,
         }
     }
 
@@ -194,6 +231,9 @@ impl Toolbox {
         match self.syntax {
             ToolSyntax::Hermes => return read_hermes(text),
             ToolSyntax::Llama3 => return read_llama3(text),
+            ToolSyntax::CommandR7b => return read_command_r7b(text),
+            ToolSyntax::DeepSeekR1 { .. } => return read_deepseek(text, false),
+            ToolSyntax::DeepSeekV31 { .. } => return read_deepseek(text, true),
             ToolSyntax::Generic => {}
         }
         let Ok(v) = serde_json::from_str::<Value>(text.trim()) else { return Reply::Text(text.to_string()) };
@@ -268,6 +308,124 @@ fn read_llama3(text: &str) -> Reply {
     }
 }
 
+/// Command R7B's answer read back: the calls in its `<|START_ACTION|>` lists of
+/// `{"tool_call_id", "tool_name", "parameters"}` objects (any of them not such a list:
+/// the text), else its reply (what follows `<|START_RESPONSE|>`, up to
+/// `<|END_RESPONSE|>`; a plan before it is not part of the reply), else the text. In a
+/// model whose markers are control tokens, which render as nothing, a call comes as the
+/// bare list: an answer that is all such a list is read as calls too.
+fn read_command_r7b(text: &str) -> Reply {
+    const OPEN: &str = "<|START_ACTION|>";
+    const CLOSE: &str = "<|END_ACTION|>";
+    const REPLY: &str = "<|START_RESPONSE|>";
+    if !text.contains(OPEN) {
+        if let Some(calls) = cohere_calls(text.trim()) {
+            return Reply::Calls(calls);
+        }
+        return match text.split_once(REPLY) {
+            // `split` yields at least the whole string.
+            Some((_, reply)) => Reply::Text(reply.split("<|END_RESPONSE|>").next().unwrap_or(reply).to_string()),
+            None => Reply::Text(text.to_string()),
+        };
+    }
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(OPEN) {
+        let after = &rest[start + OPEN.len()..];
+        // A list cut by `max_tokens` has no end: what is there is read.
+        let (body, next) = match after.find(CLOSE) {
+            Some(end) => (&after[..end], &after[end + CLOSE.len()..]),
+            None => (after, ""),
+        };
+        match cohere_calls(body.trim()) {
+            Some(mut c) => calls.append(&mut c),
+            None => return Reply::Text(text.to_string()),
+        }
+        rest = next;
+    }
+    Reply::Calls(calls)
+}
+
+/// The calls of a Command R7B action list, `[{"tool_call_id", "tool_name",
+/// "parameters"}, …]` (the ids are the model's count, not the client's: dropped); `None`
+/// unless `body` is a non-empty list of such objects.
+fn cohere_calls(body: &str) -> Option<Vec<Call>> {
+    let list = serde_json::from_str::<Value>(body).ok()?;
+    let calls = list
+        .as_array()?
+        .iter()
+        .map(|c| {
+            let name = c.get("tool_name")?.as_str()?.to_string();
+            Some(Call { id: None, name, arguments: arguments(c.get("parameters")) })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    (!calls.is_empty()).then_some(calls)
+}
+
+/// The ways DeepSeek's models open their calls: the template's marker, and the
+/// variants R1's distills are known to write instead (llama.cpp accepts the same).
+const DEEPSEEK_OPENINGS: [&str; 5] = [
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool_calls_begin｜>",
+    "<｜tool calls begin｜>",
+    "<｜tool\\_calls\\_begin｜>",
+    "<｜tool▁calls｜>",
+];
+
+/// DeepSeek's answer read back (R1's calls, or V3.1's with `v31`): the calls after
+/// the first opening marker, up to `<｜tool▁calls▁end｜>`, each (after an optional
+/// `<｜tool▁call▁begin｜>`) up to its `<｜tool▁call▁end｜>`; any call that does not read
+/// (or none at all) makes the whole answer text, as it came. Text before the calls
+/// (the model's thinking) is not part of them.
+fn read_deepseek(text: &str, v31: bool) -> Reply {
+    const BEGIN: &str = "<｜tool▁call▁begin｜>";
+    const END: &str = "<｜tool▁call▁end｜>";
+    const ALL_END: &str = "<｜tool▁calls▁end｜>";
+    let opening = DEEPSEEK_OPENINGS.iter().filter_map(|m| Some((text.find(m)?, m.len()))).min();
+    let Some((at, len)) = opening else { return Reply::Text(text.to_string()) };
+    let mut rest = &text[at + len..];
+    let mut calls = Vec::new();
+    loop {
+        rest = rest.trim_start();
+        if rest.is_empty() || rest.starts_with(ALL_END) {
+            break;
+        }
+        let call = rest.strip_prefix(BEGIN).unwrap_or(rest);
+        // A call cut by `max_tokens` has no end: what is there is read.
+        let (body, next) = match call.find(END) {
+            Some(end) => (&call[..end], &call[end + END.len()..]),
+            None => (call, ""),
+        };
+        match deepseek_call(body, v31) {
+            Some(c) => calls.push(c),
+            None => return Reply::Text(text.to_string()),
+        }
+        rest = next;
+    }
+    if calls.is_empty() {
+        Reply::Text(text.to_string())
+    } else {
+        Reply::Calls(calls)
+    }
+}
+
+/// One DeepSeek call between its markers: R1's `function<｜tool▁sep｜>NAME\n```json\n{…}\n```
+/// (the type before the separator, the name on its line) or V3.1's `NAME<｜tool▁sep｜>{…}`;
+/// the arguments must be a JSON object (a fence around them is allowed in both).
+fn deepseek_call(body: &str, v31: bool) -> Option<Call> {
+    let (head, tail) = body.split_once("<｜tool▁sep｜>")?;
+    let (name, args) = if v31 { (head, tail) } else { tail.split_once('\n')? };
+    let name = name.trim();
+    if name.is_empty() || name.contains(char::is_whitespace) {
+        return None;
+    }
+    let args = args.trim();
+    let args = args.strip_prefix("```json").or_else(|| args.strip_prefix("```")).unwrap_or(args);
+    let args = args.strip_suffix("```").unwrap_or(args);
+    let arguments = serde_json::from_str::<Value>(args.trim()).ok().filter(Value::is_object)?;
+    Some(Call { id: None, name: name.to_string(), arguments })
+}
+
 /// The prompt of `turns` for `text`'s model, with `toolbox` offered: through the
 /// model's own template and tool syntax where it has one, in the generic format
 /// ([`prompt_turns`]) otherwise.
@@ -276,14 +434,32 @@ pub(crate) fn prompt(text: &dyn TextModel, turns: &[Turn], toolbox: Option<&Tool
         Some(b) if b.syntax != ToolSyntax::Generic => {
             let tools: Vec<Value> =
                 b.tools.iter().map(|t| json!({"type": "function", "function": t.described})).collect();
-            text.chat_prompt_with_tools(&openai_messages(turns), &Value::Array(tools))
+            let mut messages = openai_messages(turns);
+            if let Some(told) = b.told() {
+                add_to_system(&mut messages, &told);
+            }
+            text.chat_prompt_with_tools(&messages, &Value::Array(tools))
         }
         _ => text.chat_prompt(&prompt_turns(turns, toolbox)),
     }
 }
 
+/// `messages` (OpenAI's shape) with `text` joined to the system message (one is added
+/// first when there is none).
+fn add_to_system(messages: &mut Value, text: &str) {
+    let Some(list) = messages.as_array_mut() else { return };
+    match list.first_mut() {
+        Some(first) if first["role"] == "system" => {
+            let content = first["content"].as_str().unwrap_or_default();
+            first["content"] = json!(format!("{content}\n\n{text}"));
+        }
+        _ => list.insert(0, json!({"role": "system", "content": text})),
+    }
+}
+
 /// `turns` in OpenAI's shape, as chat templates read them: an assistant's calls as
-/// `tool_calls` (arguments as objects, as Hugging Face passes them), a tool's result
+/// `tool_calls` (arguments as objects, as Hugging Face passes them; the content null
+/// when the turn has no text, as OpenAI's is, which templates test for), a tool's result
 /// with its `tool_call_id` and the tool's `name`.
 fn openai_messages(turns: &[Turn]) -> Value {
     let mut names = CallNames::default();
@@ -303,6 +479,11 @@ fn openai_messages(turns: &[Turn]) -> Value {
                 })
                 .collect();
             m["tool_calls"] = Value::Array(calls);
+            if t.content.is_empty() {
+                // DeepSeek R1's template writes any content that is not none as a
+                // reply of its own.
+                m["content"] = Value::Null;
+            }
         }
         if t.role == "tool" {
             let name = names.of(t);
@@ -433,6 +614,7 @@ impl CallNames {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::grammar::gbnf;
 
     fn weather() -> Value {
         json!({"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -499,6 +681,7 @@ mod tests {
         let g = required.grammar().unwrap();
         assert!(g.starts_with("root ::= block\nblock ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n"), "{g}");
         assert!(g.contains("\"\\\"get_weather\\\"\"") && !g.contains("response"), "{g}");
+        assert!(gbnf::accepts(&g, "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"), "{g}");
         let mut parallel = Toolbox::new(&tools, Some(&json!("required")), None).unwrap().unwrap();
         parallel.speak(ToolSyntax::Hermes);
         assert!(parallel.grammar().unwrap().starts_with("root ::= block ( \"\\n\" block ){0,7}\n"));
@@ -537,6 +720,7 @@ mod tests {
         let g = b.grammar().unwrap();
         assert!(g.starts_with("root ::= call\ncall ::= ( call-0 | call-1 )\n"), "{g}");
         assert!(g.contains("\"\\\"parameters\\\"\"") && !g.contains("arguments"), "{g}");
+        assert!(gbnf::accepts(&g, r#"{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "f"}}"#), "{g}");
         let mut auto = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
         auto.speak(ToolSyntax::Llama3);
         assert_eq!(auto.grammar(), None);
@@ -546,6 +730,180 @@ mod tests {
         assert_eq!(b.read(r#"<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}"#), call);
         assert_eq!(b.read("Oslo is cold."), Reply::Text("Oslo is cold.".into()));
         assert_eq!(b.read(r#"{"city": "Oslo"}"#), Reply::Text(r#"{"city": "Oslo"}"#.into()));
+    }
+
+    /// A required call in the model's own syntax, as the grammar holds it.
+    fn required(syntax: ToolSyntax, parallel: bool) -> Toolbox {
+        let mut b = Toolbox::new(&[weather(), time()], Some(&json!("required")), Some(parallel)).unwrap().unwrap();
+        b.speak(syntax);
+        b
+    }
+
+    fn oslo_and_cet() -> Reply {
+        Reply::Calls(vec![
+            Call { id: None, name: "get_weather".into(), arguments: json!({"city": "Oslo", "unit": "c"}) },
+            Call { id: None, name: "get_time".into(), arguments: json!({"zone": "CET"}) },
+        ])
+    }
+
+    /// Command R7B's syntax: a required call is one `<|START_ACTION|>` list of
+    /// `{"tool_call_id", "tool_name", "parameters"}` objects (one object unless
+    /// parallel); answers read back from marked lists, bare lists (where the markers
+    /// are control tokens that render as nothing) or `<|START_RESPONSE|>` replies.
+    #[test]
+    fn command_r7b_grammar_holds_an_action_list_and_answers_read_back() {
+        let b = required(ToolSyntax::CommandR7b, true);
+        let g = b.grammar().unwrap();
+        let list =
+            "[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\", \
+                    \"unit\": \"c\"}},\n    {\"tool_call_id\": \"1\", \"tool_name\": \"get_time\", \"parameters\": \
+                    {\"zone\": \"CET\"}}\n]";
+        let two = format!("<|START_ACTION|>{list}<|END_ACTION|>");
+        assert!(gbnf::accepts(&g, &two), "{g}");
+        // A template that leaves the thinking open has it closed first.
+        assert!(gbnf::accepts(&g, &format!("<|END_THINKING|>{two}")));
+        for bad in [
+            "<|START_ACTION|>[]<|END_ACTION|>".to_string(),
+            two.replace("\"tool_call_id\": \"1\", ", ""),
+            two.replace("get_time", "get_date"),
+            two.replace("\"unit\": \"c\"", "\"unit\": \"k\""),
+            two.replace("parameters", "arguments"),
+            list.to_string(),
+            "<|START_RESPONSE|>Hi<|END_RESPONSE|>".to_string(),
+        ] {
+            assert!(!gbnf::accepts(&g, &bad), "{bad}");
+        }
+        let one = required(ToolSyntax::CommandR7b, false).grammar().unwrap();
+        assert!(!gbnf::accepts(&one, &two));
+        let first = "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": \"get_time\", \"parameters\": {}}]<|END_ACTION|>";
+        assert!(gbnf::accepts(&one, first), "{one}");
+        let mut auto = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        auto.speak(ToolSyntax::CommandR7b);
+        assert_eq!(auto.grammar(), None);
+
+        assert_eq!(b.read(&two), oslo_and_cet());
+        assert_eq!(b.read(&format!("<|START_THINKING|>I will look both up.<|END_THINKING|>{two}")), oslo_and_cet());
+        // The markers rendered as nothing: the bare list (after the plan's end) is read.
+        assert_eq!(b.read(&format!(" {list}")), oslo_and_cet());
+        assert_eq!(b.read("<|START_RESPONSE|>It is -3 C.<|END_RESPONSE|>"), Reply::Text("It is -3 C.".into()));
+        assert_eq!(b.read("It is -3 C."), Reply::Text("It is -3 C.".into()));
+        // A list that is not one of calls, or one cut short: the answer as it came.
+        for text in [
+            "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": 3}]<|END_ACTION|>",
+            "<|START_ACTION|>[]<|END_ACTION|>",
+            "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_na",
+            "[1, 2]",
+        ] {
+            assert_eq!(b.read(text), Reply::Text(text.into()));
+        }
+    }
+
+    /// DeepSeek R1's syntax: a required call is `<｜tool▁calls▁begin｜>` then calls
+    /// `function<｜tool▁sep｜>NAME` with fenced JSON arguments, one per line; answers
+    /// read back from that (after the model's thinking, with the opening markers the
+    /// distills write instead), a malformed call making the answer text.
+    #[test]
+    fn deepseek_r1_grammar_holds_fenced_calls_and_answers_read_back() {
+        let r1 = ToolSyntax::DeepSeekR1 { lists_tools: false };
+        let b = required(r1, true);
+        let g = b.grammar().unwrap();
+        let weather = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Oslo\", \
+                       \"unit\": \"c\"}\n```<｜tool▁call▁end｜>";
+        let time =
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{\"zone\": \"CET\"}\n```<｜tool▁call▁end｜>";
+        let two = format!("<｜tool▁calls▁begin｜>{weather}\n{time}<｜tool▁calls▁end｜>");
+        assert!(gbnf::accepts(&g, &two), "{g}");
+        assert!(gbnf::accepts(&g, &format!("</think>\n\n{two}")));
+        for bad in [
+            two.replace("function<｜tool▁sep｜>get_time", "get_time<｜tool▁sep｜>"),
+            two.replace("```json\n{\"zone\"", "{\"zone\""),
+            two.replace("get_weather", "get_date"),
+            "<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>".to_string(),
+            format!("Let me see. {two}"),
+        ] {
+            assert!(!gbnf::accepts(&g, &bad), "{bad}");
+        }
+        let one = required(r1, false).grammar().unwrap();
+        assert!(
+            !gbnf::accepts(&one, &two)
+                && gbnf::accepts(&one, &format!("<｜tool▁calls▁begin｜>{time}<｜tool▁calls▁end｜>"))
+        );
+
+        assert_eq!(b.read(&two), oslo_and_cet());
+        // After its thinking; an end of sentence after the calls.
+        let thought = format!("<think>\nOslo first, then the time.\n</think>\n\n{two}<｜end▁of▁sentence｜>");
+        assert_eq!(b.read(&thought), oslo_and_cet());
+        // The distills' other opening; no call-begin marker; arguments unfenced.
+        let variant =
+            format!("<｜tool▁calls｜>{}\n{}<｜tool▁calls▁end｜>", weather, time.replace("<｜tool▁call▁begin｜>", ""));
+        assert_eq!(b.read(&variant), oslo_and_cet());
+        let bare = "<｜tool▁calls▁begin｜>function<｜tool▁sep｜>get_time\n{\"zone\": \"CET\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        assert_eq!(
+            b.read(bare),
+            Reply::Calls(vec![Call { id: None, name: "get_time".into(), arguments: json!({"zone": "CET"}) }])
+        );
+        assert_eq!(b.read("It is -3 C."), Reply::Text("It is -3 C.".into()));
+        for text in [
+            // No separator, arguments that are not JSON or not an object, no name, cut short.
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time {}<｜tool▁call▁end｜><｜tool▁calls▁end｜>".to_string(),
+            two.replace("{\"zone\": \"CET\"}", "{zone: CET}"),
+            two.replace("{\"zone\": \"CET\"}", "[\"CET\"]"),
+            two.replace("get_time", ""),
+            two[..two.find("CET").unwrap()].to_string(),
+            "<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>".to_string(),
+        ] {
+            assert_eq!(b.read(&text), Reply::Text(text.clone()));
+        }
+    }
+
+    /// DeepSeek V3.1's syntax: calls `NAME<｜tool▁sep｜>{ARGS}` chained without
+    /// separators; R1's shape is not V3.1's.
+    #[test]
+    fn deepseek_v31_grammar_holds_chained_calls_and_answers_read_back() {
+        let v31 = ToolSyntax::DeepSeekV31 { lists_tools: false };
+        let b = required(v31, true);
+        let g = b.grammar().unwrap();
+        let two = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Oslo\", \"unit\": \
+                   \"c\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"zone\": \"CET\"}\
+                   <｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        assert!(gbnf::accepts(&g, two), "{g}");
+        assert!(!gbnf::accepts(&g, &two.replace("get_time<｜tool▁sep｜>", "function<｜tool▁sep｜>get_time\n")));
+        assert!(!gbnf::accepts(&required(v31, false).grammar().unwrap(), two));
+        assert_eq!(b.read(two), oslo_and_cet());
+        assert_eq!(b.read(&format!("</think>{two}")), oslo_and_cet());
+        let malformed = two.replace("<｜tool▁sep｜>{\"zone\"", "{\"zone\"");
+        assert_eq!(b.read(&malformed), Reply::Text(malformed.clone()));
+        assert_eq!(b.read("Oslo is cold."), Reply::Text("Oslo is cold.".into()));
+    }
+
+    /// DeepSeek's own templates do not list the tools: the system message does, in
+    /// the shape each model was taught (joined to the client's system text); a template
+    /// that lists them gets the conversation alone.
+    #[test]
+    fn deepseeks_tools_are_described_in_the_system_message_when_the_template_does_not_list_them() {
+        let user = Turn { role: "user".into(), content: "Weather?".into(), ..Turn::default() };
+        let system = Turn { role: "system".into(), content: "Be brief.".into(), ..Turn::default() };
+        let mut b = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        b.speak(ToolSyntax::DeepSeekR1 { lists_tools: false });
+        let told = b.told().unwrap();
+        assert!(told.contains("\"name\": \"get_weather\"") && told.contains("function<｜tool▁sep｜>"), "{told}");
+        let mut messages = openai_messages(&[system.clone(), user.clone()]);
+        add_to_system(&mut messages, &told);
+        assert_eq!(messages[0]["content"], json!(format!("Be brief.\n\n{told}")));
+        let mut messages = openai_messages(std::slice::from_ref(&user));
+        add_to_system(&mut messages, &told);
+        assert_eq!(messages, json!([{"role": "system", "content": told}, {"role": "user", "content": "Weather?"}]));
+
+        b.speak(ToolSyntax::DeepSeekV31 { lists_tools: false });
+        let told = b.told().unwrap();
+        assert!(
+            told.starts_with("## Tools\n") && told.contains("\n### get_weather\nDescription: The weather in a city\n")
+        );
+        assert!(told.contains(&format!("Parameters: {}", weather()["function"]["parameters"])), "{told}");
+        b.speak(ToolSyntax::DeepSeekR1 { lists_tools: true });
+        assert_eq!(b.told(), None);
+        b.speak(ToolSyntax::CommandR7b);
+        assert_eq!(b.told(), None);
     }
 
     #[test]
@@ -560,6 +918,21 @@ mod tests {
             ToolSyntax::Generic
         );
         assert_eq!(ToolSyntax::of("[AVAILABLE_TOOLS]{{ tools | tojson }}[TOOL_CALLS]"), ToolSyntax::Generic);
+        let r7b = "{% for tool in tools %}{{ tool }}{% endfor %}<|START_ACTION|>[{\"tool_call_id\": \"0\", \
+                   \"tool_name\": \"{{ tc.function.name }}\"}]<|END_ACTION|>";
+        assert_eq!(ToolSyntax::of(r7b), ToolSyntax::CommandR7b);
+        // Command R+'s `Action:` lists are not read natively.
+        let plus = "{% for tool in tools %}{% endfor %}Action:\n```json\n[{\"tool_name\": \"x\"}]```";
+        assert_eq!(ToolSyntax::of(plus), ToolSyntax::Generic);
+        // DeepSeek's own templates never name the tools; llama.cpp's R1 template lists them.
+        let r1 = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + \
+                  tool['function']['name'] + '\\n' + '```json' }}";
+        assert_eq!(ToolSyntax::of(r1), ToolSyntax::DeepSeekR1 { lists_tools: false });
+        let listed = format!("{{% if tools %}}{{{{ tools | tojson }}}}{{% endif %}}{r1}");
+        assert_eq!(ToolSyntax::of(&listed), ToolSyntax::DeepSeekR1 { lists_tools: true });
+        let v31 = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' + \
+                   tool['function']['arguments'] | tojson }}";
+        assert_eq!(ToolSyntax::of(v31), ToolSyntax::DeepSeekV31 { lists_tools: false });
     }
 
     /// A model whose template speaks a tool syntax gets the conversation in OpenAI's
@@ -609,7 +982,7 @@ mod tests {
             serde_json::from_str::<Value>(messages).unwrap(),
             json!([
                 {"role": "user", "content": "Weather?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "c1",
+                {"role": "assistant", "content": null, "tool_calls": [{"type": "function", "id": "c1",
                     "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
                 {"role": "tool", "content": "-3", "tool_call_id": "c1", "name": "get_weather"},
             ])

@@ -67,12 +67,18 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
 }
 
 /// Models whose templates speak a tool syntax Shoal reads call tools in it through a
-/// node's OpenAI route: Qwen 2.5 (Hermes' `<tool_call>` blocks) and Llama 3.3 (one
-/// `{"name", "parameters"}` object), each the zoo's qwen2 weights under the family's
-/// real vocabulary and chat template. The template lists the tools, a grammar holds a
-/// required call to the model's syntax, and the answer comes back as parsed
-/// `tool_calls` whose arguments follow the tool's schema; the conversation with the
-/// call and its result goes back through the template for the next turn.
+/// node's OpenAI route: Qwen 2.5 (Hermes' `<tool_call>` blocks), Llama 3.3 (one
+/// `{"name", "parameters"}` object), Command R7B (`<|START_ACTION|>` lists), DeepSeek
+/// R1's Qwen distill and DeepSeek V3.1 (`<｜tool▁calls▁begin｜>` calls), each the zoo's
+/// qwen2 weights under the family's real vocabulary (V3.1: DeepSeek LLM's, the nearest
+/// there is) and chat template. The template (or, for DeepSeek's, which do not list
+/// tools, the system message) lists the tools, a grammar holds a required call to the
+/// model's syntax, and the answer comes back as parsed `tool_calls` whose arguments
+/// follow the tool's schema; the conversation with the call and its result goes back
+/// through the template, which writes them in the model's syntax, for the next turn.
+/// The syntax's markers must come back as text from the vocabulary (the answer is
+/// read from text): in these vocabularies they are not tokens of their own but
+/// ordinary text.
 #[test]
 fn models_call_tools_in_their_own_syntax_through_the_api() {
     use common::{shoal, wait_for};
@@ -81,22 +87,105 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
     use shoal_node::runtime::Engine;
     let tmp = tempfile::tempdir().unwrap();
     let vocabs = shoal_gguf::models_dir().join("llama.cpp-vocabs");
-    let models = [
-        ("qwen-tools.gguf", "ggml-vocab-qwen2.gguf", "Qwen-Qwen2.5-7B-Instruct.jinja", ToolSyntax::Hermes),
+    // What the template writes for an earlier call of get_weather(Oslo, c) and its
+    // result "-3 c".
+    let models: [(&str, &str, &str, ToolSyntax, &[&str]); 5] = [
+        (
+            "qwen-tools.gguf",
+            "ggml-vocab-qwen2.gguf",
+            "Qwen-Qwen2.5-7B-Instruct.jinja",
+            ToolSyntax::Hermes,
+            &[
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}\n</tool_call>",
+                "<tool_response>\n-3 c\n</tool_response>",
+            ],
+        ),
         (
             "llama-tools.gguf",
             "ggml-vocab-llama-bpe.gguf",
             "meta-llama-Llama-3.3-70B-Instruct.jinja",
             ToolSyntax::Llama3,
+            &[
+                "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\", \"unit\": \"c\"}}",
+                "<|start_header_id|>ipython<|end_header_id|>\n\n",
+                "-3 c",
+            ],
+        ),
+        (
+            "command-r7b-tools.gguf",
+            "ggml-vocab-command-r.gguf",
+            "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
+            ToolSyntax::CommandR7b,
+            &[
+                "<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \"parameters\": \
+                 {\"city\": \"Oslo\", \"unit\": \"c\"}}\n]<|END_ACTION|>",
+                "<|START_TOOL_RESULT|>[\n    {\n        \"tool_call_id\": \"0\",\n        \"results\": {\n            \
+                 \"0\": \"-3 c\"",
+            ],
+        ),
+        (
+            "deepseek-r1-tools.gguf",
+            "ggml-vocab-qwen2.gguf",
+            "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+            ToolSyntax::DeepSeekR1 { lists_tools: false },
+            &[
+                "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n\
+                 {\"city\": \"Oslo\", \"unit\": \"c\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>\
+                 <｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>-3 c<｜tool▁output▁end｜>",
+            ],
+        ),
+        (
+            "deepseek-v31-tools.gguf",
+            "ggml-vocab-deepseek-llm.gguf",
+            "deepseek-ai-DeepSeek-V3.1.jinja",
+            ToolSyntax::DeepSeekV31 { lists_tools: false },
+            &[
+                "<｜Assistant｜><think></think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>\
+                 {\"city\": \"Oslo\", \"unit\": \"c\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>\
+                 <｜tool▁output▁begin｜>-3 c<｜tool▁output▁end｜>",
+            ],
         ),
     ];
-    for (name, vocab, template, syntax) in models {
+    // The texts a syntax's answers are read by.
+    let markers = |syntax: ToolSyntax| -> &[&str] {
+        match syntax {
+            ToolSyntax::CommandR7b => &["<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>"],
+            ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => &[
+                "<｜tool▁calls▁begin｜>",
+                "<｜tool▁call▁begin｜>",
+                "<｜tool▁sep｜>",
+                "<｜tool▁call▁end｜>",
+                "<｜tool▁calls▁end｜>",
+            ],
+            _ => &[],
+        }
+    };
+    let weather = json!({"type": "function", "function": {"name": "get_weather",
+        "description": "The weather in a city", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}});
+    let ask = json!({"role": "user", "content": "What is the weather in Oslo?"});
+    for (name, vocab, template, syntax, rendered) in models {
         let template = std::fs::read_to_string(vocabs.join("templates").join(template)).unwrap();
         let path = tmp.path().join(name);
         shoal_gguf::zoo::write_with_template(Family::Qwen2, &vocabs.join(vocab), &template, &path).unwrap();
         // The syntax the node will speak, read off the template.
         let text = shoal::engine::LlamaEngine { threads: 1 }.text(&path).unwrap();
         assert_eq!(text.tool_syntax(), syntax, "{name}");
+        for marker in markers(syntax) {
+            let tokens = text.tokenize(marker, true);
+            eprintln!("{name}: {marker} is {} token(s) (BOS included where the model adds one)", tokens.len());
+            let back: Vec<u8> = tokens.iter().flat_map(|&t| text.piece(t)).collect();
+            assert_eq!(String::from_utf8_lossy(&back), *marker, "{name}: {tokens:?}");
+        }
+        // An earlier call and its result, as the API gives them to the template.
+        let messages = json!([ask, {"role": "assistant", "content": null, "tool_calls": [{"type": "function",
+            "id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]},
+            {"role": "tool", "content": "-3 c", "tool_call_id": "call_1", "name": "get_weather"}]);
+        let prompt = text.chat_prompt_with_tools(&messages, &json!([weather])).unwrap();
+        for part in rendered {
+            assert!(prompt.contains(part), "{name}: {part:?} not in {prompt:?}");
+        }
     }
 
     let dir = tmp.path().join("a");
@@ -139,14 +228,9 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
         assert_eq!(status, 200, "{text}");
         serde_json::from_str::<Value>(&text).unwrap()
     };
-    let weather = json!({"type": "function", "function": {"name": "get_weather",
-        "description": "The weather in a city", "parameters": {"type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"]}}});
-    let ask = json!({"role": "user", "content": "What is the weather in Oslo?"});
     for (name, ..) in models {
         run(&["models", "add", tmp.path().join(name).to_str().unwrap()]);
-        let loaded = run(&["models", "load", name, "--context", "1024", "--wait"]);
+        let loaded = run(&["models", "load", name, "--context", "2048", "--wait"]);
         assert!(loaded.contains("ready: 1 stage(s)"), "{loaded}");
         // At most ~250 tokens whatever the model writes: the grammar bounds whitespace
         // and the city's length.
