@@ -42,7 +42,33 @@ pub fn render_json(
     render_with(template, Value::from(Serde(messages)), Value::from(Serde(tools)), bos, eos)
 }
 
+/// Whether `template` parses as Jinja in this renderer (what it then renders is up to
+/// the conversation); the error says where it does not.
+pub fn check(template: &str) -> Result<(), String> {
+    let template = generation_blocks_as_ifs(template);
+    environment().add_template("chat", &template).map_err(|e| describe(&e))
+}
+
 fn render_with(template: &str, messages: Value, tools: Value, bos: &str, eos: &str) -> Result<String, String> {
+    let mut env = environment();
+    let template = generation_blocks_as_ifs(template);
+    env.add_template("chat", &template).map_err(|e| describe(&e))?;
+    let ctx = context! {
+        messages => messages,
+        add_generation_prompt => true,
+        bos_token => bos,
+        eos_token => eos,
+        // None when a request has none, as Hugging Face passes them.
+        tools => tools,
+        documents => Value::from(()),
+    };
+    // Invariant: the template was added above under this name.
+    let tmpl = env.get_template("chat").expect("template added above");
+    tmpl.render(ctx).map_err(|e| describe(&e))
+}
+
+/// The renderer set up as Hugging Face's, without a template.
+fn environment<'s>() -> Environment<'s> {
     let mut env = Environment::new();
     // Hugging Face's settings (transformers' `_compile_jinja_template`).
     // Invariant: the default delimiters, which build.
@@ -62,20 +88,7 @@ fn render_with(template: &str, messages: Value, tools: Value, bos: &str, eos: &s
     // which templates test before `tools | length`.
     env.add_test("iterable", |v: Value| v.try_iter().is_ok() && !v.is_none() && !v.is_undefined());
     env.add_filter("tojson", tojson);
-    let template = generation_blocks_as_ifs(template);
-    env.add_template("chat", &template).map_err(|e| describe(&e))?;
-    let ctx = context! {
-        messages => messages,
-        add_generation_prompt => true,
-        bos_token => bos,
-        eos_token => eos,
-        // None when a request has none, as Hugging Face passes them.
-        tools => tools,
-        documents => Value::from(()),
-    };
-    // Invariant: the template was added above under this name.
-    let tmpl = env.get_template("chat").expect("template added above");
-    tmpl.render(ctx).map_err(|e| describe(&e))
+    env
 }
 
 /// Hugging Face's `{% generation %}` … `{% endgeneration %}` (its renderer's
@@ -245,5 +258,9 @@ mod tests {
         assert!(e.contains("Only user and assistant roles"), "{e}");
         let e = render("{% for m in messages %}", &[], "", "").unwrap_err();
         assert!(e.contains("unexpected end of input") || e.contains("syntax error"), "{e}");
+        // `check` parses without rendering: a template that raises parses.
+        let e = check("{% for m in messages %}").unwrap_err();
+        assert!(e.contains("unexpected end of input") || e.contains("syntax error"), "{e}");
+        check("{{ raise_exception('no') }}{% generation %}{{ x }}{% endgeneration %}").unwrap();
     }
 }

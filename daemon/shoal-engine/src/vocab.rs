@@ -4,7 +4,7 @@
 use crate::backend::backend;
 use crate::template::Turn;
 use llama_cpp_2::model::params::LlamaModelParams;
-use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
+use llama_cpp_2::model::{LlamaChatMessage, LlamaChatTemplate, LlamaModel};
 use llama_cpp_2::token::LlamaToken;
 use shoal_types::TokenId;
 use std::path::{Path, PathBuf};
@@ -23,22 +23,31 @@ pub enum VocabError {
     Template { path: PathBuf, why: String },
 }
 
+/// The name of the chat template a GGUF keeps for requests that offer tools
+/// (`tokenizer.chat_template.tool_use`): Cohere's Command R, R+ and R7B, Hermes 2 Pro
+/// and 3, whose default template has no tool syntax (or a different one).
+const TOOL_USE: &str = "tool_use";
+
 /// A model's vocabulary.
 pub struct Vocab {
     /// A vocab-only llama.cpp model: the tokenizer without any weights.
     model: LlamaModel,
     /// The file it came from, for messages.
     path: PathBuf,
+    /// The model's [`TOOL_USE`] template, read once at load; `None` where it has none,
+    /// or one Shoal cannot use (then requests with tools use the default one).
+    tool_use: Option<String>,
 }
 
 impl Vocab {
     /// Load the vocabulary of the GGUF at `path` (validated by Shoal's reader first).
     pub fn load(path: &Path) -> Result<Vocab, VocabError> {
-        shoal_gguf::open_model(path)?;
+        let (gguf, _) = shoal_gguf::open_model(path)?;
+        let tool_use = tool_use_template(&gguf, path);
         let params = LlamaModelParams::default().with_vocab_only(true);
         let model =
             LlamaModel::load_from_file(backend(), path, &params).map_err(|_| VocabError::Load(path.to_owned()))?;
-        Ok(Vocab { model, path: path.to_owned() })
+        Ok(Vocab { model, path: path.to_owned(), tool_use })
     }
 
     /// The vocab-only llama.cpp model (for samplers that read the vocabulary).
@@ -84,13 +93,18 @@ impl Vocab {
         self.chat(&[("user", prompt)])
     }
 
-    /// A conversation of `(role, content)` turns in the model's chat template, ready
-    /// for the assistant's answer: the template itself, rendered as Jinja (see
-    /// `template.rs`); llama.cpp's built-in version of its format where the Jinja
-    /// cannot be rendered. Without the BOS text where the tokenizer adds the BOS.
+    /// A conversation of `(role, content)` turns in the model's chat template (its
+    /// default one, see [`Vocab::template_source`]), ready for the assistant's answer:
+    /// the template itself, rendered as Jinja (see `template.rs`); llama.cpp's built-in
+    /// version of its format where the Jinja cannot be rendered. Without the BOS text
+    /// where the tokenizer adds the BOS.
     pub fn chat(&self, turns: &[(&str, &str)]) -> Result<String, VocabError> {
         let err = |why: String| VocabError::Template { path: self.path.clone(), why };
-        let tmpl = self.model.chat_template(None).map_err(|e| err(e.to_string()))?;
+        let tmpl = match (self.model.chat_template(None), &self.tool_use) {
+            (Ok(t), _) => t,
+            (Err(_), Some(t)) => LlamaChatTemplate::new(t).map_err(|e| err(e.to_string()))?,
+            (Err(e), None) => return Err(err(e.to_string())),
+        };
         let source = tmpl.to_str().map_err(|e| err(e.to_string()))?;
         let jinja: Vec<Turn<'_>> = turns.iter().map(|&(role, content)| Turn { role, content }).collect();
         match self.render(|bos, eos| crate::template::render(source, &jinja, bos, eos)) {
@@ -110,15 +124,16 @@ impl Vocab {
 
     /// A conversation in OpenAI's shape (assistant turns with `tool_calls`, `tool`
     /// turns with `tool_call_id`) with `tools` offered, through the model's Jinja
-    /// template: the model's own tool syntax. No fallback: llama.cpp's built-in
-    /// formats know no tools. Without the BOS text where the tokenizer adds the BOS.
+    /// template for tools ([`Vocab::tool_template_source`]): the model's own tool
+    /// syntax. No fallback: llama.cpp's built-in formats know no tools. Without the BOS
+    /// text where the tokenizer adds the BOS.
     pub fn chat_with_tools(
         &self,
         messages: &serde_json::Value,
         tools: &serde_json::Value,
     ) -> Result<String, VocabError> {
         let err = |why: String| VocabError::Template { path: self.path.clone(), why };
-        let source = self.template_source().ok_or_else(|| err("the model has no chat template".into()))?;
+        let source = self.tool_template_source().ok_or_else(|| err("the model has no chat template".into()))?;
         self.render(|bos, eos| crate::template::render_json(&source, messages, tools, bos, eos)).map_err(err)
     }
 
@@ -133,9 +148,19 @@ impl Vocab {
         Ok(text)
     }
 
-    /// The model's chat template (Jinja), if it has one.
+    /// The model's chat template (Jinja) for requests without tools, if it has one: its
+    /// default one (`tokenizer.chat_template`); its `tool_use` one where it has no
+    /// default, as llama.cpp's server does.
     pub fn template_source(&self) -> Option<String> {
-        self.model.chat_template(None).ok().and_then(|t| t.to_string().ok())
+        self.model.chat_template(None).ok().and_then(|t| t.to_string().ok()).or_else(|| self.tool_use.clone())
+    }
+
+    /// The model's chat template (Jinja) for requests that offer tools, if it has one:
+    /// its `tool_use` one (`tokenizer.chat_template.tool_use`) where it has one Shoal
+    /// can use, its default one otherwise, as llama.cpp's server chooses. The tool
+    /// syntax a model speaks is read off this one.
+    pub fn tool_template_source(&self) -> Option<String> {
+        self.tool_use.clone().or_else(|| self.template_source())
     }
 
     /// The text of special token `t` (the BOS's `<|begin_of_text|>`), or nothing when
@@ -147,9 +172,9 @@ impl Vocab {
         String::from_utf8_lossy(&self.model.vocab().token_to_piece(t, true, None)).into_owned()
     }
 
-    /// Whether the model has a chat template.
+    /// Whether the model has a chat template (a default one, or a `tool_use` one).
     pub fn has_chat_template(&self) -> bool {
-        self.model.chat_template(None).is_ok()
+        self.model.chat_template(None).is_ok() || self.tool_use.is_some()
     }
 
     /// The bytes a token stands for (may be part of a UTF-8 character). Control
@@ -179,6 +204,38 @@ impl Vocab {
         let mut out: String = tokens.iter().map(|&t| s.push(&self.piece(t))).collect();
         out.push_str(&s.finish());
         out
+    }
+}
+
+/// The [`TOOL_USE`] template of `gguf` (the file at `path`), where it has one Shoal can
+/// use. One that is not a UTF-8 string, is empty or does not parse as Jinja is left out
+/// with a warning, not refused: the model still answers, requests with tools through
+/// its default template (as llama.cpp's server ignores a tool template it cannot parse).
+fn tool_use_template(gguf: &shoal_gguf::Gguf, path: &Path) -> Option<String> {
+    // Read by Shoal's reader, not `LlamaModel::chat_template(Some(name))`: llama-cpp-2
+    // 0.1.160 frees the name's C string before llama.cpp reads it. The key is the one
+    // llama.cpp's `llama_model_chat_template(model, name)` looks up.
+    // Missing is the common case (most models keep one template): nothing to say.
+    let value = gguf.get(&format!("tokenizer.chat_template.{TOOL_USE}"))?;
+    let checked = match value.as_str() {
+        None => Err("it is not a UTF-8 string".to_string()),
+        Some(s) if s.trim().is_empty() => Err("it is empty".to_string()),
+        Some(s) => crate::template::check(s)
+            .map(|()| s.to_string())
+            .map_err(|why| format!("it does not parse as Jinja: {why}")),
+    };
+    match checked {
+        Ok(source) => {
+            tracing::debug!(path = %path.display(), "requests with tools use the model's {TOOL_USE} chat template");
+            Some(source)
+        }
+        Err(why) => {
+            tracing::warn!(
+                path = %path.display(),
+                "the model's {TOOL_USE} chat template is left out ({why}): requests with tools use its default template"
+            );
+            None
+        }
     }
 }
 

@@ -9,7 +9,7 @@
 //! Deterministic: the same family gives the same bytes.
 
 use crate::file::{align, write_header, Gguf, TensorInfo, DEFAULT_ALIGNMENT};
-use crate::value::Value;
+use crate::value::{Value, ValueType};
 use crate::{GgmlType, GgufError};
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -127,22 +127,46 @@ pub fn write_layers(family: Family, n_layer: u32, vocab_from: &Path, dest: &Path
 }
 
 /// [`write`] with `chat_template` as the model's `tokenizer.chat_template` (in place of
-/// the vocabulary source's): a family's real template over its real vocabulary, when
-/// `vocab_from` is one of llama.cpp's vocabulary-only GGUFs.
+/// the vocabulary source's templates, named ones included): a family's real template
+/// over its real vocabulary, when `vocab_from` is one of llama.cpp's vocabulary-only
+/// GGUFs.
 pub fn write_with_template(
     family: Family,
     vocab_from: &Path,
     chat_template: &str,
     dest: &Path,
 ) -> Result<(), GgufError> {
-    write_model(family, family.layers(), vocab_from, Some(chat_template), dest)
+    write_with_templates(family, vocab_from, Some(chat_template), &[], dest)
+}
+
+/// [`write`] with exactly these chat templates, in place of every one the vocabulary
+/// source carries: `default` as `tokenizer.chat_template` (none where `None`), each
+/// `(name, template)` of `named` as `tokenizer.chat_template.<name>`, their names listed
+/// in `tokenizer.chat_templates`, as llama.cpp's convert script writes Hugging Face's
+/// named templates (Cohere's `tool_use` and `rag`).
+pub fn write_with_templates(
+    family: Family,
+    vocab_from: &Path,
+    default: Option<&str>,
+    named: &[(&str, &str)],
+    dest: &Path,
+) -> Result<(), GgufError> {
+    let templates = Templates { default, named };
+    write_model(family, family.layers(), vocab_from, Some(templates), dest)
+}
+
+/// The chat templates a zoo model carries in place of its vocabulary source's.
+#[derive(Clone, Copy)]
+struct Templates<'a> {
+    default: Option<&'a str>,
+    named: &'a [(&'a str, &'a str)],
 }
 
 fn write_model(
     family: Family,
     n_layer: u32,
     vocab_from: &Path,
-    chat_template: Option<&str>,
+    templates: Option<Templates<'_>>,
     dest: &Path,
 ) -> Result<(), GgufError> {
     let source = Gguf::open(vocab_from)?;
@@ -234,10 +258,23 @@ fn write_model(
         metadata.push((format!("{arch}.attn_logit_softcapping"), Value::F32(50.0)));
         metadata.push((format!("{arch}.final_logit_softcapping"), Value::F32(30.0)));
     }
-    let own_template = |k: &str| chat_template.is_some() && k == "tokenizer.chat_template";
+    // Own templates replace all of the source's (`tokenizer.chat_template`, its named
+    // ones and their list): a source's named template left beside a replaced default
+    // would be read with it.
+    let own_template = |k: &str| templates.is_some() && k.starts_with("tokenizer.chat_template");
     metadata.extend(source.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.") && !own_template(k)).cloned());
-    if let Some(t) = chat_template {
-        metadata.push(("tokenizer.chat_template".to_string(), Value::String(t.as_bytes().to_vec())));
+    if let Some(Templates { default, named }) = templates {
+        let text = |t: &str| Value::String(t.as_bytes().to_vec());
+        if let Some(t) = default {
+            metadata.push(("tokenizer.chat_template".to_string(), text(t)));
+        }
+        for (name, t) in named {
+            metadata.push((format!("tokenizer.chat_template.{name}"), text(t)));
+        }
+        if !named.is_empty() {
+            let names = named.iter().map(|(name, _)| text(name)).collect();
+            metadata.push(("tokenizer.chat_templates".to_string(), Value::Array(ValueType::String, names)));
+        }
     }
 
     // (name, dims innermost first, storage)

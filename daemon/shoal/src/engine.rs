@@ -59,7 +59,9 @@ impl Engine for LlamaEngine {
 
     fn text(&self, gguf: &Path) -> Result<Arc<dyn TextModel>, String> {
         let vocab = Vocab::load(gguf).map_err(|e| e.to_string())?;
-        let tools = vocab.template_source().map_or(ToolSyntax::Generic, |t| ToolSyntax::of(&t));
+        // Read off the template that renders requests with tools: a Command R's
+        // `tool_use` one, not its default one (which has no tool syntax).
+        let tools = vocab.tool_template_source().map_or(ToolSyntax::Generic, |t| ToolSyntax::of(&t));
         Ok(Arc::new(LlamaText { eog: vocab.eog_tokens(), vocab, tools }))
     }
 }
@@ -87,7 +89,8 @@ struct LlamaText {
     vocab: Vocab,
     /// Its end-of-generation tokens (a scan of the whole vocabulary: done once).
     eog: Vec<TokenId>,
-    /// The tool syntax its chat template speaks (read once).
+    /// The tool syntax of the chat template it renders requests with tools through
+    /// (its `tool_use` one where it has one; read once).
     tools: ToolSyntax,
 }
 

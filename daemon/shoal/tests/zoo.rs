@@ -71,11 +71,14 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
 /// `{"name", "parameters"}` object), Command R7B (`<|START_ACTION|>` lists), DeepSeek
 /// R1's Qwen distill and DeepSeek V3.1 (`<｜tool▁calls▁begin｜>` calls), each the zoo's
 /// qwen2 weights under the family's real vocabulary (V3.1: DeepSeek LLM's, the nearest
-/// there is) and chat template. The template (or, for DeepSeek's, which do not list
-/// tools, the system message) lists the tools, a grammar holds a required call to the
-/// model's syntax, and the answer comes back as parsed `tool_calls` whose arguments
-/// follow the tool's schema; the conversation with the call and its result goes back
-/// through the template, which writes them in the model's syntax, for the next turn.
+/// there is) and chat template. Command R7B's is its `tool_use` template, kept beside
+/// a default one without tool syntax (Command R's, the vocabulary's own) as Cohere's
+/// GGUFs keep it: requests with tools go through the former, the rest the latter. The
+/// template (or, for DeepSeek's, which do not list tools, the system message) lists
+/// the tools, a grammar holds a required call to the model's syntax, and the answer
+/// comes back as parsed `tool_calls` whose arguments follow the tool's schema; the
+/// conversation with the call and its result goes back through the template, which
+/// writes them in the model's syntax, for the next turn.
 /// The syntax's markers must come back as text from the vocabulary (the answer is
 /// read from text): in these vocabularies they are not tokens of their own but
 /// ordinary text.
@@ -89,11 +92,15 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
     let vocabs = shoal_gguf::models_dir().join("llama.cpp-vocabs");
     // What the template writes for an earlier call of get_weather(Oslo, c) and its
     // result "-3 c".
-    let models: [(&str, &str, &str, ToolSyntax, &[&str]); 5] = [
+    // (file, vocabulary, template, written as the `tool_use` template beside the
+    // vocabulary's default one, its syntax, what it writes)
+    type Row = (&'static str, &'static str, &'static str, bool, ToolSyntax, &'static [&'static str]);
+    let models: [Row; 5] = [
         (
             "qwen-tools.gguf",
             "ggml-vocab-qwen2.gguf",
             "Qwen-Qwen2.5-7B-Instruct.jinja",
+            false,
             ToolSyntax::Hermes,
             &[
                 "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}\n</tool_call>",
@@ -104,6 +111,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
             "llama-tools.gguf",
             "ggml-vocab-llama-bpe.gguf",
             "meta-llama-Llama-3.3-70B-Instruct.jinja",
+            false,
             ToolSyntax::Llama3,
             &[
                 "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\", \"unit\": \"c\"}}",
@@ -115,6 +123,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
             "command-r7b-tools.gguf",
             "ggml-vocab-command-r.gguf",
             "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
+            true,
             ToolSyntax::CommandR7b,
             &[
                 "<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \"parameters\": \
@@ -127,6 +136,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
             "deepseek-r1-tools.gguf",
             "ggml-vocab-qwen2.gguf",
             "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+            false,
             ToolSyntax::DeepSeekR1 { lists_tools: false },
             &[
                 "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n\
@@ -138,6 +148,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
             "deepseek-v31-tools.gguf",
             "ggml-vocab-deepseek-llm.gguf",
             "deepseek-ai-DeepSeek-V3.1.jinja",
+            false,
             ToolSyntax::DeepSeekV31 { lists_tools: false },
             &[
                 "<｜Assistant｜><think></think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>\
@@ -165,13 +176,30 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
         "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
         "required": ["city", "unit"]}}});
     let ask = json!({"role": "user", "content": "What is the weather in Oslo?"});
-    for (name, vocab, template, syntax, rendered) in models {
+    for (name, vocab, template, tool_use, syntax, rendered) in models {
         let template = std::fs::read_to_string(vocabs.join("templates").join(template)).unwrap();
         let path = tmp.path().join(name);
-        shoal_gguf::zoo::write_with_template(Family::Qwen2, &vocabs.join(vocab), &template, &path).unwrap();
-        // The syntax the node will speak, read off the template.
+        let vocab = vocabs.join(vocab);
+        if tool_use {
+            // Its default template: one without tool syntax.
+            let gguf = shoal_gguf::Gguf::open(&vocab).unwrap();
+            let own = gguf.get("tokenizer.chat_template").and_then(shoal_gguf::Value::as_str).unwrap().to_string();
+            assert_eq!(ToolSyntax::of(&own), ToolSyntax::Generic, "{name}");
+            let named = [("tool_use", template.as_str())];
+            shoal_gguf::zoo::write_with_templates(Family::Qwen2, &vocab, Some(&own), &named, &path).unwrap();
+        } else {
+            shoal_gguf::zoo::write_with_template(Family::Qwen2, &vocab, &template, &path).unwrap();
+        }
+        // The syntax the node will speak, read off the template it renders tools with.
         let text = shoal::engine::LlamaEngine { threads: 1 }.text(&path).unwrap();
         assert_eq!(text.tool_syntax(), syntax, "{name}");
+        if tool_use {
+            // A request without tools: the default template (Command R's turns, none
+            // of Command R7B's system preamble).
+            let hi = shoal_api::ChatMessage { role: "user".into(), content: "Hi there".into() };
+            let plain = text.chat_prompt(&[hi]).unwrap();
+            assert!(plain.contains("<|USER_TOKEN|>Hi there") && !plain.contains("# System Preamble"), "{plain:?}");
+        }
         for marker in markers(syntax) {
             let tokens = text.tokenize(marker, true);
             eprintln!("{name}: {marker} is {} token(s) (BOS included where the model adds one)", tokens.len());
