@@ -61,6 +61,15 @@ pub trait Backend: Send + Sync + 'static {
         None
     }
 
+    /// Speculation `settings` fitted to where `model` runs: a node sets the step cost
+    /// from its placement's predicted hops and compute
+    /// ([`shoal_types::speculative::step_cost_for`]). Chosen once per request, so a
+    /// generation resumed elsewhere keeps its schedule. As given by default.
+    fn fit_speculation(&self, model: &str, settings: shoal_types::SpecSettings) -> shoal_types::SpecSettings {
+        let _ = model;
+        settings
+    }
+
     /// Run `request` on `model` wherever its stages run, sending each token to
     /// `tokens` as it comes (with its log-probabilities when the request's sampling
     /// asked for them); the report at the end. Dropping the future cancels the
@@ -128,15 +137,17 @@ pub trait TextModel: Send + Sync {
         let _ = (prefix, suffix);
         None
     }
-    /// The tool-call syntax of the model's own template ([`ToolSyntax::of`]); the
-    /// generic one where it has none Shoal reads back.
+    /// The tool-call syntax ([`ToolSyntax::of`]) of the template that renders requests
+    /// with tools ([`TextModel::chat_prompt_with_tools`]: a GGUF's `tool_use` template
+    /// where it has one, its default one otherwise); the generic one where it has none
+    /// Shoal reads back.
     fn tool_syntax(&self) -> ToolSyntax {
         ToolSyntax::Generic
     }
     /// `messages` (OpenAI's shape: an assistant's `tool_calls`, a tool's `tool_call_id`
     /// and `name`) with `tools` offered (`[{"type": "function", "function": {…}}]`),
-    /// through the model's own template, ready for the answer: for models whose
-    /// [`TextModel::tool_syntax`] is not the generic one.
+    /// through the model's own template for tools, ready for the answer: for models
+    /// whose [`TextModel::tool_syntax`] is not the generic one.
     fn chat_prompt_with_tools(
         &self,
         messages: &serde_json::Value,

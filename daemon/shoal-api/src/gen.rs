@@ -168,7 +168,8 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
             Some(false) => None,
             Some(true) => Some(backend.speculation().unwrap_or_default()),
             None => backend.speculation(),
-        },
+        }
+        .map(|s| backend.fit_speculation(&job.model, s)),
     };
     let (token_tx, mut tokens) = mpsc::unbounded_channel();
     let generation = backend.generate(&job.model, request, token_tx);

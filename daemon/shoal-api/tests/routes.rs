@@ -24,6 +24,8 @@ const CONTEXT: u32 = 1024;
 /// How the fake node speculates by default.
 const NODE_SPECULATION: shoal_types::SpecSettings =
     shoal_types::SpecSettings { max_draft: 5, ngram_min: 2, ngram_max: 3, position_cost: 0, step_cost: 0 };
+/// The step cost the fake node fits to its model's placement.
+const FITTED_STEP_COST: u32 = 777;
 /// The one key the fake backend takes.
 const GOOD_KEY: &str = "sk-shoal-good";
 
@@ -115,6 +117,11 @@ impl Backend for Fake {
 
     fn speculation(&self) -> Option<shoal_types::SpecSettings> {
         Some(NODE_SPECULATION)
+    }
+
+    fn fit_speculation(&self, model: &str, s: shoal_types::SpecSettings) -> shoal_types::SpecSettings {
+        assert_eq!(model, "tiny");
+        shoal_types::SpecSettings { step_cost: FITTED_STEP_COST, ..s }
     }
 
     async fn load(&self, model: &str) -> Result<(), Failure> {
@@ -1078,7 +1085,12 @@ async fn the_speculative_switch_reaches_the_coordinator_from_every_api() {
             }
             body
         };
-        let want = if switch == Some(false) { None } else { Some(NODE_SPECULATION) };
+        // Fitted to the model's placement (the backend's step cost), whichever way on.
+        let want = if switch == Some(false) {
+            None
+        } else {
+            Some(shoal_types::SpecSettings { step_cost: FITTED_STEP_COST, ..NODE_SPECULATION })
+        };
         for (path, body) in [
             ("/v1/chat/completions", with(json!({"model": "tiny", "messages": msgs, "max_tokens": 2}), false)),
             ("/api/chat", with(json!({"model": "tiny", "messages": msgs, "stream": false, "options": {}}), true)),

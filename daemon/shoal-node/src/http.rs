@@ -203,6 +203,19 @@ impl Backend for NodeBackend {
         self.rt.speculation
     }
 
+    fn fit_speculation(&self, model: &str, mut settings: shoal_types::SpecSettings) -> shoal_types::SpecSettings {
+        let view = self.rt.membership.view().borrow().clone();
+        let catalog = models::entries(&view);
+        let Ok(entry) = models::find(&catalog, model) else { return settings };
+        let placement = runtime::placements(&view).remove(&entry.content_hash);
+        if let Some(cost) =
+            placement.and_then(|p| shoal_types::speculative::step_cost_for(p.predicted_tok_s, p.predicted_compute_ms))
+        {
+            settings.step_cost = cost;
+        }
+        settings
+    }
+
     async fn generate(
         &self,
         model: &str,

@@ -312,6 +312,7 @@ fn place(
         chunk: CHUNK.min(load.context.max(1)),
         stages: Vec::new(),
         predicted_tok_s: 0.0,
+        predicted_compute_ms: 0.0,
         explanation: Vec::new(),
         error: None,
     };
@@ -405,8 +406,18 @@ fn place(
         }
         placement.stages = stages;
         placement.predicted_tok_s = plan.predicted_tok_s;
+        placement.predicted_compute_ms = plan.stages.iter().map(|s| s.ms_per_token).sum();
         placement.explanation = plan.explanation;
         placement.explanation.extend(left_out);
+        if let Some(cost) =
+            shoal_types::speculative::step_cost_for(plan.predicted_tok_s, placement.predicted_compute_ms)
+        {
+            placement.explanation.push(format!(
+                "Speculative decoding weighs each step's hops and protocol at {:.2} of a token's compute \
+                 (step cost {cost}): the dearer a step, the longer the drafts worth verifying in one pass.",
+                f64::from(cost) / 1000.0
+            ));
+        }
         if !measured.is_empty() {
             placement.explanation.push(format!(
                 "Speeds measured by the members on a few layers (ms per layer and token): {}.",
@@ -761,6 +772,12 @@ mod tests {
                 "{text}"
             );
             assert!(!text.contains("estimated"), "{text}");
+            // One stage: a token's predicted time is (nearly) all compute, and the
+            // step cost speculation gets from it is small and said.
+            let token_ms = 1000.0 / p.predicted_tok_s;
+            assert!(p.predicted_compute_ms > 0.5 * token_ms && p.predicted_compute_ms <= token_ms + 1e-9, "{p:?}");
+            let cost = shoal_types::speculative::step_cost_for(p.predicted_tok_s, p.predicted_compute_ms).unwrap();
+            assert!(cost < 1000 && text.contains(&format!("(step cost {cost})")), "{text}");
         }
         // A member's entry that makes no sense is not believed: estimated, and said so.
         let mut i = inputs(&[400 * MB]);

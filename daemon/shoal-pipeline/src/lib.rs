@@ -8,12 +8,14 @@
 //! The protocol logic lives in [`core`] (pure, simulated in tests); `service` is the
 //! async shell around it.
 
+pub mod breakdown;
 pub mod core;
 pub mod latency;
 pub mod placement;
 pub mod protocol;
 pub mod service;
 
+pub use breakdown::{DecodeTimes, Timing, TokenBreakdown};
 pub use core::{Counters, RetryPolicy};
 pub use latency::{HopLatencies, HopLatency};
 pub use placement::{Placement, PlacementError, StagePlace};

@@ -144,6 +144,9 @@ pub struct NodeStatus {
     /// Whether it spins right now (a session generated within the keep-alive window).
     #[serde(default)]
     pub keepalive_spinning: bool,
+    /// This node's share of its decode steps' time (see [`crate::TokenBreakdown`]).
+    #[serde(default)]
+    pub decode_times: crate::breakdown::DecodeTimes,
 }
 
 /// One line of the coordinator's answer.

@@ -3,6 +3,7 @@
 //! the actions it returns. The stage computes on its own thread so the network keeps
 //! flowing while it works (prefill chunks overlap across stages).
 
+use crate::breakdown::{DecodeTimes, Mean, Timing};
 pub use crate::core::SamplerFactory;
 use crate::core::{Action, ClientId, CoreConfig, Input, Job, JobInput, NodeCore, RetryPolicy, StepOutput};
 use crate::placement::Placement;
@@ -57,6 +58,8 @@ enum Work {
 /// Everything the shell feeds the core, plus client registration.
 enum Event {
     Input(Input),
+    /// A frame from the previous stage, and when its reader task had it decoded.
+    Frame(Frame, Instant),
     Generate(GenerateRequest, Client),
     Status(tokio::sync::oneshot::Sender<NodeStatus>),
 }
@@ -99,6 +102,47 @@ struct ShellCounters {
     /// Frees handed to the stage thread and not yet done: a decode step runs inline only
     /// when none is pending, so a slot freed for it is free when it runs.
     frees_pending: std::sync::atomic::AtomicUsize,
+    /// Where decode steps' time goes on this node (`NodeStatus::decode_times`).
+    steps: StepClocks,
+}
+
+/// The running means behind [`DecodeTimes`], written by whichever task or thread sees
+/// each part of a step (event loop, stage thread, link task, client writers).
+#[derive(Default)]
+struct StepClocks {
+    compute: Mean,
+    /// Handing a step to the stage (thread, or inline) to handling its result.
+    roundtrip: Mean,
+    core_in: Mean,
+    core_out: Mean,
+    receive_wait: Mean,
+    hop_in: Mean,
+    send_wait: Mean,
+    write: Mean,
+    interval: Mean,
+    client_write: Mean,
+}
+
+impl StepClocks {
+    fn times(&self) -> DecodeTimes {
+        let (compute, roundtrip) = (self.compute.timing(), self.roundtrip.timing());
+        DecodeTimes {
+            compute,
+            handoff: Timing {
+                n: roundtrip.n,
+                mean_us: (roundtrip.mean_us - compute.mean_us).max(0.0),
+                p50_us: (roundtrip.p50_us - compute.p50_us).max(0.0),
+            },
+            core_in: self.core_in.timing(),
+            core_out: self.core_out.timing(),
+            receive_wait: self.receive_wait.timing(),
+            hop_in: self.hop_in.timing(),
+            send_wait: self.send_wait.timing(),
+            write: self.write.timing(),
+            interval: self.interval.timing(),
+            client_write: self.client_write.timing(),
+        }
+    }
 }
 
 /// Serve `cfg`'s stage on `node` until the endpoint closes.
@@ -138,6 +182,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let incoming = (router.route(alpn::PIPELINE), router.route(alpn::CONTROL));
     let admission = Arc::new(Admission::new(info.max_sessions as usize));
     tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone(), admission.clone()));
+    let coordinator = index == 0;
     let ticker = events_tx.clone();
     tokio::spawn(async move {
         let mut t = tokio::time::interval(TICK);
@@ -167,23 +212,37 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let mut slow_clients_dropped = 0u64;
     let mut next_client: ClientId = 0;
     let mut hops = crate::latency::HopLatencies::default();
-    // When each job still with the stage thread was handed over (it works in order).
-    let mut submitted: std::collections::VecDeque<(Instant, bool)> = std::collections::VecDeque::new();
+    // When each job still with the stage thread was handed over (it works in order), and
+    // whether it is a one-token decode step / any decode step (a verify step too).
+    let mut submitted: std::collections::VecDeque<(Instant, bool, bool)> = std::collections::VecDeque::new();
+    // Coordinator: when each session's last decode step started, for the step interval.
+    let mut last_step: HashMap<u64, Instant> = HashMap::new();
     tracing::info!(stage = %info.layers, addr = ?node.local_addr().ok(), "serving");
     while let Some(ev) = events.recv().await {
-        if let (Some(k), Event::Input(Input::Frame(_) | Input::Done(..)) | Event::Generate(..)) = (&awake, &ev) {
+        if let (Some(k), Event::Frame(..) | Event::Input(Input::Done(..)) | Event::Generate(..)) = (&awake, &ev) {
             k.touch();
         }
         let input = match ev {
-            Event::Input(Input::Frame(f)) => {
+            Event::Frame(f, decoded) => {
                 hops.record(&f);
+                if is_step_frame(&f) {
+                    shell.steps.receive_wait.add(decoded.elapsed());
+                    if let Some(age) = f.age_us() {
+                        shell.steps.hop_in.add(Duration::from_micros(age.into()));
+                    }
+                }
                 Input::Frame(f)
             }
             Event::Input(Input::Done(job, out)) => {
-                if let Some((at, true)) = submitted.pop_front() {
-                    shell
-                        .decode_roundtrip_ns
-                        .fetch_add(at.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                if let Some((at, decode, step)) = submitted.pop_front() {
+                    if decode {
+                        shell
+                            .decode_roundtrip_ns
+                            .fetch_add(at.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    if step {
+                        shell.steps.roundtrip.add(at.elapsed());
+                    }
                 }
                 Input::Done(job, out)
             }
@@ -218,6 +277,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                         .saturating_sub(shell.decode_ns.load(Relaxed)) as f64
                         / 1e6
                         / shell.decode_steps.load(Relaxed).max(1) as f64,
+                    decode_times: shell.steps.times(),
                 });
                 continue;
             }
@@ -228,12 +288,22 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
         // a fast stage the next event is always ready and the loop would not wait).
         let mut let_writers_run = false;
         while let Some(input) = pending.pop() {
-            for action in core.handle(input, Instant::now()) {
+            let clock = match &input {
+                Input::Frame(f) if is_step_frame(f) => Some(&shell.steps.core_in),
+                Input::Done(job, _) if is_step(job, info.n_embd) => Some(&shell.steps.core_out),
+                _ => None,
+            };
+            let t_core = Instant::now();
+            let actions = core.handle(input, t_core);
+            if let Some(clock) = clock {
+                clock.add(t_core.elapsed());
+            }
+            for action in actions {
                 match action {
                     Action::Send(f) if next_is_self => pending.push(Input::Frame(f)),
                     Action::Send(mut f) => {
                         f.sent_us = shoal_net::wall_us();
-                        if link_tx.send(Link::Frame(f)).await.is_err() {
+                        if link_tx.send(Link::Frame(f, Instant::now())).await.is_err() {
                             tracing::error!("the link task has stopped");
                         }
                     }
@@ -242,26 +312,41 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                     // stage thread and being woken by it again (each wake-up is 0.1-0.5 ms
                     // on a loaded or virtual machine), and nothing else is due meanwhile
                     // (the pipeline is in lock-step for this session).
-                    Action::Submit(job)
+                    Action::Submit(job) => {
+                        let step = is_step(&job, info.n_embd);
+                        if coordinator && step {
+                            let now = Instant::now();
+                            if let Some(prev) = last_step.insert(job.session, now) {
+                                shell.steps.interval.add(now - prev);
+                            }
+                        }
+                        let decode = is_decode(&job, info.n_embd);
+                        // A decode step while the stage thread has nothing queued runs
+                        // right here: a few ms of compute on this thread cost less than
+                        // waking the stage thread and being woken by it again (each
+                        // wake-up is 0.1-0.5 ms on a loaded or virtual machine), and
+                        // nothing else is due meanwhile (the pipeline is in lock-step for
+                        // this session).
                         if submitted.is_empty()
                             && inline_runs < INLINE_BUDGET
                             && shell.frees_pending.load(std::sync::atomic::Ordering::Acquire) == 0
-                            && is_decode(&job, info.n_embd) =>
-                    {
-                        inline_runs += 1;
-                        let t0 = Instant::now();
-                        let out = match stage.lock() {
-                            Ok(mut s) => run_job(s.as_mut(), &job, &shell),
-                            Err(_) => Err("the stage panicked earlier; restart this node".to_string()),
-                        };
-                        shell
-                            .decode_roundtrip_ns
-                            .fetch_add(t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-                        pending.push(Input::Done(job, out));
-                    }
-                    Action::Submit(job) => {
-                        submitted.push_back((Instant::now(), is_decode(&job, info.n_embd)));
-                        let _ = work_tx.send(Work::Forward(job));
+                            && decode
+                        {
+                            inline_runs += 1;
+                            let t0 = Instant::now();
+                            let out = match stage.lock() {
+                                Ok(mut s) => run_job(s.as_mut(), &job, &shell),
+                                Err(_) => Err("the stage panicked earlier; restart this node".to_string()),
+                            };
+                            shell
+                                .decode_roundtrip_ns
+                                .fetch_add(t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                            shell.steps.roundtrip.add(t0.elapsed());
+                            pending.push(Input::Done(job, out));
+                        } else {
+                            submitted.push_back((Instant::now(), decode, step));
+                            let _ = work_tx.send(Work::Forward(job));
+                        }
                     }
                     Action::RenewLink => {
                         if !next_is_self && link_tx.send(Link::Renew).await.is_err() {
@@ -269,6 +354,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                         }
                     }
                     Action::Free(s) => {
+                        last_step.remove(&s);
                         shell.frees_pending.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
                         if work_tx.send(Work::Free(s)).is_err() {
                             shell.frees_pending.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
@@ -426,6 +512,9 @@ fn run_job(stage: &mut dyn Stage, job: &Job, stats: &ShellCounters) -> Result<St
         stats.decode_steps.fetch_add(1, Relaxed);
         stats.decode_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
     }
+    if is_step(job, stage.info().n_embd) {
+        stats.steps.compute.add(t0.elapsed());
+    }
     match result {
         Ok(StageOutput::Hidden(h)) => Ok(StepOutput::Hidden(h)),
         Ok(StageOutput::Logits(l)) => Ok(StepOutput::Logits(l)),
@@ -442,10 +531,25 @@ fn is_decode(job: &Job, n_embd: u32) -> bool {
     }
 }
 
+/// Whether `job` is any decode step: one token, or a verify step of 1 + k positions.
+fn is_step(job: &Job, n_embd: u32) -> bool {
+    is_decode(job, n_embd) || job.flags & shoal_net::frame::FLAG_VERIFY != 0
+}
+
+/// Whether `f` carries a decode step round the ring (a token back to the coordinator,
+/// or one step's hidden states), not a prompt chunk or a control message.
+fn is_step_frame(f: &Frame) -> bool {
+    match f.kind {
+        FrameKind::Token => true,
+        FrameKind::Hidden => f.n_tokens == 1 || f.flags & shoal_net::frame::FLAG_VERIFY != 0,
+        _ => false,
+    }
+}
+
 /// What the event loop hands the link task.
 enum Link {
-    /// A frame for the next node.
-    Frame(Frame),
+    /// A frame for the next node, and when the event loop handed it over.
+    Frame(Frame, Instant),
     /// The next node restarted: its old connection is dead, connect again.
     Renew,
 }
@@ -465,10 +569,18 @@ async fn link_task(
     let mut pending: Option<Vec<u8>> = None;
     let mut backoff = Duration::from_millis(5);
     loop {
+        // Set for a decode step's frame: when the link task took it, to time its write.
+        let mut taken: Option<Instant> = None;
         let bytes = match pending.take() {
             Some(b) => b,
             None => match frames.recv().await {
-                Some(Link::Frame(f)) => length_prefixed(&f),
+                Some(Link::Frame(f, handed)) => {
+                    if is_step_frame(&f) {
+                        counters.steps.send_wait.add(handed.elapsed());
+                        taken = Some(Instant::now());
+                    }
+                    length_prefixed(&f)
+                }
                 Some(Link::Renew) => {
                     if let Some(c) = connection.take() {
                         tracing::info!(%addr, "the next node restarted; connecting again");
@@ -500,6 +612,9 @@ async fn link_task(
             Some(s) => s.write_all(&bytes).await.is_ok(),
             None => false,
         };
+        if let (true, Some(t)) = (ok, taken) {
+            counters.steps.write.add(t.elapsed());
+        }
         if !ok {
             stream = None;
             pending = Some(bytes);
@@ -537,7 +652,7 @@ async fn accept_task(
             }
             tokio::spawn(read_frames(acc.conn, limits, events, counters.clone()));
         } else if acc.alpn == alpn::CONTROL {
-            tokio::spawn(serve_control(acc.conn, events, admission.clone()));
+            tokio::spawn(serve_control(acc.conn, events, admission.clone(), counters.clone()));
         } else {
             acc.conn.close(1u32.into(), b"protocol not served here");
         }
@@ -571,7 +686,7 @@ async fn read_frames(
             }
             match Frame::decode(&buf, &limits) {
                 Ok(f) => {
-                    if events.send(Event::Input(Input::Frame(f))).await.is_err() {
+                    if events.send(Event::Frame(f, Instant::now())).await.is_err() {
                         return;
                     }
                 }
@@ -674,10 +789,16 @@ impl Admission {
 }
 
 /// One generation per bidirectional stream: a JSON request in, JSON lines out.
-async fn serve_control(conn: quinn::Connection, events: mpsc::Sender<Event>, admission: Arc<Admission>) {
+async fn serve_control(
+    conn: quinn::Connection,
+    events: mpsc::Sender<Event>,
+    admission: Arc<Admission>,
+    counters: Arc<ShellCounters>,
+) {
     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
         let events = events.clone();
         let admission = admission.clone();
+        let counters = counters.clone();
         tokio::spawn(async move {
             let reply = |e: GenEvent| {
                 // Invariant: events are plain data and always serialise.
@@ -732,8 +853,12 @@ async fn serve_control(conn: quinn::Connection, events: mpsc::Sender<Event>, adm
             let writing = async {
                 while let Some(ev) = rx.recv().await {
                     let end = !ev.is_token();
+                    let t = Instant::now();
                     if send.write_all(&reply(ev)).await.is_err() {
                         return false;
+                    }
+                    if !end {
+                        counters.steps.client_write.add(t.elapsed());
                     }
                     if end {
                         return true;

@@ -123,6 +123,47 @@ async fn three_nodes_match_in_process_stages() {
     assert_eq!(b.unwrap().tokens, reference(&ranges, &other, 20).0);
 }
 
+/// Every node times its share of each decode step and the coordinator the step
+/// interval; `TokenBreakdown` adds them up round the ring. Counts are exact (one
+/// generation, no faults); times only have to be there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_steps_time_is_broken_down_round_the_ring() {
+    let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];
+    let (placement, client) = start(&ranges).await;
+    let prompt: Vec<TokenId> = (0..11).map(|i| (i * 7 % 50) as TokenId).collect();
+    let report = generate(&client, &placement.stages[0], &request(&prompt, 40), |_, _| {}).await.unwrap();
+    assert_eq!(report.tokens.len(), 40);
+    let mut ring = Vec::new();
+    for place in &placement.stages {
+        ring.push(shoal_pipeline::status(&client, place).await.unwrap());
+    }
+    // The prompt's last chunk gives the first token; 39 decode steps the others.
+    for (i, st) in ring.iter().enumerate() {
+        let d = &st.decode_times;
+        assert_eq!((d.compute.n, d.core_out.n), (39, 39), "stage {i}: {d:?}");
+        let tail = i == ring.len() - 1;
+        // Steps' frames in: hidden states of each step, or at the coordinator the
+        // tail's tokens (the prompt's first one too); as many sent on.
+        let (frames_in, frames_out) = match i {
+            0 => (40, 39),
+            _ if tail => (39, 40),
+            _ => (39, 39),
+        };
+        assert_eq!((d.hop_in.n, d.receive_wait.n, d.core_in.n), (frames_in, frames_in, frames_in), "stage {i}: {d:?}");
+        assert_eq!((d.send_wait.n, d.write.n), (frames_out, frames_out), "stage {i}: {d:?}");
+        assert!(d.compute.mean_us > 0.0 && d.hop_in.mean_us > 0.0, "stage {i}: {d:?}");
+    }
+    let coordinator = &ring[0].decode_times;
+    assert_eq!((coordinator.interval.n, coordinator.client_write.n), (38, 40), "{coordinator:?}");
+    let b = shoal_pipeline::TokenBreakdown::of(&ring).unwrap();
+    assert_eq!(b.steps, 38);
+    // Four parts per stage, four per hop.
+    assert_eq!(b.parts.len(), 4 * 3 + 4 * 3, "{b:?}");
+    assert!(b.parts.iter().all(|p| p.us >= 0.0 && p.us.is_finite()), "{b:?}");
+    assert!(b.interval_us > b.compute_us() && b.compute_us() > 0.0 && b.unexplained_us.is_finite(), "{b:?}");
+    assert_eq!(b.lines().len(), 3 + b.parts.len() + 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_past_the_sessions_queue_in_order_and_past_the_queue_are_refused_as_busy() {
     let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];

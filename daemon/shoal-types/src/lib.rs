@@ -264,8 +264,12 @@ pub struct LogitsDigest {
 impl LogitsDigest {
     /// Add one sampled step's logits.
     pub fn update(&mut self, logits: &[f32]) {
-        self.bytes.clear();
-        self.bytes.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+        // Copied value by value into a reused buffer: a loop the compiler vectorises (an
+        // iterator of byte arrays was not, and cost more than the hash itself).
+        self.bytes.resize(logits.len() * 4, 0);
+        for (b, v) in self.bytes.chunks_exact_mut(4).zip(logits) {
+            b.copy_from_slice(&v.to_le_bytes());
+        }
         self.hasher.update(&self.bytes);
     }
 

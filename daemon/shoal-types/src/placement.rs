@@ -50,6 +50,11 @@ pub struct ModelPlacement {
     pub stages: Vec<PlacedStage>,
     /// The planner's prediction of one session's decode speed.
     pub predicted_tok_s: f64,
+    /// Of a predicted token's time (`1000 / predicted_tok_s` ms), the stages' compute,
+    /// ms; the rest is hops and protocol. Speculative decoding weighs a step's cost
+    /// with it ([`crate::speculative::step_cost_for`]). 0 in placements made before.
+    #[serde(default)]
+    pub predicted_compute_ms: f64,
     /// Why this placement, in sentences (or why none).
     pub explanation: Vec<String>,
     /// Set when the model cannot be placed on the members available now.
@@ -222,6 +227,7 @@ mod tests {
             chunk: 64,
             stages: vec![stage(1, 0, 10), stage(2, 10, 30)],
             predicted_tok_s: 1.0,
+            predicted_compute_ms: 0.0,
             explanation: vec![],
             error: None,
         }

@@ -227,6 +227,19 @@ const WINDOW: usize = 8;
 /// become worth it).
 const PROBE_AFTER: usize = 16;
 
+/// The step cost (thousandths of a one-position pass) of a placement whose planner
+/// predicts `tok_s` decode tokens per second with `compute_ms` of them computing (all
+/// stages together): what a step spends on hops, wake-ups and the protocol beside its
+/// compute. A placement over slow links gets a dear step and so longer drafts. `None`
+/// when the prediction has no compute to relate to (an old placement, or no plan).
+pub fn step_cost_for(tok_s: f64, compute_ms: f64) -> Option<u32> {
+    if !(tok_s > 0.0 && compute_ms > 0.0 && tok_s.is_finite() && compute_ms.is_finite()) {
+        return None;
+    }
+    let overhead_ms = (1000.0 / tok_s - compute_ms).max(0.0);
+    Some((1000.0 * overhead_ms / compute_ms).round().min(f64::from(MAX_COST)) as u32)
+}
+
 /// The most tokens the next step drafts, given `steps` so far (all answered) and the
 /// tokens they emitted: `max_draft` without a cost model; with one, the k that makes
 /// most tokens per unit of cost, E(k) / (1 + step_cost + k × position_cost), where
@@ -353,6 +366,28 @@ pub fn limits_at(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_placements_step_cost_is_its_predicted_overhead_per_unit_of_compute() {
+        // 50 tok/s = 20 ms a token, 16 of them compute: 4 ms of hops = 0.25 of a pass.
+        assert_eq!(step_cost_for(50.0, 16.0), Some(250));
+        // Predicted faster than its compute (rounding in the planner): no overhead.
+        assert_eq!(step_cost_for(100.0, 12.0), Some(0));
+        // A slow link: 2 tok/s with 10 ms of compute is capped.
+        assert_eq!(step_cost_for(0.001, 10.0), Some(MAX_COST));
+        for (t, c) in [(0.0, 10.0), (50.0, 0.0), (f64::NAN, 1.0), (f64::INFINITY, 1.0), (-1.0, 5.0)] {
+            assert_eq!(step_cost_for(t, c), None, "{t} {c}");
+        }
+        // A dearer step drafts longer (or as long) at the same acceptance.
+        let s = SpecSettings { max_draft: 8, position_cost: 450, ..SpecSettings::default() };
+        // Eight verify steps of three drafts, one accepted each (acceptance ~0.35).
+        let steps: Vec<DecodeStep> =
+            (0..8).map(|i| DecodeStep { n_before: 1 + 2 * i, drafts: vec![1, 2, 3] }).collect();
+        let n = 1 + 2 * 8;
+        let near = draft_cap(&SpecSettings { step_cost: step_cost_for(55.0, 17.5).unwrap(), ..s }, &steps, n);
+        let far = draft_cap(&SpecSettings { step_cost: step_cost_for(30.0, 17.5).unwrap(), ..s }, &steps, n);
+        assert!(far > near, "{near} {far}");
+    }
 
     fn lim(stop: &[TokenId]) -> DraftLimits<'_> {
         DraftLimits { remaining: 100, context_left: 100, chunk: 16, stop }

@@ -493,5 +493,11 @@ pub fn status(a: StatusArgs) -> Result<()> {
             Err(e) => println!("stage {:<8} {} {}  unreachable: {e}", p.layers.to_string(), &id[..12], p.addr),
         }
     }
+    let ring: Option<Vec<_>> = answers.into_iter().map(Result::ok).collect();
+    if let Some(b) = ring.as_deref().and_then(shoal_pipeline::TokenBreakdown::of) {
+        for line in b.lines() {
+            println!("{line}");
+        }
+    }
     Ok(())
 }

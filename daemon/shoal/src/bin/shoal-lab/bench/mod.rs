@@ -528,6 +528,19 @@ fn print_hop_latencies(placement: &std::path::Path, client: &std::path::Path) ->
     }
     println!("(quinn: the same frames between two bare QUIC endpoints, sent back to back, or after the receiver idled 10 ms as a stage does between tokens)");
     println!("targets (loopback, no impairment): p50 ≤ 0.10 ms for 2.3 KB frames, ≤ 0.20 ms for 32 KB frames");
+    match shoal_pipeline::TokenBreakdown::of(&nodes) {
+        Some(b) => {
+            for line in b.lines() {
+                println!("{line}");
+            }
+            println!(
+                "compute {:.1}% of a step; the rest ({:.1} µs) is protocol, queues and the wire",
+                100.0 * b.compute_us() / b.interval_us,
+                b.interval_us - b.compute_us()
+            );
+        }
+        None => println!("(no decode step timed at the coordinator)"),
+    }
     Ok(())
 }
 
