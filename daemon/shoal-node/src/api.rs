@@ -75,6 +75,9 @@ pub enum NodeRequest {
     },
     /// The stages this node runs, and their state.
     Stages,
+    /// Where each loaded model's decode steps spend their time: its stages' shares,
+    /// asked of their nodes and added up round the ring (`shoal status`).
+    Breakdowns,
     /// What this node's machine has and uses now (the admin page's machine cards).
     Inventory,
     /// Bytes of the header (metadata and tensor table) of a model this node holds, from
@@ -130,6 +133,7 @@ impl NodeRequest {
             NodeRequest::ModelList
                 | NodeRequest::ModelPlan { .. }
                 | NodeRequest::Stages
+                | NodeRequest::Breakdowns
                 | NodeRequest::Inventory
                 | NodeRequest::ModelHeader { .. }
                 // The node checks that the asker leads.
@@ -206,6 +210,9 @@ pub enum NodeResponse {
     Generated(shoal_pipeline::Report),
     /// The stages this node runs.
     Stages(Vec<StageStatus>),
+    /// Per loaded model (its name), where its decode steps' time goes; models whose
+    /// coordinator timed no step yet, or whose stages did not all answer, are left out.
+    Breakdowns(Vec<(String, shoal_pipeline::TokenBreakdown)>),
     /// This node's machine (boxed: much larger than the other answers).
     Inventory(Box<shoal_types::NodeInventory>),
     /// A key was made: its secret, shown once.

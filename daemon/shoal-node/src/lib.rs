@@ -306,6 +306,7 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
                 .unwrap_or_else(|e| Err(ApiError::new(ErrorKind::Unavailable, e.to_string())))
         }
         NodeRequest::Stages => Ok(NodeResponse::Stages(runtime::stage_report(&ctx.rt).into_iter().collect())),
+        NodeRequest::Breakdowns => Ok(NodeResponse::Breakdowns(runtime::breakdowns(&ctx.rt).await)),
         NodeRequest::Inventory => Ok(NodeResponse::Inventory(Box::new(ctx.rt.inventory.borrow().clone()))),
         NodeRequest::Generate { .. } | NodeRequest::Measure { .. } | NodeRequest::ProbeLinks { .. } => {
             Err(ApiError::new(ErrorKind::BadRequest, "served by the connection's loop"))

@@ -418,6 +418,26 @@ pub(crate) async fn stage_status(
     tokio::time::timeout(within, shoal_pipeline::status(&rt.node, &place)).await.ok()?.ok()
 }
 
+/// How long [`breakdowns`] waits for each stage's node.
+const BREAKDOWN_WAIT: Duration = Duration::from_secs(3);
+
+/// Where each placed model's decode steps spend their time: every stage's status,
+/// asked at once, added up round the ring ([`shoal_pipeline::TokenBreakdown`]).
+pub async fn breakdowns(rt: &Runtime) -> Vec<(String, shoal_pipeline::TokenBreakdown)> {
+    let view = rt.view();
+    let catalog = models::entries(&view);
+    let mut out = Vec::new();
+    for (hash, p) in placements(&view) {
+        let asks = p.stages.iter().map(|s| stage_status(rt, &view, s.node, s.layers, BREAKDOWN_WAIT));
+        let ring: Option<Vec<_>> = futures_util::future::join_all(asks).await.into_iter().collect();
+        if let Some(b) = ring.as_deref().and_then(shoal_pipeline::TokenBreakdown::of) {
+            let name = catalog.iter().find(|e| e.content_hash == hash).map_or(hash, |e| e.name.clone());
+            out.push((name, b));
+        }
+    }
+    out
+}
+
 /// Publish this node's offer once it is a member (and whenever it differs).
 pub async fn offer(rt: Arc<Runtime>) {
     let mut view = rt.membership.view();

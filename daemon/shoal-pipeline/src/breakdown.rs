@@ -88,7 +88,7 @@ pub struct DecodeTimes {
 }
 
 /// One line of a [`TokenBreakdown`].
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Part {
     /// What it is ("stage 0 compute", "hop 0→1 wire and QUIC", …).
     pub what: String,
@@ -99,7 +99,7 @@ pub struct Part {
 }
 
 /// A decode step's time at the coordinator, split into the parts the nodes measured.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TokenBreakdown {
     /// Steps the coordinator timed.
     pub steps: u64,

@@ -495,8 +495,24 @@ pub fn status(dir: &Option<PathBuf>, json: bool) -> Result<()> {
     } else {
         print_status(&st);
         print_stage(dir);
+        print_breakdowns(dir);
     }
     Ok(())
+}
+
+/// Where each loaded model's decode steps spend their time (nothing before a model has
+/// generated, or when a stage's node does not answer).
+fn print_breakdowns(dir: &Option<PathBuf>) {
+    let data_dir = data_dir(dir);
+    let Ok(identity) = Identity::load_or_create(&data_dir) else { return };
+    let ask = shoal_node::api::request(&data_dir, Arc::new(identity), &shoal_node::api::NodeRequest::Breakdowns);
+    let Ok(Ok(shoal_node::api::NodeResponse::Breakdowns(all))) = runtime().map(|rt| rt.block_on(ask)) else { return };
+    for (model, b) in all {
+        println!("model {model}:");
+        for line in b.lines() {
+            println!("  {line}");
+        }
+    }
 }
 
 /// The stage this node runs, with its memory: the planner's prediction, llama.cpp's

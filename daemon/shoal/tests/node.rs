@@ -90,6 +90,11 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     let status = run_ok(&["status"], &dir("b"));
     assert!(status.contains("this node's stage: layers") && status.contains("running; memory predicted"), "{status}");
     assert!(!status.contains("resident ?"), "{status}");
+    // The generations above were timed round the ring: each stage's share of a step.
+    assert!(status.contains("where a decode step's time goes"), "{status}");
+    for part in ["stage 0 compute", "stage 1 compute", "stage 2 sampling", "hop 0→1 QUIC and wire", "hop 2→0"] {
+        assert!(status.contains(part), "{part}: {status}");
+    }
 
     // B's HTTP API (B holds only its shard, and tokenizes with it): OpenAI whole and
     // streamed, and Ollama's stream, all give the unsplit run's greedy text.

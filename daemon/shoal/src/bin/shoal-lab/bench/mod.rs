@@ -93,6 +93,9 @@ pub struct PipelineArgs {
     /// Prompt length for the time-to-first-token measurement.
     #[arg(long, default_value_t = 1000)]
     prompt_tokens: usize,
+    /// The stages' keep-alive (`shoal serve --keepalive`): auto, on or off.
+    #[arg(long, default_value = "auto")]
+    keepalive: String,
 }
 
 #[derive(Args, Debug)]
@@ -391,7 +394,13 @@ fn pipeline(a: PipelineArgs) -> Result<()> {
     let impair = format!("{:?}", a.impair);
     let impair_arg = if a.impair.is_none() { String::new() } else { impair_spec(&a.impair) };
     let context = (a.prompt_tokens + a.tokens + 64).max(2048);
-    let lp = LoopbackPipeline::start(&a.model, &points, a.chunk, context, &["--impair", &impair_arg])?;
+    let lp = LoopbackPipeline::start(
+        &a.model,
+        &points,
+        a.chunk,
+        context,
+        &["--impair", &impair_arg, "--keepalive", &a.keepalive],
+    )?;
     let placement = lp.placement.clone();
     let long_prompt = {
         let vocab = shoal_engine::Vocab::load(&a.model)?;

@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 use shoal::local::Lab;
-use shoal_node::api::NodeRequest;
+use shoal_node::api::{NodeRequest, NodeResponse};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -133,6 +133,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         per_token(api_tps),
         per_token(node_tps)
     );
+    // The single-stream runs' steps, round the ring (the concurrent ones below would mix in).
+    if let NodeResponse::Breakdowns(all) = lab.ask("n0", NodeRequest::Breakdowns)? {
+        for (_, b) in all {
+            for line in b.lines() {
+                println!("  {line}");
+            }
+        }
+    }
 
     // Concurrent streams: six sessions, short context.
     lab.ask("n2", NodeRequest::ModelUnload { model: name.clone() })?;
