@@ -301,6 +301,10 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
     let args = ["--prompt", PROMPT, "-n", "300", "--ignore-eos", "--json"];
     let r = unsplit(&model, &args);
     let r_eos = unsplit(&model, &["--prompt", PROMPT, "-n", "300", "--json"]);
+    // The second round speculates: its answer is the unsplit run's with the same drafts.
+    let spec_args = ["--prompt", PROMPT, "-n", "300", "--ignore-eos", "--json", "--draft", "8"];
+    let r_spec = unsplit(&model, &spec_args);
+    assert!(r_spec["accepted"].as_u64().unwrap() > 0, "no draft accepted: the round would not test speculation");
     let id_of = |n: &str| key(&dir(n));
 
     // A spare holds neither the model nor a shard; its API still answers: it fetches
@@ -368,7 +372,10 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
                 text
             })
         });
-        let (gen, mut lines) = spawn_generation(shoal(), SMOL, &args, &dir("a"));
+        // Round 1 kills the coordinator with speculation on: the resumed generation
+        // recovers its draft schedule from the tokens and goes on as the unfaulted run.
+        let (args, r): (&[&str], &Value) = if round == 0 { (&args, &r) } else { (&spec_args, &r_spec) };
+        let (gen, mut lines) = spawn_generation(shoal(), SMOL, args, &dir("a"));
         // Kill the victim once 40 tokens came.
         let mut seen = 0;
         for line in lines.by_ref() {
