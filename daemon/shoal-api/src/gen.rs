@@ -69,6 +69,34 @@ impl Logprob {
     }
 }
 
+/// The entries of the tokens that make up `span` (bytes) of an answer whose text is
+/// `text_len` bytes long and whose tokens are `entries` (in order, each token's bytes as
+/// it released them): all of them for the whole answer (a stop sequence's tokens
+/// included, as a reply without tools lists them); else every token that overlaps the
+/// span, so a token that straddles its edge (a marker and the reply's first
+/// character in one token) is listed whole, with its own log-probability.
+pub(crate) fn logprobs_within(entries: &[Logprob], text_len: usize, span: std::ops::Range<usize>) -> &[Logprob] {
+    if span == (0..text_len) {
+        return entries;
+    }
+    if span.is_empty() {
+        return &[];
+    }
+    let (mut first, mut end, mut at) = (None, 0, 0);
+    for (i, e) in entries.iter().enumerate() {
+        let next = at + e.bytes.len();
+        if next > span.start && at < span.end {
+            first.get_or_insert(i);
+            end = i + 1;
+        }
+        at = next;
+    }
+    match first {
+        Some(first) => &entries[first..end],
+        None => &[],
+    }
+}
+
 /// How a generation ended.
 #[derive(Clone, Debug)]
 pub(crate) struct Outcome {
@@ -245,4 +273,24 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
             total: t0.elapsed(),
         }))
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reply inside an answer lists its tokens: all for the whole answer, those that
+    /// overlap a part of it (a token across its edge whole), none for an empty part.
+    #[test]
+    fn a_spans_tokens_are_those_that_overlap_it() {
+        let e = |s: &str| Logprob { bytes: s.as_bytes().to_vec(), logprob: -1.0, top: Vec::new() };
+        // "<R>Hi.</R>" then a stop sequence's token past the text.
+        let entries = [e("<R>"), e("Hi"), e("."), e("</R>"), e("STOP")];
+        let text_len = "<R>Hi.</R>".len();
+        assert_eq!(logprobs_within(&entries, text_len, 0..text_len), &entries[..]);
+        assert_eq!(logprobs_within(&entries, text_len, 3..6), &entries[1..3]);
+        // Starting inside "Hi": the token is listed whole.
+        assert_eq!(logprobs_within(&entries, text_len, 4..6), &entries[1..3]);
+        assert!(logprobs_within(&entries, text_len, 6..6).is_empty());
+    }
 }

@@ -51,21 +51,77 @@ const DESCRIPTIVE: &[&str] = &[
 
 /// The grammar of any JSON object.
 pub fn json_object() -> String {
-    format!("root ::= ws object ws\n{BASE}")
+    Structured::object().grammar()
 }
 
 /// The grammar of the JSON values `schema` describes, or why it cannot be followed.
 pub fn from_schema(schema: &Value) -> Result<String, String> {
-    let mut c = Converter { root: schema, prefix: String::new(), rules: BTreeMap::new(), defs_done: Vec::new() };
-    let root = c.expr(schema, 0)?;
-    let mut out = format!("root ::= ws {root} ws\n{BASE}");
-    for (name, body) in &c.rules {
-        out += &format!("{name} ::= {body}\n");
+    Structured::schema(schema).map(|s| s.grammar())
+}
+
+/// A reply held to JSON (OpenAI's `response_format` `json_object` or `json_schema`,
+/// Ollama's `format`): the expression of its value and the rules that expression
+/// needs, kept apart so that a tool-calling grammar can offer it beside the calls.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Structured {
+    /// The GBNF expression of the value (over [`BASE`]'s rules and `rules`).
+    expr: String,
+    /// Named rules the expression refers to (a schema's definitions), by name. Their
+    /// names start `def-`, which no other rule of a tool grammar uses.
+    rules: BTreeMap<String, String>,
+    /// The schema, when one was given (the generic tool format tells it the model).
+    schema: Option<Value>,
+}
+
+impl Structured {
+    /// Any JSON object.
+    pub fn object() -> Structured {
+        Structured { expr: "object".into(), rules: BTreeMap::new(), schema: None }
     }
-    if out.len() > shoal_types::MAX_GRAMMAR_BYTES {
-        return Err(format!("the schema is too large ({} bytes of grammar)", out.len()));
+
+    /// The JSON values `schema` describes, or why it cannot be followed.
+    pub fn schema(schema: &Value) -> Result<Structured, String> {
+        let mut c = Converter { root: schema, prefix: String::new(), rules: BTreeMap::new(), defs_done: Vec::new() };
+        let expr = c.expr(schema, 0)?;
+        let s = Structured { expr, rules: c.rules, schema: Some(schema.clone()) };
+        let size = s.grammar().len();
+        if size > shoal_types::MAX_GRAMMAR_BYTES {
+            return Err(format!("the schema is too large ({size} bytes of grammar)"));
+        }
+        Ok(s)
     }
-    Ok(out)
+
+    /// The grammar of an answer that is this value alone.
+    pub fn grammar(&self) -> String {
+        let mut out = format!("root ::= ws {} ws\n{BASE}", self.expr);
+        out += &self.rules();
+        out
+    }
+
+    /// The schema the value follows, if one was given (else: any JSON object).
+    pub fn schema_given(&self) -> Option<&Value> {
+        self.schema.as_ref()
+    }
+
+    /// The named rules, one a line.
+    fn rules(&self) -> String {
+        self.rules.iter().map(|(name, body)| format!("{name} ::= {body}\n")).collect()
+    }
+}
+
+/// What a tool-calling answer may be besides calls (see [`tool_answer`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Besides<'a> {
+    /// Nothing: a call is required.
+    Nothing,
+    /// A reply in words: `{"response": "…"}` in the generic format; in a model's own
+    /// syntax, free text (no grammar is made then).
+    Text,
+    /// A reply that is this JSON value: `{"response": VALUE}` in the generic format;
+    /// in a model's own syntax the value as the syntax writes a reply (Command R7B's
+    /// between `<|START_RESPONSE|>` and `<|END_RESPONSE|>`; DeepSeek's after its
+    /// thinking is closed; the others' as the whole answer).
+    Json(&'a Structured),
 }
 
 /// Most tool calls one answer may make (a bound, so a looping model stops).
@@ -73,17 +129,19 @@ const MAX_CALLS: usize = 8;
 
 /// The grammar of a tool-calling answer (see `tools`): `{"tool_calls": [{"name",
 /// "arguments"}]}` naming one of `tools` (name, parameter schema) with arguments its
-/// schema allows, several calls when `parallel`, or, when `reply`, `{"response": "…"}`
-/// instead. In a model's own `syntax` instead (`reply` is then not offered: a reply is
-/// free text, without a grammar): Hermes' `<tool_call>\n{"name", "arguments"}\n</tool_call>`
+/// schema allows, several calls when `parallel`, or a reply as `besides` says. In a
+/// model's own `syntax` instead: Hermes' `<tool_call>\n{"name", "arguments"}\n</tool_call>`
 /// blocks, one per line; Llama 3's one object `{"name", "parameters"}`; Command R7B's
 /// `<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, …]<|END_ACTION|>`;
 /// DeepSeek R1's `<｜tool▁calls▁begin｜>` then calls
 /// `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`
 /// one per line, then `<｜tool▁calls▁end｜>`; V3.1's the same with calls
-/// `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` chained. A schema the
-/// grammar cannot follow (or one making the grammar too large) allows any JSON object.
-pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool, syntax: ToolSyntax) -> String {
+/// `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` chained; a reply there
+/// is offered only as JSON ([`Besides::Json`]; free text needs no grammar). A tool's
+/// schema the grammar cannot follow (or one making the grammar too large) allows any
+/// JSON object; the reply's schema is always followed (it was checked when the request
+/// was read).
+pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: bool, syntax: ToolSyntax) -> String {
     // Up to MAX_CALLS of `item` after the first, each after `sep`, when parallel.
     let more = |sep: &str, item: &str| {
         if parallel {
@@ -91,6 +149,10 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool,
         } else {
             String::new()
         }
+    };
+    let json_reply = match besides {
+        Besides::Json(s) => Some(s),
+        Besides::Nothing | Besides::Text => None,
     };
     let build = |strict: bool| {
         let mut rules = BTreeMap::new();
@@ -132,47 +194,79 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], reply: bool, parallel: bool,
             calls.push(rule);
         }
         let call = format!("call ::= {}\n", alternatives(calls.into_iter()));
-        let head = match syntax {
-            ToolSyntax::Hermes => format!(
-                "root ::= block{}\nblock ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n{call}",
-                more("\"\\n\"", "block")
+        // The calls (the root's expression) and the rules they need besides `call`.
+        let (calls, extra) = match syntax {
+            ToolSyntax::Hermes => (
+                format!("block{}", more("\"\\n\"", "block")),
+                "block ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n".to_string(),
             ),
             // Llama 3's templates allow one call per message.
-            ToolSyntax::Llama3 => format!("root ::= call\n{call}"),
+            ToolSyntax::Llama3 => ("call".to_string(), String::new()),
             // A template that opens the model's thinking (Cohere's later ones) has it
             // closed at once, as llama.cpp does.
-            ToolSyntax::CommandR7b => format!(
-                "root ::= ( \"<|END_THINKING|>\" )? \"<|START_ACTION|>[\" ws call{} ws \"]<|END_ACTION|>\"\n{call}",
-                more("ws \",\" ws", "call")
+            ToolSyntax::CommandR7b => (
+                format!(
+                    "( \"<|END_THINKING|>\" )? \"<|START_ACTION|>[\" ws call{} ws \"]<|END_ACTION|>\"",
+                    more("ws \",\" ws", "call")
+                ),
+                String::new(),
             ),
             // Likewise `<think>` (llama.cpp's R1 template opens it).
-            ToolSyntax::DeepSeekR1 { .. } => format!(
-                "root ::= ( \"</think>\" ws )? \"<｜tool▁calls▁begin｜>\" block{} \"<｜tool▁calls▁end｜>\"\n\
-                 block ::= \"<｜tool▁call▁begin｜>function<｜tool▁sep｜>\" call \"<｜tool▁call▁end｜>\"\n{call}",
-                more("\"\\n\"", "block")
+            ToolSyntax::DeepSeekR1 { .. } => (
+                format!(
+                    "( \"</think>\" ws )? \"<｜tool▁calls▁begin｜>\" block{} \"<｜tool▁calls▁end｜>\"",
+                    more("\"\\n\"", "block")
+                ),
+                "block ::= \"<｜tool▁call▁begin｜>function<｜tool▁sep｜>\" call \"<｜tool▁call▁end｜>\"\n".to_string(),
             ),
-            ToolSyntax::DeepSeekV31 { .. } => format!(
-                "root ::= ( \"</think>\" ws )? \"<｜tool▁calls▁begin｜>\" block{} \"<｜tool▁calls▁end｜>\"\n\
-                 block ::= \"<｜tool▁call▁begin｜>\" call \"<｜tool▁call▁end｜>\"\n{call}",
-                more("", "block")
+            ToolSyntax::DeepSeekV31 { .. } => (
+                format!(
+                    "( \"</think>\" ws )? \"<｜tool▁calls▁begin｜>\" block{} \"<｜tool▁calls▁end｜>\"",
+                    more("", "block")
+                ),
+                "block ::= \"<｜tool▁call▁begin｜>\" call \"<｜tool▁call▁end｜>\"\n".to_string(),
             ),
             ToolSyntax::Generic => {
                 let more =
                     if parallel { format!("( \",\" ws call ws ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
-                format!(
-                    "root ::= ws {} ws\ncalls ::= \"{{\" ws {} ws \":\" ws \"[\" ws call ws {more} \"]\" ws \"}}\"\n{call}",
-                    if reply { "( calls | reply )" } else { "calls" },
-                    literal("\"tool_calls\""),
+                let reply = !matches!(besides, Besides::Nothing);
+                (
+                    format!("ws {} ws", if reply { "( calls | reply )" } else { "calls" }),
+                    format!(
+                        "calls ::= \"{{\" ws {} ws \":\" ws \"[\" ws call ws {more} \"]\" ws \"}}\"\n",
+                        literal("\"tool_calls\"")
+                    ),
                 )
             }
         };
-        let mut out = head;
-        if reply && syntax == ToolSyntax::Generic {
-            out += &format!("reply ::= \"{{\" ws {} ws \":\" ws string ws \"}}\"\n", literal("\"response\""));
+        // In a model's own syntax a JSON reply is the root's other alternative.
+        let native_reply = json_reply.is_some() && syntax != ToolSyntax::Generic;
+        let mut out = format!("root ::= {calls}{}\n{extra}{call}", if native_reply { " | reply" } else { "" });
+        let value = json_reply.map_or("string", |s| s.expr.as_str());
+        match (syntax, besides) {
+            (ToolSyntax::Generic, Besides::Text | Besides::Json(_)) => {
+                out += &format!("reply ::= \"{{\" ws {} ws \":\" ws {value} ws \"}}\"\n", literal("\"response\""))
+            }
+            // A call is required, or a native reply is free text (no grammar then).
+            (_, Besides::Nothing | Besides::Text) => {}
+            (ToolSyntax::Hermes | ToolSyntax::Llama3, Besides::Json(_)) => out += &format!("reply ::= ws {value} ws\n"),
+            // The reader takes what lies between the markers.
+            (ToolSyntax::CommandR7b, Besides::Json(_)) => {
+                out += &format!(
+                    "reply ::= ( \"<|END_THINKING|>\" )? \"<|START_RESPONSE|>\" ws {value} ws \"<|END_RESPONSE|>\"\n"
+                )
+            }
+            // The reader drops the closed thinking before the value.
+            (ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. }, Besides::Json(_)) => {
+                out += &format!("reply ::= ( \"</think>\" ws )? {value} ws\n")
+            }
         }
         out += BASE;
         for (name, body) in &rules {
             out += &format!("{name} ::= {body}\n");
+        }
+        if let Some(s) = json_reply {
+            out += &s.rules();
         }
         out
     };
@@ -389,210 +483,9 @@ fn rule_name(name: &str) -> String {
     name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
 }
 
-/// A recognizer for the GBNF these grammars are written in (literals, character
-/// classes, rules, groups, alternatives, `?` `*` `+` `{m,n}`), so tests can check that a
-/// grammar accepts the answers it promises and refuses others without a model.
+/// A recognizer for these grammars, for tests (see its file).
 #[cfg(test)]
-pub(crate) mod gbnf {
-    use std::collections::HashMap;
-
-    #[derive(Debug)]
-    enum G {
-        Lit(Vec<char>),
-        /// Negated, ranges.
-        Class(bool, Vec<(char, char)>),
-        Rule(String),
-        Seq(Vec<G>),
-        Alt(Vec<G>),
-        Rep(Box<G>, usize, Option<usize>),
-    }
-
-    struct Parser {
-        s: Vec<char>,
-        i: usize,
-    }
-
-    impl Parser {
-        fn peek(&self) -> Option<char> {
-            self.s.get(self.i).copied()
-        }
-        fn skip(&mut self) {
-            while self.peek().is_some_and(|c| c == ' ' || c == '\t') {
-                self.i += 1;
-            }
-        }
-        fn char(&mut self) -> char {
-            let c = self.s[self.i];
-            self.i += 1;
-            if c != '\\' {
-                return c;
-            }
-            let e = self.s[self.i];
-            self.i += 1;
-            match e {
-                'n' => '\n',
-                'r' => '\r',
-                't' => '\t',
-                'x' => {
-                    let hex: String = self.s[self.i..self.i + 2].iter().collect();
-                    self.i += 2;
-                    char::from_u32(u32::from_str_radix(&hex, 16).unwrap()).unwrap()
-                }
-                other => other,
-            }
-        }
-        fn alt(&mut self) -> G {
-            let mut alts = vec![self.seq()];
-            while self.peek() == Some('|') {
-                self.i += 1;
-                alts.push(self.seq());
-            }
-            G::Alt(alts)
-        }
-        fn seq(&mut self) -> G {
-            let mut items = Vec::new();
-            loop {
-                self.skip();
-                let item = match self.peek() {
-                    None | Some('|') | Some(')') => break,
-                    Some('"') => {
-                        self.i += 1;
-                        let mut lit = Vec::new();
-                        while self.peek() != Some('"') {
-                            lit.push(self.char());
-                        }
-                        self.i += 1;
-                        G::Lit(lit)
-                    }
-                    Some('[') => {
-                        self.i += 1;
-                        let negated = self.peek() == Some('^');
-                        if negated {
-                            self.i += 1;
-                        }
-                        let mut ranges = Vec::new();
-                        while self.peek() != Some(']') {
-                            let lo = self.char();
-                            let hi = if self.peek() == Some('-') && self.s.get(self.i + 1) != Some(&']') {
-                                self.i += 1;
-                                self.char()
-                            } else {
-                                lo
-                            };
-                            ranges.push((lo, hi));
-                        }
-                        self.i += 1;
-                        G::Class(negated, ranges)
-                    }
-                    Some('(') => {
-                        self.i += 1;
-                        let g = self.alt();
-                        assert_eq!(self.peek(), Some(')'), "unclosed group");
-                        self.i += 1;
-                        g
-                    }
-                    Some(c) if c.is_ascii_alphanumeric() || c == '-' => {
-                        let start = self.i;
-                        while self.peek().is_some_and(|c| c.is_ascii_alphanumeric() || c == '-') {
-                            self.i += 1;
-                        }
-                        G::Rule(self.s[start..self.i].iter().collect())
-                    }
-                    Some(c) => panic!("unexpected {c:?} in the grammar"),
-                };
-                let rep = match self.peek() {
-                    Some('?') => Some((0, Some(1))),
-                    Some('*') => Some((0, None)),
-                    Some('+') => Some((1, None)),
-                    Some('{') => {
-                        let end = self.i + self.s[self.i..].iter().position(|&c| c == '}').unwrap();
-                        let inner: String = self.s[self.i + 1..end].iter().collect();
-                        self.i = end;
-                        let (lo, hi) = match inner.split_once(',') {
-                            None => (inner.parse().unwrap(), Some(inner.parse().unwrap())),
-                            Some((lo, "")) => (lo.parse().unwrap(), None),
-                            Some((lo, hi)) => (lo.parse().unwrap(), Some(hi.parse().unwrap())),
-                        };
-                        Some((lo, hi))
-                    }
-                    _ => None,
-                };
-                items.push(match rep {
-                    Some((lo, hi)) => {
-                        self.i += 1;
-                        G::Rep(Box::new(item), lo, hi)
-                    }
-                    None => item,
-                });
-            }
-            G::Seq(items)
-        }
-    }
-
-    /// Whether `grammar` matches the whole of `text` from its `root`.
-    pub(crate) fn accepts(grammar: &str, text: &str) -> bool {
-        let mut rules = HashMap::new();
-        for line in grammar.lines().filter(|l| !l.trim().is_empty()) {
-            let (name, body) = line.split_once(" ::= ").expect("a rule per line");
-            let mut p = Parser { s: body.chars().collect(), i: 0 };
-            let g = p.alt();
-            assert_eq!(p.i, p.s.len(), "rule {name} not read to its end");
-            rules.insert(name.trim().to_string(), g);
-        }
-        let text: Vec<char> = text.chars().collect();
-        let m = Matcher { rules: &rules, text: &text };
-        m.ends(&G::Rule("root".into()), 0).contains(&text.len())
-    }
-
-    struct Matcher<'a> {
-        rules: &'a HashMap<String, G>,
-        text: &'a [char],
-    }
-
-    impl Matcher<'_> {
-        /// Every position where `g` can end when it starts at `at`.
-        fn ends(&self, g: &G, at: usize) -> Vec<usize> {
-            let mut out = match g {
-                G::Lit(l) => {
-                    if self.text.get(at..at + l.len()) == Some(&l[..]) {
-                        vec![at + l.len()]
-                    } else {
-                        vec![]
-                    }
-                }
-                G::Class(negated, ranges) => match self.text.get(at) {
-                    Some(c) if ranges.iter().any(|(lo, hi)| lo <= c && c <= hi) != *negated => vec![at + 1],
-                    _ => vec![],
-                },
-                G::Rule(name) => self.ends(self.rules.get(name).unwrap_or_else(|| panic!("no rule {name}")), at),
-                G::Seq(items) => items
-                    .iter()
-                    .fold(vec![at], |from, item| from.iter().flat_map(|&p| self.ends(item, p)).collect::<Vec<_>>()),
-                G::Alt(alts) => alts.iter().flat_map(|a| self.ends(a, at)).collect(),
-                G::Rep(item, lo, hi) => {
-                    let mut out = if *lo == 0 { vec![at] } else { vec![] };
-                    let mut from = vec![at];
-                    for n in 1..=hi.unwrap_or(self.text.len() + 1) {
-                        let mut next: Vec<usize> = from.iter().flat_map(|&p| self.ends(item, p)).collect();
-                        next.sort_unstable();
-                        next.dedup();
-                        if next.is_empty() || next == from {
-                            break;
-                        }
-                        if n >= *lo {
-                            out.extend(&next);
-                        }
-                        from = next;
-                    }
-                    out
-                }
-            };
-            out.sort_unstable();
-            out.dedup();
-            out
-        }
-    }
-}
+pub(crate) mod gbnf;
 
 #[cfg(test)]
 mod tests {

@@ -9,6 +9,7 @@
 use crate::backend::{Backend, ChatMessage, Failure, ModelInfo, ModelState, TextModel};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Job, Outcome};
+use crate::grammar::Structured;
 use crate::tools::{self, Reply, Toolbox, Turn};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -187,14 +188,14 @@ async fn load_or_unload<B: Backend>(
     Ok(Json(v).into_response())
 }
 
-/// The grammar `format` asks for: none, any JSON (`"json"`), or a JSON schema.
-fn format_grammar(format: &Option<Value>) -> Result<Option<String>, Failure> {
+/// The JSON `format` asks for: none, any JSON object (`"json"`), or a JSON schema's.
+fn format_json(format: &Option<Value>) -> Result<Option<Structured>, Failure> {
     match format {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) if s.is_empty() => Ok(None),
-        Some(Value::String(s)) if s == "json" => Ok(Some(crate::grammar::json_object())),
+        Some(Value::String(s)) if s == "json" => Ok(Some(Structured::object())),
         Some(schema @ Value::Object(_)) => {
-            crate::grammar::from_schema(schema).map(Some).map_err(|e| Failure::bad(format!("format: {e}")))
+            Structured::schema(schema).map(Some).map_err(|e| Failure::bad(format!("format: {e}")))
         }
         Some(other) => Err(Failure::bad(format!("format must be \"json\" or a JSON schema, not {other}"))),
     }
@@ -215,14 +216,15 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         refuse_images(images)?;
         // Ollama has no tool_choice: the model calls tools or answers.
         let mut toolbox = Toolbox::new(req.tools.as_deref().unwrap_or_default(), None, None).map_err(Failure::bad)?;
-        let grammar = format_grammar(&req.format)?;
-        if grammar.is_some() && toolbox.is_some() {
-            return Err(Failure::bad("tools and format cannot be used together"));
-        }
+        // With tools the model calls them or replies in `format`.
+        let grammar = match (format_json(&req.format)?, toolbox.as_mut()) {
+            (format, Some(t)) => {
+                t.reply_as(format);
+                None
+            }
+            (format, None) => format.map(|f| f.grammar()),
+        };
         let scored = common::top_logprobs(req.logprobs, req.top_logprobs)?;
-        if scored.is_some() && toolbox.is_some() {
-            return Err(Failure::bad("logprobs are not available with tools"));
-        }
         let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.messages.is_empty() {
@@ -261,7 +263,7 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
     let r = async {
         let req: GenerateRequest = common::parse(&body)?;
         refuse_images(req.images.as_ref().is_some_and(|i| !i.is_empty()))?;
-        let grammar = format_grammar(&req.format)?;
+        let grammar = format_json(&req.format)?.map(|f| f.grammar());
         let scored = common::top_logprobs(req.logprobs, req.top_logprobs)?;
         let unload = unloads(&req.keep_alive)?;
         let model = common::resolve(&*backend, &req.model).await?;
@@ -315,6 +317,9 @@ async fn job<B: Backend>(
         grammar = t.grammar();
         &*t
     });
+    if logprobs.is_some() && toolbox.is_some_and(|t| !t.replies_verbatim()) {
+        return Err(Failure::bad(crate::openai::LOGPROBS_IN_GENERIC_FORMAT));
+    }
     let prompt = tokens(&*text, toolbox)?;
     Ok(Job {
         model: model.entry.name.clone(),
@@ -404,8 +409,9 @@ async fn respond<B: Backend>(
 }
 
 /// Answer a chat `job` whose answer a [`Toolbox`] grammar holds: read whole, then
-/// sent as a message with `tool_calls` (Ollama's shape: arguments as an object) or
-/// with the reply's text; streamed, that message is one line before the end line.
+/// sent as a message with `tool_calls` (Ollama's shape: arguments as an object; no
+/// `logprobs`) or with the reply's text (and, when asked for, its tokens' `logprobs`);
+/// streamed, that message is one line before the end line.
 async fn respond_with_tools<B: Backend>(
     backend: Arc<B>,
     job: Job,
@@ -415,23 +421,38 @@ async fn respond_with_tools<B: Backend>(
     then_unload: Option<String>,
 ) -> Result<Response, Failure> {
     let _guard = UnloadOnDrop(then_unload.map(|name| (backend.clone(), name)));
+    let scored = job.sampling.logprobs.is_some();
     let (first, mut events) = gen::start(backend, job).await?;
-    let (text, o) = gen::collect(first, &mut events).await?;
+    let (text, entries, o) = gen::collect_scored(first, &mut events).await?;
+    let mut logprobs = None;
     let message = match toolbox.read(&text) {
         Reply::Calls(calls) => {
             let calls: Vec<Value> =
                 calls.iter().map(|c| json!({"function": {"name": c.name, "arguments": c.arguments}})).collect();
             json!({"role": "assistant", "content": "", "tool_calls": calls})
         }
-        Reply::Text(t) => json!({"role": "assistant", "content": t}),
+        Reply::Text(t) => {
+            // The reply's own tokens (`job` refused logprobs where they cannot be told).
+            if let Some(span) = toolbox.reply_span(&text, &t).filter(|_| scored) {
+                let within = gen::logprobs_within(&entries, text.len(), span);
+                logprobs = Some(Value::Array(crate::openai::token_entries(within)));
+            }
+            json!({"role": "assistant", "content": t})
+        }
     };
     let mut end = line(Shape::Chat, &model, "", Some(&o));
     if !streamed {
         end["message"] = message;
+        if let Some(lp) = logprobs {
+            end["logprobs"] = lp;
+        }
         return Ok(Json(end).into_response());
     }
     let mut said = line(Shape::Chat, &model, "", None);
     said["message"] = message;
+    if let Some(lp) = logprobs {
+        said["logprobs"] = lp;
+    }
     let body = format!("{said}\n{end}\n");
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
 }

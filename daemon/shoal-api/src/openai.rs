@@ -7,6 +7,7 @@
 use crate::backend::{Backend, Failure};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Job, Logprob, Outcome};
+use crate::grammar::Structured;
 use crate::tools::{self, Reply, Toolbox, Turn};
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -101,24 +102,21 @@ impl Knobs {
             return Err(Failure::bad("n must be 1: Shoal makes one choice per request"));
         }
         let logprobs = self.logprobs(kind)?;
-        let grammar = match &self.response_format {
+        let structured = match &self.response_format {
             None => None,
             Some(f) => match f.get("type").and_then(Value::as_str) {
                 Some("text") => None,
-                Some("json_object") => Some(crate::grammar::json_object()),
+                Some("json_object") => Some(Structured::object()),
                 Some("json_schema") => {
                     let Some(schema) = f.get("json_schema").and_then(|j| j.get("schema")) else {
                         return Err(Failure::bad("response_format json_schema: json_schema.schema is missing"));
                     };
-                    Some(
-                        crate::grammar::from_schema(schema)
-                            .map_err(|e| Failure::bad(format!("response_format: {e}")))?,
-                    )
+                    Some(Structured::schema(schema).map_err(|e| Failure::bad(format!("response_format: {e}")))?)
                 }
                 _ => return Err(Failure::bad("response_format: type must be text, json_object or json_schema")),
             },
         };
-        let toolbox = match (kind, &self.tools) {
+        let mut toolbox = match (kind, &self.tools) {
             (Kind::Text, Some(t)) if !t.is_empty() => {
                 return Err(Failure::bad("tools are for chat completions (/v1/chat/completions)"))
             }
@@ -127,13 +125,15 @@ impl Knobs {
                     .map_err(Failure::bad)?
             }
         };
-        if toolbox.is_some() && grammar.is_some() {
-            return Err(Failure::bad("tools and response_format cannot be used together"));
-        }
-        if toolbox.is_some() && logprobs.is_some() {
-            return Err(Failure::bad("logprobs are not available with tools"));
-        }
-        // A toolbox's grammar depends on the model's tool syntax: `prepare` sets it.
+        // With tools the model calls them or replies, the reply in the format asked
+        // for. A toolbox's grammar depends on the model's tool syntax: `prepare` sets it.
+        let grammar = match toolbox.as_mut() {
+            Some(t) => {
+                t.reply_as(structured);
+                None
+            }
+            None => structured.map(|s| s.grammar()),
+        };
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -307,6 +307,9 @@ async fn prepare<B: Backend>(
     if let Some(t) = toolbox.as_mut() {
         t.speak(text.tool_syntax());
         sampling.grammar = t.grammar();
+        if sampling.logprobs.is_some() && !t.replies_verbatim() {
+            return Err(Failure::bad(LOGPROBS_IN_GENERIC_FORMAT));
+        }
     }
     let prompt = tokens(&*text, toolbox.as_ref())?;
     let max_tokens = knobs.max_tokens().unwrap_or_else(|| common::default_max_tokens(&model, prompt.len()));
@@ -315,6 +318,12 @@ async fn prepare<B: Backend>(
         Job { model: model.entry.name.clone(), text, prompt, max_tokens, sampling, stop, ignore_eos, speculative };
     Ok((job, knobs, toolbox))
 }
+
+/// Why `logprobs` with tools are refused for a model in the generic tool format.
+pub(crate) const LOGPROBS_IN_GENERIC_FORMAT: &str =
+    "logprobs with tools (tool_choice auto) need a model whose chat template has a tool syntax of its own \
+     (Hermes, Llama 3, Command R7B, DeepSeek): this model answers in Shoal's generic JSON tool format, where a \
+     reply is written inside {\"response\": …} and its tokens are not the reply's";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -349,8 +358,9 @@ async fn answer<B: Backend>(backend: Arc<B>, job: Job, knobs: Knobs, kind: Kind)
 
 /// Run `job` whose answer a [`Toolbox`] grammar holds: the whole answer is read
 /// before anything is sent (a call is parsed, not streamed as JSON text), then sent as
-/// a message with `tool_calls` (finish reason `tool_calls`) or with the reply's text;
-/// a stream sends it as one chunk, then the end.
+/// a message with `tool_calls` (finish reason `tool_calls`; content and logprobs
+/// null) or with the reply's text (and, when asked for, its tokens'
+/// log-probabilities); a stream sends it as one chunk, then the end.
 async fn answer_with_tools<B: Backend>(
     backend: Arc<B>,
     job: Job,
@@ -358,9 +368,11 @@ async fn answer_with_tools<B: Backend>(
     toolbox: Toolbox,
 ) -> Result<Response, Failure> {
     let model = job.model.clone();
+    let scored = job.sampling.logprobs.is_some();
     let (first, mut events) = gen::start(backend, job).await?;
-    let (text, _, outcome) = gen::collect_scored(first, &mut events).await?;
+    let (text, entries, outcome) = gen::collect_scored(first, &mut events).await?;
     let (created, id) = (common::unix_now(), common::new_id("chatcmpl-"));
+    let mut logprobs = Value::Null;
     let (calls, content, finish) = match toolbox.read(&text) {
         Reply::Calls(calls) => {
             let calls: Vec<Value> = calls
@@ -372,7 +384,14 @@ async fn answer_with_tools<B: Backend>(
                 .collect();
             (Some(calls), Value::Null, "tool_calls")
         }
-        Reply::Text(t) => (None, Value::String(t), outcome.finish.as_str()),
+        Reply::Text(t) => {
+            // The reply's own tokens; `prepare` refused logprobs where a reply is not
+            // a part of the text (the span is then None, and no numbers are sent).
+            if let Some(span) = toolbox.reply_span(&text, &t).filter(|_| scored) {
+                logprobs = logprobs_json(Kind::Chat, gen::logprobs_within(&entries, text.len(), span), 0);
+            }
+            (None, Value::String(t), outcome.finish.as_str())
+        }
     };
     if !knobs.stream {
         let mut message = json!({"role": "assistant", "content": content});
@@ -380,7 +399,7 @@ async fn answer_with_tools<B: Backend>(
             message["tool_calls"] = Value::Array(calls);
         }
         return Ok(Json(json!({"id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage(&outcome)}))
         .into_response());
     }
@@ -395,8 +414,9 @@ async fn answer_with_tools<B: Backend>(
         });
         delta["tool_calls"] = Value::Array(indexed.collect());
     }
-    let mut out =
-        vec![chunks.chunk(Some(json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null})), None)];
+    let mut out = vec![
+        chunks.chunk(Some(json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null})), None)
+    ];
     out.extend(chunks.end_as(finish, &outcome, false));
     Ok(Sse::new(stream::iter(out.into_iter().map(Ok::<_, Infallible>))).into_response())
 }

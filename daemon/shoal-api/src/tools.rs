@@ -3,7 +3,8 @@
 //! [`ToolSyntax`]) get their own: the template lists the tools (or, for DeepSeek's
 //! templates, which do not, the system message does) and writes the conversation's
 //! calls and results, the model answers in its syntax (held by a grammar when a call
-//! is required; read back from free text with `auto`). Any other model gets the
+//! is required, or with `auto` when the reply must be JSON of a given format; read back
+//! from free text with `auto` otherwise). Any other model gets the
 //! generic format: the tools are described in
 //! the system message, and a grammar holds the answer to one JSON object, either
 //! `{"tool_calls": [{"name": …, "arguments": {…}}]}` or `{"response": "…"}` (the
@@ -18,7 +19,9 @@
 //! is always auto).
 
 use crate::backend::{ChatMessage, TextModel, ToolSyntax};
+use crate::grammar::{Besides, Structured};
 use serde_json::{json, Value};
+use std::ops::Range;
 
 /// The tools a request offers and how the model may use them.
 #[derive(Clone, Debug, PartialEq)]
@@ -31,6 +34,9 @@ pub(crate) struct Toolbox {
     parallel: bool,
     /// The syntax the model calls in (the generic one until [`Toolbox::speak`]).
     syntax: ToolSyntax,
+    /// The JSON a reply must be, with `auto` (OpenAI's `response_format`, Ollama's
+    /// `format`); a reply in words when none.
+    reply: Option<Structured>,
 }
 
 /// One function the model may call.
@@ -135,7 +141,13 @@ impl Toolbox {
                 _ => Err("tool_choice asks for a tool call, but no tools are given".into()),
             };
         }
-        Ok(Some(Toolbox { tools, choice, parallel: parallel.unwrap_or(true), syntax: ToolSyntax::Generic }))
+        Ok(Some(Toolbox {
+            tools,
+            choice,
+            parallel: parallel.unwrap_or(true),
+            syntax: ToolSyntax::Generic,
+            reply: None,
+        }))
     }
 
     /// Call in `syntax`, the model's (its template's) own.
@@ -143,11 +155,28 @@ impl Toolbox {
         self.syntax = syntax;
     }
 
+    /// Hold a reply to `format` (OpenAI's `response_format`, Ollama's `format`): with
+    /// `auto` the model calls tools or replies in that JSON; a required call has no
+    /// reply, so the format does not apply to it (as OpenAI's API treats it).
+    pub fn reply_as(&mut self, format: Option<Structured>) {
+        self.reply = format;
+    }
+
+    /// Whether a reply, when there is one, is the model's text as it wrote it (so its
+    /// tokens' log-probabilities are the reply's): always in a model's own syntax, and
+    /// where no reply is offered (a cut-short answer is its text as it came); not in
+    /// the generic format with `auto`, whose reply is the string or value inside
+    /// `{"response": …}`, written in tokens that are not the reply's.
+    pub fn replies_verbatim(&self) -> bool {
+        self.syntax != ToolSyntax::Generic || self.choice != Choice::Auto
+    }
+
     /// The grammar that holds the answer to a call of the offered tools (or, with
-    /// `auto`, a reply). A tool whose parameter schema uses keywords the grammar
-    /// cannot follow (`pattern`, `minimum`, …) gets any JSON object as arguments: the
-    /// tool then checks them, as it must anyway. None in a model's own syntax with
-    /// `auto`: the model writes text or calls as it was trained to.
+    /// `auto`, a reply: in the [`Toolbox::reply_as`] format when one is set). A tool
+    /// whose parameter schema uses keywords the grammar cannot follow (`pattern`,
+    /// `minimum`, …) gets any JSON object as arguments: the tool then checks them, as
+    /// it must anyway. None in a model's own syntax with `auto` and no reply format:
+    /// the model writes text or calls as it was trained to.
     pub fn grammar(&self) -> Option<String> {
         let callable: Vec<(&str, &Value)> = self
             .tools
@@ -158,11 +187,16 @@ impl Toolbox {
             })
             .map(|t| (t.name.as_str(), &t.parameters))
             .collect();
-        let auto = self.choice == Choice::Auto;
-        match self.syntax {
-            ToolSyntax::Generic => Some(crate::grammar::tool_answer(&callable, auto, self.parallel, self.syntax)),
-            _ if auto => None,
-            _ => Some(crate::grammar::tool_answer(&callable, false, self.parallel, self.syntax)),
+        let besides = match (&self.choice, &self.reply) {
+            (Choice::Auto, Some(format)) => Besides::Json(format),
+            (Choice::Auto, None) => Besides::Text,
+            (Choice::Required | Choice::Named(_), _) => Besides::Nothing,
+        };
+        match (self.syntax, besides) {
+            // A reply in words in the model's own syntax: it writes freely.
+            (ToolSyntax::Hermes | ToolSyntax::Llama3 | ToolSyntax::CommandR7b, Besides::Text)
+            | (ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. }, Besides::Text) => None,
+            _ => Some(crate::grammar::tool_answer(&callable, besides, self.parallel, self.syntax)),
         }
     }
 
@@ -209,14 +243,24 @@ impl Toolbox {
         let described: Vec<&Value> = self.tools.iter().map(|t| &t.described).collect();
         let list = Value::from(described.into_iter().cloned().collect::<Vec<_>>()).to_string();
         let example = r#"{"tool_calls": [{"name": "tool_name", "arguments": {"arg1": "some_value"}}]}"#;
-        let answer = match &self.choice {
-            Choice::Auto => {
+        let answer = match (&self.choice, &self.reply) {
+            (Choice::Auto, None) => {
                 "Respond in JSON format, either with `tool_calls` (a request to call tools) or with `response` \
                  (a reply to the user's request), as in {\"response\": \"…\"}."
                     .to_string()
             }
-            Choice::Required => "Respond in JSON format with `tool_calls` (a request to call tools).".to_string(),
-            Choice::Named(n) => format!("Respond in JSON format with `tool_calls`, calling the tool {n:?}."),
+            (Choice::Auto, Some(format)) => {
+                let value = match format.schema_given() {
+                    Some(schema) => format!("a JSON value that follows this JSON schema: {schema}"),
+                    None => "a JSON object".to_string(),
+                };
+                format!(
+                    "Respond in JSON format, either with `tool_calls` (a request to call tools) or with `response` \
+                     (a reply to the user's request), whose value is {value}, as in {{\"response\": {{…}}}}."
+                )
+            }
+            (Choice::Required, _) => "Respond in JSON format with `tool_calls` (a request to call tools).".to_string(),
+            (Choice::Named(n), _) => format!("Respond in JSON format with `tool_calls`, calling the tool {n:?}."),
         };
         format!(
             "You can call any of the following tools to satisfy the user's requests: {list}\n\n\
@@ -226,14 +270,32 @@ impl Toolbox {
 
     /// The model's answer (held by [`Toolbox::grammar`]) read back: its calls, or its
     /// reply. Text that is not such an object (an answer cut by `max_tokens`) is
-    /// returned as it is, as a reply.
+    /// returned as it is, as a reply. A reply held to a JSON format is that JSON's
+    /// text: in the generic format the `response` value written out (a string value
+    /// too, quoted, as JSON); DeepSeek's without the closed thinking before it.
     pub fn read(&self, text: &str) -> Reply {
+        let json_reply = self.reply.is_some() && self.choice == Choice::Auto;
         match self.syntax {
             ToolSyntax::Hermes => return read_hermes(text),
-            ToolSyntax::Llama3 => return read_llama3(text),
+            // A JSON reply may itself look like a call (`{"name": …, "parameters": …}`):
+            // the grammar allowed a call only of an offered tool, so any other name
+            // was the reply.
+            ToolSyntax::Llama3 => {
+                return match read_llama3(text) {
+                    Reply::Calls(c) if json_reply && !c.iter().all(|c| self.tools.iter().any(|t| t.name == c.name)) => {
+                        Reply::Text(text.to_string())
+                    }
+                    r => r,
+                }
+            }
             ToolSyntax::CommandR7b => return read_command_r7b(text),
-            ToolSyntax::DeepSeekR1 { .. } => return read_deepseek(text, false),
-            ToolSyntax::DeepSeekV31 { .. } => return read_deepseek(text, true),
+            ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => {
+                let v31 = matches!(self.syntax, ToolSyntax::DeepSeekV31 { .. });
+                return match read_deepseek(text, v31) {
+                    Reply::Text(_) if json_reply => Reply::Text(after_thinking(text).to_string()),
+                    r => r,
+                };
+            }
             ToolSyntax::Generic => {}
         }
         let Ok(v) = serde_json::from_str::<Value>(text.trim()) else { return Reply::Text(text.to_string()) };
@@ -250,12 +312,44 @@ impl Toolbox {
                 return Reply::Calls(calls);
             }
         }
-        match v.get("response").and_then(Value::as_str) {
-            Some(r) => Reply::Text(r.to_string()),
-            None => Reply::Text(text.to_string()),
+        match v.get("response") {
+            Some(r) if json_reply => Reply::Text(r.to_string()),
+            Some(Value::String(r)) => Reply::Text(r.clone()),
+            _ => Reply::Text(text.to_string()),
         }
     }
+
+    /// Where `reply`, read from the answer `text` by [`Toolbox::read`], lies in
+    /// `text` (bytes), so that its tokens can be told from the rest: the whole answer;
+    /// Command R7B's after `<|START_RESPONSE|>`; DeepSeek's after its closed thinking.
+    /// None where the reply is not a part of the text as written (the generic format's
+    /// `response`, unescaped or written out again).
+    pub fn reply_span(&self, text: &str, reply: &str) -> Option<Range<usize>> {
+        if reply == text {
+            return Some(0..text.len());
+        }
+        let from = match self.syntax {
+            ToolSyntax::Generic => return None,
+            ToolSyntax::Hermes | ToolSyntax::Llama3 => 0,
+            ToolSyntax::CommandR7b => text.find(COHERE_REPLY).map_or(0, |i| i + COHERE_REPLY.len()),
+            ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => text.len() - after_thinking(text).len(),
+        };
+        // The reply starts where its reader took it from, so the first match there is it.
+        let at = from + text.get(from..)?.find(reply)?;
+        Some(at..at + reply.len())
+    }
 }
+
+/// DeepSeek's answer after a closed thinking (`</think>`) and the white space after it.
+fn after_thinking(text: &str) -> &str {
+    match text.find("</think>") {
+        Some(i) => text[i + "</think>".len()..].trim_start(),
+        None => text,
+    }
+}
+
+/// Where Command R7B's reply starts.
+const COHERE_REPLY: &str = "<|START_RESPONSE|>";
 
 /// Hermes' answer read back: the `<tool_call>` blocks holding `{"name", "arguments"}`
 /// objects, or (none, or one that is not such an object) the text as a reply.
@@ -317,7 +411,7 @@ fn read_llama3(text: &str) -> Reply {
 fn read_command_r7b(text: &str) -> Reply {
     const OPEN: &str = "<|START_ACTION|>";
     const CLOSE: &str = "<|END_ACTION|>";
-    const REPLY: &str = "<|START_RESPONSE|>";
+    const REPLY: &str = COHERE_REPLY;
     if !text.contains(OPEN) {
         if let Some(calls) = cohere_calls(text.trim()) {
             return Reply::Calls(calls);
@@ -737,6 +831,120 @@ mod tests {
         let mut b = Toolbox::new(&[weather(), time()], Some(&json!("required")), Some(parallel)).unwrap().unwrap();
         b.speak(syntax);
         b
+    }
+
+    /// A reply format: an object with a city (string) and a temperature (integer).
+    fn forecast() -> Structured {
+        Structured::schema(&json!({"type": "object", "properties": {"city": {"type": "string"},
+            "temp": {"type": "integer"}}, "required": ["city", "temp"]}))
+        .unwrap()
+    }
+
+    /// With `auto` and a reply format, every syntax's grammar takes a call (as a
+    /// required one is written) or a reply in that format, and refuses a reply outside
+    /// it; the answer reads back as calls or as the reply's JSON text.
+    #[test]
+    fn a_reply_format_holds_the_reply_beside_the_calls_in_every_syntax() {
+        let reply = r#"{"city": "Oslo", "temp": -3}"#;
+        let not_the_schema = r#"{"city": "Oslo"}"#;
+        let weather_call = |syntax| -> String {
+            match syntax {
+                ToolSyntax::Generic => {
+                    r#"{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]}"#.into()
+                }
+                ToolSyntax::Hermes => {
+                    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}\n</tool_call>"
+                        .into()
+                }
+                ToolSyntax::Llama3 => r#"{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}"#.into(),
+                ToolSyntax::CommandR7b => "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \
+                                           \"parameters\": {\"city\": \"Oslo\", \"unit\": \"c\"}}]<|END_ACTION|>"
+                    .into(),
+                ToolSyntax::DeepSeekR1 { .. } => "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>\
+                                                   get_weather\n```json\n{\"city\": \"Oslo\", \"unit\": \"c\"}\n```\
+                                                   <｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+                    .into(),
+                ToolSyntax::DeepSeekV31 { .. } => "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>\
+                                                    {\"city\": \"Oslo\", \"unit\": \"c\"}<｜tool▁call▁end｜>\
+                                                    <｜tool▁calls▁end｜>"
+                    .into(),
+            }
+        };
+        // How each syntax writes a reply (the generic format: inside `response`).
+        let written = |syntax, json: &str| -> String {
+            match syntax {
+                ToolSyntax::Generic => format!(r#"{{"response": {json}}}"#),
+                ToolSyntax::CommandR7b => format!("<|START_RESPONSE|>{json}<|END_RESPONSE|>"),
+                ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => format!("</think>\n\n{json}"),
+                _ => json.to_string(),
+            }
+        };
+        for syntax in [
+            ToolSyntax::Generic,
+            ToolSyntax::Hermes,
+            ToolSyntax::Llama3,
+            ToolSyntax::CommandR7b,
+            ToolSyntax::DeepSeekR1 { lists_tools: true },
+            ToolSyntax::DeepSeekV31 { lists_tools: true },
+        ] {
+            let mut b = Toolbox::new(&[weather(), time()], None, None).unwrap().unwrap();
+            b.speak(syntax);
+            b.reply_as(Some(forecast()));
+            let g = b.grammar().unwrap();
+            let call = weather_call(syntax);
+            assert!(gbnf::accepts(&g, &call), "{syntax:?}: {call}\n{g}");
+            let answer = written(syntax, reply);
+            assert!(gbnf::accepts(&g, &answer), "{syntax:?}: {answer}\n{g}");
+            for bad in [written(syntax, not_the_schema), written(syntax, r#""Oslo is cold.""#), "Oslo is cold.".into()]
+            {
+                assert!(!gbnf::accepts(&g, &bad), "{syntax:?}: {bad}\n{g}");
+            }
+            assert!(matches!(b.read(&call), Reply::Calls(c) if c[0].name == "get_weather"), "{syntax:?}");
+            let Reply::Text(t) = b.read(&answer) else { panic!("{syntax:?}: {answer} read as calls") };
+            assert_eq!(serde_json::from_str::<Value>(&t).unwrap(), json!({"city": "Oslo", "temp": -3}), "{syntax:?}");
+            // The reply is where its reader took it from (none in the generic format).
+            let span = b.reply_span(&answer, &t);
+            match syntax {
+                ToolSyntax::Generic => assert_eq!(span, None),
+                _ => assert_eq!(&answer[span.unwrap()], t, "{syntax:?}"),
+            }
+
+            // Any JSON object: the same, less the schema.
+            b.reply_as(Some(Structured::object()));
+            let g = b.grammar().unwrap();
+            assert!(gbnf::accepts(&g, &call) && gbnf::accepts(&g, &written(syntax, not_the_schema)), "{syntax:?}");
+            assert!(!gbnf::accepts(&g, &written(syntax, "[1]")), "{syntax:?}");
+
+            // A required call: the format does not apply, no reply is offered.
+            let mut r = required(syntax, true);
+            r.reply_as(Some(forecast()));
+            let g = r.grammar().unwrap();
+            assert!(gbnf::accepts(&g, &call) && !gbnf::accepts(&g, &answer), "{syntax:?}");
+            assert_eq!(g, required(syntax, true).grammar().unwrap(), "{syntax:?}");
+        }
+    }
+
+    /// Llama 3's call is itself a JSON object: a reply that looks like a call of no
+    /// offered tool is the reply; the generic format's string reply is written as JSON.
+    #[test]
+    fn json_replies_that_look_like_calls_or_strings_read_back_as_json_text() {
+        let mut b = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        b.speak(ToolSyntax::Llama3);
+        let lookalike = r#"{"name": "Bob", "parameters": {}}"#;
+        assert!(matches!(b.read(lookalike), Reply::Calls(_)), "without a format, as before");
+        b.reply_as(Some(Structured::object()));
+        assert_eq!(b.read(lookalike), Reply::Text(lookalike.into()));
+        assert_eq!(b.reply_span(lookalike, lookalike), Some(0..lookalike.len()));
+
+        let mut g = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        g.reply_as(Some(Structured::schema(&json!({"type": "string"})).unwrap()));
+        assert_eq!(g.read(r#"{"response": "Cold."}"#), Reply::Text(r#""Cold.""#.into()));
+        // The model is told the schema its reply follows.
+        let told = g.instructions();
+        assert!(told.contains(r#"follows this JSON schema: {"type":"string"}"#), "{told}");
+        // Logprobs: only where the reply is the model's text as written.
+        assert!(!g.replies_verbatim() && b.replies_verbatim());
+        assert!(required(ToolSyntax::Generic, true).replies_verbatim());
     }
 
     fn oslo_and_cet() -> Reply {

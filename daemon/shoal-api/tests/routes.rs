@@ -4,7 +4,7 @@
 //! and a client that goes away cancelling its generation.
 
 use serde_json::{json, Value};
-use shoal_api::{Backend, ChatMessage, Failure, ModelInfo, ModelState, Sampled, TextModel};
+use shoal_api::{Backend, ChatMessage, Failure, ModelInfo, ModelState, Sampled, TextModel, ToolSyntax};
 use shoal_pipeline::{GenerateRequest, Report};
 use shoal_types::{CatalogEntry, TokenId};
 use std::io::{BufRead, BufReader, Read};
@@ -12,6 +12,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+
+/// The tests' GBNF recognizer (the crate's own, test-only).
+#[path = "../src/grammar/gbnf.rs"]
+mod gbnf;
 
 /// What the fake model answers (then its end-of-generation token).
 const ANSWER: &str = "Hello, wörld! 🐟 Bye.";
@@ -35,6 +39,8 @@ const FIM: [TokenId; 3] = [301, 302, 303];
 struct Bytes {
     /// Whether it has fill-in-the-middle tokens.
     fim: bool,
+    /// The tool syntax its template speaks.
+    syntax: ToolSyntax,
 }
 
 impl TextModel for Bytes {
@@ -60,6 +66,12 @@ impl TextModel for Bytes {
     fn eog_tokens(&self) -> Vec<TokenId> {
         vec![EOG]
     }
+    fn tool_syntax(&self) -> ToolSyntax {
+        self.syntax
+    }
+    fn chat_prompt_with_tools(&self, messages: &Value, tools: &Value) -> Result<String, String> {
+        Ok(format!("{messages}{tools}<assistant>"))
+    }
 }
 
 #[derive(Default)]
@@ -81,6 +93,10 @@ struct Fake {
     unloads: std::sync::Mutex<Vec<String>>,
     /// Models asked to leave the catalog.
     removed: std::sync::Mutex<Vec<String>>,
+    /// The tool syntax of every model's template (none: the generic format).
+    syntax: std::sync::Mutex<Option<ToolSyntax>>,
+    /// What the model answers, when a test says (else as the grammar allows).
+    answer: std::sync::Mutex<Option<String>>,
 }
 
 fn entry(name: &str, hash_digit: char) -> CatalogEntry {
@@ -120,7 +136,7 @@ impl Backend for Fake {
     }
 
     fn fit_speculation(&self, model: &str, s: shoal_types::SpecSettings) -> shoal_types::SpecSettings {
-        assert_eq!(model, "tiny");
+        let _ = model;
         shoal_types::SpecSettings { step_cost: FITTED_STEP_COST, ..s }
     }
 
@@ -155,7 +171,8 @@ impl Backend for Fake {
     }
 
     async fn text(&self, model: &str) -> Result<Arc<dyn TextModel>, Failure> {
-        Ok(Arc::new(Bytes { fim: model == "slow" }))
+        let syntax = self.syntax.lock().unwrap().unwrap_or(ToolSyntax::Generic);
+        Ok(Arc::new(Bytes { fim: model == "slow", syntax }))
     }
 
     async fn generate(
@@ -192,6 +209,8 @@ impl Backend for Fake {
             (true, false) => r#"{"response": "Just text."}"#,
             _ => ANSWER,
         };
+        let told = self.answer.lock().unwrap().clone();
+        let text = told.as_deref().unwrap_or(text);
         let answer: Vec<TokenId> = if model == "slow" {
             std::iter::repeat_n(b'x' as TokenId, 100_000).collect()
         } else {
@@ -1408,8 +1427,7 @@ async fn tools_are_offered_in_the_prompt_held_by_a_grammar_and_calls_come_back_p
     for (bad, why) in [
         (json!({"tool_choice": named("nope")}), "not a tool"),
         (json!({"tool_choice": "sometimes"}), "tool_choice"),
-        (json!({"response_format": {"type": "json_object"}}), "together"),
-        (json!({"logprobs": true}), "logprobs"),
+        (json!({"logprobs": true}), "generic JSON tool format"),
         (json!({"tools": [weather_tool(), weather_tool()]}), "twice"),
     ] {
         let mut r = req.clone();
@@ -1430,10 +1448,11 @@ async fn tools_are_offered_in_the_prompt_held_by_a_grammar_and_calls_come_back_p
     let (status, _, body) = post(
         format!("{base}/api/chat"),
         json!({"model": "tiny", "messages": msgs,
-        "tools": [weather_tool()], "format": "json"}),
+        "tools": [weather_tool()], "logprobs": true}),
     )
     .await;
     assert_eq!(status, 400, "{body}");
+    assert!(body.contains("generic JSON tool format"), "{body}");
     assert_eq!(fake.prompts.lock().unwrap().len(), seen);
 }
 
@@ -1475,4 +1494,198 @@ async fn ollama_logprobs_come_with_each_lines_tokens_and_bad_asks_are_400() {
         assert_eq!(status, 400, "{bad}: {body}");
         assert!(body.contains("top_logprobs"), "{body}");
     }
+}
+
+/// The recorded grammar of the last generation.
+fn last_grammar(fake: &Fake) -> String {
+    let sampling = fake.samplings.lock().unwrap().last().cloned().unwrap();
+    sampling["grammar"].as_str().unwrap_or_default().to_string()
+}
+
+/// A reply format: an object with a city and a whole temperature.
+fn forecast_schema() -> Value {
+    json!({"type": "object", "properties": {"city": {"type": "string"}, "temp": {"type": "integer"}},
+        "required": ["city", "temp"]})
+}
+
+/// Tools with `response_format` (OpenAI) or `format` (Ollama): the model calls a tool
+/// or replies, the reply held to the format by the grammar beside the calls, in the
+/// generic format and in a model's own syntax; a required call is not held to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_with_a_reply_format_call_or_reply_in_that_format() {
+    let (base, fake) = server().await;
+    let chat = format!("{base}/v1/chat/completions");
+    let msgs = json!([{"role": "user", "content": "Weather in Oslo?"}]);
+    let schema_format =
+        json!({"type": "json_schema", "json_schema": {"name": "forecast", "schema": forecast_schema()}});
+    let req = json!({"model": "tiny", "messages": msgs, "tools": [weather_tool()], "response_format": schema_format});
+    let reply = r#"{"city": "Oslo", "temp": -3}"#;
+
+    // Generic format: a call comes back as before; the grammar takes a call or a
+    // `response` in the schema, nothing else.
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let g = last_grammar(&fake);
+    assert!(gbnf::accepts(&g, CALL), "{g}");
+    assert!(gbnf::accepts(&g, &format!(r#"{{"response": {reply}}}"#)), "{g}");
+    for bad in [r#"{"response": {"city": "Oslo"}}"#, r#"{"response": "Just text."}"#, reply] {
+        assert!(!gbnf::accepts(&g, bad), "{bad}: {g}");
+    }
+    let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+    assert!(prompt.contains("follows this JSON schema"), "the model is told the reply's schema: {prompt}");
+    // A reply: the content is the reply's JSON.
+    *fake.answer.lock().unwrap() = Some(format!(r#"{{"response": {reply}}}"#));
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "stop");
+    assert!(choice["message"].get("tool_calls").is_none(), "{v}");
+    let content: Value = serde_json::from_str(choice["message"]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(content, json!({"city": "Oslo", "temp": -3}));
+    *fake.answer.lock().unwrap() = None;
+    // json_object: any object as the response.
+    let mut object = req.clone();
+    object["response_format"] = json!({"type": "json_object"});
+    assert_eq!(post(chat.clone(), object).await.0, 200);
+    let g = last_grammar(&fake);
+    assert!(gbnf::accepts(&g, CALL) && gbnf::accepts(&g, r#"{"response": {"any": [1]}}"#), "{g}");
+    assert!(!gbnf::accepts(&g, r#"{"response": "Just text."}"#), "{g}");
+    // A required call: no reply offered, the format does not apply.
+    let mut required = req.clone();
+    required["tool_choice"] = json!("required");
+    assert_eq!(post(chat.clone(), required).await.0, 200);
+    let g = last_grammar(&fake);
+    assert!(gbnf::accepts(&g, CALL) && !gbnf::accepts(&g, &format!(r#"{{"response": {reply}}}"#)), "{g}");
+
+    // Ollama: `format` with tools, the same grammar and reply.
+    let ollama = json!({"model": "tiny", "messages": msgs, "stream": false, "tools": [weather_tool()],
+        "format": forecast_schema()});
+    let (status, _, body) = post(format!("{base}/api/chat"), ollama.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["message"]["tool_calls"][0]["function"]["name"], "get_weather", "{v}");
+    let g = last_grammar(&fake);
+    assert!(gbnf::accepts(&g, CALL) && gbnf::accepts(&g, &format!(r#"{{"response": {reply}}}"#)), "{g}");
+    assert!(!gbnf::accepts(&g, r#"{"response": {"city": "Oslo"}}"#), "{g}");
+    *fake.answer.lock().unwrap() = Some(format!(r#"{{"response": {reply}}}"#));
+    let (status, _, body) = post(format!("{base}/api/chat"), ollama.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let content: Value = serde_json::from_str(v["message"]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(content, json!({"city": "Oslo", "temp": -3}));
+
+    // A model's own syntax (Hermes): `auto` now has a grammar, a call block or the
+    // reply; Command R7B's reply between its markers comes back as the JSON alone.
+    *fake.syntax.lock().unwrap() = Some(ToolSyntax::Hermes);
+    *fake.answer.lock().unwrap() = Some(reply.to_string());
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], reply, "{v}");
+    let g = last_grammar(&fake);
+    let block =
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}\n</tool_call>";
+    assert!(gbnf::accepts(&g, block) && gbnf::accepts(&g, reply), "{g}");
+    assert!(!gbnf::accepts(&g, r#"{"city": "Oslo"}"#) && !gbnf::accepts(&g, "It is cold."), "{g}");
+    *fake.syntax.lock().unwrap() = Some(ToolSyntax::CommandR7b);
+    *fake.answer.lock().unwrap() = Some(format!("<|START_RESPONSE|>{reply}<|END_RESPONSE|>"));
+    let (status, _, body) = post(format!("{base}/api/chat"), ollama).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["message"]["content"], reply, "{v}");
+    assert!(gbnf::accepts(&last_grammar(&fake), &format!("<|START_RESPONSE|>{reply}<|END_RESPONSE|>")));
+}
+
+/// Tools with logprobs: a reply lists its own tokens, in OpenAI's shape (whole and in
+/// the stream's one chunk) and Ollama's; a call has null content and no logprobs; in
+/// the generic format (where a reply's tokens are not the reply's) `auto` is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_with_logprobs_list_a_replys_tokens_and_none_for_calls() {
+    let (base, fake) = server().await;
+    let chat = format!("{base}/v1/chat/completions");
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let plain = json!({"model": "tiny", "messages": msgs, "logprobs": true, "top_logprobs": 2});
+    let mut req = plain.clone();
+    req["tools"] = json!([weather_tool()]);
+    let bytes_of = |logprobs: &Value| -> String {
+        let bytes = logprobs["content"].as_array().unwrap().iter().flat_map(|e| e["bytes"].as_array().unwrap().clone());
+        String::from_utf8(bytes.map(|b| b.as_u64().unwrap() as u8).collect()).unwrap()
+    };
+
+    // Hermes' syntax, a reply in words: the same entries as without tools.
+    *fake.syntax.lock().unwrap() = Some(ToolSyntax::Hermes);
+    let (_, _, body) = post(chat.clone(), plain.clone()).await;
+    let without: Value = serde_json::from_str(&body).unwrap();
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], ANSWER);
+    assert_eq!(v["choices"][0]["logprobs"], without["choices"][0]["logprobs"], "{v}");
+    assert_eq!(bytes_of(&v["choices"][0]["logprobs"]), ANSWER);
+    assert_eq!(v["choices"][0]["logprobs"]["content"][0]["top_logprobs"].as_array().unwrap().len(), 2);
+    assert_eq!(v["choices"][0]["logprobs"]["refusal"], Value::Null);
+    // Streamed: the answer's one chunk carries them.
+    let mut streamed = req.clone();
+    streamed["stream"] = json!(true);
+    let (status, _, body) = post(chat.clone(), streamed.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let first: Value = serde_json::from_str(&sse_data(&body)[0]).unwrap();
+    assert_eq!(first["choices"][0]["logprobs"], v["choices"][0]["logprobs"], "{body}");
+
+    // A call: null content, no logprobs (whole and streamed).
+    let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    *fake.answer.lock().unwrap() = Some(call.to_string());
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert_eq!((&choice["message"]["content"], &choice["logprobs"]), (&Value::Null, &Value::Null), "{v}");
+    let (_, _, body) = post(chat.clone(), streamed).await;
+    let first: Value = serde_json::from_str(&sse_data(&body)[0]).unwrap();
+    assert_eq!(first["choices"][0]["logprobs"], Value::Null, "{body}");
+    // Ollama: the reply's entries; none for a call.
+    let ollama = json!({"model": "tiny", "messages": msgs, "stream": false, "tools": [weather_tool()],
+        "logprobs": true});
+    let (status, _, body) = post(format!("{base}/api/chat"), ollama.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(serde_json::from_str::<Value>(&body).unwrap().get("logprobs").is_none(), "{body}");
+    *fake.answer.lock().unwrap() = None;
+    let (status, _, body) = post(format!("{base}/api/chat"), ollama.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(bytes_of(&json!({"content": v["logprobs"]})), ANSWER, "{v}");
+
+    // Command R7B: the tokens between its reply markers, not the markers'.
+    *fake.syntax.lock().unwrap() = Some(ToolSyntax::CommandR7b);
+    *fake.answer.lock().unwrap() = Some("<|START_RESPONSE|>Hi there.<|END_RESPONSE|>".into());
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "Hi there.");
+    assert_eq!(bytes_of(&v["choices"][0]["logprobs"]), "Hi there.");
+    let (status, _, body) = post(format!("{base}/api/chat"), ollama).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(bytes_of(&json!({"content": v["logprobs"]})), "Hi there.", "{v}");
+
+    // Generic format: `auto` is refused before any generation, with why; a required
+    // call (whose answer is never a reply inside JSON) is not.
+    *fake.syntax.lock().unwrap() = None;
+    *fake.answer.lock().unwrap() = None;
+    let seen = fake.prompts.lock().unwrap().len();
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 400, "{body}");
+    let message = serde_json::from_str::<Value>(&body).unwrap()["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("logprobs with tools") && message.contains("generic JSON tool format"), "{message}");
+    assert_eq!(fake.prompts.lock().unwrap().len(), seen);
+    let mut required = req.clone();
+    required["tool_choice"] = json!("required");
+    let (status, _, body) = post(chat.clone(), required).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((&v["choices"][0]["finish_reason"], &v["choices"][0]["logprobs"]), (&json!("tool_calls"), &Value::Null));
 }
