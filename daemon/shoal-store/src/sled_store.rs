@@ -53,12 +53,12 @@ impl std::fmt::Debug for SledStore {
 impl SledStore {
     /// Opens the store in `dir` (the node's data directory), creating `dir` and
     /// `<dir>/state.sled` if needed. Fails with [`StoreError::InUse`] if another
-    /// process (or another `SledStore` in this one) has it open.
+    /// process (or another `SledStore` in this one) has it open, after waiting ~1 s
+    /// for a store just closed here to let go of it.
     pub fn open(dir: &Path) -> Result<SledStore, StoreError> {
         std::fs::create_dir_all(dir).map_err(|source| StoreError::Io { path: dir.to_owned(), source })?;
         let path = dir.join(STORE_DIR);
-        let db =
-            sled::Config::new().path(&path).cache_capacity(CACHE_BYTES).open().map_err(|e| open_error(&path, e))?;
+        let db = open_db(&path)?;
 
         let mut trees = Vec::with_capacity(Space::ALL.len());
         for space in Space::ALL {
@@ -279,6 +279,30 @@ fn backend(op: &str, e: sled::Error) -> StoreError {
 
 fn backend_msg(op: &str, why: &str) -> StoreError {
     StoreError::Backend { op: op.to_owned(), source: why.into() }
+}
+
+/// Opens sled's database at `path`, waiting up to ~1 s for a lock that a store just
+/// dropped in this process still holds: sled 0.34 finishes its last writes on
+/// background threads that keep the database file (and its lock) open a moment after
+/// the `Db` is dropped, so a store closed and opened again at once (a node restarted
+/// in-process, the tests) would otherwise be refused as in use. A lock that another
+/// live store holds is still refused, after the wait.
+fn open_db(path: &Path) -> Result<sled::Db, StoreError> {
+    let mut wait = std::time::Duration::from_millis(5);
+    let mut waited = std::time::Duration::ZERO;
+    loop {
+        match sled::Config::new().path(path).cache_capacity(CACHE_BYTES).open() {
+            Ok(db) => return Ok(db),
+            Err(e) => match open_error(path, e) {
+                StoreError::InUse { .. } if waited < std::time::Duration::from_secs(1) => {
+                    std::thread::sleep(wait);
+                    waited += wait;
+                    wait = (wait * 2).min(std::time::Duration::from_millis(200));
+                }
+                other => return Err(other),
+            },
+        }
+    }
 }
 
 /// sled 0.34 reports a held lock as `Io(Other, "could not acquire lock on ...")` (its
