@@ -205,6 +205,7 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
             grammar: toolbox.as_ref().and_then(Toolbox::grammar),
             ..d
         };
+        let shown = toolbox.as_ref().map(|t| t.shown_markers(&*text)).unwrap_or_default();
         let job = Job {
             model: model.entry.name.clone(),
             text,
@@ -214,6 +215,7 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
             stop: req.stop_sequences.clone(),
             ignore_eos: false,
             speculative: req.speculative,
+            shown,
         };
         match toolbox {
             Some(toolbox) => answer_with_tools(backend, job, req.model, req.stream, toolbox).await,

@@ -197,6 +197,21 @@ pub enum ToolSyntax {
         /// describes them in the system message, as the model card says to).
         lists_tools: bool,
     },
+    /// Mistral's first (Mistral 7B v0.3's, Nemo's, Small 3.1's): the template lists the
+    /// tools in `[AVAILABLE_TOOLS]…[/AVAILABLE_TOOLS]`, the model answers its calls as
+    /// one JSON list, `[TOOL_CALLS][{"name": …, "arguments": {…}, "id": "<9 letters or
+    /// digits>"}]`, and reads results in `[TOOL_RESULTS]…[/TOOL_RESULTS]` that name the
+    /// call's 9-character id.
+    MistralNemo,
+    /// Mistral's later one (Small 3.2's, Devstral's, Magistral's, Ministral 3's): the
+    /// tools listed as Nemo's, each call `[TOOL_CALLS]NAME[ARGS]{…}`, chained without
+    /// separators.
+    Mistral {
+        /// Whether the template writes each earlier call's id, `NAME[CALL_ID]ID[ARGS]{…}`
+        /// (Small 3.2's: its ids are 9 letters or digits), which the model may then
+        /// write too.
+        call_ids: bool,
+    },
 }
 
 impl ToolSyntax {
@@ -206,9 +221,11 @@ impl ToolSyntax {
     /// among templates that list `tools`: Hermes' when it writes `<tool_call>`;
     /// Llama 3's when it answers tools in an `ipython` environment with
     /// `"parameters"`; Command R7B's when it writes `<|START_ACTION|>` lists of
-    /// `"tool_name"`s. Otherwise the generic one (templates with other syntaxes,
-    /// Mistral's, gpt-oss's or Command R+'s `Action:` lists, get the generic format
-    /// until Shoal reads theirs).
+    /// `"tool_name"`s; Mistral's when it writes `[TOOL_CALLS]` (the later one when its
+    /// calls have `[ARGS]`, whether they have `[CALL_ID]`s noted; Nemo's list
+    /// otherwise). Otherwise the generic one (templates with other syntaxes, gpt-oss's
+    /// or Command R+'s `Action:` lists, get the generic format until Shoal reads
+    /// theirs).
     pub fn of(template: &str) -> ToolSyntax {
         // A template that never names `tools` cannot list them; DeepSeek's own are
         // such, and are told the tools by Shoal instead.
@@ -227,6 +244,12 @@ impl ToolSyntax {
             ToolSyntax::Llama3
         } else if template.contains("<|START_ACTION|>") && template.contains("\"tool_name\"") {
             ToolSyntax::CommandR7b
+        } else if template.contains("[TOOL_CALLS]") {
+            if template.contains("[ARGS]") {
+                ToolSyntax::Mistral { call_ids: template.contains("[CALL_ID]") }
+            } else {
+                ToolSyntax::MistralNemo
+            }
         } else {
             ToolSyntax::Generic
         }

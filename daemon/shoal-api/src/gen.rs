@@ -30,6 +30,10 @@ pub(crate) struct Job {
     /// `None` as the node is set (`Backend::speculation`). Not in any API's
     /// specification: Shoal's own field.
     pub speculative: Option<bool>,
+    /// Tokens shown as this text rather than their piece: a tool syntax's markers
+    /// that are control tokens, which render as nothing
+    /// ([`crate::tools::Toolbox::shown_markers`]), so the answer reads back.
+    pub shown: Vec<(TokenId, Vec<u8>)>,
 }
 
 /// What a generation says, in order: text pieces, then one end or failure.
@@ -225,7 +229,10 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
                 if eog.contains(&t) {
                     continue;
                 }
-                let piece = job.text.piece(t);
+                let piece = match job.shown.iter().find(|(s, _)| *s == t) {
+                    Some((_, text)) => text.clone(),
+                    None => job.text.piece(t),
+                };
                 let (text, stop) = stops.push(&utf8.push(&piece));
                 scored.extend(lp.map(|lp| Logprob::new(&*job.text, piece, lp)));
                 if !text.is_empty() && events.send(Event::Text(text, std::mem::take(&mut scored))).await.is_err() {

@@ -120,12 +120,16 @@ pub(crate) enum Besides<'a> {
     /// A reply that is this JSON value: `{"response": VALUE}` in the generic format;
     /// in a model's own syntax the value as the syntax writes a reply (Command R7B's
     /// between `<|START_RESPONSE|>` and `<|END_RESPONSE|>`; DeepSeek's after its
-    /// thinking is closed; the others' as the whole answer).
+    /// thinking is closed; the others' (Hermes', Llama 3's, Mistral's) as the whole
+    /// answer).
     Json(&'a Structured),
 }
 
 /// Most tool calls one answer may make (a bound, so a looping model stops).
 const MAX_CALLS: usize = 8;
+
+/// A Mistral call id: 9 letters or digits, as Mistral's templates require.
+const MISTRAL_ID: &str = "[a-zA-Z0-9]{9}";
 
 /// The grammar of a tool-calling answer (see `tools`): `{"tool_calls": [{"name",
 /// "arguments"}]}` naming one of `tools` (name, parameter schema) with arguments its
@@ -136,7 +140,10 @@ const MAX_CALLS: usize = 8;
 /// DeepSeek R1's `<｜tool▁calls▁begin｜>` then calls
 /// `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`
 /// one per line, then `<｜tool▁calls▁end｜>`; V3.1's the same with calls
-/// `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` chained; a reply there
+/// `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` chained; Mistral
+/// Nemo's `[TOOL_CALLS][{"name", "arguments", "id"}, …]`; later Mistrals'
+/// `[TOOL_CALLS]NAME[ARGS]ARGS` chained (`NAME[CALL_ID]ID[ARGS]ARGS` allowed where the
+/// template writes ids); a reply there
 /// is offered only as JSON ([`Besides::Json`]; free text needs no grammar). A tool's
 /// schema the grammar cannot follow (or one making the grammar too large) allows any
 /// JSON object; the reply's schema is always followed (it was checked when the request
@@ -189,6 +196,17 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
                 // DeepSeek writes the name bare.
                 ToolSyntax::DeepSeekR1 { .. } => format!("{} \"\\n```json\\n\" {args} \"\\n```\"", literal(name)),
                 ToolSyntax::DeepSeekV31 { .. } => format!("{} \"<｜tool▁sep｜>\" {args}", literal(name)),
+                // The id the model gives its call (the API sends its own).
+                ToolSyntax::MistralNemo => object(&[
+                    ("\"name\"", &quoted),
+                    ("\"arguments\"", &args),
+                    ("\"id\"", &format!("\"\\\"\" {MISTRAL_ID} \"\\\"\"")),
+                ]),
+                // Mistral writes the name bare; an id only where its template showed ids.
+                ToolSyntax::Mistral { call_ids } => {
+                    let id = if call_ids { format!(" ( \"[CALL_ID]\" {MISTRAL_ID} )?") } else { String::new() };
+                    format!("{}{id} \"[ARGS]\" {args}", literal(name))
+                }
             };
             rules.insert(rule.clone(), body);
             calls.push(rule);
@@ -226,6 +244,14 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
                 ),
                 "block ::= \"<｜tool▁call▁begin｜>\" call \"<｜tool▁call▁end｜>\"\n".to_string(),
             ),
+            // One list after the marker (Mistral 7B v0.3's template writes a space first).
+            ToolSyntax::MistralNemo => {
+                (format!("\"[TOOL_CALLS]\" ws \"[\" ws call{} ws \"]\"", more("ws \",\" ws", "call")), String::new())
+            }
+            // Every call after its own marker.
+            ToolSyntax::Mistral { .. } => {
+                (format!("block{}", more("", "block")), "block ::= \"[TOOL_CALLS]\" call\n".to_string())
+            }
             ToolSyntax::Generic => {
                 let more =
                     if parallel { format!("( \",\" ws call ws ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
@@ -249,7 +275,10 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
             }
             // A call is required, or a native reply is free text (no grammar then).
             (_, Besides::Nothing | Besides::Text) => {}
-            (ToolSyntax::Hermes | ToolSyntax::Llama3, Besides::Json(_)) => out += &format!("reply ::= ws {value} ws\n"),
+            (
+                ToolSyntax::Hermes | ToolSyntax::Llama3 | ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. },
+                Besides::Json(_),
+            ) => out += &format!("reply ::= ws {value} ws\n"),
             // The reader takes what lies between the markers.
             (ToolSyntax::CommandR7b, Besides::Json(_)) => {
                 out += &format!(

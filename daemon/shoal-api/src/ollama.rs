@@ -321,6 +321,7 @@ async fn job<B: Backend>(
         return Err(Failure::bad(crate::openai::LOGPROBS_IN_GENERIC_FORMAT));
     }
     let prompt = tokens(&*text, toolbox)?;
+    let shown = toolbox.map(|t| t.shown_markers(&*text)).unwrap_or_default();
     Ok(Job {
         model: model.entry.name.clone(),
         text,
@@ -330,6 +331,7 @@ async fn job<B: Backend>(
         stop: options.stop.clone().unwrap_or_default(),
         ignore_eos: false,
         speculative: options.speculative,
+        shown,
     })
 }
 

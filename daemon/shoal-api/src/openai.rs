@@ -314,15 +314,16 @@ async fn prepare<B: Backend>(
     let prompt = tokens(&*text, toolbox.as_ref())?;
     let max_tokens = knobs.max_tokens().unwrap_or_else(|| common::default_max_tokens(&model, prompt.len()));
     let (ignore_eos, speculative) = (knobs.ignore_eos, knobs.speculative);
-    let job =
-        Job { model: model.entry.name.clone(), text, prompt, max_tokens, sampling, stop, ignore_eos, speculative };
+    let shown = toolbox.as_ref().map(|t| t.shown_markers(&*text)).unwrap_or_default();
+    let model = model.entry.name.clone();
+    let job = Job { model, text, prompt, max_tokens, sampling, stop, ignore_eos, speculative, shown };
     Ok((job, knobs, toolbox))
 }
 
 /// Why `logprobs` with tools are refused for a model in the generic tool format.
 pub(crate) const LOGPROBS_IN_GENERIC_FORMAT: &str =
     "logprobs with tools (tool_choice auto) need a model whose chat template has a tool syntax of its own \
-     (Hermes, Llama 3, Command R7B, DeepSeek): this model answers in Shoal's generic JSON tool format, where a \
+     (Hermes, Llama 3, Command R7B, DeepSeek, Mistral): this model answers in Shoal's generic JSON tool format, where a \
      reply is written inside {\"response\": …} and its tokens are not the reply's";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -378,7 +379,7 @@ async fn answer_with_tools<B: Backend>(
             let calls: Vec<Value> = calls
                 .iter()
                 .map(|c| {
-                    json!({"id": common::new_id("call_"), "type": "function",
+                    json!({"id": toolbox.new_call_id(), "type": "function",
                         "function": {"name": c.name, "arguments": c.arguments.to_string()}})
                 })
                 .collect();

@@ -1,6 +1,6 @@
 //! Tool calling. Models whose template speaks a tool syntax Shoal reads (Hermes' for
-//! Qwen 2.5 and 3 …, Llama 3's, Command R7B's, DeepSeek R1's and V3.1's: see
-//! [`ToolSyntax`]) get their own: the template lists the tools (or, for DeepSeek's
+//! Qwen 2.5 and 3 …, Llama 3's, Command R7B's, DeepSeek R1's and V3.1's, Mistral's:
+//! see [`ToolSyntax`]) get their own: the template lists the tools (or, for DeepSeek's
 //! templates, which do not, the system message does) and writes the conversation's
 //! calls and results, the model answers in its syntax (held by a grammar when a call
 //! is required, or with `auto` when the reply must be JSON of a given format; read back
@@ -195,7 +195,8 @@ impl Toolbox {
         match (self.syntax, besides) {
             // A reply in words in the model's own syntax: it writes freely.
             (ToolSyntax::Hermes | ToolSyntax::Llama3 | ToolSyntax::CommandR7b, Besides::Text)
-            | (ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. }, Besides::Text) => None,
+            | (ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. }, Besides::Text)
+            | (ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. }, Besides::Text) => None,
             _ => Some(crate::grammar::tool_answer(&callable, besides, self.parallel, self.syntax)),
         }
     }
@@ -296,6 +297,8 @@ impl Toolbox {
                     r => r,
                 };
             }
+            ToolSyntax::MistralNemo => return read_mistral_nemo(text),
+            ToolSyntax::Mistral { .. } => return read_mistral(text),
             ToolSyntax::Generic => {}
         }
         let Ok(v) = serde_json::from_str::<Value>(text.trim()) else { return Reply::Text(text.to_string()) };
@@ -330,13 +333,47 @@ impl Toolbox {
         }
         let from = match self.syntax {
             ToolSyntax::Generic => return None,
-            ToolSyntax::Hermes | ToolSyntax::Llama3 => 0,
+            ToolSyntax::Hermes | ToolSyntax::Llama3 | ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. } => 0,
             ToolSyntax::CommandR7b => text.find(COHERE_REPLY).map_or(0, |i| i + COHERE_REPLY.len()),
             ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => text.len() - after_thinking(text).len(),
         };
         // The reply starts where its reader took it from, so the first match there is it.
         let at = from + text.get(from..)?.find(reply)?;
         Some(at..at + reply.len())
+    }
+
+    /// A new id for a call the model made, as the API sends it (OpenAI's `call_…`; for
+    /// Mistral's syntaxes 9 letters or digits, the only ids their templates take back).
+    pub fn new_call_id(&self) -> String {
+        match self.syntax {
+            ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. } => mistral_id(&random_bytes()),
+            _ => crate::common::new_id("call_"),
+        }
+    }
+
+    /// The tokens of `text`'s vocabulary that are one of the syntax's markers and
+    /// render as nothing (control tokens: Mistral's `[TOOL_CALLS]`, `[ARGS]` …), with
+    /// the marker's text: a generation shows them as that text, so that the answer
+    /// reads back (llama.cpp's server keeps such "preserved tokens" too).
+    pub fn shown_markers(&self, text: &dyn TextModel) -> Vec<(shoal_types::TokenId, Vec<u8>)> {
+        let markers: &[&str] = match self.syntax {
+            ToolSyntax::MistralNemo => &["[TOOL_CALLS]"],
+            ToolSyntax::Mistral { .. } => &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
+            // Command R7B's reader takes a bare list where its markers render as nothing.
+            _ => &[],
+        };
+        // What tokenizing adds to any text (the BOS, where the model wants one).
+        let added = text.tokenize("", true);
+        markers
+            .iter()
+            .filter_map(|m| {
+                let tokens = text.tokenize(m, true);
+                match tokens.strip_prefix(added.as_slice()) {
+                    Some(&[t]) if text.piece(t).is_empty() => Some((t, m.as_bytes().to_vec())),
+                    _ => None,
+                }
+            })
+            .collect()
     }
 }
 
@@ -350,6 +387,162 @@ fn after_thinking(text: &str) -> &str {
 
 /// Where Command R7B's reply starts.
 const COHERE_REPLY: &str = "<|START_RESPONSE|>";
+
+/// Where Mistral's calls start.
+const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
+
+/// Mistral Nemo's answer read back: after `[TOOL_CALLS]` (text before it, the model's
+/// thinking, is not part of the calls), one non-empty JSON list of `{"name",
+/// "arguments"}` objects (their `id`s are the model's, not the client's: dropped) and
+/// nothing but white space after it; anything else (no marker, a list that is not one
+/// of calls or is cut short) is the text as it came.
+fn read_mistral_nemo(text: &str) -> Reply {
+    let calls = text.find(MISTRAL_CALLS).and_then(|at| {
+        let list = serde_json::from_str::<Value>(text[at + MISTRAL_CALLS.len()..].trim()).ok()?;
+        let calls = list
+            .as_array()?
+            .iter()
+            .map(|c| {
+                let name = c.get("name")?.as_str()?.to_string();
+                Some(Call { id: None, name, arguments: arguments(c.get("arguments")) })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        (!calls.is_empty()).then_some(calls)
+    });
+    match calls {
+        Some(calls) => Reply::Calls(calls),
+        None => Reply::Text(text.to_string()),
+    }
+}
+
+/// Later Mistrals' answer read back: from the first `[TOOL_CALLS]` (text before it is
+/// not part of the calls), calls `[TOOL_CALLS]NAME[ARGS]{…}` (an id as
+/// `NAME[CALL_ID]ID[ARGS]` allowed, and dropped) with only white space between and
+/// after them; a call that does not read (no `[ARGS]`, a name with spaces, arguments
+/// that are not one JSON object, a call cut short) makes the whole answer text.
+fn read_mistral(text: &str) -> Reply {
+    let Some(at) = text.find(MISTRAL_CALLS) else { return Reply::Text(text.to_string()) };
+    let mut rest = &text[at..];
+    let mut calls = Vec::new();
+    while let Some(call) = rest.strip_prefix(MISTRAL_CALLS) {
+        let Some((head, args)) = call.split_once("[ARGS]") else { return Reply::Text(text.to_string()) };
+        let name = head.split_once("[CALL_ID]").map_or(head, |(name, _)| name);
+        if name.is_empty() || name.contains(char::is_whitespace) || name.contains('[') {
+            return Reply::Text(text.to_string());
+        }
+        // One JSON value, then whatever follows it (the next call).
+        let mut values = serde_json::Deserializer::from_str(args).into_iter::<Value>();
+        match values.next() {
+            Some(Ok(arguments)) if arguments.is_object() => {
+                calls.push(Call { id: None, name: name.to_string(), arguments });
+            }
+            _ => return Reply::Text(text.to_string()),
+        }
+        rest = args[values.byte_offset()..].trim_start();
+    }
+    if rest.is_empty() {
+        Reply::Calls(calls)
+    } else {
+        Reply::Text(text.to_string())
+    }
+}
+
+/// 12 random bytes (the clock's where the system has none to give: ids only tell
+/// calls apart).
+fn random_bytes() -> [u8; 12] {
+    let mut bytes = [0u8; 12];
+    if getrandom::getrandom(&mut bytes).is_err() {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        bytes.copy_from_slice(&nanos.to_le_bytes()[..12]);
+    }
+    bytes
+}
+
+/// A Mistral call id from `seed`: 9 letters or digits (the 64-bit FNV-1a hash of the
+/// seed in base 62: 62^9 ids, more than 2^53, so different seeds seldom meet).
+fn mistral_id(seed: &[u8]) -> String {
+    const DIGITS: &[u8; 62] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in seed {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (0..9)
+        .map(|_| {
+            let d = DIGITS[(h % 62) as usize] as char;
+            h /= 62;
+            d
+        })
+        .collect()
+}
+
+/// Whether `id` is one Mistral's templates take: 9 ASCII letters or digits.
+fn is_mistral_id(id: &str) -> bool {
+    id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric())
+}
+
+/// A conversation as Mistral's templates take it: an assistant turn with calls and no
+/// text has content `""` rather than null (Ministral 3's and Devstral's templates take
+/// the length of any content that is not a string or write its first block), and its
+/// call ids (OpenAI's `tool_calls[].id`, `tool_call_id`) are as they require them, 9
+/// letters or digits, so that clients' ids (`call_…`, Anthropic's `toolu_…`) render
+/// instead of failing the template: an id that is one
+/// already stays; another becomes a hash of itself, the same for the call and its
+/// results, and never one an earlier id took. Calls without an id (Ollama's) get one,
+/// and a result without one (Ollama's name only) answers the earliest call not yet
+/// answered of the last assistant turn with calls (of its tool, when it is named).
+fn for_mistral(messages: &mut Value) {
+    /// The id `given` becomes, noted in `ids` (each id given, and what it became).
+    fn short(given: &str, ids: &mut Vec<(String, String)>) -> String {
+        if let Some((_, s)) = ids.iter().find(|(g, _)| g == given) {
+            return s.clone();
+        }
+        let mut s = if is_mistral_id(given) { given.to_string() } else { mistral_id(given.as_bytes()) };
+        // A clash (another id that hashed, or was, the same): hash again, salted.
+        let mut salt = 0u32;
+        while ids.iter().any(|(_, t)| *t == s) {
+            salt += 1;
+            s = mistral_id(format!("{given}#{salt}").as_bytes());
+        }
+        ids.push((given.to_string(), s.clone()));
+        s
+    }
+    let Some(list) = messages.as_array_mut() else { return };
+    let mut ids: Vec<(String, String)> = Vec::new();
+    // The last assistant turn's calls not answered yet: (tool, id).
+    let mut open: Vec<(String, String)> = Vec::new();
+    for (turn, m) in list.iter_mut().enumerate() {
+        if m.get("content").is_some_and(Value::is_null) {
+            m["content"] = json!("");
+        }
+        if let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) {
+            open.clear();
+            for (i, c) in calls.iter_mut().enumerate() {
+                let given = c.get("id").and_then(Value::as_str).map(str::to_string);
+                // Named by its place, which no client's id looks like.
+                let id = short(&given.unwrap_or_else(|| format!("#{turn}.{i}")), &mut ids);
+                let tool = c.pointer("/function/name").and_then(Value::as_str).unwrap_or_default().to_string();
+                c["id"] = json!(id);
+                open.push((tool, id));
+            }
+        }
+        if m.get("role").and_then(Value::as_str) == Some("tool") {
+            let id = match m.get("tool_call_id").and_then(Value::as_str) {
+                Some(given) => short(given, &mut ids),
+                None => {
+                    let tool = m.get("name").and_then(Value::as_str);
+                    let at =
+                        open.iter().position(|(t, _)| tool.is_none_or(|n| n == t)).or((!open.is_empty()).then_some(0));
+                    match at {
+                        Some(at) => open[at].1.clone(),
+                        None => short(&format!("#{turn}"), &mut ids),
+                    }
+                }
+            };
+            open.retain(|(_, o)| *o != id);
+            m["tool_call_id"] = json!(id);
+        }
+    }
+}
 
 /// Hermes' answer read back: the `<tool_call>` blocks holding `{"name", "arguments"}`
 /// objects, or (none, or one that is not such an object) the text as a reply.
@@ -531,6 +724,9 @@ pub(crate) fn prompt(text: &dyn TextModel, turns: &[Turn], toolbox: Option<&Tool
             let mut messages = openai_messages(turns);
             if let Some(told) = b.told() {
                 add_to_system(&mut messages, &told);
+            }
+            if matches!(b.syntax, ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. }) {
+                for_mistral(&mut messages);
             }
             text.chat_prompt_with_tools(&messages, &Value::Array(tools))
         }
@@ -868,6 +1064,10 @@ mod tests {
                                                     {\"city\": \"Oslo\", \"unit\": \"c\"}<｜tool▁call▁end｜>\
                                                     <｜tool▁calls▁end｜>"
                     .into(),
+                ToolSyntax::MistralNemo => "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \
+                                            \"unit\": \"c\"}, \"id\": \"a1B2c3D4e\"}]"
+                    .into(),
+                ToolSyntax::Mistral { .. } => "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\", \"unit\": \"c\"}".into(),
             }
         };
         // How each syntax writes a reply (the generic format: inside `response`).
@@ -886,6 +1086,8 @@ mod tests {
             ToolSyntax::CommandR7b,
             ToolSyntax::DeepSeekR1 { lists_tools: true },
             ToolSyntax::DeepSeekV31 { lists_tools: true },
+            ToolSyntax::MistralNemo,
+            ToolSyntax::Mistral { call_ids: true },
         ] {
             let mut b = Toolbox::new(&[weather(), time()], None, None).unwrap().unwrap();
             b.speak(syntax);
@@ -1125,7 +1327,14 @@ mod tests {
             ToolSyntax::of("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}"),
             ToolSyntax::Generic
         );
-        assert_eq!(ToolSyntax::of("[AVAILABLE_TOOLS]{{ tools | tojson }}[TOOL_CALLS]"), ToolSyntax::Generic);
+        // Mistral's: Nemo's list; the later calls with `[ARGS]`, with or without ids; a
+        // template that never names the tools is not read as Mistral's.
+        assert_eq!(ToolSyntax::of("[AVAILABLE_TOOLS]{{ tools | tojson }}[TOOL_CALLS]"), ToolSyntax::MistralNemo);
+        let later = "[AVAILABLE_TOOLS]{{ tools | tojson }}{{ '[TOOL_CALLS]' + name + '[ARGS]' + arguments }}";
+        assert_eq!(ToolSyntax::of(later), ToolSyntax::Mistral { call_ids: false });
+        let ids = "{{ tools | tojson }}{{ '[TOOL_CALLS]' + name }}{{ '[CALL_ID]' + id }}{{ '[ARGS]' + arguments }}";
+        assert_eq!(ToolSyntax::of(ids), ToolSyntax::Mistral { call_ids: true });
+        assert_eq!(ToolSyntax::of("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}"), ToolSyntax::Generic);
         let r7b = "{% for tool in tools %}{{ tool }}{% endfor %}<|START_ACTION|>[{\"tool_call_id\": \"0\", \
                    \"tool_name\": \"{{ tc.function.name }}\"}]<|END_ACTION|>";
         assert_eq!(ToolSyntax::of(r7b), ToolSyntax::CommandR7b);
@@ -1196,6 +1405,203 @@ mod tests {
             ])
         );
         assert_eq!(serde_json::from_str::<Value>(tools).unwrap(), json!([weather()]));
+
+        // Mistral's templates take 9-character ids only, and a call's content as text.
+        b.speak(ToolSyntax::MistralNemo);
+        let p = prompt(&Model(ToolSyntax::MistralNemo), &turns, Some(&b)).unwrap();
+        let m: Value = serde_json::from_str(p.split_once('|').unwrap().0).unwrap();
+        let id = m[1]["tool_calls"][0]["id"].as_str().unwrap();
+        assert!(is_mistral_id(id) && m[2]["tool_call_id"] == id && m[1]["content"] == "", "{m}");
+    }
+
+    /// Mistral Nemo's syntax: a required call is `[TOOL_CALLS]` then one JSON list of
+    /// `{"name", "arguments", "id"}` objects, each id 9 letters or digits (one object
+    /// unless parallel); answers read back from that list after the marker (after any
+    /// thinking), anything else as text.
+    #[test]
+    fn mistral_nemo_grammar_holds_a_call_list_and_answers_read_back() {
+        let b = required(ToolSyntax::MistralNemo, true);
+        let g = b.grammar().unwrap();
+        let two = "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}, \
+                   \"id\": \"a1B2c3D4e\"}, {\"name\": \"get_time\", \"arguments\": {\"zone\": \"CET\"}, \"id\": \"000000001\"}]";
+        assert!(gbnf::accepts(&g, two), "{g}");
+        // Mistral 7B v0.3's template writes a space after the marker.
+        let spaced = two.replacen("[TOOL_CALLS][", "[TOOL_CALLS] [", 1);
+        assert!(gbnf::accepts(&g, &spaced));
+        for bad in [
+            two.replace("a1B2c3D4e", "a1B2c3D4"),
+            two.replace("a1B2c3D4e", "call_1234"),
+            two.replace(", \"id\": \"000000001\"", ""),
+            two.replace("get_time", "get_date"),
+            two.replace("\"unit\": \"c\"", "\"unit\": \"k\""),
+            two.replace("[TOOL_CALLS]", ""),
+            "[TOOL_CALLS][]".to_string(),
+            format!("Sure. {two}"),
+        ] {
+            assert!(!gbnf::accepts(&g, &bad), "{bad}");
+        }
+        let one = required(ToolSyntax::MistralNemo, false).grammar().unwrap();
+        let first = "[TOOL_CALLS][{\"name\": \"get_time\", \"arguments\": {}, \"id\": \"zzzzzzzzz\"}]";
+        assert!(!gbnf::accepts(&one, two) && gbnf::accepts(&one, first), "{one}");
+        let mut auto = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        auto.speak(ToolSyntax::MistralNemo);
+        assert_eq!(auto.grammar(), None);
+
+        assert_eq!(b.read(two), oslo_and_cet());
+        assert_eq!(b.read(&spaced), oslo_and_cet());
+        assert_eq!(b.read(&format!("[THINK]Oslo, then the time.[/THINK]{two}\n")), oslo_and_cet());
+        for text in [
+            "It is -3 C.".to_string(),
+            "[TOOL_CALLS][]".to_string(),
+            "[TOOL_CALLS][{\"name\": 3, \"arguments\": {}}]".to_string(),
+            "[TOOL_CALLS]{\"name\": \"get_time\", \"arguments\": {}}".to_string(),
+            two[..two.len() - 4].to_string(),
+            format!("{two} Done."),
+        ] {
+            assert_eq!(b.read(&text), Reply::Text(text.clone()));
+        }
+    }
+
+    /// Later Mistrals' syntax: a required call is `[TOOL_CALLS]NAME[ARGS]{…}`, chained
+    /// without separators when parallel; an id (`NAME[CALL_ID]ID[ARGS]`) only where the
+    /// template writes ids. Answers read back call by call, a malformed one making the
+    /// answer text.
+    #[test]
+    fn mistral_grammar_holds_chained_calls_and_answers_read_back() {
+        let two = "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\", \"unit\": \"c\"}[TOOL_CALLS]get_time[ARGS]{\"zone\": \"CET\"}";
+        let with_id = two.replace("get_time[ARGS]", "get_time[CALL_ID]a1B2c3D4e[ARGS]");
+        for call_ids in [false, true] {
+            let syntax = ToolSyntax::Mistral { call_ids };
+            let b = required(syntax, true);
+            let g = b.grammar().unwrap();
+            assert!(gbnf::accepts(&g, two), "{g}");
+            assert_eq!(gbnf::accepts(&g, &with_id), call_ids, "{g}");
+            for bad in [
+                two.replace("[ARGS]{\"zone\"", "{\"zone\""),
+                two.replace("get_time", "get_date"),
+                two.replace("}[TOOL_CALLS]", "}\n[TOOL_CALLS]"),
+                with_id.replace("a1B2c3D4e", "a1B2c3D4"),
+                "[TOOL_CALLS]get_weather".to_string(),
+                "[TOOL_CALLS][{\"name\": \"get_time\", \"arguments\": {}}]".to_string(),
+                format!("Sure. {two}"),
+            ] {
+                assert!(!gbnf::accepts(&g, &bad), "{bad}");
+            }
+            let one = required(syntax, false).grammar().unwrap();
+            assert!(!gbnf::accepts(&one, two) && gbnf::accepts(&one, "[TOOL_CALLS]get_time[ARGS]{}"), "{one}");
+            let mut auto = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+            auto.speak(syntax);
+            assert_eq!(auto.grammar(), None);
+
+            assert_eq!(b.read(two), oslo_and_cet());
+            assert_eq!(b.read(&with_id), oslo_and_cet());
+            assert_eq!(b.read(&format!("[THINK]Oslo first.[/THINK]{two}")), oslo_and_cet());
+            assert_eq!(b.read(&format!("Let me look. {}\n", two.replace("}[TOOL", "}\n[TOOL"))), oslo_and_cet());
+            for text in [
+                "It is -3 C.".to_string(),
+                "[TOOL_CALLS]get_weather{\"city\": \"Oslo\"}".to_string(),
+                "[TOOL_CALLS]get weather[ARGS]{}".to_string(),
+                "[TOOL_CALLS][ARGS]{}".to_string(),
+                "[TOOL_CALLS]get_time[ARGS][\"CET\"]".to_string(),
+                "[TOOL_CALLS]get_time[ARGS]{zone: CET}".to_string(),
+                two[..two.len() - 3].to_string(),
+                format!("{two} Done."),
+            ] {
+                assert_eq!(b.read(&text), Reply::Text(text.clone()));
+            }
+        }
+    }
+
+    /// Mistral's templates take only 9-character ids: a conversation's are mapped to such
+    /// ones (kept where they are), the same for a call and its results, distinct, and the
+    /// same every time; calls without ids (Ollama's) get ones their results (by tool
+    /// name, else in order) answer; a call's null content becomes `""`.
+    #[test]
+    fn mistral_conversations_get_nine_character_ids_consistently() {
+        let call = |id: Option<&str>, name: &str| {
+            let mut c = json!({"type": "function", "function": {"name": name, "arguments": {}}});
+            if let Some(id) = id {
+                c["id"] = json!(id);
+            }
+            c
+        };
+        let clash = mistral_id(b"call_abc");
+        let original = json!([
+            {"role": "user", "content": "Weather and time?"},
+            {"role": "assistant", "content": null, "tool_calls": [call(Some("call_abc"), "get_weather"),
+                call(Some("a1B2c3D4e"), "get_time"), call(Some("toolu_01"), "get_time")]},
+            {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": "12:00"},
+            {"role": "tool", "tool_call_id": "call_abc", "content": "-3"},
+            {"role": "tool", "tool_call_id": "toolu_01", "content": "12:00"},
+            {"role": "assistant", "content": "", "tool_calls": [call(None, "get_weather"), call(None, "get_time")]},
+            {"role": "tool", "name": "get_time", "content": "13:00"},
+            {"role": "tool", "content": "-4"},
+            // A client's id that is what another hashes to.
+            {"role": "assistant", "content": null, "tool_calls": [call(Some(&clash), "get_time")]},
+        ]);
+        let mut m = original.clone();
+        for_mistral(&mut m);
+        let id = |p: &str| m.pointer(p).and_then(Value::as_str).unwrap().to_string();
+        let calls = ["/1/tool_calls/0/id", "/1/tool_calls/1/id", "/1/tool_calls/2/id", "/5/tool_calls/0/id"];
+        let mut all: Vec<String> =
+            calls.iter().map(|p| id(p)).chain([id("/5/tool_calls/1/id"), id("/8/tool_calls/0/id")]).collect();
+        assert!(all.iter().all(|i| is_mistral_id(i)), "{m}");
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), 6, "{m}");
+        assert_eq!(id("/1/tool_calls/1/id"), "a1B2c3D4e");
+        assert_eq!(id("/2/tool_call_id"), "a1B2c3D4e");
+        assert_eq!(id("/3/tool_call_id"), id("/1/tool_calls/0/id"));
+        assert_eq!(id("/4/tool_call_id"), id("/1/tool_calls/2/id"));
+        assert_eq!(
+            (id("/6/tool_call_id"), id("/7/tool_call_id")),
+            (id("/5/tool_calls/1/id"), id("/5/tool_calls/0/id"))
+        );
+        assert_eq!((&m[1]["content"], &m[5]["content"]), (&json!(""), &json!("")));
+        let mut again = original.clone();
+        for_mistral(&mut again);
+        assert_eq!(again, m);
+
+        // The ids Shoal gives Mistral models' calls.
+        let b = required(ToolSyntax::Mistral { call_ids: true }, true);
+        let (a, c) = (b.new_call_id(), b.new_call_id());
+        assert!(is_mistral_id(&a) && is_mistral_id(&c) && a != c, "{a} {c}");
+        assert!(required(ToolSyntax::Hermes, true).new_call_id().starts_with("call_"));
+    }
+
+    /// A syntax's markers that are control tokens (one token, rendered as nothing) are
+    /// shown as their text; markers that are text already, or several tokens, are not.
+    #[test]
+    fn control_token_markers_are_shown_as_their_text() {
+        struct Tekken;
+        impl TextModel for Tekken {
+            fn chat_prompt(&self, _: &[ChatMessage]) -> Result<String, String> {
+                Ok(String::new())
+            }
+            fn tokenize(&self, text: &str, parse_special: bool) -> Vec<shoal_types::TokenId> {
+                // BOS 1; [TOOL_CALLS] a control token; [ARGS] a text token; the rest bytes.
+                let body = match (text, parse_special) {
+                    ("[TOOL_CALLS]", true) => vec![5],
+                    ("[ARGS]", true) => vec![6],
+                    _ => text.bytes().map(|b| 100 + shoal_types::TokenId::from(b)).collect(),
+                };
+                [vec![1], body].concat()
+            }
+            fn piece(&self, token: shoal_types::TokenId) -> Vec<u8> {
+                match token {
+                    6 => b"[ARGS]".to_vec(),
+                    t if t >= 100 => vec![(t - 100) as u8],
+                    _ => Vec::new(),
+                }
+            }
+            fn eog_tokens(&self) -> Vec<shoal_types::TokenId> {
+                vec![2]
+            }
+        }
+        let b = required(ToolSyntax::Mistral { call_ids: true }, true);
+        assert_eq!(b.shown_markers(&Tekken), vec![(5, b"[TOOL_CALLS]".to_vec())]);
+        assert_eq!(required(ToolSyntax::MistralNemo, true).shown_markers(&Tekken), vec![(5, b"[TOOL_CALLS]".to_vec())]);
+        assert!(required(ToolSyntax::Hermes, true).shown_markers(&Tekken).is_empty());
     }
 
     #[test]

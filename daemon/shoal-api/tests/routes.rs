@@ -35,6 +35,9 @@ const GOOD_KEY: &str = "sk-shoal-good";
 
 /// Fill-in-the-middle tokens of the fake vocabulary (model `slow` has them).
 const FIM: [TokenId; 3] = [301, 302, 303];
+/// The fake vocabulary's `[TOOL_CALLS]`: a control token (it renders as nothing), as in
+/// Mistral's vocabularies. The model answers it wherever its answer has that text.
+const TOOL_CALLS: TokenId = 304;
 
 struct Bytes {
     /// Whether it has fill-in-the-middle tokens.
@@ -53,7 +56,10 @@ impl TextModel for Bytes {
         Ok(messages.iter().map(|m| format!("<{}>{}</{}>", m.role, m.content, m.role)).collect::<String>()
             + "<assistant>")
     }
-    fn tokenize(&self, text: &str, _parse_special: bool) -> Vec<TokenId> {
+    fn tokenize(&self, text: &str, parse_special: bool) -> Vec<TokenId> {
+        if parse_special && text == "[TOOL_CALLS]" {
+            return vec![TOOL_CALLS];
+        }
         text.bytes().map(TokenId::from).collect()
     }
     fn piece(&self, token: TokenId) -> Vec<u8> {
@@ -214,7 +220,14 @@ impl Backend for Fake {
         let answer: Vec<TokenId> = if model == "slow" {
             std::iter::repeat_n(b'x' as TokenId, 100_000).collect()
         } else {
-            text.bytes().map(TokenId::from).chain([EOG]).collect()
+            let mut tokens = Vec::new();
+            for (i, part) in text.split("[TOOL_CALLS]").enumerate() {
+                if i > 0 {
+                    tokens.push(TOOL_CALLS);
+                }
+                tokens.extend(part.bytes().map(TokenId::from));
+            }
+            tokens.into_iter().chain([EOG]).collect()
         };
         let mut made = Vec::new();
         // Log-probabilities as a tail would report them, made up from the token: its
@@ -1688,4 +1701,111 @@ async fn tools_with_logprobs_list_a_replys_tokens_and_none_for_calls() {
     assert_eq!(status, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!((&v["choices"][0]["finish_reason"], &v["choices"][0]["logprobs"]), (&json!("tool_calls"), &Value::Null));
+}
+
+/// Mistral's syntaxes through the routes: a call read back from Nemo's list (its
+/// `[TOOL_CALLS]` a control token, shown as its text so the answer reads) gets a
+/// 9-character id; the ids of a conversation sent back (OpenAI's `call_…`, Ollama's
+/// none) reach the template as 9-character ones, the same for a call and its result;
+/// a required call's grammar is Nemo's list; the later syntax with a reply format
+/// calls or replies in that format, and a reply lists its tokens' logprobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mistral_calls_come_back_with_nine_character_ids_and_ids_sent_back_are_mapped() {
+    let (base, fake) = server().await;
+    let chat = format!("{base}/v1/chat/completions");
+    let mistral_id =
+        |v: &Value| v.as_str().is_some_and(|s| s.len() == 9 && s.bytes().all(|b| b.is_ascii_alphanumeric()));
+    let msgs = json!([{"role": "user", "content": "Weather in Oslo?"}]);
+    let req = json!({"model": "tiny", "messages": msgs, "tools": [weather_tool()]});
+    *fake.syntax.lock().unwrap() = Some(ToolSyntax::MistralNemo);
+    let nemo = "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}, \
+                \"id\": \"a1B2c3D4e\"}]";
+    *fake.answer.lock().unwrap() = Some(nemo.to_string());
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let call = v["choices"][0]["message"]["tool_calls"][0].clone();
+    assert!(mistral_id(&call["id"]), "{call}");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Oslo", "unit": "c"}));
+    // `auto`: the model writes freely; required: Nemo's list, held.
+    assert_eq!(last_grammar(&fake), "");
+    let mut required = req.clone();
+    required["tool_choice"] = json!("required");
+    assert_eq!(post(chat.clone(), required).await.0, 200);
+    let g = last_grammar(&fake);
+    assert!(gbnf::accepts(&g, nemo) && !gbnf::accepts(&g, CALL), "{g}");
+    // Ollama: the same call, arguments as an object.
+    let ollama = json!({"model": "tiny", "messages": msgs, "stream": false, "tools": [weather_tool()]});
+    let (status, _, body) = post(format!("{base}/api/chat"), ollama).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["message"]["tool_calls"][0]["function"]["arguments"], json!({"city": "Oslo", "unit": "c"}), "{v}");
+
+    // The conversation sent back with OpenAI's ids: the template gets 9-character ones.
+    *fake.answer.lock().unwrap() = Some("It is -3 C.".into());
+    let history = json!([{"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]);
+    let (status, _, body) =
+        post(chat.clone(), json!({"model": "tiny", "messages": history, "tools": [weather_tool()]})).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "It is -3 C.", "{v}");
+    let seen = |fake: &Fake| -> Value {
+        let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+        // The fake template writes the messages' JSON, then the tools'.
+        let mut values = serde_json::Deserializer::from_str(&prompt).into_iter::<Value>();
+        values.next().unwrap().unwrap()
+    };
+    let m = seen(&fake);
+    let id = &m[1]["tool_calls"][0]["id"];
+    assert!(mistral_id(id) && m[2]["tool_call_id"] == *id && m[1]["content"] == "", "{m}");
+    assert!(!m.to_string().contains("call_1"), "{m}");
+    // Ollama's history has no ids: the call gets one, and its result the same.
+    let history = json!([{"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+            "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_name": "get_weather", "content": "-3 C"}]);
+    let (status, _, body) = post(
+        format!("{base}/api/chat"),
+        json!({"model": "tiny", "messages": history, "stream": false, "tools": [weather_tool()]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let m = seen(&fake);
+    let id = &m[1]["tool_calls"][0]["id"];
+    assert!(mistral_id(id) && m[2]["tool_call_id"] == *id, "{m}");
+
+    // The later syntax with a reply format: a call or the reply, held; the reply's
+    // tokens' logprobs.
+    *fake.syntax.lock().unwrap() = Some(ToolSyntax::Mistral { call_ids: false });
+    let schema_format =
+        json!({"type": "json_schema", "json_schema": {"name": "forecast", "schema": forecast_schema()}});
+    let reply = r#"{"city": "Oslo", "temp": -3}"#;
+    *fake.answer.lock().unwrap() = Some(reply.to_string());
+    let mut formatted = req.clone();
+    formatted["response_format"] = schema_format;
+    formatted["logprobs"] = json!(true);
+    let (status, _, body) = post(chat.clone(), formatted.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], reply, "{v}");
+    assert_eq!(v["choices"][0]["logprobs"]["content"].as_array().unwrap().len(), reply.len(), "{v}");
+    let g = last_grammar(&fake);
+    let later = "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\", \"unit\": \"c\"}";
+    assert!(gbnf::accepts(&g, later) && gbnf::accepts(&g, reply), "{g}");
+    assert!(!gbnf::accepts(&g, r#"{"city": "Oslo"}"#) && !gbnf::accepts(&g, "It is cold."), "{g}");
+    *fake.answer.lock().unwrap() = Some(later.to_string());
+    let (status, _, body) = post(chat.clone(), formatted).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choice = &v["choices"][0];
+    assert_eq!((&choice["finish_reason"], &choice["logprobs"]), (&json!("tool_calls"), &Value::Null), "{v}");
+    assert!(mistral_id(&choice["message"]["tool_calls"][0]["id"]), "{v}");
+    *fake.syntax.lock().unwrap() = None;
+    *fake.answer.lock().unwrap() = None;
 }

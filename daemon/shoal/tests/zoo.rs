@@ -69,9 +69,12 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
 /// Models whose templates speak a tool syntax Shoal reads call tools in it through a
 /// node's OpenAI route: Qwen 2.5 (Hermes' `<tool_call>` blocks), Llama 3.3 (one
 /// `{"name", "parameters"}` object), Command R7B (`<|START_ACTION|>` lists), DeepSeek
-/// R1's Qwen distill and DeepSeek V3.1 (`<｜tool▁calls▁begin｜>` calls), each the zoo's
-/// qwen2 weights under the family's real vocabulary (V3.1: DeepSeek LLM's, the nearest
-/// there is) and chat template. Command R7B's is its `tool_use` template, kept beside
+/// R1's Qwen distill and DeepSeek V3.1 (`<｜tool▁calls▁begin｜>` calls), Mistral Nemo
+/// (a `[TOOL_CALLS]` list), Mistral Small 3.2 and Ministral 3 (`[TOOL_CALLS]NAME[ARGS]`
+/// calls), each the zoo's qwen2 weights under the family's real vocabulary (V3.1:
+/// DeepSeek LLM's, the nearest there is; Mistral's: none of llama.cpp's test
+/// vocabularies is one, so their templates run on Llama 3's BPE one, the nearest to
+/// their Tekken) and chat template. Command R7B's is its `tool_use` template, kept beside
 /// a default one without tool syntax (Command R's, the vocabulary's own) as Cohere's
 /// GGUFs keep it: requests with tools go through the former, the rest the latter. The
 /// template (or, for DeepSeek's, which do not list tools, the system message) lists
@@ -81,7 +84,9 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
 /// writes them in the model's syntax, for the next turn.
 /// The syntax's markers must come back as text from the vocabulary (the answer is
 /// read from text): in these vocabularies they are not tokens of their own but
-/// ordinary text.
+/// ordinary text (Mistral's, control tokens in its own vocabularies, are shown as their
+/// text: the route tests check that on a fake vocabulary). Mistral's templates take
+/// only 9-character call ids: the call sent back is the API's, with such an id.
 #[test]
 fn models_call_tools_in_their_own_syntax_through_the_api() {
     use common::{shoal, wait_for};
@@ -95,7 +100,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
     // (file, vocabulary, template, written as the `tool_use` template beside the
     // vocabulary's default one, its syntax, what it writes)
     type Row = (&'static str, &'static str, &'static str, bool, ToolSyntax, &'static [&'static str]);
-    let models: [Row; 5] = [
+    let models: [Row; 8] = [
         (
             "qwen-tools.gguf",
             "ggml-vocab-qwen2.gguf",
@@ -156,6 +161,45 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
                  <｜tool▁output▁begin｜>-3 c<｜tool▁output▁end｜>",
             ],
         ),
+        (
+            "mistral-nemo-tools.gguf",
+            "ggml-vocab-llama-bpe.gguf",
+            "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+            false,
+            ToolSyntax::MistralNemo,
+            &[
+                "[AVAILABLE_TOOLS][{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \
+                 \"The weather in a city\", \"parameters\": {\"type\": \"object\"",
+                "[/AVAILABLE_TOOLS][INST]What is the weather in Oslo?[/INST]",
+                "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}, \"id\": \
+                 \"call00001\"}]<|end_of_text|>",
+                "[TOOL_RESULTS]{\"content\": -3 c, \"call_id\": \"call00001\"}[/TOOL_RESULTS]",
+            ],
+        ),
+        (
+            "mistral-small-tools.gguf",
+            "ggml-vocab-llama-bpe.gguf",
+            "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+            false,
+            ToolSyntax::Mistral { call_ids: true },
+            &[
+                "[AVAILABLE_TOOLS][{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"",
+                "[/INST][TOOL_CALLS]get_weather[CALL_ID]call00001[ARGS]{\"city\": \"Oslo\", \"unit\": \"c\"}",
+                "[TOOL_RESULTS]call00001[TOOL_CONTENT]-3 c[/TOOL_RESULTS]",
+            ],
+        ),
+        (
+            "ministral-tools.gguf",
+            "ggml-vocab-llama-bpe.gguf",
+            "mistralai-Ministral-3-14B-Reasoning-2512.jinja",
+            false,
+            ToolSyntax::Mistral { call_ids: false },
+            &[
+                "[AVAILABLE_TOOLS][{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"",
+                "[/INST][TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\", \"unit\": \"c\"}",
+                "[TOOL_RESULTS]-3 c[/TOOL_RESULTS]",
+            ],
+        ),
     ];
     // The texts a syntax's answers are read by.
     let markers = |syntax: ToolSyntax| -> &[&str] {
@@ -168,6 +212,8 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
                 "<｜tool▁call▁end｜>",
                 "<｜tool▁calls▁end｜>",
             ],
+            ToolSyntax::MistralNemo => &["[TOOL_CALLS]"],
+            ToolSyntax::Mistral { .. } => &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
             _ => &[],
         }
     };
@@ -176,6 +222,9 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
         "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
         "required": ["city", "unit"]}}});
     let ask = json!({"role": "user", "content": "What is the weather in Oslo?"});
+    // Devstral's (Unsloth's) template speaks the later Mistral syntax too, without ids.
+    let devstral = std::fs::read_to_string(vocabs.join("templates/unsloth-mistral-Devstral-Small-2507.jinja")).unwrap();
+    assert_eq!(ToolSyntax::of(&devstral), ToolSyntax::Mistral { call_ids: false });
     for (name, vocab, template, tool_use, syntax, rendered) in models {
         let template = std::fs::read_to_string(vocabs.join("templates").join(template)).unwrap();
         let path = tmp.path().join(name);
@@ -206,10 +255,13 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
             let back: Vec<u8> = tokens.iter().flat_map(|&t| text.piece(t)).collect();
             assert_eq!(String::from_utf8_lossy(&back), *marker, "{name}: {tokens:?}");
         }
-        // An earlier call and its result, as the API gives them to the template.
-        let messages = json!([ask, {"role": "assistant", "content": null, "tool_calls": [{"type": "function",
-            "id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]},
-            {"role": "tool", "content": "-3 c", "tool_call_id": "call_1", "name": "get_weather"}]);
+        // An earlier call and its result, as the API gives them to the template (to
+        // Mistral's: a 9-character id, content "" beside calls).
+        let mistral = matches!(syntax, ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. });
+        let content = if mistral { json!("") } else { Value::Null };
+        let messages = json!([ask, {"role": "assistant", "content": content, "tool_calls": [{"type": "function",
+            "id": "call00001", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]},
+            {"role": "tool", "content": "-3 c", "tool_call_id": "call00001", "name": "get_weather"}]);
         let prompt = text.chat_prompt_with_tools(&messages, &json!([weather])).unwrap();
         for part in rendered {
             assert!(prompt.contains(part), "{name}: {part:?} not in {prompt:?}");
@@ -256,7 +308,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
         assert_eq!(status, 200, "{text}");
         serde_json::from_str::<Value>(&text).unwrap()
     };
-    for (name, ..) in models {
+    for (name, _, _, _, syntax, _) in models {
         run(&["models", "add", tmp.path().join(name).to_str().unwrap()]);
         let loaded = run(&["models", "load", name, "--context", "2048", "--wait"]);
         assert!(loaded.contains("ready: 1 stage(s)"), "{loaded}");
@@ -279,6 +331,9 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
 
         // The call and its result go back through the template; a free (auto) answer.
         let id = calls[0]["id"].as_str().unwrap();
+        if matches!(syntax, ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. }) {
+            assert!(id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric()), "{name}: {v}");
+        }
         let v = post(&json!({"model": name, "tools": [weather], "temperature": 0, "max_tokens": 8,
             "messages": [ask, {"role": "assistant", "content": null, "tool_calls": calls},
                 {"role": "tool", "tool_call_id": id, "content": "-3 c"}]}));
