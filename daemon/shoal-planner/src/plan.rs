@@ -425,6 +425,86 @@ fn avoid_refused_sizes(
 /// Resolved pins: (device index, first unit, end unit).
 type Pins = Vec<(usize, u32, u32)>;
 
+/// Single-stream decode time a placement for several sessions may give up (a share of
+/// the fastest's) to even out its stages. Measured speeds of like machines differ by a
+/// few percent, so the fastest chain piles layers onto whichever measured faster; this
+/// much lets those layers spread back without letting a fast GPU's layers go to a CPU.
+pub const BALANCE_TOLERANCE: f64 = 0.02;
+
+/// With several sessions the stages work on different sessions' tokens at once, so
+/// the pipeline's throughput is set by its slowest stage, not by the sum the search
+/// minimises (and a prompt's chunks flow at the slowest stage's pace too). Keeps
+/// `best`'s chain and moves its boundaries one period at a time, towards a
+/// neighbour of the slower stage, while that lowers the stages' times (slowest first,
+/// compared in order), every stage still fits with a size llama.cpp reads right, no
+/// pinned stage changes, and the single-stream decode time stays within
+/// [`BALANCE_TOLERANCE`] of `best`'s. A placement for one session is left as found.
+fn balance(p: &Problem<'_>, best: Candidate, pins: &[(usize, u32, u32)], notes: &mut Vec<String>) -> Candidate {
+    if p.opts.sizing.sessions <= 1 || best.chain.len() < 2 || !best.decode_ms.is_finite() {
+        return best;
+    }
+    let limit = best.decode_ms * (1.0 + BALANCE_TOLERANCE);
+    let fits = |bounds: &[u32]| {
+        best.chain.iter().enumerate().all(|(i, &d)| {
+            let layers = LayerRange { start: bounds[i], end: bounds[i + 1] };
+            let pinned = pins.iter().find(|pin| pin.0 == d).map(|pin| p.unit_range(pin.1, pin.2 - pin.1));
+            !layers.is_empty()
+                && !p.model.refused_stage_layers.contains(&layers.len())
+                && pinned.is_none_or(|r| r == layers)
+                && p.model.stage_memory(layers, &p.opts.sizing).total() <= p.usable(d)
+        })
+    };
+    // The stages' times, slowest first: what a move must lower.
+    let key = |bounds: &[u32]| {
+        let mut ms = p.decode_ms(&best.chain, bounds).1;
+        ms.sort_by(|a, b| b.total_cmp(a));
+        ms
+    };
+    // `a` is lower than `b` at the first time that differs by more than float noise.
+    let lower =
+        |a: &[f64], b: &[f64]| a.iter().zip(b).find(|(x, y)| (*x - *y).abs() > 1e-9).is_some_and(|(x, y)| x < y);
+    let (mut bounds, mut now) = (best.bounds.clone(), key(&best.bounds));
+    // Each move lowers `now` in a strict order over finitely many bounds: this ends.
+    loop {
+        let mut next: Option<(Vec<u32>, Vec<f64>)> = None;
+        for i in 1..bounds.len() - 1 {
+            let moved = [bounds[i].checked_add(p.model.period), bounds[i].checked_sub(p.model.period)];
+            for b in moved.into_iter().flatten() {
+                if b <= bounds[i - 1] || b >= bounds[i + 1] {
+                    continue;
+                }
+                let mut t = bounds.clone();
+                t[i] = b;
+                if !fits(&t) || p.decode_ms(&best.chain, &t).0 > limit {
+                    continue;
+                }
+                let k = key(&t);
+                if lower(&k, next.as_ref().map_or(&now, |n| &n.1)) {
+                    next = Some((t, k));
+                }
+            }
+        }
+        match next {
+            Some((t, k)) => (bounds, now) = (t, k),
+            None => break,
+        }
+    }
+    if bounds == best.bounds {
+        return best;
+    }
+    let balanced = p.candidate(best.chain.clone(), bounds);
+    let slowest = |c: &Candidate| p.decode_ms(&c.chain, &c.bounds).1.into_iter().fold(0.0, f64::max);
+    notes.push(format!(
+        "Layers evened out for {} sessions at once: the slowest stage takes {:.2} ms per token instead of {:.2} \
+         (a pipeline serving several sessions runs at its slowest stage's pace), one session's decode {:+.2} ms.",
+        p.opts.sizing.sessions,
+        slowest(&balanced),
+        slowest(&best),
+        balanced.decode_ms - best.decode_ms
+    ));
+    balanced
+}
+
 /// How the best placement under a constraint is found: the scalable search, or the
 /// exhaustive one kept as the tests' oracle. The explanation asks the same questions
 /// of either ("the best without d", "the best with d", "the best on host h").
@@ -573,7 +653,7 @@ fn plan_with(model: &ModelProfile, cluster: &Cluster, opts: &Options, search: &S
             None => break with,
         }
     };
-    let best = &avoid_refused_sizes(&p, best, &pins, &mut notes)?;
+    let best = &balance(&p, avoid_refused_sizes(&p, best, &pins, &mut notes)?, &pins, &mut notes);
     let mut plan = p.to_plan(best);
     let mut why = Vec::new();
     let best_devices: Vec<&str> = best.chain.iter().map(|&d| p.devices[d].id.as_str()).collect();
@@ -927,6 +1007,71 @@ mod tests {
             let p = plan(&model, &cluster, &opts).unwrap();
             assert_eq!((held(&p, "a/fast"), held(&p, "a/slow")), (Some(25), Some(36)), "{p:#?}");
             assert!(p.explanation.iter().any(|e| e.contains("moved to") && e.contains("[26, 27]")), "{p:#?}");
+        }
+    }
+
+    /// Three like machines whose measured speeds differ by 1%, none able to hold more
+    /// than 12 of 30 layers (beside their buffers): for one session the fastest chain
+    /// fills two and leaves the rest to the slowest (12/12/6); for several sessions the layers are
+    /// evened out (10/10/10: a pipeline of sessions runs at its slowest stage's pace)
+    /// for a single-stream cost within the tolerance, and the plan says so. A fast GPU
+    /// beside a CPU keeps its layers: moving one would cost far more than the tolerance.
+    #[test]
+    fn several_sessions_even_out_the_stages() {
+        const MB: u64 = 1 << 20;
+        let model = ModelProfile {
+            layers: 30,
+            layer_bytes: vec![3 * MB; 30],
+            embed_bytes: 0,
+            head_bytes: 0,
+            tied_embeddings: false,
+            other_bytes: 0,
+            n_embd: 8,
+            n_vocab: 16,
+            n_ff: 8,
+            period: 1,
+            sliding_window: false,
+            refused_stage_layers: Vec::new(),
+            kv_bytes_per_token_per_layer: 0,
+        };
+        let opts = |sessions| Options {
+            sizing: Sizing { context: 16, sessions, chunk: 16 },
+            reserve_bytes: 0,
+            ..Options::default()
+        };
+        let like = Cluster {
+            devices: vec![
+                device("a/cpu", "a", 13 * 3 * MB, 1.00),
+                device("b/cpu", "a", 13 * 3 * MB, 0.99),
+                device("c/cpu", "a", 13 * 3 * MB, 1.01),
+            ],
+            links: vec![],
+        };
+        let sizes = |p: &Plan| {
+            let mut n: Vec<u32> = p.stages.iter().map(|s| s.last - s.first).collect();
+            n.sort_unstable();
+            n
+        };
+        for plan in [plan, plan_exhaustive] {
+            let one = plan(&model, &like, &opts(1)).unwrap();
+            assert_eq!(sizes(&one), [6, 12, 12], "{one:#?}");
+            assert!(!one.explanation.iter().any(|e| e.contains("evened out")), "{one:#?}");
+            let four = plan(&model, &like, &opts(4)).unwrap();
+            assert_eq!(sizes(&four), [10, 10, 10], "{four:#?}");
+            assert!(four.predicted_tok_s >= one.predicted_tok_s / (1.0 + BALANCE_TOLERANCE), "{four:#?}");
+            let slowest = |p: &Plan| p.stages.iter().map(|s| s.ms_per_token).fold(0.0, f64::max);
+            assert!(slowest(&four) < slowest(&one) * 0.9, "{four:#?}");
+            assert!(four.explanation.iter().any(|e| e.contains("evened out for 4 sessions")), "{four:#?}");
+            assert!(four.fits);
+
+            let gpu = Cluster {
+                devices: vec![device("a/cpu", "a", 100 * MB, 1.0), device("a/gpu", "a", 27 * 3 * MB, 0.05)],
+                links: vec![],
+            };
+            let (one, four) = (plan(&model, &gpu, &opts(1)).unwrap(), plan(&model, &gpu, &opts(4)).unwrap());
+            assert_eq!(sizes(&one), [4, 26]);
+            let layout = |p: &Plan| p.stages.iter().map(|s| (s.device.clone(), s.first, s.last)).collect::<Vec<_>>();
+            assert_eq!(layout(&four), layout(&one), "the GPU's layers stay");
         }
     }
 

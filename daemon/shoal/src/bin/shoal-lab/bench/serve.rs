@@ -119,7 +119,13 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let tps = |v: &[Timing]| -> Vec<f64> { v.iter().map(|t| t.tok_s).collect() };
     let (u, api_tps, node_tps) = (med(&mut tps(&unsplit)), med(&mut tps(&via_api)), med(&mut tps(&via_node)));
     let (tu, ta) = (med(&mut ttft_unsplit), med(&mut ttft_api));
-    println!("single stream, {} tokens, median of {} rounds ({} stages):", a.tokens, a.rounds, p.stages.len());
+    println!(
+        "single stream, {} tokens, median of {} rounds ({} stages, layers {}):",
+        a.tokens,
+        a.rounds,
+        p.stages.len(),
+        layers(&p)
+    );
     println!("  decode tok/s   unsplit {u:>7.1}   API {api_tps:>7.1}   ratio {:.3}   (target >= 0.95)", api_tps / u);
     println!(
         "  TTFT of a {}-token prompt   unsplit {tu:.3} s   API {ta:.3} s   ratio {:.3}",
@@ -147,7 +153,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let gen = p.generation;
     lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: 384, sessions: 6, exclude: vec![] })?;
     let (p6, _) = lab.running(&name, gen)?;
-    println!("concurrent streams ({} stages, 6 sessions), {} tokens each:", p6.stages.len(), a.tokens);
+    println!(
+        "concurrent streams ({} stages, layers {}, 6 sessions), {} tokens each:",
+        p6.stages.len(),
+        layers(&p6),
+        a.tokens
+    );
     let mut one = 0.0;
     for k in [1usize, 2, 3, 6] {
         // The streams' threads start inside the client's host (they inherit it).
@@ -252,6 +263,11 @@ fn node_generate(lab: &Lab, model: &str, prompt: &str, n: u32) -> Result<Timing>
         ttft: v["prefill_s"].as_f64().unwrap_or(0.0),
         tok_s: v["tok_per_s"].as_f64().unwrap_or(0.0),
     })
+}
+
+/// A placement's layer ranges, stage by stage ("0-10 / 10-20 / 20-30").
+fn layers(p: &shoal_types::ModelPlacement) -> String {
+    p.stages.iter().map(|s| s.layers.to_string()).collect::<Vec<_>>().join(" / ")
 }
 
 /// `shoal run` unsplit (one process), as JSON.
