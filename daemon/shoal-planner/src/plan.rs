@@ -254,6 +254,20 @@ impl<'a> Problem<'a> {
         best
     }
 
+    /// Boundaries `bounds` for `chain` give every stage some layers, a size llama.cpp
+    /// reads right (`ModelProfile::refused_stage_layers`), a pinned device exactly its
+    /// pinned layers, and every device a stage that fits its memory.
+    fn bounds_hold(&self, chain: &[usize], bounds: &[u32], pins: &[(usize, u32, u32)]) -> bool {
+        chain.iter().enumerate().all(|(i, &d)| {
+            let layers = LayerRange { start: bounds[i], end: bounds[i + 1] };
+            let pinned = pins.iter().find(|pin| pin.0 == d).map(|pin| self.unit_range(pin.1, pin.2 - pin.1));
+            !layers.is_empty()
+                && !self.model.refused_stage_layers.contains(&layers.len())
+                && pinned.is_none_or(|r| r == layers)
+                && self.model.stage_memory(layers, &self.opts.sizing).total() <= self.usable(d)
+        })
+    }
+
     /// Predicted decode ms per token, and the per-stage compute ms.
     fn decode_ms(&self, chain: &[usize], bounds: &[u32]) -> (f64, Vec<f64>) {
         let mut stage_ms = Vec::with_capacity(chain.len());
@@ -386,16 +400,7 @@ fn avoid_refused_sizes(
     notes: &mut Vec<String>,
 ) -> Result<Candidate, PlanError> {
     let refused = &p.model.refused_stage_layers;
-    let ok = |bounds: &[u32]| {
-        best.chain.iter().enumerate().all(|(i, &d)| {
-            let layers = LayerRange { start: bounds[i], end: bounds[i + 1] };
-            let pinned = pins.iter().find(|pin| pin.0 == d).map(|pin| p.unit_range(pin.1, pin.2 - pin.1));
-            !layers.is_empty()
-                && !refused.contains(&layers.len())
-                && pinned.is_none_or(|r| r == layers)
-                && p.model.stage_memory(layers, &p.opts.sizing).total() <= p.usable(d)
-        })
-    };
+    let ok = |bounds: &[u32]| p.bounds_hold(&best.chain, bounds, pins);
     if refused.is_empty() || ok(&best.bounds) {
         return Ok(best);
     }
@@ -444,16 +449,7 @@ fn balance(p: &Problem<'_>, best: Candidate, pins: &[(usize, u32, u32)], notes: 
         return best;
     }
     let limit = best.decode_ms * (1.0 + BALANCE_TOLERANCE);
-    let fits = |bounds: &[u32]| {
-        best.chain.iter().enumerate().all(|(i, &d)| {
-            let layers = LayerRange { start: bounds[i], end: bounds[i + 1] };
-            let pinned = pins.iter().find(|pin| pin.0 == d).map(|pin| p.unit_range(pin.1, pin.2 - pin.1));
-            !layers.is_empty()
-                && !p.model.refused_stage_layers.contains(&layers.len())
-                && pinned.is_none_or(|r| r == layers)
-                && p.model.stage_memory(layers, &p.opts.sizing).total() <= p.usable(d)
-        })
-    };
+    let fits = |bounds: &[u32]| p.bounds_hold(&best.chain, bounds, pins);
     // The stages' times, slowest first: what a move must lower.
     let key = |bounds: &[u32]| {
         let mut ms = p.decode_ms(&best.chain, bounds).1;
@@ -938,21 +934,7 @@ mod tests {
     #[test]
     fn an_offloading_gpu_never_starts_its_hosts_run() {
         const MB: u64 = 1 << 20;
-        let model = ModelProfile {
-            layers: 30,
-            layer_bytes: vec![3 * MB; 30],
-            embed_bytes: 8 * MB,
-            head_bytes: 20 * MB,
-            tied_embeddings: false,
-            other_bytes: 0,
-            n_embd: 8,
-            n_vocab: 16,
-            n_ff: 8,
-            period: 1,
-            sliding_window: false,
-            refused_stage_layers: Vec::new(),
-            kv_bytes_per_token_per_layer: 0,
-        };
+        let model = small_model(30, 8 * MB, 20 * MB);
         let opts =
             Options { sizing: Sizing { context: 16, sessions: 1, chunk: 16 }, reserve_bytes: 0, ..Options::default() };
         let cluster = |offload: bool| Cluster {
@@ -978,21 +960,7 @@ mod tests {
     #[test]
     fn no_stage_has_a_size_llama_cpp_misreads() {
         const MB: u64 = 1 << 20;
-        let model = ModelProfile {
-            layers: 61,
-            layer_bytes: vec![3 * MB; 61],
-            embed_bytes: 0,
-            head_bytes: 0,
-            tied_embeddings: false,
-            other_bytes: 0,
-            n_embd: 8,
-            n_vocab: 16,
-            n_ff: 8,
-            period: 1,
-            sliding_window: false,
-            refused_stage_layers: vec![26, 27],
-            kv_bytes_per_token_per_layer: 0,
-        };
+        let model = ModelProfile { refused_stage_layers: vec![26, 27], ..small_model(61, 0, 0) };
         let opts =
             Options { sizing: Sizing { context: 16, sessions: 1, chunk: 16 }, reserve_bytes: 0, ..Options::default() };
         let cluster = Cluster {
@@ -1019,21 +987,7 @@ mod tests {
     #[test]
     fn several_sessions_even_out_the_stages() {
         const MB: u64 = 1 << 20;
-        let model = ModelProfile {
-            layers: 30,
-            layer_bytes: vec![3 * MB; 30],
-            embed_bytes: 0,
-            head_bytes: 0,
-            tied_embeddings: false,
-            other_bytes: 0,
-            n_embd: 8,
-            n_vocab: 16,
-            n_ff: 8,
-            period: 1,
-            sliding_window: false,
-            refused_stage_layers: Vec::new(),
-            kv_bytes_per_token_per_layer: 0,
-        };
+        let model = small_model(30, 0, 0);
         let opts = |sessions| Options {
             sizing: Sizing { context: 16, sessions, chunk: 16 },
             reserve_bytes: 0,
@@ -1072,6 +1026,26 @@ mod tests {
             assert_eq!(sizes(&one), [4, 26]);
             let layout = |p: &Plan| p.stages.iter().map(|s| (s.device.clone(), s.first, s.last)).collect::<Vec<_>>();
             assert_eq!(layout(&four), layout(&one), "the GPU's layers stay");
+        }
+    }
+
+    /// A model of `layers` layers of 3 MiB, with these embedding and head sizes.
+    fn small_model(layers: u32, embed_bytes: u64, head_bytes: u64) -> ModelProfile {
+        const MB: u64 = 1 << 20;
+        ModelProfile {
+            layers,
+            layer_bytes: vec![3 * MB; layers as usize],
+            embed_bytes,
+            head_bytes,
+            tied_embeddings: false,
+            other_bytes: 0,
+            n_embd: 8,
+            n_vocab: 16,
+            n_ff: 8,
+            period: 1,
+            sliding_window: false,
+            refused_stage_layers: Vec::new(),
+            kv_bytes_per_token_per_layer: 0,
         }
     }
 
