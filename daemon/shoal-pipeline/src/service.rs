@@ -235,13 +235,14 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
             }
             Event::Input(Input::Done(job, out)) => {
                 if let Some((at, decode, step)) = submitted.pop_front() {
+                    let took = at.elapsed();
                     if decode {
                         shell
                             .decode_roundtrip_ns
-                            .fetch_add(at.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                            .fetch_add(took.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
                     }
                     if step {
-                        shell.steps.roundtrip.add(at.elapsed());
+                        shell.steps.roundtrip.add(took);
                     }
                 }
                 Input::Done(job, out)
@@ -310,11 +311,6 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                             tracing::error!("the link task has stopped");
                         }
                     }
-                    // A decode step while the stage thread has nothing queued runs right
-                    // here: a few ms of compute on this thread cost less than waking the
-                    // stage thread and being woken by it again (each wake-up is 0.1-0.5 ms
-                    // on a loaded or virtual machine), and nothing else is due meanwhile
-                    // (the pipeline is in lock-step for this session).
                     Action::Submit(job) => {
                         let step = is_step(&job, info.n_embd);
                         if coordinator && step {
@@ -350,10 +346,11 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                                 Ok(mut s) => run_job(s.as_mut(), &job, &shell),
                                 Err(_) => Err("the stage panicked earlier; restart this node".to_string()),
                             };
+                            let took = t0.elapsed();
                             shell
                                 .decode_roundtrip_ns
-                                .fetch_add(t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-                            shell.steps.roundtrip.add(t0.elapsed());
+                                .fetch_add(took.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                            shell.steps.roundtrip.add(took);
                             pending.push(Input::Done(job, out));
                         } else {
                             submitted.push_back((Instant::now(), decode, step));
@@ -523,12 +520,13 @@ fn run_job(stage: &mut dyn Stage, job: &Job, stats: &ShellCounters) -> Result<St
     let t0 = Instant::now();
     let all_rows = job.flags & shoal_net::frame::FLAG_VERIFY != 0;
     let result = stage.forward_rows(SessionId(job.session), job.first_pos, input, all_rows);
+    let took = t0.elapsed();
     if is_decode(job, stage.info().n_embd) {
         stats.decode_steps.fetch_add(1, Relaxed);
-        stats.decode_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+        stats.decode_ns.fetch_add(took.as_nanos() as u64, Relaxed);
     }
     if is_step(job, stage.info().n_embd) {
-        stats.steps.compute.add(t0.elapsed());
+        stats.steps.compute.add(took);
     }
     match result {
         Ok(StageOutput::Hidden(h)) => Ok(StepOutput::Hidden(h)),
