@@ -26,8 +26,14 @@ const EOG: TokenId = 300;
 /// The context of the ready model.
 const CONTEXT: u32 = 1024;
 /// How the fake node speculates by default.
-const NODE_SPECULATION: shoal_types::SpecSettings =
-    shoal_types::SpecSettings { max_draft: 5, ngram_min: 2, ngram_max: 3, position_cost: 0, step_cost: 0 };
+const NODE_SPECULATION: shoal_types::SpecSettings = shoal_types::SpecSettings {
+    max_draft: 5,
+    ngram_min: 2,
+    ngram_max: 3,
+    position_cost: 0,
+    step_cost: 0,
+    model_cost: 0,
+};
 /// The step cost the fake node fits to its model's placement.
 const FITTED_STEP_COST: u32 = 777;
 /// The one key the fake backend takes.

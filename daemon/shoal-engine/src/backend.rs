@@ -95,3 +95,41 @@ pub fn ggml_type_geometry(id: u32) -> (u64, u64) {
         (llama_cpp_sys_2::ggml_blck_size(t) as u64, llama_cpp_sys_2::ggml_type_size(t) as u64)
     }
 }
+
+/// A type [`requantize`] writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quant {
+    /// 4 bits per weight, blocks of 32 (`Q4_0`).
+    Q4_0,
+    /// 8 bits per weight, blocks of 32 (`Q8_0`).
+    Q8_0,
+}
+
+/// Write `src` (any GGUF llama.cpp loads) to `dst` with its weights in `to`, through
+/// llama.cpp's own quantizer (already quantized weights are requantized). Tests and
+/// benches make a draft model this way: the same network, numbers that differ.
+pub fn requantize(src: &std::path::Path, dst: &std::path::Path, to: Quant) -> Result<(), String> {
+    backend();
+    let path = |p: &std::path::Path| {
+        std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+            .map_err(|_| format!("{}: a NUL in the path", p.display()))
+    };
+    let (src_c, dst_c) = (path(src)?, path(dst)?);
+    // SAFETY: default params are plain data (null pointers for the optional tables);
+    // both paths outlive the call, which reads and writes files only.
+    let rc = unsafe {
+        let mut p = llama_cpp_sys_2::llama_model_quantize_default_params();
+        p.ftype = match to {
+            Quant::Q4_0 => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q4_0,
+            Quant::Q8_0 => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q8_0,
+        };
+        p.allow_requantize = true;
+        p.nthread = 1;
+        llama_cpp_sys_2::llama_model_quantize(src_c.as_ptr(), dst_c.as_ptr(), &p)
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!("llama.cpp could not quantize {} to {to:?} (code {rc})", src.display()))
+    }
+}

@@ -5,7 +5,7 @@
 //! are split.
 
 use crate::sampler::Sampler;
-use shoal_types::speculative::{self, SpecSettings};
+use shoal_types::speculative::{self, Proposer, SpecSettings};
 use shoal_types::{LayerRange, LogitsDigest, SessionId, Stage, StageError, StageInput, StageOutput, TokenId};
 use std::time::{Duration, Instant};
 
@@ -189,7 +189,26 @@ impl Chain {
         spec: &SpecSettings,
         stop: &[TokenId],
     ) -> Result<Generation, ChainError> {
-        let result = self.generate_inner(session, prompt, max_new, sampler, observer, spec, stop);
+        self.generate_drafted(session, prompt, max_new, sampler, observer, spec, stop, None)
+    }
+
+    /// [`Chain::generate_speculative`] with the drafts of `proposer` (a draft model's
+    /// session, fresh for this generation) in place of prompt lookup when given: the
+    /// pipeline's coordinator asks its proposer the same, so a split run with the same
+    /// draft model and settings gives the same tokens and logits digest.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate_drafted(
+        &mut self,
+        session: SessionId,
+        prompt: &[TokenId],
+        max_new: usize,
+        sampler: &mut Sampler,
+        observer: &mut dyn Observer,
+        spec: &SpecSettings,
+        stop: &[TokenId],
+        proposer: Option<&mut (dyn Proposer + '_)>,
+    ) -> Result<Generation, ChainError> {
+        let result = self.generate_inner(session, prompt, max_new, sampler, observer, spec, stop, proposer);
         for s in &mut self.stages {
             s.free_session(session);
         }
@@ -206,6 +225,7 @@ impl Chain {
         observer: &mut dyn Observer,
         spec: &SpecSettings,
         stop: &[TokenId],
+        mut proposer: Option<&mut (dyn Proposer + '_)>,
     ) -> Result<Generation, ChainError> {
         if prompt.is_empty() {
             return Err(ChainError::EmptyPrompt);
@@ -246,7 +266,7 @@ impl Chain {
             // A decode step: the last token, and the drafts (if any) to verify.
             let n = tokens.len();
             let limits = speculative::limits_at(prompt.len(), n, max_new, n_ctx as usize, chunk, stop);
-            let drafts = speculative::next_draft(prompt, &tokens, &steps, spec, &limits);
+            let drafts = speculative::next_draft_with(prompt, &tokens, &steps, spec, &limits, proposer.as_deref_mut());
             let mut input = Vec::with_capacity(1 + drafts.len());
             input.push(tokens[n - 1]);
             input.extend(&drafts);

@@ -4,7 +4,7 @@
 
 mod common;
 use common::{hidden, logits, model};
-use shoal_engine::{load_split, Chain, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
+use shoal_engine::{load_split, Chain, DraftModel, Sampler, SamplingParams, ShardCache, StageConfig, Vocab};
 use shoal_types::{SessionId, SpecSettings, Stage, StageInput, TokenId};
 use std::path::Path;
 
@@ -113,4 +113,55 @@ fn a_rejected_draft_leaves_nothing_behind() {
     assert_eq!(accepted_rows[0], accepted_rows[1], "the accepted rows depend on the rejected drafts");
     assert_eq!(after[0], after[2], "the step after the rejected drafts sees them");
     assert_eq!(after[1], after[3], "a later verify step sees the rejected drafts");
+}
+
+/// A draft model drafts free-form text, where prompt lookup has nothing to copy: a
+/// split run asking a fresh session of the same draft model gives the unsplit run's
+/// tokens and logits digest. The draft is SmolLM2 itself requantized to Q4_0 (the
+/// same network, other numbers: it agrees with the target often, not always).
+#[test]
+fn a_draft_model_drafts_and_split_matches_unsplit() {
+    let file = model(SMOL);
+    let dir = tempfile::tempdir().unwrap();
+    let draft = dir.path().join("draft-q4_0.gguf");
+    shoal_engine::requantize(&file, &draft, shoal_engine::Quant::Q4_0).unwrap();
+    let cache = ShardCache::new(dir.path());
+    let drafter = DraftModel::load(&draft, &file, &config()).unwrap();
+    let vocab = Vocab::load(&file).unwrap();
+    let prompt = vocab.tokenize("Once upon a time, in a small village by the sea, there lived", false);
+    let spec = SpecSettings { max_draft: 4, position_cost: 0, ..SpecSettings::default() };
+    let run = |points: &[u32], spec: &SpecSettings, drafted: bool| {
+        let (_, stages) = load_split(&file, points, &cache, &config()).unwrap();
+        let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect()).unwrap();
+        let sampler = &mut Sampler::new(&SamplingParams::default());
+        let mut proposer = drafted.then(|| drafter.proposer());
+        let g = chain
+            .generate_drafted(SessionId(1), &prompt, NEW_TOKENS, sampler, &mut (), spec, &[], proposer.as_deref_mut())
+            .unwrap();
+        (g.tokens, g.logits_digest, g.decode_steps, g.drafted, g.accepted)
+    };
+    let whole = run(&[], &spec, true);
+    let (_, _, steps, drafted, accepted) = whole;
+    assert!(accepted > 0 && accepted < drafted, "{accepted}/{drafted} drafts accepted");
+    for points in [&[15][..], &[10, 20]] {
+        assert_eq!(run(points, &spec, true), whole, "split at {points:?} differs from unsplit");
+    }
+    let lookup = run(&[], &spec, false);
+    eprintln!(
+        "draft model: {steps} steps for {NEW_TOKENS} tokens, {accepted}/{drafted} accepted; \
+         prompt lookup: {} steps, {}/{} accepted",
+        lookup.2, lookup.4, lookup.3
+    );
+    assert!(steps < lookup.2, "the draft model saves no step over prompt lookup on free text");
+}
+
+/// A draft model whose token ids mean other text is refused with the first token
+/// that differs, before anything is loaded.
+#[test]
+fn a_draft_model_with_another_vocabulary_is_refused() {
+    let Err(e) = DraftModel::load(&model(GEMMA), &model(SMOL), &config()) else {
+        panic!("Gemma's vocabulary accepted to draft for SmolLM2");
+    };
+    let msg = e.to_string();
+    assert!(matches!(e, shoal_engine::DraftError::Vocabulary { .. }) && msg.contains("cannot draft for"), "{msg}");
 }

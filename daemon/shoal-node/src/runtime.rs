@@ -641,6 +641,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
             Some(false) => None,
             None => rt.keepalive,
         },
+        drafts: None,
     };
     status.state = StageState::Running;
     *lock(&rt.stage) = Some(status.clone());

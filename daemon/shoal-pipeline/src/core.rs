@@ -31,7 +31,7 @@
 use crate::protocol::{GenEvent, GenerateRequest, Report};
 use shoal_net::frame::{FLAG_SAMPLE, FLAG_VERIFY};
 use shoal_net::{Dtype, Frame, FrameKind};
-use shoal_types::speculative::{self, DecodeStep, SpecSettings};
+use shoal_types::speculative::{self, DecodeStep, DraftSource, Proposer, SpecSettings};
 use shoal_types::{LogitsDigest, TokenId, TokenLogprobs, TokenSampler};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -192,6 +192,10 @@ pub struct CoreConfig {
     pub samplers: SamplerFactory,
     /// Re-drive timing (coordinator).
     pub retry: RetryPolicy,
+    /// A draft model (coordinator): speculating generations draft with a proposer of
+    /// its own in place of prompt lookup. It computes inline when asked, as stage 0
+    /// does; `None`: prompt lookup.
+    pub drafts: Option<Arc<dyn DraftSource>>,
 }
 
 /// A session as one node sees it.
@@ -238,6 +242,9 @@ struct Driver {
     /// How this generation speculates (off when the request asks for log-probabilities:
     /// a Token frame carries those for one token).
     spec: SpecSettings,
+    /// The draft model's session for this generation (when the node has one and the
+    /// generation speculates), asked for each step's drafts.
+    proposer: Option<Box<dyn Proposer>>,
     /// The decode steps so far, in order (step `prompt_steps + i` is `steps[i]`): which
     /// token and drafts each carried, so re-drives and replays send them in their
     /// original shapes. The last is the step awaited.
@@ -409,10 +416,23 @@ impl NodeCore {
         // settings determine (validate bounded them below max_new, so the steps fit the
         // context).
         let (n_ctx, chunk, max_new) = (self.cfg.n_ctx as usize, self.cfg.chunk, req.max_new as usize);
-        let mut steps = speculative::schedule_of(&req.prompt, &req.resume, &spec, max_new, n_ctx, chunk, &req.stop);
+        // With a draft model, the rebuilt schedule asks a fresh session what the first
+        // run asked its own, so it drafts what that one drafted.
+        let mut proposer = self.cfg.drafts.as_ref().filter(|_| spec.is_on()).map(|d| d.proposer());
+        let mut steps = speculative::schedule_of_with(
+            &req.prompt,
+            &req.resume,
+            &spec,
+            max_new,
+            n_ctx,
+            chunk,
+            &req.stop,
+            proposer.as_deref_mut(),
+        );
         if !req.resume.is_empty() {
             let limits = speculative::limits_at(req.prompt.len(), req.resume.len(), max_new, n_ctx, chunk, &req.stop);
-            let drafts = speculative::next_draft(&req.prompt, &req.resume, &steps, &spec, &limits);
+            let drafts =
+                speculative::next_draft_with(&req.prompt, &req.resume, &steps, &spec, &limits, proposer.as_deref_mut());
             steps.push(DecodeStep { n_before: req.resume.len(), drafts });
         }
         let resumed = steps.len() as u32;
@@ -424,6 +444,7 @@ impl NodeCore {
             tokens: req.resume,
             prompt_steps,
             spec,
+            proposer,
             steps,
             awaiting: prompt_steps - 1 + resumed,
             closing: false,
@@ -600,7 +621,8 @@ impl NodeCore {
         // The next step: the last token, and whatever prompt lookup drafts after it.
         let n = d.tokens.len();
         let limits = speculative::limits_at(d.prompt.len(), n, d.max_new, n_ctx, chunk, &d.stop);
-        let drafts = speculative::next_draft(&d.prompt, &d.tokens, &d.steps, &d.spec, &limits);
+        let drafts =
+            speculative::next_draft_with(&d.prompt, &d.tokens, &d.steps, &d.spec, &limits, d.proposer.as_deref_mut());
         if !drafts.is_empty() {
             self.counters.drafted += drafts.len() as u64;
             self.counters.verify_steps += 1;
@@ -1154,6 +1176,7 @@ mod tests {
             dtype: Dtype::F32,
             samplers,
             retry: RetryPolicy::default(),
+            drafts: None,
         };
         NodeCore::new(cfg, 0)
     }

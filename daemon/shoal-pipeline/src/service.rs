@@ -37,6 +37,9 @@ pub struct ServiceConfig {
     /// next frame is handled (and, inline, computed) without a wake-up. `None`: it
     /// sleeps. Costs a core while on. See [`KEEPALIVE_WINDOW`].
     pub keepalive: Option<Duration>,
+    /// A draft model for the generations this node coordinates (stage 0 only; see
+    /// [`crate::core::CoreConfig::drafts`]).
+    pub drafts: Option<Arc<dyn shoal_types::speculative::DraftSource>>,
 }
 
 /// Keep-alive window when it is on: longer than a token's trip round a home pipeline
@@ -155,7 +158,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
 /// and control connections from `router`. Dropping the returned future stops the
 /// stage (its tasks end as their channels close); the endpoint stays open.
 pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> Result<(), PipelineError> {
-    let ServiceConfig { placement, index, stage, samplers, dtype, retry, keepalive } = cfg;
+    let ServiceConfig { placement, index, stage, samplers, dtype, retry, keepalive, drafts } = cfg;
     let info = stage.info().clone();
     let limits = FrameLimits { n_embd: info.n_embd, max_tokens: info.chunk, max_message: MAX_MESSAGE };
     let (events_tx, mut events) = mpsc::channel::<Event>(1024);
@@ -206,6 +209,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
         dtype,
         samplers,
         retry,
+        drafts,
     };
     let mut core = NodeCore::new(core_cfg, incarnation_now());
     let mut clients: HashMap<ClientId, Client> = HashMap::new();

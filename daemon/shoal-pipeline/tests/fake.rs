@@ -70,6 +70,7 @@ async fn start_custom(
             samplers: samplers.clone(),
             dtype: shoal_net::Dtype::F32,
             retry: shoal_pipeline::RetryPolicy::default(),
+            drafts: None,
             keepalive,
         };
         tokio::spawn(serve(node, cfg));

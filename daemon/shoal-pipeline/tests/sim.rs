@@ -18,7 +18,7 @@ use shoal_pipeline::core::{
     session_id, Action, ClientId, CoreConfig, Input, JobInput, NodeCore, RetryPolicy, SamplerFactory, StepOutput,
 };
 use shoal_pipeline::{GenEvent, GenerateRequest, Report};
-use shoal_types::SpecSettings;
+use shoal_types::speculative::{DraftSource, SpecSettings};
 use shoal_types::{LayerRange, SessionId, Stage, StageError, StageInput, StageOutput, TokenId, TokenSampler};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -75,6 +75,7 @@ fn config(index: usize, n: usize) -> CoreConfig {
             max_replays: 1000,
             session_idle: Duration::from_secs(1800),
         },
+        drafts: None,
     }
 }
 
@@ -86,7 +87,7 @@ fn simulate(
     max_new: u32,
     f: &Faults,
 ) -> (Vec<TokenId>, Vec<TokenId>, String, u64) {
-    let (streamed, r, recoveries) = simulate_spec(seed, ranges, prompt, max_new, f, None);
+    let (streamed, r, recoveries) = simulate_spec(seed, ranges, prompt, max_new, f, None, false);
     (streamed, r.tokens, r.logits_digest, recoveries)
 }
 
@@ -99,12 +100,18 @@ fn simulate_spec(
     max_new: u32,
     f: &Faults,
     speculative: Option<SpecSettings>,
+    draft_model: bool,
 ) -> (Vec<TokenId>, Report, u64) {
     let n = ranges.len();
     let mut rng = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
     let t0 = Instant::now();
     let mut now = t0;
-    let mut cores: Vec<NodeCore> = (0..n).map(|i| NodeCore::new(config(i, n), 1000 * i as u64)).collect();
+    // The coordinator's draft model (stages restart with the same configuration).
+    let config = |i: usize| {
+        let drafts = (draft_model && i == 0).then(|| Arc::new(FakeDrafts) as Arc<dyn DraftSource>);
+        CoreConfig { drafts, ..config(i, n) }
+    };
+    let mut cores: Vec<NodeCore> = (0..n).map(|i| NodeCore::new(config(i), 1000 * i as u64)).collect();
     let mut stages: Vec<FakeStage> = ranges.iter().map(|r| FakeStage::new(*r)).collect();
     // A node's incarnation: Done events of a previous life are discarded.
     let mut life = vec![0u64; n];
@@ -218,7 +225,7 @@ fn simulate_spec(
                 in_flight[from].retain(|k| *k != key);
                 if to != 0 && rng.chance(f.restart) {
                     // The node restarts: sessions and KV gone, queued work gone.
-                    cores[to] = NodeCore::new(config(to, n), 1000 * to as u64);
+                    cores[to] = NodeCore::new(config(to), 1000 * to as u64);
                     stages[to] = FakeStage::new(ranges[to]);
                     life[to] += 1;
                     recoveries += 1;
@@ -282,10 +289,12 @@ fn faults_never_change_the_output() {
 fn speculation_matches_its_reference_under_faults() {
     let faults = Faults { brk: 0.03, dup: 0.05, reorder: 0.02, restart: 0.01 };
     let none = Faults { brk: 0.0, dup: 0.0, reorder: 0.0, restart: 0.0 };
-    let fixed = SpecSettings { max_draft: 3, ngram_min: 1, ngram_max: 3, position_cost: 0, step_cost: 0 };
+    let fixed =
+        SpecSettings { max_draft: 3, ngram_min: 1, ngram_max: 3, position_cost: 0, step_cost: 0, model_cost: 0 };
     // The draft length chosen step by step from acceptance and costs, alike on replays.
     let adaptive = SpecSettings { position_cost: 200, step_cost: 500, ..fixed };
     let (mut drafted, mut accepted, mut recovered) = (0, 0, 0);
+    let (mut modelled, mut model_drafted) = (0, 0);
     let mut fewer_steps = 0;
     for seed in 0..300u64 {
         let len = 5 + (seed % 11) as usize;
@@ -294,9 +303,13 @@ fn speculation_matches_its_reference_under_faults() {
         let max_new = 20 + (seed % 17) as u32;
         let ranges = if seed % 3 == 0 { vec![LayerRange::new(0, 3), LayerRange::new(3, 6)] } else { ranges3() };
         let spec = if seed % 4 < 2 { fixed } else { adaptive };
-        let (want, digest, d, a) = reference_speculative(&ranges, &prompt, max_new as usize, &spec);
+        // Every third generation drafts with a (fake) draft model on the coordinator.
+        let draft_model = seed % 3 == 1;
+        let mut proposer = draft_model.then(|| FakeDrafts.proposer());
+        let (want, digest, d, a) =
+            reference_speculative(&ranges, &prompt, max_new as usize, &spec, proposer.as_deref_mut());
         let f = if seed % 2 == 0 { &faults } else { &none };
-        let (streamed, r, recoveries) = simulate_spec(seed, &ranges, &prompt, max_new, f, Some(spec));
+        let (streamed, r, recoveries) = simulate_spec(seed, &ranges, &prompt, max_new, f, Some(spec), draft_model);
         assert_eq!(streamed, want, "seed {seed}: streamed tokens differ (missing or duplicated)");
         assert_eq!(r.tokens, want, "seed {seed}: tokens differ");
         assert_eq!(r.logits_digest, digest, "seed {seed}: logits digest differs");
@@ -305,11 +318,19 @@ fn speculation_matches_its_reference_under_faults() {
             assert_eq!((r.drafted, r.accepted), (d as u64, a as u64), "seed {seed}");
         }
         fewer_steps += usize::from((r.decode_steps as usize) < want.len() - 1);
+        if draft_model {
+            modelled += 1;
+            model_drafted += d;
+        }
         (drafted, accepted, recovered) = (drafted + d, accepted + a, recovered + recoveries);
     }
     assert!(accepted > 100 && drafted > accepted + 100, "drafted {drafted}, accepted {accepted}");
     assert!(fewer_steps > 50, "only {fewer_steps} generations took fewer steps than tokens");
     assert!(recovered > 200, "only {recovered} recoveries");
+    assert!(
+        modelled == 100 && model_drafted > 500,
+        "{modelled} generations drafted {model_drafted} with a draft model"
+    );
     eprintln!("drafted {drafted}, accepted {accepted}, {recovered} recoveries, all outputs exact");
 }
 

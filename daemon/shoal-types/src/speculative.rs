@@ -51,6 +51,16 @@ pub struct SpecSettings {
     /// thousandths of a one-position pass: the dearer a step, the longer the drafts
     /// worth sending.
     pub step_cost: u32,
+    /// With a draft model ([`Proposer`]): what it spends on each token it drafts, in
+    /// thousandths of a one-position pass of the target (drafting k tokens takes k of
+    /// its passes, one after the other). 0 without a draft model. Left out of the wire
+    /// form when 0, so peers that predate it read the settings as before.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub model_cost: u32,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 impl Default for SpecSettings {
@@ -58,7 +68,7 @@ impl Default for SpecSettings {
     /// on a small model (`shoal-lab bench speculative` measured each extra position at
     /// ~0.45 of a one-position pass for SmolLM2 on one thread).
     fn default() -> Self {
-        Self { max_draft: 8, ngram_min: 2, ngram_max: 4, position_cost: 450, step_cost: 100 }
+        Self { max_draft: 8, ngram_min: 2, ngram_max: 4, position_cost: 450, step_cost: 100, model_cost: 0 }
     }
 }
 
@@ -72,8 +82,8 @@ pub enum SpecError {
     #[error("speculation: n-gram lengths {0}..={1} must satisfy 1 <= min <= max <= {MAX_NGRAM}")]
     Ngram(u32, u32),
     /// A cost over [`MAX_COST`].
-    #[error("speculation: position_cost {0} and step_cost {1} must be at most {MAX_COST}")]
-    Cost(u32, u32),
+    #[error("speculation: position_cost {0}, step_cost {1} and model_cost {2} must be at most {MAX_COST}")]
+    Cost(u32, u32, u32),
 }
 
 /// Largest cost accepted (in thousandths of a one-position pass: a step that costs a
@@ -83,7 +93,7 @@ pub const MAX_COST: u32 = 1_000_000;
 impl SpecSettings {
     /// Speculation off.
     pub const OFF: SpecSettings =
-        SpecSettings { max_draft: 0, ngram_min: 2, ngram_max: 4, position_cost: 0, step_cost: 0 };
+        SpecSettings { max_draft: 0, ngram_min: 2, ngram_max: 4, position_cost: 0, step_cost: 0, model_cost: 0 };
 
     /// Whether steps may carry drafts at all.
     pub fn is_on(&self) -> bool {
@@ -98,8 +108,8 @@ impl SpecSettings {
         if self.ngram_min == 0 || self.ngram_min > self.ngram_max || self.ngram_max > MAX_NGRAM {
             return Err(SpecError::Ngram(self.ngram_min, self.ngram_max));
         }
-        if self.position_cost > MAX_COST || self.step_cost > MAX_COST {
-            return Err(SpecError::Cost(self.position_cost, self.step_cost));
+        if self.position_cost > MAX_COST || self.step_cost > MAX_COST || self.model_cost > MAX_COST {
+            return Err(SpecError::Cost(self.position_cost, self.step_cost, self.model_cost));
         }
         Ok(())
     }
@@ -127,11 +137,8 @@ pub struct DraftLimits<'a> {
 /// matches or speculation is off. Pure and deterministic: the schedule it makes is a
 /// function of the tokens alone.
 pub fn draft(prompt: &[TokenId], tokens: &[TokenId], s: &SpecSettings, limits: &DraftLimits<'_>) -> Vec<TokenId> {
-    let k = (s.max_draft as usize)
-        .min(limits.remaining.saturating_sub(1))
-        .min(limits.context_left)
-        .min((limits.chunk as usize).saturating_sub(1));
-    if k == 0 || tokens.is_empty() {
+    let k = draft_len(s, limits, tokens);
+    if k == 0 {
         return Vec::new();
     }
     let text = Text { prompt, tokens };
@@ -154,6 +161,54 @@ pub fn draft(prompt: &[TokenId], tokens: &[TokenId], s: &SpecSettings, limits: &
     }
     Vec::new()
 }
+
+/// The most tokens a step after `tokens` may draft: `max_draft`, and room for the
+/// step's answer within `limits` (0 before the first token: the prompt's last chunk
+/// makes it).
+fn draft_len(s: &SpecSettings, limits: &DraftLimits<'_>, tokens: &[TokenId]) -> usize {
+    if tokens.is_empty() {
+        return 0;
+    }
+    (s.max_draft as usize)
+        .min(limits.remaining.saturating_sub(1))
+        .min(limits.context_left)
+        .min((limits.chunk as usize).saturating_sub(1))
+}
+
+/// A draft model's side of speculation, for one generation: proposes the tokens a
+/// smaller model with the target's vocabulary predicts next (the engine's draft
+/// model; tests use fakes). The coordinator and `Chain` call it once per decode step,
+/// in the schedule's order, in place of prompt lookup.
+///
+/// Contract, what keeps split equal to unsplit: the answer to a call is a function of
+/// the calls made on this proposer since it was created (the engine runs the same
+/// batches for the same calls), so two runs that make the same calls — a split run
+/// and an unsplit one, or a resumed generation rebuilding its schedule with
+/// [`schedule_of_with`] — get the same drafts. A proposer is made per generation and
+/// dropped with it (that frees what it holds).
+pub trait Proposer: Send {
+    /// Up to `k` (≥ 1) tokens predicted after `prompt` followed by `tokens`, stopping
+    /// after any token of `stop` (the caller drops it and what follows). An error
+    /// means no drafts for this step; it must be as deterministic as the answers.
+    fn propose(
+        &mut self,
+        prompt: &[TokenId],
+        tokens: &[TokenId],
+        k: usize,
+        stop: &[TokenId],
+    ) -> Result<Vec<TokenId>, ProposeError>;
+}
+
+/// Makes a [`Proposer`] for each generation (the node's loaded draft model).
+pub trait DraftSource: Send + Sync {
+    /// A fresh proposer (holding nothing yet).
+    fn proposer(&self) -> Box<dyn Proposer>;
+}
+
+/// A draft model could not propose (its context is full, no session slot is free).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("draft model: {0}")]
+pub struct ProposeError(pub String);
 
 /// The prompt and the tokens so far as one sequence, without copying.
 struct Text<'a> {
@@ -242,13 +297,14 @@ pub fn step_cost_for(tok_s: f64, compute_ms: f64) -> Option<u32> {
 
 /// The most tokens the next step drafts, given `steps` so far (all answered) and the
 /// tokens they emitted: `max_draft` without a cost model; with one, the k that makes
-/// most tokens per unit of cost, E(k) / (1 + step_cost + k × position_cost), where
+/// most tokens per unit of cost, E(k) / (1 + step_cost + k × (position_cost +
+/// model_cost)), where
 /// E(k) = 1 + a + … + a^k and a is the acceptance rate of drafted tokens over the
 /// last verify steps (Laplace-smoothed). k = 0 when no draft pays, but after
 /// [`PROBE_AFTER`] such steps one step drafts again. A function of the tokens alone
 /// (plain float arithmetic, no clock): replays and unsplit runs choose alike.
 pub fn draft_cap(s: &SpecSettings, steps: &[DecodeStep], n_tokens: usize) -> usize {
-    if s.position_cost == 0 || !s.is_on() {
+    if (s.position_cost == 0 && s.model_cost == 0) || !s.is_on() {
         return s.max_draft as usize;
     }
     let emitted = |i: usize| emitted(steps, i, n_tokens);
@@ -269,7 +325,10 @@ pub fn draft_cap(s: &SpecSettings, steps: &[DecodeStep], n_tokens: usize) -> usi
         }
     }
     let a = (accepted as f64 + 1.0) / (drafted as f64 + 2.0);
-    let (step, position) = (f64::from(s.step_cost) / 1000.0, f64::from(s.position_cost) / 1000.0);
+    let step = f64::from(s.step_cost) / 1000.0;
+    // A drafted token costs its position in the verify pass and, with a draft model,
+    // the model's pass that proposed it.
+    let position = (f64::from(s.position_cost) + f64::from(s.model_cost)) / 1000.0;
     let (mut best, mut best_value) = (0, 1.0 / (1.0 + step));
     let (mut expected, mut power) = (1.0, 1.0);
     for k in 1..=s.max_draft as usize {
@@ -308,8 +367,36 @@ pub fn next_draft(
     s: &SpecSettings,
     limits: &DraftLimits<'_>,
 ) -> Vec<TokenId> {
+    next_draft_with(prompt, tokens, steps, s, limits, None)
+}
+
+/// [`next_draft`], with the drafts of `proposer` (a draft model) in place of prompt
+/// lookup when there is one. A proposer's error gives a step without drafts.
+pub fn next_draft_with(
+    prompt: &[TokenId],
+    tokens: &[TokenId],
+    steps: &[DecodeStep],
+    s: &SpecSettings,
+    limits: &DraftLimits<'_>,
+    proposer: Option<&mut (dyn Proposer + '_)>,
+) -> Vec<TokenId> {
     let cap = draft_cap(s, steps, tokens.len()) as u32;
-    draft(prompt, tokens, &SpecSettings { max_draft: cap.min(s.max_draft), ..*s }, limits)
+    let s = SpecSettings { max_draft: cap.min(s.max_draft), ..*s };
+    let Some(proposer) = proposer else {
+        return draft(prompt, tokens, &s, limits);
+    };
+    let k = draft_len(&s, limits, tokens);
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut out = proposer.propose(prompt, tokens, k, limits.stop).unwrap_or_default();
+    // A proposer is trusted for nothing the schedule depends on: its answer is held
+    // to the step's room and cut before a stop token, as prompt lookup's is.
+    out.truncate(k);
+    if let Some(cut) = out.iter().position(|t| limits.stop.contains(t)) {
+        out.truncate(cut);
+    }
+    out
 }
 
 /// The decode steps that produced `tokens` (after `prompt`), as a run with settings
@@ -326,11 +413,28 @@ pub fn schedule_of(
     chunk: u32,
     stop: &[TokenId],
 ) -> Vec<DecodeStep> {
+    schedule_of_with(prompt, tokens, s, max_new, n_ctx, chunk, stop, None)
+}
+
+/// [`schedule_of`] for a generation that drafted with a draft model: `proposer`, a
+/// fresh one, is asked what the original run asked it, step by step, so it proposes
+/// what it proposed then and ends holding what the original's held.
+#[allow(clippy::too_many_arguments)]
+pub fn schedule_of_with(
+    prompt: &[TokenId],
+    tokens: &[TokenId],
+    s: &SpecSettings,
+    max_new: usize,
+    n_ctx: usize,
+    chunk: u32,
+    stop: &[TokenId],
+    mut proposer: Option<&mut (dyn Proposer + '_)>,
+) -> Vec<DecodeStep> {
     let mut steps = Vec::new();
     let mut n = 1;
     while n < tokens.len() {
         let limits = limits_at(prompt.len(), n, max_new, n_ctx, chunk, stop);
-        let mut drafts = next_draft(prompt, &tokens[..n], &steps, s, &limits);
+        let mut drafts = next_draft_with(prompt, &tokens[..n], &steps, s, &limits, proposer.as_deref_mut());
         let rest = &tokens[n..];
         let accepted = drafts.iter().zip(rest).take_while(|(d, t)| d == t).count();
         // A step emits accepted + 1 tokens; one that would run past the known tokens
@@ -395,7 +499,8 @@ mod tests {
 
     #[test]
     fn lookup_proposes_what_followed_the_most_recent_match() {
-        let s = SpecSettings { max_draft: 3, ngram_min: 2, ngram_max: 3, position_cost: 0, step_cost: 0 };
+        let s =
+            SpecSettings { max_draft: 3, ngram_min: 2, ngram_max: 3, position_cost: 0, step_cost: 0, model_cost: 0 };
         // prompt: 1 2 3 4 5 ... 1 2 9 7; text ends with "1 2": the latest "1 2" earlier
         // is followed by 9 7.
         let prompt = [1, 2, 3, 4, 5, 1, 2, 9, 7, 8];
@@ -416,7 +521,8 @@ mod tests {
 
     #[test]
     fn lookup_runs_up_to_the_end_of_the_text() {
-        let s = SpecSettings { max_draft: 8, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0 };
+        let s =
+            SpecSettings { max_draft: 8, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0, model_cost: 0 };
         // "7 7" then "7": the match at 0 is followed by the text's own end.
         assert_eq!(draft(&[7, 7], &[7], &s, &lim(&[])), vec![7]);
     }
@@ -449,7 +555,8 @@ mod tests {
 
     #[test]
     fn the_schedule_is_recovered_from_the_tokens() {
-        let fixed = SpecSettings { max_draft: 4, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0 };
+        let fixed =
+            SpecSettings { max_draft: 4, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0, model_cost: 0 };
         let adaptive = SpecSettings { position_cost: 300, step_cost: 100, ..fixed };
         for s in [fixed, adaptive] {
             let prompt = [10, 11, 12, 13, 10, 11, 12, 14];
@@ -519,6 +626,94 @@ mod tests {
         assert_eq!(draft_cap(&s, &steps, n), 8);
     }
 
+    /// A fake draft model whose answers depend on its history, as a real one's do
+    /// (batch shapes): it proposes `(calls so far + text length + i) % 5` and logs
+    /// every call.
+    #[derive(Default)]
+    struct Model {
+        calls: Vec<(usize, usize)>,
+    }
+    impl Proposer for Model {
+        fn propose(
+            &mut self,
+            prompt: &[TokenId],
+            tokens: &[TokenId],
+            k: usize,
+            _: &[TokenId],
+        ) -> Result<Vec<TokenId>, ProposeError> {
+            let len = prompt.len() + tokens.len();
+            self.calls.push((len, k));
+            if len.is_multiple_of(7) {
+                return Err(ProposeError("full".into()));
+            }
+            // One more than asked: the caller must hold it to k.
+            Ok((0..=k).map(|i| ((self.calls.len() + len + i) % 5) as TokenId).collect())
+        }
+    }
+
+    #[test]
+    fn a_draft_models_proposals_are_held_to_the_step_and_cut_at_stop_tokens() {
+        let s =
+            SpecSettings { max_draft: 4, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0, model_cost: 0 };
+        let mut m = Model::default();
+        // Text of 3: call 1 proposes (1 + 3 + i) % 5 = 4 0 1 2 (and one more, dropped).
+        assert_eq!(next_draft_with(&[9, 9], &[9], &[], &s, &lim(&[]), Some(&mut m)), vec![4, 0, 1, 2]);
+        // Within the step's room (2 of the 1 2 3 proposed), and before a stop token.
+        let l = DraftLimits { remaining: 3, ..lim(&[2]) };
+        assert_eq!(next_draft_with(&[9, 9], &[9, 9], &[], &s, &l, Some(&mut m)), vec![1]);
+        assert_eq!(m.calls, vec![(3, 4), (4, 2)]);
+        // An error is a step without drafts; no room asks nothing.
+        assert!(next_draft_with(&[9; 6], &[9], &[], &s, &lim(&[]), Some(&mut m)).is_empty());
+        let l = DraftLimits { remaining: 1, ..lim(&[]) };
+        assert!(next_draft_with(&[9], &[9], &[], &s, &l, Some(&mut m)).is_empty());
+        assert_eq!(m.calls.len(), 3);
+        // Without a model, prompt lookup as before.
+        assert_eq!(next_draft_with(&[5, 6, 5], &[6], &[], &s, &lim(&[]), None), vec![5, 6]);
+    }
+
+    /// A resumed generation rebuilds its schedule by asking a fresh draft model what
+    /// the original run asked: the same calls, so the same drafts, step by step.
+    #[test]
+    fn a_schedule_rebuilt_with_a_draft_model_asks_it_what_the_run_asked() {
+        let s =
+            SpecSettings { max_draft: 3, position_cost: 300, step_cost: 200, model_cost: 100, ..Default::default() };
+        let prompt = [1, 2, 3, 4];
+        let (max_new, n_ctx, chunk) = (40, 100, 8);
+        // The original run: the "target" emits (position × 3) % 5, so drafts are
+        // accepted at times and rejected at others.
+        let mut model = Model::default();
+        let target = |pos: usize| ((pos * 3) % 5) as TokenId;
+        let mut tokens = vec![target(prompt.len())];
+        let mut steps = Vec::new();
+        while tokens.len() < max_new {
+            let limits = limits_at(prompt.len(), tokens.len(), max_new, n_ctx, chunk, &[]);
+            let drafts = next_draft_with(&prompt, &tokens, &steps, &s, &limits, Some(&mut model));
+            let n = tokens.len();
+            let mut emitted = Vec::new();
+            for d in drafts.iter().map(Some).chain(std::iter::once(None)) {
+                let t = target(prompt.len() + n + emitted.len());
+                emitted.push(t);
+                if d != Some(&t) {
+                    break;
+                }
+            }
+            steps.push(DecodeStep { n_before: n, drafts });
+            tokens.extend(emitted);
+        }
+        tokens.truncate(max_new);
+        let (drafted, accepted) = tally(&steps, tokens.len());
+        assert!(accepted > 0 && accepted < drafted, "{accepted}/{drafted}: the test needs both outcomes");
+        for cut in [2, 17, tokens.len()] {
+            let mut fresh = Model::default();
+            let rebuilt = schedule_of_with(&prompt, &tokens[..cut], &s, max_new, n_ctx, chunk, &[], Some(&mut fresh));
+            let whole = steps.iter().take_while(|st| st.n_before < cut).count();
+            assert_eq!(rebuilt[..whole.min(rebuilt.len())], steps[..whole.min(rebuilt.len())], "cut at {cut}");
+            assert_eq!(fresh.calls[..], model.calls[..fresh.calls.len()], "cut at {cut}");
+        }
+        // Without the model the rebuilt schedule is prompt lookup's, another one.
+        assert_ne!(schedule_of(&prompt, &tokens, &s, max_new, n_ctx, chunk, &[]), steps);
+    }
+
     /// A seeded sampler drawing from softmax(logits) (temperature 1).
     struct Draw(u64);
     impl Draw {
@@ -554,7 +749,8 @@ mod tests {
         // The prompt cycles 0 1 2 3, so lookup drafts the cycle (often right: P favours
         // it, sometimes wrong).
         let prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0];
-        let s = SpecSettings { max_draft: 2, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0 };
+        let s =
+            SpecSettings { max_draft: 2, ngram_min: 1, ngram_max: 2, position_cost: 0, step_cost: 0, model_cost: 0 };
         let mut rng = Draw(0x9E37_79B9_7F4A_7C15);
         let mut counts = [0usize; 64];
         let logits_of = |t: TokenId| P[t as usize].iter().map(|p| p.ln() as f32).collect::<Vec<f32>>();

@@ -57,6 +57,11 @@ pub struct ServeArgs {
     /// Send hidden states as f16 (half the bytes; not bit-exact).
     #[arg(long)]
     f16: bool,
+    /// With --placement, on stage 0 (the coordinator): speculating generations draft
+    /// with this smaller GGUF (the model's vocabulary) instead of prompt lookup. Loaded
+    /// whole on this node, with the stage's context, sessions and threads.
+    #[arg(long, value_name = "GGUF")]
+    draft_model: Option<PathBuf>,
     /// Where shard files are cached [default: ~/.cache/shoal/shards].
     #[arg(long)]
     cache: Option<PathBuf>,
@@ -273,6 +278,19 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         gpus: Vec::new(),
     };
     let stage = LlamaStage::load(&shard.path, place.layers, meta.n_layer, &config)?;
+    let drafts = match &a.draft_model {
+        Some(_) if index != 0 => {
+            // One command line for every node of a placement is fine: only stage 0 drafts.
+            eprintln!("[shoal] --draft-model ignored: only stage 0 drafts, and this node serves stage {index}");
+            None
+        }
+        Some(path) => {
+            let model = shoal_engine::DraftModel::load(path, &placement.model, &config)?;
+            eprintln!("[shoal] drafting with {}", path.display());
+            Some(Arc::new(model) as Arc<dyn shoal_types::speculative::DraftSource>)
+        }
+        None => None,
+    };
     let samplers: SamplerFactory = crate::engine::sampler_factory(shard.path.clone());
     // One thread for all of the node's networking: a frame's path through the link
     // task, quinn's driver and the reader task then costs no cross-thread wake-ups
@@ -309,6 +327,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             dtype,
             retry: RetryPolicy::default(),
             keepalive,
+            drafts,
         };
         tokio::select! {
             r = serve_stage(node.clone(), cfg) => r?,

@@ -5,7 +5,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use shoal_engine::{
-    load_split, open_model, Chain, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Utf8Stream, Vocab,
+    load_split, open_model, Chain, DraftModel, Observer, Sampler, SamplingParams, ShardCache, StageConfig, Utf8Stream,
+    Vocab,
 };
 use shoal_types::{LayerRange, SessionId, SpecSettings, Stage, StageMemory, TokenId};
 use std::io::Write;
@@ -65,18 +66,22 @@ pub struct TextArgs {
     #[arg(long, value_name = "K", default_value_t = 0)]
     pub draft: u32,
     /// With --draft: choose each step's k from the acceptance so far and these costs, in
-    /// thousandths of a one-position pass: what each drafted position adds, and what a
-    /// step costs besides (hops). "0,0" drafts up to K every step. Default: "450,100",
-    /// what a CPU pass costs on a small model (each extra position ~0.45 of a pass).
-    #[arg(long, value_name = "POSITION,STEP", value_parser = parse_costs)]
-    pub draft_cost: Option<(u32, u32)>,
+    /// thousandths of a one-position pass: what each drafted position adds, what a
+    /// step costs besides (hops), and with a draft model what it spends per drafted
+    /// token (default 0). "0,0" drafts up to K every step. Default: "450,100", what a
+    /// CPU pass costs on a small model (each extra position ~0.45 of a pass).
+    #[arg(long, value_name = "POSITION,STEP[,MODEL]", value_parser = parse_costs)]
+    pub draft_cost: Option<(u32, u32, u32)>,
 }
 
-/// `--draft-cost`: two numbers separated by a comma.
-fn parse_costs(s: &str) -> Result<(u32, u32), String> {
-    let (a, b) = s.split_once(',').ok_or_else(|| format!("{s:?}: expected POSITION,STEP (e.g. 450,100)"))?;
+/// `--draft-cost`: two or three numbers separated by commas.
+fn parse_costs(s: &str) -> Result<(u32, u32, u32), String> {
+    let parts: Vec<&str> = s.split(',').collect();
+    if !(2..=3).contains(&parts.len()) {
+        return Err(format!("{s:?}: expected POSITION,STEP or POSITION,STEP,MODEL (e.g. 450,100)"));
+    }
     let n = |x: &str| x.trim().parse::<u32>().map_err(|e| format!("{x:?}: {e}"));
-    Ok((n(a)?, n(b)?))
+    Ok((n(parts[0])?, n(parts[1])?, parts.get(2).map_or(Ok(0), |x| n(x))?))
 }
 
 impl TextArgs {
@@ -99,8 +104,8 @@ impl TextArgs {
             return Ok(None);
         }
         let d = SpecSettings::default();
-        let (position_cost, step_cost) = self.draft_cost.unwrap_or((d.position_cost, d.step_cost));
-        let s = SpecSettings { max_draft: self.draft, position_cost, step_cost, ..d };
+        let (position_cost, step_cost, model_cost) = self.draft_cost.unwrap_or((d.position_cost, d.step_cost, 0));
+        let s = SpecSettings { max_draft: self.draft, position_cost, step_cost, model_cost, ..d };
         s.validate()?;
         Ok(Some(s))
     }
@@ -168,6 +173,11 @@ pub struct RunArgs {
     /// Layers at which to split into stages, e.g. `10,20` for three stages.
     #[arg(long, value_delimiter = ',')]
     pub split: Vec<u32>,
+    /// With --draft: drafts come from this smaller GGUF (the model's vocabulary, e.g.
+    /// the family's smallest member) instead of prompt lookup, so free-form text is
+    /// drafted too. A stage 0 started with the same draft model gives the same answer.
+    #[arg(long, value_name = "GGUF")]
+    pub draft_model: Option<PathBuf>,
     #[command(flatten)]
     pub gen: GenArgs,
 }
@@ -239,6 +249,9 @@ pub fn run(a: RunArgs) -> Result<()> {
         gpus: Vec::new(),
     };
     let t = &g.text;
+    if a.draft_model.is_some() && t.draft == 0 {
+        bail!("--draft-model drafts for speculative decoding: add --draft K (e.g. --draft 8)");
+    }
     // One vocabulary for the prompt, the printer and a grammar's sampler.
     let vocab = Arc::new(Vocab::load(&a.model)?);
     let prompt = t.prompt_tokens(&vocab)?;
@@ -276,7 +289,20 @@ pub fn run(a: RunArgs) -> Result<()> {
     };
     let spec = t.speculation()?.unwrap_or(SpecSettings::OFF);
     let stop = t.stop_tokens(&vocab);
-    let gen = chain.generate_speculative(SessionId(0), &prompt, max_new, &mut sampler, &mut out, &spec, &stop)?;
+    let mut proposer = match &a.draft_model {
+        Some(path) => Some(DraftModel::load(path, &a.model, &config)?.proposer()),
+        None => None,
+    };
+    let gen = chain.generate_drafted(
+        SessionId(0),
+        &prompt,
+        max_new,
+        &mut sampler,
+        &mut out,
+        &spec,
+        &stop,
+        proposer.as_deref_mut(),
+    )?;
     let tail = out.finish();
     if t.json {
         let report = RunReport {
@@ -361,7 +387,7 @@ pub fn demo(a: DemoArgs) -> Result<()> {
     if !a.in_process {
         return crate::local::demo(gen.text.prompt.as_deref().unwrap_or_default(), gen.text.max_tokens, a.once);
     }
-    run(RunArgs { model, split: vec![10, 20], gen })
+    run(RunArgs { model, split: vec![10, 20], draft_model: None, gen })
 }
 
 pub fn inspect(a: InspectArgs) -> Result<()> {

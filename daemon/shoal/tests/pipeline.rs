@@ -36,6 +36,10 @@ fn serve_cmd(dir: &Path, placement: &Path, i: usize) -> Command {
         .arg("--cache")
         .arg(dir.join("shards"))
         .stderr(Stdio::piped());
+    // Every stage gets the same command line; only stage 0 drafts.
+    if let Ok(draft) = std::fs::read_to_string(dir.join("draft_model")) {
+        c.args(["--draft-model", &draft]);
+    }
     c
 }
 
@@ -200,8 +204,17 @@ fn a_client_outside_the_placement_is_refused() {
 /// coordinator replays the session in its original shapes (with `extra` = `--draft K`,
 /// its verify batches too) and the output is unchanged.
 fn restart_middle(file: &str, splits: &[[u32; 2]], prompt: &str, extra: &[&str]) {
+    restart_middle_drafting(file, splits, prompt, extra, None)
+}
+
+/// [`restart_middle`] with stage 0 (and the unsplit reference) drafting with
+/// `draft_model`.
+fn restart_middle_drafting(file: &str, splits: &[[u32; 2]], prompt: &str, extra: &[&str], draft_model: Option<&Path>) {
     let m = model(file);
     let dir = tempfile::tempdir().unwrap();
+    if let Some(d) = draft_model {
+        std::fs::write(dir.path().join("draft_model"), d.to_str().unwrap()).unwrap();
+    }
     let (placement, mut stages) = start(dir.path(), &m, splits, 32);
     let mut args = vec!["--prompt", prompt, "--raw", "-n", "160", "--ignore-eos", "--json"];
     args.extend(extra);
@@ -235,9 +248,12 @@ fn restart_middle(file: &str, splits: &[[u32; 2]], prompt: &str, extra: &[&str])
     assert!(out.status.success(), "generate failed after the restart: {rest:?}");
     let g: Value = serde_json::from_slice(&out.stdout).unwrap();
     eprintln!("{file}: generation with a middle-stage restart took {:.1} s", t0.elapsed().as_secs_f64());
-    let r = json(
-        shoal().args(["run", "--model"]).arg(&m).args(["--chunk", "32", "--ctx", "1024"]).args(&args).output().unwrap(),
-    );
+    let mut run = shoal();
+    run.args(["run", "--model"]).arg(&m).args(["--chunk", "32", "--ctx", "1024"]).args(&args);
+    if let Some(d) = draft_model {
+        run.arg("--draft-model").arg(d);
+    }
+    let r = json(run.output().unwrap());
     assert_eq!(g["tokens"].as_array().unwrap().len(), 160);
     assert_eq!(g["tokens"], r["tokens"], "{file}: tokens changed across the restart");
     assert_eq!(g["logits_digest"], r["logits_digest"], "{file}: logits changed across the restart");
@@ -267,6 +283,20 @@ fn gemma3_survives_a_middle_stage_restart() {
 fn smollm2_speculative_survives_a_middle_stage_restart() {
     let splits = &[[0, 10], [10, 20], [20, 30]];
     restart_middle("SmolLM2-135M-Instruct.Q4_1.gguf", splits, &rewrite_prompt(), &["--draft", "6"]);
+}
+
+/// Stage 0 drafts with a draft model (SmolLM2 requantized to Q4_0) on free-form text:
+/// the pipeline's answer, drafts and steps equal `shoal run --draft-model`'s, across a
+/// middle stage's restart (the coordinator replays its verify batches; its draft
+/// model's sessions are untouched).
+#[test]
+fn smollm2_draft_model_survives_a_middle_stage_restart() {
+    let file = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    let dir = tempfile::tempdir().unwrap();
+    let draft = dir.path().join("draft-q4_0.gguf");
+    shoal_engine::requantize(&model(file), &draft, shoal_engine::Quant::Q4_0).unwrap();
+    let splits = &[[0, 10], [10, 20], [20, 30]];
+    restart_middle_drafting(file, splits, PROMPT, &["--draft", "4", "--draft-cost", "0,0"], Some(&draft));
 }
 
 /// `shoal generate --progress` for `n` tokens, its progress lines readable.

@@ -155,6 +155,7 @@ pub fn reference_speculative(
     prompt: &[TokenId],
     max_new: usize,
     spec: &shoal_types::SpecSettings,
+    mut proposer: Option<&mut (dyn shoal_types::speculative::Proposer + '_)>,
 ) -> SpecRun {
     use shoal_types::speculative;
     let mut stages: Vec<FakeStage> = ranges.iter().map(|r| FakeStage::new(*r)).collect();
@@ -182,7 +183,7 @@ pub fn reference_speculative(
     while tokens.len() < max_new {
         let n = tokens.len();
         let limits = speculative::limits_at(prompt.len(), n, max_new, 256, CHUNK, &[]);
-        let drafts = speculative::next_draft(prompt, &tokens, &steps, spec, &limits);
+        let drafts = speculative::next_draft_with(prompt, &tokens, &steps, spec, &limits, proposer.as_deref_mut());
         steps.push(speculative::DecodeStep { n_before: n, drafts: drafts.clone() });
         let mut input = vec![tokens[n - 1]];
         input.extend(&drafts);
@@ -193,4 +194,44 @@ pub fn reference_speculative(
         tokens.extend(out);
     }
     (tokens, digest.hex(), drafted, accepted)
+}
+
+/// A fake draft model: prompt lookup's drafts (a guess from the text's length where it
+/// finds none), with the last one changed on every third call, so that its answers
+/// depend on its history as a real model's depend on its batches.
+pub struct FakeDrafts;
+
+impl shoal_types::speculative::DraftSource for FakeDrafts {
+    fn proposer(&self) -> Box<dyn shoal_types::speculative::Proposer> {
+        Box::new(FakeProposer { calls: 0 })
+    }
+}
+
+struct FakeProposer {
+    calls: usize,
+}
+
+impl shoal_types::speculative::Proposer for FakeProposer {
+    fn propose(
+        &mut self,
+        prompt: &[TokenId],
+        tokens: &[TokenId],
+        k: usize,
+        stop: &[TokenId],
+    ) -> Result<Vec<TokenId>, shoal_types::speculative::ProposeError> {
+        use shoal_types::speculative::{draft, DraftLimits};
+        self.calls += 1;
+        let s = shoal_types::SpecSettings { max_draft: k as u32, ngram_min: 1, ngram_max: 3, ..Default::default() };
+        let limits = DraftLimits { remaining: k + 1, context_left: usize::MAX, chunk: u32::MAX, stop };
+        let mut d = draft(prompt, tokens, &s, &limits);
+        if d.is_empty() {
+            d.push(((prompt.len() + tokens.len()) as u32 % N_VOCAB) as TokenId);
+        }
+        if self.calls.is_multiple_of(3) {
+            if let Some(last) = d.last_mut() {
+                *last = ((*last as u32 + 1) % N_VOCAB) as TokenId;
+            }
+        }
+        Ok(d)
+    }
 }

@@ -33,6 +33,11 @@ pub struct SpeculativeArgs {
     /// Prefill chunk size C.
     #[arg(long, default_value_t = 128)]
     chunk: u32,
+    /// Also measure drafts from a draft model: a GGUF with the model's vocabulary, or
+    /// `q4_0` / `q8_0` for the model itself requantized so (the same network with
+    /// other numbers: a stand-in where no smaller sibling is at hand).
+    #[arg(long, value_name = "GGUF|q4_0|q8_0")]
+    draft_model: Option<String>,
 }
 
 /// The paragraph the repetitive prompt asks to rewrite.
@@ -91,8 +96,35 @@ pub fn speculative(a: SpeculativeArgs) -> Result<()> {
     // and k chosen step by step by the default cost model.
     let fixed = ["--draft", &draft, "--draft-cost", "0,0"];
     let adaptive = ["--draft", &draft];
-    let configs: [(&str, &[&str]); 3] =
-        [("no speculation", &[]), ("speculation, k fixed", &fixed), ("speculation, k adaptive", &adaptive)];
+    let mut configs: Vec<(&str, &[&str])> =
+        vec![("no speculation", &[]), ("speculation, k fixed", &fixed), ("speculation, k adaptive", &adaptive)];
+    // A draft model: its file, and its configurations (k fixed; k adaptive with what
+    // its pass costs against the target's).
+    let temp = tempfile::tempdir()?;
+    let draft_file = match a.draft_model.as_deref() {
+        None => None,
+        Some(q @ ("q4_0" | "q8_0")) => {
+            let to = if q == "q4_0" { shoal_engine::Quant::Q4_0 } else { shoal_engine::Quant::Q8_0 };
+            let file = temp.path().join(format!("draft-{q}.gguf"));
+            shoal_engine::requantize(&a.model, &file, to).map_err(anyhow::Error::msg)?;
+            Some(file)
+        }
+        Some(path) => Some(PathBuf::from(path)),
+    };
+    let model_cost = match &draft_file {
+        Some(f) => (1000.0 * one_pass_ms(f, a.chunk)? / one_pass_ms(&a.model, a.chunk)?).round() as u32,
+        None => 0,
+    };
+    let model_costs = format!("450,100,{model_cost}");
+    let model_fixed = ["--draft", &draft, "--draft-cost", "0,0", "--draft-model"];
+    let model_adaptive = ["--draft", &draft, "--draft-cost", &model_costs, "--draft-model"];
+    if draft_file.is_some() {
+        configs.push(("draft model, k fixed", &model_fixed));
+        configs.push(("draft model, k adaptive", &model_adaptive));
+    }
+    // The draft model's file goes after --draft-model (unsplit: `shoal run`'s flag;
+    // split: stage 0's, so the request itself does not name it).
+    let uses_model = |extra: &[&str]| extra.last() == Some(&"--draft-model");
     let unsplit = |prompt: &str, extra: &[&str]| -> Result<GenOutput> {
         drop_page_cache(&a.model);
         let mut cmd = Command::new(&exe);
@@ -100,6 +132,10 @@ pub fn speculative(a: SpeculativeArgs) -> Result<()> {
         cmd.args(["--threads", "1", "-n", &a.tokens.to_string(), "--chunk", &a.chunk.to_string()]);
         cmd.args(["--ctx", &context.to_string()]);
         cmd.args(extra);
+        if uses_model(extra) {
+            // Invariant: configurations ending in --draft-model exist only with a file.
+            cmd.arg(draft_file.as_ref().expect("a draft model file"));
+        }
         json_of(cmd, "run")
     };
     println!(
@@ -123,6 +159,22 @@ pub fn speculative(a: SpeculativeArgs) -> Result<()> {
         let impair_arg = if impair.is_none() { String::new() } else { impair_spec(&impair) };
         let lp = LoopbackPipeline::start(&a.model, &points, a.chunk, context, &["--impair", &impair_arg])?;
         lp.generate(SHORT_PROMPT, 8).context("warm-up")?;
+        // The same pipeline with the draft model on stage 0 (the other stages ignore it).
+        let drafting = match &draft_file {
+            Some(f) => {
+                let f = f.to_string_lossy();
+                let p = LoopbackPipeline::start(
+                    &a.model,
+                    &points,
+                    a.chunk,
+                    context,
+                    &["--impair", &impair_arg, "--draft-model", &f],
+                )?;
+                p.generate(SHORT_PROMPT, 8).context("warm-up")?;
+                Some(p)
+            }
+            None => None,
+        };
         let link_name = if impair.is_none() { "loopback".to_string() } else { format!("loopback, {link} per hop") };
         for (name, prompt) in &prompts {
             // Unsplit and split in each configuration, alternating round by round.
@@ -130,7 +182,10 @@ pub fn speculative(a: SpeculativeArgs) -> Result<()> {
             for _ in 0..a.rounds {
                 for (i, (_, extra)) in configs.iter().enumerate() {
                     runs[2 * i].push(unsplit(prompt, extra)?);
-                    runs[2 * i + 1].push(lp.generate_with(prompt, a.tokens, extra)?);
+                    runs[2 * i + 1].push(match (&drafting, uses_model(extra)) {
+                        (Some(p), true) => p.generate_with(prompt, a.tokens, &extra[..extra.len() - 1])?,
+                        _ => lp.generate_with(prompt, a.tokens, extra)?,
+                    });
                 }
             }
             let m: Vec<f64> = runs.iter_mut().map(Series::median).collect();
@@ -178,6 +233,32 @@ pub fn speculative(a: SpeculativeArgs) -> Result<()> {
         bail!("a split run's output differs from the unsplit run's with the same settings");
     }
     Ok(())
+}
+
+/// Median ms of a one-position decode step of `model`, unsplit, 1 thread, after a
+/// 100-token prompt (15 timed steps).
+fn one_pass_ms(model: &std::path::Path, chunk: u32) -> Result<f64> {
+    use shoal_engine::{load_split, Chain, StageConfig, Vocab};
+    use shoal_types::{SessionId, Stage};
+    let config =
+        StageConfig { n_ctx_per_session: 512, max_sessions: 1, chunk, threads: 1, gpu_layers: 0, gpus: Vec::new() };
+    let cache = shoal_engine::ShardCache::new(shoal::run::default_cache());
+    let (_, stages) = load_split(model, &[], &cache, &config)?;
+    let mut chain = Chain::new(stages.into_iter().map(|s| Box::new(s) as Box<dyn Stage>).collect())?;
+    let mut prompt = Vocab::load(model)?.tokenize(PARAGRAPH, false);
+    prompt.truncate(100);
+    let (s, mut timing, mut pos) = (SessionId(1), Default::default(), 0);
+    for c in prompt.chunks(chunk as usize) {
+        chain.step(s, pos, c, &mut timing)?;
+        pos += c.len() as u32;
+    }
+    let mut ms = Vec::new();
+    for _ in 0..15 {
+        let t0 = std::time::Instant::now();
+        chain.step_rows(s, pos, &prompt[..1], false, &mut timing)?;
+        ms.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(median(&mut ms))
 }
 
 /// What a verify pass costs: one step of n positions (n = 1 … k + 1) of the unsplit
