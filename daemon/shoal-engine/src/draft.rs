@@ -49,18 +49,38 @@ pub struct DraftModel {
     target_vocab: u32,
     /// Session ids for proposers.
     next_session: AtomicU64,
+    /// [`DraftSource::cost`]: the draft's file bytes per thousand of the target's
+    /// (decoding one token reads every weight once, so bytes stand for time; file
+    /// sizes, which every node and `shoal run` know alike).
+    cost: u32,
 }
 
 impl DraftModel {
-    /// Load `draft` to draft for the model in `target` (checked to share its
-    /// vocabulary), with `config`'s context, sessions and threads: give it at least the
-    /// coordinator's context per session and sessions, or long generations and busy
-    /// nodes run without drafts.
-    pub fn load(draft: &Path, target: &Path, config: &StageConfig) -> Result<DraftModel, DraftError> {
+    /// Load `draft` to draft for the model whose vocabulary is in `target` (the model
+    /// or a shard of it; checked to match) and whose GGUF file takes `target_bytes`, with
+    /// `config`'s context, sessions and threads: give it at least the coordinator's
+    /// context per session and sessions, or long generations and busy nodes run without
+    /// drafts.
+    pub fn load(
+        draft: &Path,
+        target: &Path,
+        target_bytes: u64,
+        config: &StageConfig,
+    ) -> Result<DraftModel, DraftError> {
         let target_vocab = check_vocabularies(draft, target)?;
         let (_, meta) = shoal_gguf::open_model(draft)?;
+        let draft_bytes =
+            std::fs::metadata(draft).map_err(|e| GgufError::Io { path: draft.to_owned(), source: e })?.len();
+        let cost = (1000.0 * draft_bytes as f64 / target_bytes.max(1) as f64)
+            .round()
+            .min(f64::from(shoal_types::speculative::MAX_COST)) as u32;
         let stage = LlamaStage::load(draft, LayerRange::new(0, meta.n_layer), meta.n_layer, config)?;
-        Ok(DraftModel { stage: Arc::new(Mutex::new(stage)), target_vocab, next_session: AtomicU64::new(1) })
+        Ok(DraftModel { stage: Arc::new(Mutex::new(stage)), target_vocab, next_session: AtomicU64::new(1), cost })
+    }
+
+    /// [`DraftSource::cost`].
+    pub fn cost(&self) -> u32 {
+        self.cost
     }
 
     /// A proposer for one generation.
@@ -73,6 +93,10 @@ impl DraftModel {
 impl DraftSource for DraftModel {
     fn proposer(&self) -> Box<dyn Proposer> {
         DraftModel::proposer(self)
+    }
+
+    fn cost(&self) -> u32 {
+        self.cost
     }
 }
 

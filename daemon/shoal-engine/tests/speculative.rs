@@ -126,7 +126,9 @@ fn a_draft_model_drafts_and_split_matches_unsplit() {
     let draft = dir.path().join("draft-q4_0.gguf");
     shoal_engine::requantize(&file, &draft, shoal_engine::Quant::Q4_0).unwrap();
     let cache = ShardCache::new(dir.path());
-    let drafter = DraftModel::load(&draft, &file, &config()).unwrap();
+    let drafter = DraftModel::load(&draft, &file, std::fs::metadata(&file).unwrap().len(), &config()).unwrap();
+    // A requantized copy of the model reads about as many bytes per token.
+    assert!((700..=1300).contains(&drafter.cost()), "cost {}", drafter.cost());
     let vocab = Vocab::load(&file).unwrap();
     let prompt = vocab.tokenize("Once upon a time, in a small village by the sea, there lived", false);
     let spec = SpecSettings { max_draft: 4, position_cost: 0, ..SpecSettings::default() };
@@ -159,7 +161,7 @@ fn a_draft_model_drafts_and_split_matches_unsplit() {
 /// that differs, before anything is loaded.
 #[test]
 fn a_draft_model_with_another_vocabulary_is_refused() {
-    let Err(e) = DraftModel::load(&model(GEMMA), &model(SMOL), &config()) else {
+    let Err(e) = DraftModel::load(&model(GEMMA), &model(SMOL), 1 << 20, &config()) else {
         panic!("Gemma's vocabulary accepted to draft for SmolLM2");
     };
     let msg = e.to_string();

@@ -57,6 +57,19 @@ pub trait Engine: Send + Sync {
     /// Samplers for the tail of the model whose file (or shard) is `gguf` (a grammar
     /// is read against its vocabulary).
     fn samplers(&self, gguf: &Path) -> SamplerFactory;
+    /// A draft model for the generations this node coordinates of the model whose
+    /// vocabulary is in `shard` (its first stage) and whose GGUF takes `model_bytes`:
+    /// the first of the node's draft models that shares the vocabulary, loaded for the
+    /// stage's `sizing`. `Ok(None)`: none given, or none fits. Blocking.
+    fn drafts(
+        &self,
+        shard: &Path,
+        model_bytes: u64,
+        sizing: StageSizing,
+    ) -> Result<Option<Arc<dyn shoal_types::speculative::DraftSource>>, String> {
+        let _ = (shard, model_bytes, sizing);
+        Ok(None)
+    }
     /// What the speed of this engine's stages depends on besides the machine (threads,
     /// backends), e.g. "threads=8": a speed measured under another is stale.
     fn fingerprint(&self) -> String {
@@ -605,6 +618,24 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         Ok(Err(e)) => return fail(&rt, status, format!("loading the stage: {e}")),
         Err(e) => return fail(&rt, status, format!("loading the stage: {e}")),
     };
+    // The first stage coordinates: a draft model of this node's that fits the model
+    // drafts for its speculating generations (without one, prompt lookup does).
+    let drafts = if index == 0 {
+        let (engine, path, bytes) = (engine.clone(), obtained.file.path.clone(), entry.size);
+        match tokio::task::spawn_blocking(move || engine.drafts(&path, bytes, sizing)).await {
+            Ok(Ok(d)) => d,
+            Ok(Err(e)) => {
+                tracing::warn!("the draft model did not load, drafting by prompt lookup: {e}");
+                None
+            }
+            Err(e) => {
+                tracing::warn!("the draft model did not load, drafting by prompt lookup: {e}");
+                None
+            }
+        }
+    } else {
+        None
+    };
     status.load_seconds = loading.elapsed().as_secs_f64();
     let memory = loaded.memory();
     status.loaded_bytes = Some(memory.weights + memory.kv + memory.compute);
@@ -641,7 +672,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
             Some(false) => None,
             None => rt.keepalive,
         },
-        drafts: None,
+        drafts,
     };
     status.state = StageState::Running;
     *lock(&rt.stage) = Some(status.clone());

@@ -410,7 +410,10 @@ impl NodeCore {
         let session = session_id(self.incarnation, self.next_session);
         let prompt_steps = req.prompt.len().div_ceil(self.cfg.chunk as usize) as u32;
         let logprobs = req.sampling.get("logprobs").is_some_and(|v| !v.is_null());
-        let spec = req.speculative.filter(|s| s.is_on() && !logprobs).unwrap_or(SpecSettings::OFF);
+        let mut spec = req.speculative.filter(|s| s.is_on() && !logprobs).unwrap_or(SpecSettings::OFF);
+        if let Some(d) = &self.cfg.drafts {
+            spec = spec.priced_for(d.cost());
+        }
         // A resumed generation starts as a replay would: every step up to the one after
         // the tokens it already has, in their original shapes, which the tokens and the
         // settings determine (validate bounded them below max_new, so the steps fit the

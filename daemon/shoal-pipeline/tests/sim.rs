@@ -306,8 +306,10 @@ fn speculation_matches_its_reference_under_faults() {
         // Every third generation drafts with a (fake) draft model on the coordinator.
         let draft_model = seed % 3 == 1;
         let mut proposer = draft_model.then(|| FakeDrafts.proposer());
+        // The coordinator prices the draft model's passes where the settings choose k.
+        let priced = if draft_model { spec.priced_for(FakeDrafts.cost()) } else { spec };
         let (want, digest, d, a) =
-            reference_speculative(&ranges, &prompt, max_new as usize, &spec, proposer.as_deref_mut());
+            reference_speculative(&ranges, &prompt, max_new as usize, &priced, proposer.as_deref_mut());
         let f = if seed % 2 == 0 { &faults } else { &none };
         let (streamed, r, recoveries) = simulate_spec(seed, &ranges, &prompt, max_new, f, Some(spec), draft_model);
         assert_eq!(streamed, want, "seed {seed}: streamed tokens differ (missing or duplicated)");

@@ -95,6 +95,19 @@ impl SpecSettings {
     pub const OFF: SpecSettings =
         SpecSettings { max_draft: 0, ngram_min: 2, ngram_max: 4, position_cost: 0, step_cost: 0, model_cost: 0 };
 
+    /// These settings for drafts from a draft model that costs `model_cost` per drafted
+    /// token ([`DraftSource::cost`]): where they choose k by a cost model and do not
+    /// price the draft model's passes themselves, its price. Without a cost model (k
+    /// fixed) they stay as they are. The coordinator and `shoal run` both apply it, so
+    /// a request means the same on either.
+    pub fn priced_for(self, model_cost: u32) -> SpecSettings {
+        if self.is_on() && self.model_cost == 0 && (self.position_cost > 0 || self.step_cost > 0) {
+            SpecSettings { model_cost, ..self }
+        } else {
+            self
+        }
+    }
+
     /// Whether steps may carry drafts at all.
     pub fn is_on(&self) -> bool {
         self.max_draft > 0
@@ -203,6 +216,11 @@ pub trait Proposer: Send {
 pub trait DraftSource: Send + Sync {
     /// A fresh proposer (holding nothing yet).
     fn proposer(&self) -> Box<dyn Proposer>;
+    /// What it spends per drafted token, in thousandths of a one-position pass of the
+    /// target: [`SpecSettings::model_cost`] for requests that do not say. A function
+    /// of the two models alone (not a timing), so every node and `shoal run` with the
+    /// same draft model choose the same drafts.
+    fn cost(&self) -> u32;
 }
 
 /// A draft model could not propose (its context is full, no session slot is free).
@@ -793,6 +811,24 @@ mod tests {
         });
         assert!(wrong > 1000.0, "accepting every draft must be caught: chi-square {wrong:.1}");
         eprintln!("chi-square over 63 degrees of freedom: {verified:.1} (verify rule), {wrong:.1} (accept all)");
+    }
+
+    #[test]
+    fn a_draft_models_price_applies_where_a_cost_model_chooses_k() {
+        let adaptive = SpecSettings::default();
+        assert_eq!(adaptive.priced_for(800).model_cost, 800);
+        // Priced by the request, k fixed, or off: unchanged.
+        let priced = SpecSettings { model_cost: 30, ..adaptive };
+        assert_eq!(priced.priced_for(800), priced);
+        let fixed = SpecSettings { position_cost: 0, step_cost: 0, ..adaptive };
+        assert_eq!(fixed.priced_for(800), fixed);
+        assert_eq!(SpecSettings::OFF.priced_for(800), SpecSettings::OFF);
+        // And the price shortens drafts: a dear draft model drafts less at the same acceptance.
+        let steps: Vec<DecodeStep> =
+            (0..8).map(|i| DecodeStep { n_before: 1 + 3 * i, drafts: vec![1, 2, 3] }).collect();
+        let (cheap, dear) =
+            (draft_cap(&adaptive.priced_for(10), &steps, 25), draft_cap(&adaptive.priced_for(900), &steps, 25));
+        assert!(dear < cheap, "{cheap} {dear}");
     }
 
     #[test]

@@ -144,6 +144,8 @@ pub struct StageArgs {
     pub cache: Option<PathBuf>,
     /// Whether stages spin between tokens.
     pub keepalive: crate::pipeline::KeepAlive,
+    /// Draft models for the models this node coordinates (`--draft-model`).
+    pub draft_models: Vec<PathBuf>,
 }
 
 /// `shoal nodes`.
@@ -336,7 +338,10 @@ pub fn serve(
             }
         });
         let options = shoal_node::Options {
-            engine: Some(Arc::new(crate::engine::LlamaEngine { threads: stage.threads })),
+            engine: Some(Arc::new(crate::engine::LlamaEngine {
+                threads: stage.threads,
+                draft_models: stage.draft_models.clone(),
+            })),
             max_memory: args.max_memory,
             gpus: if stage.offer_gpus { gpu_offers(&inventory_now) } else { Vec::new() },
             shard_dir: stage.cache,

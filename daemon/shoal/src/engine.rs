@@ -2,9 +2,10 @@
 //! the samplers the tail uses. The node crate never links llama.cpp; it gets this.
 
 use shoal_api::{ChatMessage, TextModel, ToolSyntax};
-use shoal_engine::{GpuLayers, LlamaStage, Sampler, SamplingParams, StageConfig, Vocab};
+use shoal_engine::{DraftError, DraftModel, GpuLayers, LlamaStage, Sampler, SamplingParams, StageConfig, Vocab};
 use shoal_node::runtime::{Engine, StageSizing};
 use shoal_pipeline::SamplerFactory;
+use shoal_types::speculative::DraftSource;
 use shoal_types::{GpuShare, LayerRange, Stage, TokenId, TokenSampler};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -13,6 +14,8 @@ use std::sync::{Arc, OnceLock};
 pub struct LlamaEngine {
     /// CPU threads per stage.
     pub threads: u32,
+    /// Draft models this node was given (`--draft-model`), tried in order.
+    pub draft_models: Vec<PathBuf>,
 }
 
 impl Engine for LlamaEngine {
@@ -35,6 +38,29 @@ impl Engine for LlamaEngine {
         };
         let stage = LlamaStage::load(shard, layers, n_layer, &config).map_err(|e| e.to_string())?;
         Ok(Box::new(stage))
+    }
+
+    fn drafts(&self, shard: &Path, model_bytes: u64, s: StageSizing) -> Result<Option<Arc<dyn DraftSource>>, String> {
+        let config = StageConfig {
+            n_ctx_per_session: s.context,
+            max_sessions: s.sessions,
+            chunk: s.chunk,
+            threads: self.threads,
+            gpu_layers: 0,
+            gpus: Vec::new(),
+        };
+        for path in &self.draft_models {
+            match DraftModel::load(path, shard, model_bytes, &config) {
+                Ok(d) => {
+                    tracing::info!(draft = %path.display(), cost = d.cost(), "drafting with a draft model");
+                    return Ok(Some(Arc::new(d)));
+                }
+                // Another family's: the next may fit.
+                Err(e @ DraftError::Vocabulary { .. }) => tracing::debug!("{e}"),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(None)
     }
 
     fn samplers(&self, shard: &Path) -> SamplerFactory {

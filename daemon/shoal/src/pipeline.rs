@@ -57,11 +57,14 @@ pub struct ServeArgs {
     /// Send hidden states as f16 (half the bytes; not bit-exact).
     #[arg(long)]
     f16: bool,
-    /// With --placement, on stage 0 (the coordinator): speculating generations draft
-    /// with this smaller GGUF (the model's vocabulary) instead of prompt lookup. Loaded
-    /// whole on this node, with the stage's context, sessions and threads.
+    /// A draft model (a small GGUF, e.g. the family's smallest member) for the models
+    /// whose vocabulary it shares: where this node runs a model's first stage (it
+    /// coordinates that model's generations), speculating requests draft with it
+    /// instead of prompt lookup. Loaded whole on this node with the stage's context,
+    /// sessions and threads; its memory is not in the planner's accounts (leave room
+    /// with --max-memory). Repeat for several families: the first that fits is used.
     #[arg(long, value_name = "GGUF")]
-    draft_model: Option<PathBuf>,
+    draft_model: Vec<PathBuf>,
     /// Where shard files are cached [default: ~/.cache/shoal/shards].
     #[arg(long)]
     cache: Option<PathBuf>,
@@ -245,6 +248,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             offer_gpus: !a.no_gpu,
             cache: a.cache.clone(),
             keepalive: a.keepalive,
+            draft_models: a.draft_model.clone(),
         };
         if a.windows_service {
             return serve_as_windows_service(a, stage);
@@ -278,18 +282,29 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         gpus: Vec::new(),
     };
     let stage = LlamaStage::load(&shard.path, place.layers, meta.n_layer, &config)?;
-    let drafts = match &a.draft_model {
-        Some(_) if index != 0 => {
-            // One command line for every node of a placement is fine: only stage 0 drafts.
-            eprintln!("[shoal] --draft-model ignored: only stage 0 drafts, and this node serves stage {index}");
-            None
+    let drafts = if a.draft_model.is_empty() {
+        None
+    } else if index != 0 {
+        // One command line for every node of a placement is fine: only stage 0 drafts.
+        eprintln!("[shoal] --draft-model ignored: only stage 0 drafts, and this node serves stage {index}");
+        None
+    } else {
+        let size = std::fs::metadata(&placement.model)
+            .with_context(|| format!("reading {}", placement.model.display()))?
+            .len();
+        let engine = crate::engine::LlamaEngine { threads: config.threads, draft_models: a.draft_model.clone() };
+        let sizing = shoal_node::runtime::StageSizing {
+            context: placement.context,
+            sessions: placement.sessions,
+            chunk: placement.chunk,
+        };
+        let drafts =
+            shoal_node::runtime::Engine::drafts(&engine, &placement.model, size, sizing).map_err(anyhow::Error::msg)?;
+        if drafts.is_none() {
+            bail!("no --draft-model shares the vocabulary of {}", placement.model.display());
         }
-        Some(path) => {
-            let model = shoal_engine::DraftModel::load(path, &placement.model, &config)?;
-            eprintln!("[shoal] drafting with {}", path.display());
-            Some(Arc::new(model) as Arc<dyn shoal_types::speculative::DraftSource>)
-        }
-        None => None,
+        eprintln!("[shoal] drafting with a draft model");
+        drafts
     };
     let samplers: SamplerFactory = crate::engine::sampler_factory(shard.path.clone());
     // One thread for all of the node's networking: a frame's path through the link

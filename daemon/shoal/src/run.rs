@@ -287,10 +287,16 @@ pub fn run(a: RunArgs) -> Result<()> {
     } else {
         Sampler::new(&sampling)
     };
-    let spec = t.speculation()?.unwrap_or(SpecSettings::OFF);
+    let mut spec = t.speculation()?.unwrap_or(SpecSettings::OFF);
     let stop = t.stop_tokens(&vocab);
     let mut proposer = match &a.draft_model {
-        Some(path) => Some(DraftModel::load(path, &a.model, &config)?.proposer()),
+        Some(path) => {
+            let size = std::fs::metadata(&a.model).with_context(|| format!("reading {}", a.model.display()))?.len();
+            let draft = DraftModel::load(path, &a.model, size, &config)?;
+            // As a coordinator does: the draft model's price unless --draft-cost gave one.
+            spec = spec.priced_for(draft.cost());
+            Some(draft.proposer())
+        }
         None => None,
     };
     let gen = chain.generate_drafted(

@@ -638,3 +638,32 @@ fn placement(dir: &Path) -> Value {
     assert_eq!(v["committed"], true, "{v}");
     v["placement"].clone()
 }
+
+/// A node started with `--draft-model` drafts with it where it coordinates a model of
+/// the draft's vocabulary: a speculating generation through the cluster (free text,
+/// where prompt lookup drafts little) equals `shoal run --draft-model` with the same
+/// settings, drafts, steps and acceptance included.
+#[test]
+fn a_node_drafts_with_its_draft_model_like_the_unsplit_run() {
+    let model = model(SMOL);
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = tmp.path().join("draft-q4_0.gguf");
+    shoal_engine::requantize(&model, &draft, shoal_engine::Quant::Q4_0).unwrap();
+    let dir = tmp.path().join("a");
+    let extra = ["--draft-model", draft.to_str().unwrap()];
+    let mut nodes = Nodes(vec![("a", serve_with(&dir, "a", true, "300M", "1", &extra))]);
+    wait_for("the cluster", 30, || status(&dir).filter(|s| !s["cluster"].is_null()));
+    run_ok(&["models", "add", model.to_str().unwrap()], &dir);
+    let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--wait"], &dir);
+    assert!(loaded.contains("ready: 1 stage(s)"), "{loaded}");
+    let args = ["--prompt", PROMPT, "-n", "48", "--ignore-eos", "--json", "--draft", "4", "--draft-cost", "0,0"];
+    let g = json(shoal().args(["generate", "--model", SMOL]).args(args).arg("--data-dir").arg(&dir).output().unwrap());
+    let mut with_draft: Vec<&str> = args.to_vec();
+    with_draft.extend(extra);
+    let r = unsplit(&model, &with_draft);
+    assert!(r["accepted"].as_u64().unwrap() > 10, "the draft model drafted little: {r}");
+    for k in ["tokens", "logits_digest", "decode_steps", "drafted", "accepted"] {
+        assert_eq!(g[k], r[k], "{k} differs from shoal run --draft-model: {g}");
+    }
+    nodes.kill_all();
+}

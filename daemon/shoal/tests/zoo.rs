@@ -240,7 +240,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
             shoal_gguf::zoo::write_with_template(Family::Qwen2, &vocab, &template, &path).unwrap();
         }
         // The syntax the node will speak, read off the template it renders tools with.
-        let text = shoal::engine::LlamaEngine { threads: 1 }.text(&path).unwrap();
+        let text = shoal::engine::LlamaEngine { threads: 1, draft_models: Vec::new() }.text(&path).unwrap();
         assert_eq!(text.tool_syntax(), syntax, "{name}");
         if tool_use {
             // A request without tools: the default template (Command R's turns, none

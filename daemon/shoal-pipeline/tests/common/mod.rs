@@ -205,6 +205,10 @@ impl shoal_types::speculative::DraftSource for FakeDrafts {
     fn proposer(&self) -> Box<dyn shoal_types::speculative::Proposer> {
         Box::new(FakeProposer { calls: 0 })
     }
+
+    fn cost(&self) -> u32 {
+        150
+    }
 }
 
 struct FakeProposer {

@@ -171,10 +171,16 @@ pub fn serve(dir: &Path, name: &str, create: bool) -> Child {
 
 /// [`serve`] offering `memory` to models, its stages running `threads` threads.
 pub fn serve_offering(dir: &Path, name: &str, create: bool, memory: &str, threads: &str) -> Child {
+    serve_with(dir, name, create, memory, threads, &[])
+}
+
+/// [`serve_offering`] with `extra` flags.
+pub fn serve_with(dir: &Path, name: &str, create: bool, memory: &str, threads: &str, extra: &[&str]) -> Child {
     let mut c = shoal();
     c.args(["serve", "--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
         .args(["--http-listen", "127.0.0.1:0"])
         .args(["--name", name, "--max-memory", memory, "--threads", threads])
+        .args(extra)
         .arg(if create { "--create-cluster" } else { "--no-create" })
         .arg("--data-dir")
         .arg(dir)
