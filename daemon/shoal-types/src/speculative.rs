@@ -358,7 +358,9 @@ pub fn draft_cap(s: &SpecSettings, steps: &[DecodeStep], n_tokens: usize) -> usi
         }
     }
     if best == 0 && idle >= PROBE_AFTER {
-        return s.max_draft as usize;
+        // A look at whether drafts pay again: prompt lookup's drafts cost nothing to
+        // make, so the longest; a draft model's each cost a pass, so one.
+        return if s.model_cost > 0 { 1 } else { s.max_draft as usize };
     }
     best
 }
@@ -642,6 +644,8 @@ mod tests {
             n += 1;
         }
         assert_eq!(draft_cap(&s, &steps, n), 8);
+        // With a draft model (each draft costs a pass) the look is one token long.
+        assert_eq!(draft_cap(&SpecSettings { model_cost: 900, ..s }, &steps, n), 1);
     }
 
     /// A fake draft model whose answers depend on its history, as a real one's do
