@@ -2,9 +2,10 @@
 //! whole message, or its stream of named events (`message_start`,
 //! `content_block_start`, `content_block_delta`…, `message_delta`, `message_stop`).
 //! Tools (`tools`, `tool_choice`, `tool_use` and `tool_result` blocks) go through the
-//! same generic format as OpenAI's (see `tools`).
+//! same generic format as OpenAI's (see `tools`). A reasoning model's thinking comes as
+//! a `thinking` block when the request enables `thinking` (see `thinking`).
 
-use crate::backend::{Backend, Failure};
+use crate::backend::{Backend, Failure, PromptOptions};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Finish, Job, Outcome};
 use crate::tools::{self, Call, Reply, Toolbox, Turn};
@@ -41,6 +42,9 @@ struct Request {
     /// Not Anthropic's: Shoal's switch for speculative decoding (default: the node's).
     #[serde(default)]
     speculative: Option<bool>,
+    /// Extended thinking: `{"type": "enabled", "budget_tokens": N}` or `{"type": "disabled"}`.
+    #[serde(default)]
+    thinking: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,6 +117,9 @@ impl Message {
                     let arguments = b.input.clone().unwrap_or_else(|| json!({}));
                     turn.calls.push(Call { id: b.id.clone(), name, arguments });
                 }
+                // Earlier thinking that a client sends back (Anthropic asks clients to):
+                // templates drop earlier turns' thinking, so Shoal does too.
+                ("thinking" | "redacted_thinking", "assistant") => {}
                 ("tool_result", "user") => {
                     if !turn.content.is_empty() {
                         out.push(std::mem::replace(&mut turn, Turn { role: "user".into(), ..Turn::default() }));
@@ -168,6 +175,33 @@ fn toolbox(tools: &[Value], choice: Option<&Value>) -> Result<Option<Toolbox>, F
     Toolbox::new(&tools, Some(&openai_choice), parallel).map_err(Failure::bad)
 }
 
+/// The request's `thinking`: whether thinking blocks are sent, and what the chat
+/// template is told. `enabled` sends them (its `budget_tokens` checked as Anthropic
+/// checks it: at least 1024 and below `max_tokens`; Shoal does not cut the thinking
+/// short at the budget, `max_tokens` bounds it); `disabled` asks the template for an
+/// answer without thinking (`enable_thinking` false); absent leaves the model as it is.
+/// Without `enabled` no thinking block is sent, as Anthropic's API sends none: thinking
+/// the model writes anyway is left out of the answer.
+fn thinking(v: &Option<Value>, max_tokens: u32) -> Result<(bool, PromptOptions), Failure> {
+    let mut options = PromptOptions::default();
+    let Some(v) = v.as_ref().filter(|v| !v.is_null()) else { return Ok((false, options)) };
+    match v.get("type").and_then(Value::as_str) {
+        Some("enabled") => {
+            let budget = v.get("budget_tokens").and_then(Value::as_u64);
+            match budget {
+                Some(b) if b >= 1024 && b < u64::from(max_tokens) => Ok((true, options)),
+                Some(_) => Err(Failure::bad("thinking.budget_tokens: at least 1024 and less than max_tokens")),
+                None => Err(Failure::bad("thinking.budget_tokens: required, an integer")),
+            }
+        }
+        Some("disabled") => {
+            options.enable_thinking = Some(false);
+            Ok((false, options))
+        }
+        _ => Err(Failure::bad("thinking.type: enabled or disabled")),
+    }
+}
+
 /// `POST /v1/messages`.
 pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
     let r = async {
@@ -176,6 +210,7 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
             return Err(Failure::bad("max_tokens: must be at least 1"));
         }
         let mut toolbox = toolbox(req.tools.as_deref().unwrap_or_default(), req.tool_choice.as_ref())?;
+        let (show_thinking, options) = thinking(&req.thinking, req.max_tokens)?;
         let mut turns = Vec::new();
         if let Some(system) = &req.system {
             turns.push(Turn { role: "system".into(), content: system.text()?, ..Turn::default() });
@@ -195,7 +230,8 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
         if let Some(t) = toolbox.as_mut() {
             t.speak(text.tool_syntax());
         }
-        let prompt = text.tokenize(&tools::prompt(&*text, &turns, toolbox.as_ref()).map_err(Failure::bad)?, true);
+        let prompt =
+            text.tokenize(&tools::prompt(&*text, &turns, toolbox.as_ref(), &options).map_err(Failure::bad)?, true);
         let d = SamplingParams::default();
         let sampling = SamplingParams {
             // Anthropic's default temperature is 1.0; Shoal's, for every API, 0.8.
@@ -216,10 +252,12 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
             ignore_eos: false,
             speculative: req.speculative,
             shown,
+            // Always apart: thinking is a block of its own or left out.
+            split_thinking: true,
         };
         match toolbox {
-            Some(toolbox) => answer_with_tools(backend, job, req.model, req.stream, toolbox).await,
-            None => answer(backend, job, req.model, req.stream).await,
+            Some(toolbox) => answer_with_tools(backend, job, req.model, req.stream, toolbox, show_thinking).await,
+            None => answer(backend, job, req.model, req.stream, show_thinking).await,
         }
     }
     .await;
@@ -243,12 +281,13 @@ async fn answer_with_tools<B: Backend>(
     model: String,
     streamed: bool,
     toolbox: Toolbox,
+    show_thinking: bool,
 ) -> Result<Response, Failure> {
     let prompt_tokens = job.prompt.len();
     let (first, mut events) = gen::start(backend, job).await?;
-    let (text, o) = gen::collect(first, &mut events).await?;
+    let gen::Whole { text, thinking, outcome: o, .. } = gen::collect(first, &mut events).await?;
     let id = common::new_id("msg_");
-    let (blocks, stop) = match toolbox.read(&text) {
+    let (mut blocks, stop) = match toolbox.read(&text) {
         Reply::Calls(calls) => {
             let blocks = calls
                 .iter()
@@ -258,16 +297,22 @@ async fn answer_with_tools<B: Backend>(
         }
         Reply::Text(t) => (vec![json!({"type": "text", "text": t})], stop_reason(&o)),
     };
+    if show_thinking && !thinking.is_empty() {
+        blocks.insert(0, thinking_block(&thinking));
+    }
     if !streamed {
         return Ok(Json(message(&id, &model, Value::Array(blocks), stop, &o)).into_response());
     }
     let mut out = vec![message_start(&id, &model, prompt_tokens)];
     for (index, b) in blocks.into_iter().enumerate() {
+        let thought = b["type"] == "thinking";
         let (start, delta) = if b["type"] == "tool_use" {
             let input = b["input"].to_string();
             let mut start = b;
             start["input"] = json!({});
             (start, json!({"type": "input_json_delta", "partial_json": input}))
+        } else if thought {
+            (thinking_block(""), json!({"type": "thinking_delta", "thinking": b["thinking"]}))
         } else {
             (json!({"type": "text", "text": ""}), json!({"type": "text_delta", "text": b["text"]}))
         };
@@ -276,10 +321,27 @@ async fn answer_with_tools<B: Backend>(
             json!({"type": "content_block_start", "index": index, "content_block": start}),
         ));
         out.push(named("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": delta})));
+        if thought {
+            out.push(signature(index));
+        }
         out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": index})));
     }
     out.extend(message_end(stop, &o));
     Ok(Sse::new(stream::iter(out.into_iter().map(Ok::<_, Infallible>))).into_response())
+}
+
+/// A thinking block of `text`. Its signature is empty: Anthropic's proves the thinking
+/// came from its model, Shoal has nothing to prove it with (and ignores thinking sent back).
+fn thinking_block(text: &str) -> Value {
+    json!({"type": "thinking", "thinking": text, "signature": ""})
+}
+
+/// A thinking block's `signature_delta`, sent before it stops, as Anthropic's stream does.
+fn signature(index: usize) -> SseEvent {
+    named(
+        "content_block_delta",
+        json!({"type": "content_block_delta", "index": index, "delta": {"type": "signature_delta", "signature": ""}}),
+    )
 }
 
 /// A whole message: `content` (its blocks), why it stopped, the usage.
@@ -316,54 +378,125 @@ fn message_end(stop: &str, o: &Outcome) -> [SseEvent; 2] {
     ]
 }
 
-async fn answer<B: Backend>(backend: Arc<B>, job: Job, model: String, streamed: bool) -> Result<Response, Failure> {
+/// Run `job`: the whole message, or its stream of events. The model's thinking (when
+/// `show_thinking`) is a thinking block before the text block; streamed, each block
+/// starts when its first text comes.
+async fn answer<B: Backend>(
+    backend: Arc<B>,
+    job: Job,
+    model: String,
+    streamed: bool,
+    show_thinking: bool,
+) -> Result<Response, Failure> {
     let prompt_tokens = job.prompt.len();
     let (first, mut events) = gen::start(backend, job).await?;
     let id = common::new_id("msg_");
     if !streamed {
-        let (text, o) = gen::collect(first, &mut events).await?;
-        let content = json!([{"type": "text", "text": text}]);
-        return Ok(Json(message(&id, &model, content, stop_reason(&o), &o)).into_response());
+        let w = gen::collect(first, &mut events).await?;
+        let mut content = vec![json!({"type": "text", "text": w.text})];
+        if show_thinking && !w.thinking.is_empty() {
+            content.insert(0, thinking_block(&w.thinking));
+        }
+        return Ok(
+            Json(message(&id, &model, Value::Array(content), stop_reason(&w.outcome), &w.outcome)).into_response()
+        );
     }
-    let opening = vec![
-        message_start(&id, &model, prompt_tokens),
-        named(
-            "content_block_start",
-            json!({"type": "content_block_start", "index": 0,
-            "content_block": {"type": "text", "text": ""}}),
-        ),
-    ];
-    let st = (opening.into_iter().collect::<std::collections::VecDeque<_>>(), Some(first), events, false);
-    let out = stream::unfold(st, move |(mut queue, mut pending, mut events, mut done)| async move {
-        loop {
-            if let Some(e) = queue.pop_front() {
-                return Some((Ok::<_, Infallible>(e), (queue, pending, events, done)));
+    /// The block a stream has open.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Open {
+        None,
+        Thinking,
+        Text,
+    }
+    struct St {
+        queue: std::collections::VecDeque<SseEvent>,
+        pending: Option<Event>,
+        events: tokio::sync::mpsc::Receiver<Event>,
+        done: bool,
+        open: Open,
+        /// The open block's index (or the next one's, when none is open).
+        index: usize,
+    }
+    impl St {
+        /// Make `kind` the open block: close another one, start this one.
+        fn open(&mut self, kind: Open) {
+            if self.open == kind {
+                return;
             }
-            if done {
+            self.close();
+            let block = match kind {
+                Open::Thinking => thinking_block(""),
+                Open::Text | Open::None => json!({"type": "text", "text": ""}),
+            };
+            self.queue.push_back(named(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": self.index, "content_block": block}),
+            ));
+            self.open = kind;
+        }
+
+        /// Close the open block, if one is.
+        fn close(&mut self) {
+            if self.open == Open::None {
+                return;
+            }
+            if self.open == Open::Thinking {
+                self.queue.push_back(signature(self.index));
+            }
+            self.queue
+                .push_back(named("content_block_stop", json!({"type": "content_block_stop", "index": self.index})));
+            self.open = Open::None;
+            self.index += 1;
+        }
+    }
+    let st = St {
+        queue: std::iter::once(message_start(&id, &model, prompt_tokens)).collect(),
+        pending: Some(first),
+        events,
+        done: false,
+        open: Open::None,
+        index: 0,
+    };
+    let out = stream::unfold(st, move |mut st| async move {
+        loop {
+            if let Some(e) = st.queue.pop_front() {
+                return Some((Ok::<_, Infallible>(e), st));
+            }
+            if st.done {
                 return None;
             }
-            let event = match pending.take() {
+            let event = match st.pending.take() {
                 Some(e) => e,
-                None => events.recv().await?,
+                None => st.events.recv().await?,
             };
             match event {
-                Event::Text(t, _) => queue.push_back(named(
-                    "content_block_delta",
-                    json!({"type": "content_block_delta",
-                    "index": 0, "delta": {"type": "text_delta", "text": t}}),
-                )),
+                Event::Thinking(t) if show_thinking => {
+                    st.open(Open::Thinking);
+                    let delta = json!({"type": "content_block_delta", "index": st.index,
+                        "delta": {"type": "thinking_delta", "thinking": t}});
+                    st.queue.push_back(named("content_block_delta", delta));
+                }
+                Event::Thinking(_) => {}
+                Event::Text(t, _) => {
+                    st.open(Open::Text);
+                    let delta = json!({"type": "content_block_delta", "index": st.index,
+                        "delta": {"type": "text_delta", "text": t}});
+                    st.queue.push_back(named("content_block_delta", delta));
+                }
                 Event::End(o) => {
-                    queue.push_back(named("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
-                    queue.extend(message_end(stop_reason(&o), &o));
-                    done = true;
+                    // A message always has its text block, empty or not.
+                    st.open(Open::Text);
+                    st.close();
+                    st.queue.extend(message_end(stop_reason(&o), &o));
+                    st.done = true;
                 }
                 Event::Failed(f) => {
-                    queue.push_back(named(
+                    st.queue.push_back(named(
                         "error",
                         json!({"type": "error",
                         "error": {"type": "api_error", "message": f.message}}),
                     ));
-                    done = true;
+                    st.done = true;
                 }
             }
         }

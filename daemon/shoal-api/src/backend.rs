@@ -3,6 +3,7 @@
 //! wherever the model's coordinator runs. The node implements [`Backend`]; tests
 //! implement it with a fake.
 
+pub use crate::thinking::ThinkingSyntax;
 use shoal_pipeline::{GenerateRequest, Report};
 use shoal_types::{CatalogEntry, TokenId};
 use std::future::Future;
@@ -156,6 +157,42 @@ pub trait TextModel: Send + Sync {
         let _ = (messages, tools);
         Err("the model's chat template has no tool syntax of its own".into())
     }
+    /// [`TextModel::chat_prompt`] with the template's own variables set as `options`
+    /// says (`enable_thinking`, `reasoning_effort`); as `chat_prompt` by default.
+    fn chat_prompt_as(&self, messages: &[ChatMessage], options: &PromptOptions) -> Result<String, String> {
+        let _ = options;
+        self.chat_prompt(messages)
+    }
+    /// [`TextModel::chat_prompt_with_tools`] with the template's own variables set as
+    /// `options` says; as `chat_prompt_with_tools` by default.
+    fn chat_prompt_with_tools_as(
+        &self,
+        messages: &serde_json::Value,
+        tools: &serde_json::Value,
+        options: &PromptOptions,
+    ) -> Result<String, String> {
+        let _ = options;
+        self.chat_prompt_with_tools(messages, tools)
+    }
+    /// How its chat template writes the model's thinking ([`ThinkingSyntax::of`] the
+    /// template: its default one, or its `tool_use` one where only that one has it);
+    /// none by default.
+    fn thinking(&self) -> ThinkingSyntax {
+        ThinkingSyntax::None
+    }
+}
+
+/// Variables a chat template reads besides the conversation (Hugging Face's
+/// `apply_chat_template` keyword arguments; llama.cpp's `chat_template_kwargs`). Left
+/// undefined unless a request gives them, as Hugging Face leaves them: each template
+/// then chooses (Qwen 3's thinks, DeepSeek V3.1's does not).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PromptOptions {
+    /// `enable_thinking` (Qwen 3's, SmolLM3's, DeepSeek V3.1's …): false asks a hybrid
+    /// model to answer without thinking, true to think.
+    pub enable_thinking: Option<bool>,
+    /// `reasoning_effort` (gpt-oss's: `low`, `medium`, `high`).
+    pub reasoning_effort: Option<String>,
 }
 
 /// How a model calls tools.
@@ -212,6 +249,12 @@ pub enum ToolSyntax {
         /// write too.
         call_ids: bool,
     },
+    /// OpenAI's harmony format (gpt-oss): the template lists the tools in a developer
+    /// message as a TypeScript namespace, the model answers a call as a `commentary`
+    /// message to the function, `<|channel|>commentary to=functions.NAME
+    /// <|constrain|>json<|message|>{…}<|call|>` (one per answer), and reads results as
+    /// messages from `functions.NAME`.
+    Harmony,
 }
 
 impl ToolSyntax {
@@ -223,13 +266,17 @@ impl ToolSyntax {
     /// `"parameters"`; Command R7B's when it writes `<|START_ACTION|>` lists of
     /// `"tool_name"`s; Mistral's when it writes `[TOOL_CALLS]` (the later one when its
     /// calls have `[ARGS]`, whether they have `[CALL_ID]`s noted; Nemo's list
-    /// otherwise). Otherwise the generic one (templates with other syntaxes, gpt-oss's
-    /// or Command R+'s `Action:` lists, get the generic format until Shoal reads
+    /// otherwise); harmony's when it writes `<|channel|>commentary` messages to
+    /// `"functions."` (gpt-oss's). Otherwise the generic one (templates with other
+    /// syntaxes, Command R+'s `Action:` lists, get the generic format until Shoal reads
     /// theirs).
     pub fn of(template: &str) -> ToolSyntax {
         // A template that never names `tools` cannot list them; DeepSeek's own are
         // such, and are told the tools by Shoal instead.
         let lists_tools = template.contains("tools");
+        if template.contains("<|channel|>commentary") && template.contains("\"functions.\"") {
+            return ToolSyntax::Harmony;
+        }
         if template.contains("<｜tool▁calls▁begin｜>") && template.contains("<｜tool▁sep｜>") {
             if template.contains("```json") {
                 ToolSyntax::DeepSeekR1 { lists_tools }

@@ -1,8 +1,10 @@
 //! One generation as every route sees it: tokens from the backend become text (never
-//! split inside a UTF-8 character), cut at the request's stop sequences, and end with
-//! a finish reason and counts. Routes only shape these events into their API's JSON.
+//! split inside a UTF-8 character), cut at the request's stop sequences, a reasoning
+//! model's thinking kept apart (`thinking`), and end with a finish reason and counts.
+//! Routes only shape these events into their API's JSON.
 
 use crate::backend::{Backend, Failure, TextModel};
+use crate::thinking::{Part, Released, Splitter};
 use shoal_pipeline::GenerateRequest;
 use shoal_types::{SamplingParams, StopText, TokenId, TokenLogprobs, Utf8Stream};
 use std::sync::Arc;
@@ -34,6 +36,10 @@ pub(crate) struct Job {
     /// that are control tokens, which render as nothing
     /// ([`crate::tools::Toolbox::shown_markers`]), so the answer reads back.
     pub shown: Vec<(TokenId, Vec<u8>)>,
+    /// Keep the model's thinking apart from its answer ([`Event::Thinking`]), where its
+    /// template has thinking ([`TextModel::thinking`]); false leaves the text as it
+    /// comes (llama.cpp's `reasoning_format: none`; a raw prompt).
+    pub split_thinking: bool,
 }
 
 /// What a generation says, in order: text pieces, then one end or failure.
@@ -45,6 +51,9 @@ pub(crate) enum Event {
     /// sequence) carries its tokens' entries along, and the tokens that completed a stop
     /// sequence come with the text before it; end-of-generation tokens have none.
     Text(String, Vec<Logprob>),
+    /// More of the model's thinking (apart from the answer: see [`Job::split_thinking`]).
+    /// Its tokens' log-probabilities are not listed.
+    Thinking(String),
     /// The answer is complete.
     End(Outcome),
     /// It failed (before any text: the route answers with the failure's status).
@@ -155,18 +164,10 @@ pub(crate) async fn start<B: Backend>(backend: Arc<B>, job: Job) -> Result<(Even
     }
 }
 
-/// The whole answer of a generation whose first event was `first`: its text and how
-/// it ended.
-pub(crate) async fn collect(first: Event, events: &mut mpsc::Receiver<Event>) -> Result<(String, Outcome), Failure> {
-    collect_scored(first, events).await.map(|(text, _, o)| (text, o))
-}
-
-/// [`collect`], with the tokens' log-probabilities (empty unless asked for).
-pub(crate) async fn collect_scored(
-    first: Event,
-    events: &mut mpsc::Receiver<Event>,
-) -> Result<(String, Vec<Logprob>, Outcome), Failure> {
-    let (mut text, mut logprobs) = (String::new(), Vec::new());
+/// The whole answer of a generation whose first event was `first`: its text, thinking,
+/// tokens' log-probabilities (empty unless asked for) and how it ended.
+pub(crate) async fn collect(first: Event, events: &mut mpsc::Receiver<Event>) -> Result<Whole, Failure> {
+    let (mut text, mut thinking, mut logprobs) = (String::new(), String::new(), Vec::new());
     let mut event = first;
     loop {
         match event {
@@ -174,11 +175,24 @@ pub(crate) async fn collect_scored(
                 text += &t;
                 logprobs.extend(lp);
             }
-            Event::End(o) => return Ok((text, logprobs, o)),
+            Event::Thinking(t) => thinking += &t,
+            Event::End(outcome) => return Ok(Whole { text, thinking, logprobs, outcome }),
             Event::Failed(f) => return Err(f),
         }
         event = events.recv().await.ok_or_else(vanished)?;
     }
+}
+
+/// A whole answer, as [`collect`] gathers it.
+pub(crate) struct Whole {
+    /// The answer's text (without the thinking, where it is kept apart).
+    pub text: String,
+    /// The model's thinking, where it is kept apart (else empty).
+    pub thinking: String,
+    /// The answer's tokens' log-probabilities (empty unless asked for).
+    pub logprobs: Vec<Logprob>,
+    /// How it ended.
+    pub outcome: Outcome,
 }
 
 /// The generation's task ended without a last event (it cannot, unless it panicked).
@@ -208,6 +222,26 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
     tokio::pin!(generation);
     let mut utf8 = Utf8Stream::default();
     let mut stops = StopText::new(job.stop);
+    // The thinking's markers that are control tokens are shown as their text, so the
+    // answer can be split (and, when it is not, read).
+    let syntax = job.text.thinking();
+    let mut shown = job.shown;
+    for (t, m) in crate::thinking::shown_markers(&*job.text, syntax.markers()) {
+        if !shown.iter().any(|(s, _)| *s == t) {
+            shown.push((t, m));
+        }
+    }
+    let piece_of = |t: TokenId| match shown.iter().find(|(s, _)| *s == t) {
+        Some((_, text)) => text.clone(),
+        None => job.text.piece(t),
+    };
+    let mut splitter = if job.split_thinking {
+        // The prompt's last tokens say whether it opened the thinking.
+        let tail: Vec<u8> = job.prompt.iter().rev().take(16).rev().flat_map(|&t| piece_of(t)).collect();
+        Splitter::new(syntax, Splitter::opens(syntax, &String::from_utf8_lossy(&tail)))
+    } else {
+        None
+    };
     let mut made = 0usize;
     let mut last = None;
     let (mut first_at, mut last_at) = (None, t0);
@@ -229,13 +263,10 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
                 if eog.contains(&t) {
                     continue;
                 }
-                let piece = match job.shown.iter().find(|(s, _)| *s == t) {
-                    Some((_, text)) => text.clone(),
-                    None => job.text.piece(t),
-                };
+                let piece = piece_of(t);
                 let (text, stop) = stops.push(&utf8.push(&piece));
                 scored.extend(lp.map(|lp| Logprob::new(&*job.text, piece, lp)));
-                if !text.is_empty() && events.send(Event::Text(text, std::mem::take(&mut scored))).await.is_err() {
+                if send(&events, released(splitter.as_mut(), text, false), &mut scored).await.is_err() {
                     // The client went away: returning drops (cancels) the generation.
                     return;
                 }
@@ -260,7 +291,16 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
     if !stopped_by_text {
         let (text, _) = stops.push(&utf8.finish());
         let text = text + &stops.finish();
-        if !(text.is_empty() && scored.is_empty()) && events.send(Event::Text(text, scored)).await.is_err() {
+        let out = released(splitter.as_mut(), text, true);
+        // The last tokens' entries come with the last text (or alone).
+        if send(&events, out, &mut scored).await.is_err()
+            || (!scored.is_empty() && events.send(Event::Text(String::new(), scored)).await.is_err())
+        {
+            return;
+        }
+    } else if let Some(s) = splitter.as_mut() {
+        // A stop sequence ended it: what the splitter holds is released.
+        if send(&events, s.finish(), &mut scored).await.is_err() {
             return;
         }
     }
@@ -280,6 +320,45 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
             total: t0.elapsed(),
         }))
         .await;
+}
+
+/// What `text`, the answer's next text (its last when `end`), releases: through
+/// `splitter` where the thinking is kept apart, else all of it as content.
+fn released(splitter: Option<&mut Splitter>, text: String, end: bool) -> Released {
+    let Some(s) = splitter else {
+        let parts = if text.is_empty() { Vec::new() } else { vec![Part::Content(text)] };
+        return Released { parts, content_began: false };
+    };
+    let mut out = s.push(&text);
+    if end {
+        let last = s.finish();
+        out.content_began |= last.content_began;
+        out.parts.extend(last.parts);
+    }
+    out
+}
+
+/// Send `out`'s parts as events, content with the entries `scored` holds: a part of
+/// thinking takes its tokens' entries away (they are not the answer's), and the
+/// answer's first content after markup keeps only the last token's (the tokens
+/// before it were the markup's). Err when the client went away.
+async fn send(events: &mpsc::Sender<Event>, out: Released, scored: &mut Vec<Logprob>) -> Result<(), ()> {
+    if out.content_began && scored.len() > 1 {
+        scored.drain(..scored.len() - 1);
+    }
+    for part in out.parts {
+        let event = match part {
+            Part::Thinking(t) => {
+                if !out.content_began {
+                    scored.clear();
+                }
+                Event::Thinking(t)
+            }
+            Part::Content(c) => Event::Text(c, std::mem::take(scored)),
+        };
+        events.send(event).await.map_err(drop)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -128,6 +128,11 @@ pub(crate) enum Besides<'a> {
 /// Most tool calls one answer may make (a bound, so a looping model stops).
 const MAX_CALLS: usize = 8;
 
+/// Harmony's thinking before a call or reply: an `analysis` message (text without
+/// `<|`, so it ends only at its `<|end|>`), then the next message's start.
+const HARMONY_THOUGHT: &str =
+    "thought ::= \"<|channel|>analysis<|message|>\" ( [^<] | \"<\" [^|] )* \"<|end|><|start|>assistant\"\n";
+
 /// A Mistral call id: 9 letters or digits, as Mistral's templates require.
 const MISTRAL_ID: &str = "[a-zA-Z0-9]{9}";
 
@@ -143,7 +148,8 @@ const MISTRAL_ID: &str = "[a-zA-Z0-9]{9}";
 /// `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` chained; Mistral
 /// Nemo's `[TOOL_CALLS][{"name", "arguments", "id"}, …]`; later Mistrals'
 /// `[TOOL_CALLS]NAME[ARGS]ARGS` chained (`NAME[CALL_ID]ID[ARGS]ARGS` allowed where the
-/// template writes ids); a reply there
+/// template writes ids); harmony's one `<|channel|>commentary to=functions.NAME
+/// <|constrain|>json<|message|>ARGS`, maybe after an `analysis` message; a reply there
 /// is offered only as JSON ([`Besides::Json`]; free text needs no grammar). A tool's
 /// schema the grammar cannot follow (or one making the grammar too large) allows any
 /// JSON object; the reply's schema is always followed (it was checked when the request
@@ -207,6 +213,8 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
                     let id = if call_ids { format!(" ( \"[CALL_ID]\" {MISTRAL_ID} )?") } else { String::new() };
                     format!("{}{id} \"[ARGS]\" {args}", literal(name))
                 }
+                // Harmony names the function in the header, then its arguments' format.
+                ToolSyntax::Harmony => format!("{} \" <|constrain|>json<|message|>\" {args}", literal(name)),
             };
             rules.insert(rule.clone(), body);
             calls.push(rule);
@@ -252,6 +260,11 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
             ToolSyntax::Mistral { .. } => {
                 (format!("block{}", more("", "block")), "block ::= \"[TOOL_CALLS]\" call\n".to_string())
             }
+            // One call per answer (gpt-oss's template keeps one call per message), after
+            // the thinking if the model thinks first; `<|call|>` ends the generation.
+            ToolSyntax::Harmony => {
+                ("thought? \"<|channel|>commentary to=functions.\" call".to_string(), HARMONY_THOUGHT.to_string())
+            }
             ToolSyntax::Generic => {
                 let more =
                     if parallel { format!("( \",\" ws call ws ){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
@@ -288,6 +301,10 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
             // The reader drops the closed thinking before the value.
             (ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. }, Besides::Json(_)) => {
                 out += &format!("reply ::= ( \"</think>\" ws )? {value} ws\n")
+            }
+            // The final channel's message, after the thinking if the model thinks first.
+            (ToolSyntax::Harmony, Besides::Json(_)) => {
+                out += &format!("reply ::= thought? \"<|channel|>final<|message|>\" ws {value} ws\n")
             }
         }
         out += BASE;

@@ -18,11 +18,13 @@ pub mod grammar;
 mod ollama;
 mod openai;
 mod serve;
+mod thinking;
 mod tools;
 pub use serve::{is_loopback, serve_router, Limits};
 
 pub use backend::{
-    Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PullProgress, Sampled, TextModel, ToolSyntax,
+    Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PromptOptions, PullProgress, Sampled, TextModel,
+    ThinkingSyntax, ToolSyntax,
 };
 
 use axum::extract::{ConnectInfo, MatchedPath, Request, State};

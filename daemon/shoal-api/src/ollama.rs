@@ -6,7 +6,7 @@
 //! request, Ollama's "unload" call); any other value keeps it loaded, as Shoal keeps
 //! every model until it is unloaded.
 
-use crate::backend::{Backend, ChatMessage, Failure, ModelInfo, ModelState, TextModel};
+use crate::backend::{Backend, ChatMessage, Failure, ModelInfo, ModelState, PromptOptions, TextModel, ThinkingSyntax};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Job, Outcome};
 use crate::grammar::Structured;
@@ -92,6 +92,10 @@ struct ChatRequest {
     tools: Option<Vec<Value>>,
     #[serde(default)]
     keep_alive: Option<Value>,
+    /// Thinking: true, false, or an effort (`low`, `medium`, `high`); the model's way
+    /// when absent.
+    #[serde(default)]
+    think: Option<Value>,
     #[serde(default)]
     logprobs: bool,
     #[serde(default)]
@@ -134,6 +138,10 @@ struct GenerateRequest {
     images: Option<Vec<Value>>,
     #[serde(default)]
     keep_alive: Option<Value>,
+    /// Thinking: true, false, or an effort (`low`, `medium`, `high`); the model's way
+    /// when absent.
+    #[serde(default)]
+    think: Option<Value>,
     #[serde(default)]
     logprobs: bool,
     #[serde(default)]
@@ -201,6 +209,54 @@ fn format_json(format: &Option<Value>) -> Result<Option<Structured>, Failure> {
     }
 }
 
+/// Ollama's `think`: whether it was asked for, and what the chat template is told.
+struct Think {
+    /// `Some(true)` for true or an effort, `Some(false)` for false, `None` when absent.
+    asked: Option<bool>,
+    /// `enable_thinking` false for `think: false`; an effort as `reasoning_effort`.
+    options: PromptOptions,
+}
+
+/// Read `think` as Ollama does: a boolean, or an effort (`high`, `medium`, `low`).
+/// Thinking the model writes goes to `thinking` whatever it says (a model that cannot
+/// stop thinking still thinks with `false`, as with Ollama).
+fn think(v: &Option<Value>) -> Result<Think, Failure> {
+    let mut options = PromptOptions::default();
+    let asked = match v {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => {
+            options.enable_thinking = Some(*b);
+            Some(*b)
+        }
+        Some(Value::String(e)) if matches!(e.as_str(), "high" | "medium" | "low") => {
+            options.reasoning_effort = Some(e.clone());
+            Some(true)
+        }
+        Some(other) => {
+            return Err(Failure::bad(format!("think: true, false, \"high\", \"medium\" or \"low\", not {other}")))
+        }
+    };
+    Ok(Think { asked, options })
+}
+
+impl Think {
+    /// The template's variables for `text`'s model (`model` as the client named it):
+    /// where `think` is absent and the model thinks, `enable_thinking` true, as Ollama
+    /// turns thinking on for a model that can think unless told otherwise. Thinking
+    /// asked of a model that cannot think is refused, in Ollama's words.
+    fn options(&self, text: &dyn TextModel, model: &str) -> Result<PromptOptions, Failure> {
+        let thinks = text.thinking() != ThinkingSyntax::None;
+        if self.asked == Some(true) && !thinks {
+            return Err(Failure::bad(format!("{model:?} does not support thinking")));
+        }
+        let mut options = self.options.clone();
+        if self.asked.is_none() && thinks {
+            options.enable_thinking = Some(true);
+        }
+        Ok(options)
+    }
+}
+
 fn refuse_images(images: bool) -> Result<(), Failure> {
     if images {
         return Err(Failure::bad("images are not supported: Shoal serves text models"));
@@ -226,6 +282,7 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         };
         let scored = common::top_logprobs(req.logprobs, req.top_logprobs)?;
         let unload = unloads(&req.keep_alive)?;
+        let think = think(&req.think)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.messages.is_empty() {
             return load_or_unload(&*backend, &model, &req.model, unload, Shape::Chat).await;
@@ -243,8 +300,9 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
             })
             .collect::<Result<Vec<_>, Failure>>()?;
         let job = job(&*backend, &model, &req.options, grammar, toolbox.as_mut(), scored, |text, toolbox| {
-            let prompt = tools::prompt(text, &turns, toolbox).map_err(Failure::bad)?;
-            Ok(text.tokenize(&prompt, true))
+            let options = think.options(text, &req.model)?;
+            let prompt = tools::prompt(text, &turns, toolbox, &options).map_err(Failure::bad)?;
+            Ok((text.tokenize(&prompt, true), true))
         })
         .await?;
         let then_unload = unload.then(|| model.entry.name.clone());
@@ -266,6 +324,7 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
         let grammar = format_json(&req.format)?.map(|f| f.grammar());
         let scored = common::top_logprobs(req.logprobs, req.top_logprobs)?;
         let unload = unloads(&req.keep_alive)?;
+        let think = think(&req.think)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.prompt.is_empty() {
             return load_or_unload(&*backend, &model, &req.model, unload, Shape::Generate).await;
@@ -273,23 +332,26 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
         let (prompt, raw, system) = (req.prompt.clone(), req.raw, req.system.clone());
         let suffix = req.suffix.clone().filter(|s| !s.is_empty());
         let job = job(&*backend, &model, &req.options, grammar, None, scored, |text, _| {
+            let options = think.options(text, &req.model)?;
+            // The thinking is kept apart only in a templated answer.
             if let Some(suffix) = &suffix {
                 // Fill in the middle: the model's own tokens around both texts, no
                 // template (as Ollama does for a model with the insert capability).
                 return text
                     .fill_in_middle(&prompt, suffix)
+                    .map(|tokens| (tokens, false))
                     .ok_or_else(|| Failure::bad(format!("{} does not support insert", req.model)));
             }
             if raw {
-                return Ok(text.tokenize(&prompt, false));
+                return Ok((text.tokenize(&prompt, false), false));
             }
             let mut messages = Vec::new();
             if let Some(s) = system.filter(|s| !s.is_empty()) {
                 messages.push(ChatMessage { role: "system".into(), content: s });
             }
             messages.push(ChatMessage { role: "user".into(), content: prompt.clone() });
-            let templated = text.chat_prompt(&messages).map_err(Failure::bad)?;
-            Ok(text.tokenize(&templated, true))
+            let templated = text.chat_prompt_as(&messages, &options).map_err(Failure::bad)?;
+            Ok((text.tokenize(&templated, true), true))
         })
         .await?;
         let then_unload = unload.then(|| model.entry.name.clone());
@@ -299,6 +361,9 @@ pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: By
     r.unwrap_or_else(|f| error_response(Dialect::Ollama, &f))
 }
 
+/// The job of a request: the model ready, its vocabulary, the prompt's tokens (by
+/// `tokens`, told the tools the model may call; with whether the thinking is kept
+/// apart), the sampling and length the options say.
 async fn job<B: Backend>(
     backend: &B,
     model: &ModelInfo,
@@ -306,7 +371,7 @@ async fn job<B: Backend>(
     grammar: Option<String>,
     toolbox: Option<&mut Toolbox>,
     logprobs: Option<u32>,
-    tokens: impl FnOnce(&dyn TextModel, Option<&Toolbox>) -> Result<Vec<TokenId>, Failure>,
+    tokens: impl FnOnce(&dyn TextModel, Option<&Toolbox>) -> Result<(Vec<TokenId>, bool), Failure>,
 ) -> Result<Job, Failure> {
     common::ready_or_failure(backend, model).await?;
     let text = backend.text(&model.entry.name).await?;
@@ -320,7 +385,7 @@ async fn job<B: Backend>(
     if logprobs.is_some() && toolbox.is_some_and(|t| !t.replies_verbatim()) {
         return Err(Failure::bad(crate::openai::LOGPROBS_IN_GENERIC_FORMAT));
     }
-    let prompt = tokens(&*text, toolbox)?;
+    let (prompt, split_thinking) = tokens(&*text, toolbox)?;
     let shown = toolbox.map(|t| t.shown_markers(&*text)).unwrap_or_default();
     Ok(Job {
         model: model.entry.name.clone(),
@@ -332,6 +397,7 @@ async fn job<B: Backend>(
         ignore_eos: false,
         speculative: options.speculative,
         shown,
+        split_thinking,
     })
 }
 
@@ -363,6 +429,18 @@ fn line(shape: Shape, model: &str, text: &str, end: Option<&Outcome>) -> Value {
     v
 }
 
+/// `v`, a line of `shape`, with the model's `thinking` (`message.thinking` in chat,
+/// `thinking` in generate) when there is some.
+fn with_thinking(mut v: Value, shape: Shape, thinking: &str) -> Value {
+    if !thinking.is_empty() {
+        match shape {
+            Shape::Chat => v["message"]["thinking"] = json!(thinking),
+            Shape::Generate => v["thinking"] = json!(thinking),
+        }
+    }
+    v
+}
+
 /// Answer `job` as one object or an NDJSON stream; then unload `then_unload` (a
 /// catalog name) if given (`keep_alive: 0`), however the answer ends: done, failed,
 /// or the client gone.
@@ -385,8 +463,9 @@ async fn respond<B: Backend>(
     };
     let (first, mut events) = gen::start(backend, job).await?;
     if !streamed {
-        let (text, lp, o) = gen::collect_scored(first, &mut events).await?;
-        return Ok(Json(with(line(shape, &model, &text, Some(&o)), &lp)).into_response());
+        let w = gen::collect(first, &mut events).await?;
+        let v = with_thinking(line(shape, &model, &w.text, Some(&w.outcome)), shape, &w.thinking);
+        return Ok(Json(with(v, &w.logprobs)).into_response());
     }
     // NDJSON: one object a line; after text went out, a failure is an `error` line.
     let lines = stream::unfold((Some(first), events, false, guard), move |(pending, mut events, done, guard)| {
@@ -401,6 +480,7 @@ async fn respond<B: Backend>(
             };
             let (v, done) = match event {
                 Event::Text(t, lp) => (with(line(shape, &model, &t, None), &lp), false),
+                Event::Thinking(t) => (with_thinking(line(shape, &model, "", None), shape, &t), false),
                 Event::End(o) => (line(shape, &model, "", Some(&o)), true),
                 Event::Failed(f) => (json!({"error": f.message}), true),
             };
@@ -425,7 +505,7 @@ async fn respond_with_tools<B: Backend>(
     let _guard = UnloadOnDrop(then_unload.map(|name| (backend.clone(), name)));
     let scored = job.sampling.logprobs.is_some();
     let (first, mut events) = gen::start(backend, job).await?;
-    let (text, entries, o) = gen::collect_scored(first, &mut events).await?;
+    let gen::Whole { text, thinking, logprobs: entries, outcome: o } = gen::collect(first, &mut events).await?;
     let mut logprobs = None;
     let message = match toolbox.read(&text) {
         Reply::Calls(calls) => {
@@ -442,6 +522,10 @@ async fn respond_with_tools<B: Backend>(
             json!({"role": "assistant", "content": t})
         }
     };
+    let mut message = message;
+    if !thinking.is_empty() {
+        message["thinking"] = json!(thinking);
+    }
     let mut end = line(Shape::Chat, &model, "", Some(&o));
     if !streamed {
         end["message"] = message;
@@ -642,6 +726,9 @@ pub(crate) async fn show<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
             }
             if t.chat_prompt(&[ChatMessage { role: "user".into(), content: "Hi".into() }]).is_ok() {
                 capabilities.push("tools");
+            }
+            if t.thinking() != ThinkingSyntax::None {
+                capabilities.push("thinking");
             }
         }
         Ok::<_, Failure>(

@@ -4,7 +4,7 @@
 //! into a silently different answer. Log-probabilities are the model's (log-softmax
 //! of the tail's logits, before sampling), computed only when asked for.
 
-use crate::backend::{Backend, Failure};
+use crate::backend::{Backend, Failure, PromptOptions};
 use crate::common::{self, error_response, Dialect};
 use crate::gen::{self, Event, Job, Logprob, Outcome};
 use crate::grammar::Structured;
@@ -60,6 +60,15 @@ struct Knobs {
     ignore_eos: bool,
     /// Not OpenAI's: Shoal's switch for speculative decoding (default: the node's setting).
     speculative: Option<bool>,
+    /// Not OpenAI's: llama.cpp server's. `none` leaves a reasoning model's thinking in
+    /// `content`; `auto` and `deepseek` (the default) put it in `reasoning_content`.
+    reasoning_format: Option<String>,
+    /// Not OpenAI's: llama.cpp server's variables for the chat template; Shoal takes
+    /// `enable_thinking` (a boolean) and `reasoning_effort`.
+    chat_template_kwargs: Option<Value>,
+    /// OpenAI's reasoning effort (`low`, `medium`, `high` …), given to the chat
+    /// template as `reasoning_effort` (gpt-oss's reads it).
+    reasoning_effort: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -163,6 +172,50 @@ impl Knobs {
     fn max_tokens(&self) -> Option<u32> {
         self.max_completion_tokens.or(self.max_tokens)
     }
+
+    /// Whether a reasoning model's thinking is kept apart (`reasoning_content`): in chat,
+    /// unless `reasoning_format` is `none`; never for the prompt as is (completions), as
+    /// llama.cpp's server does.
+    fn split_thinking(&self, kind: Kind) -> Result<bool, Failure> {
+        match self.reasoning_format.as_deref() {
+            None | Some("auto" | "deepseek") => Ok(kind == Kind::Chat),
+            Some("none") => Ok(false),
+            Some(other) => Err(Failure::bad(format!("reasoning_format {other:?}: none, auto or deepseek"))),
+        }
+    }
+
+    /// The chat template's variables: `chat_template_kwargs`' `enable_thinking` and
+    /// `reasoning_effort`, and `reasoning_effort` (which wins). Other variables are
+    /// refused: Shoal would not pass them.
+    fn prompt_options(&self) -> Result<PromptOptions, Failure> {
+        let mut options = PromptOptions::default();
+        match &self.chat_template_kwargs {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(kwargs)) => {
+                for (k, v) in kwargs {
+                    match (k.as_str(), v) {
+                        ("enable_thinking", Value::Bool(b)) => options.enable_thinking = Some(*b),
+                        ("reasoning_effort", Value::String(e)) => options.reasoning_effort = Some(e.clone()),
+                        ("enable_thinking" | "reasoning_effort", _) => {
+                            return Err(Failure::bad(format!(
+                                "chat_template_kwargs.{k}: a boolean for enable_thinking, a string for reasoning_effort"
+                            )))
+                        }
+                        _ => {
+                            return Err(Failure::bad(format!(
+                                "chat_template_kwargs.{k}: Shoal passes only enable_thinking and reasoning_effort"
+                            )))
+                        }
+                    }
+                }
+            }
+            Some(_) => return Err(Failure::bad("chat_template_kwargs must be an object")),
+        }
+        if let Some(e) = &self.reasoning_effort {
+            options.reasoning_effort = Some(e.clone());
+        }
+        Ok(options)
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -260,8 +313,9 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         if turns.is_empty() {
             return Err(Failure::bad("messages must not be empty"));
         }
+        let options = req.knobs.prompt_options()?;
         let (job, knobs, toolbox) = prepare(&*backend, &req.model, req.knobs, Kind::Chat, |text, toolbox| {
-            let prompt = tools::prompt(text, &turns, toolbox).map_err(Failure::bad)?;
+            let prompt = tools::prompt(text, &turns, toolbox, &options).map_err(Failure::bad)?;
             Ok(text.tokenize(&prompt, true))
         })
         .await?;
@@ -301,6 +355,7 @@ async fn prepare<B: Backend>(
     tokens: impl FnOnce(&dyn crate::backend::TextModel, Option<&Toolbox>) -> Result<Vec<shoal_types::TokenId>, Failure>,
 ) -> Result<(Job, Knobs, Option<Toolbox>), Failure> {
     let (mut sampling, stop, mut toolbox) = knobs.check(kind)?;
+    let split_thinking = knobs.split_thinking(kind)?;
     let model = common::resolve(backend, name).await?;
     common::ready_or_failure(backend, &model).await?;
     let text = backend.text(&model.entry.name).await?;
@@ -316,7 +371,7 @@ async fn prepare<B: Backend>(
     let (ignore_eos, speculative) = (knobs.ignore_eos, knobs.speculative);
     let shown = toolbox.as_ref().map(|t| t.shown_markers(&*text)).unwrap_or_default();
     let model = model.entry.name.clone();
-    let job = Job { model, text, prompt, max_tokens, sampling, stop, ignore_eos, speculative, shown };
+    let job = Job { model, text, prompt, max_tokens, sampling, stop, ignore_eos, speculative, shown, split_thinking };
     Ok((job, knobs, toolbox))
 }
 
@@ -344,10 +399,10 @@ async fn answer<B: Backend>(backend: Arc<B>, job: Job, knobs: Knobs, kind: Kind)
         let chunks = Chunks { id, created, model, kind, usage, scored, offset: Default::default() };
         return Ok(Sse::new(sse(chunks, first, events)).into_response());
     }
-    let (text, logprobs, outcome) = gen::collect_scored(first, &mut events).await?;
+    let gen::Whole { text, thinking, logprobs, outcome } = gen::collect(first, &mut events).await?;
     let logprobs = if scored { logprobs_json(kind, &logprobs, 0) } else { Value::Null };
     let choice = match kind {
-        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+        Kind::Chat => json!({"index": 0, "message": message(Value::String(text), &thinking), "logprobs": logprobs,
             "finish_reason": outcome.finish.as_str()}),
         Kind::Text => json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": outcome.finish.as_str()}),
     };
@@ -371,7 +426,7 @@ async fn answer_with_tools<B: Backend>(
     let model = job.model.clone();
     let scored = job.sampling.logprobs.is_some();
     let (first, mut events) = gen::start(backend, job).await?;
-    let (text, entries, outcome) = gen::collect_scored(first, &mut events).await?;
+    let gen::Whole { text, thinking, logprobs: entries, outcome } = gen::collect(first, &mut events).await?;
     let (created, id) = (common::unix_now(), common::new_id("chatcmpl-"));
     let mut logprobs = Value::Null;
     let (calls, content, finish) = match toolbox.read(&text) {
@@ -395,7 +450,7 @@ async fn answer_with_tools<B: Backend>(
         }
     };
     if !knobs.stream {
-        let mut message = json!({"role": "assistant", "content": content});
+        let mut message = message(content, &thinking);
         if let Some(calls) = calls {
             message["tool_calls"] = Value::Array(calls);
         }
@@ -406,7 +461,7 @@ async fn answer_with_tools<B: Backend>(
     }
     let usage = knobs.stream_options.is_some_and(|o| o.include_usage);
     let chunks = Chunks { id, created, model, kind: Kind::Chat, usage, scored: false, offset: Default::default() };
-    let mut delta = json!({"role": "assistant", "content": content});
+    let mut delta = message(content, &thinking);
     if let Some(calls) = calls {
         // A streamed call says its place in the list (clients join deltas by index).
         let indexed = calls.into_iter().enumerate().map(|(i, mut c)| {
@@ -420,6 +475,16 @@ async fn answer_with_tools<B: Backend>(
     ];
     out.extend(chunks.end_as(finish, &outcome, false));
     Ok(Sse::new(stream::iter(out.into_iter().map(Ok::<_, Infallible>))).into_response())
+}
+
+/// An answer's message (or a stream's one delta): the assistant's `content`, and its
+/// `thinking` as `reasoning_content` (llama.cpp server's field) when there is some.
+fn message(content: Value, thinking: &str) -> Value {
+    let mut m = json!({"role": "assistant", "content": content});
+    if !thinking.is_empty() {
+        m["reasoning_content"] = json!(thinking);
+    }
+    m
 }
 
 /// Tokens' log-probabilities in OpenAI's shape: chat's `{"content": [{token, logprob,
@@ -524,6 +589,16 @@ impl Chunks {
         self.chunk(Some(choice), None)
     }
 
+    /// A chunk of the model's thinking: `delta.reasoning_content`, as llama.cpp's server
+    /// streams it (chat only: completions never split it).
+    fn thinking(&self, text: &str, first: bool) -> SseEvent {
+        let mut delta = json!({"reasoning_content": text});
+        if first {
+            delta["role"] = json!("assistant");
+        }
+        self.chunk(Some(json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null})), None)
+    }
+
     fn end(&self, o: &Outcome, first: bool) -> Vec<SseEvent> {
         self.end_as(o.finish.as_str(), o, first)
     }
@@ -583,6 +658,10 @@ fn sse(
             match event {
                 Event::Text(t, lp) => {
                     st.out.push_back(st.chunks.text(&t, &lp, !st.sent_text));
+                    st.sent_text = true;
+                }
+                Event::Thinking(t) => {
+                    st.out.push_back(st.chunks.thinking(&t, !st.sent_text));
                     st.sent_text = true;
                 }
                 Event::End(o) => {

@@ -1,6 +1,6 @@
 //! Tool calling. Models whose template speaks a tool syntax Shoal reads (Hermes' for
-//! Qwen 2.5 and 3 …, Llama 3's, Command R7B's, DeepSeek R1's and V3.1's, Mistral's:
-//! see [`ToolSyntax`]) get their own: the template lists the tools (or, for DeepSeek's
+//! Qwen 2.5 and 3 …, Llama 3's, Command R7B's, DeepSeek R1's and V3.1's, Mistral's,
+//! gpt-oss's harmony: see [`ToolSyntax`]) get their own: the template lists the tools (or, for DeepSeek's
 //! templates, which do not, the system message does) and writes the conversation's
 //! calls and results, the model answers in its syntax (held by a grammar when a call
 //! is required, or with `auto` when the reply must be JSON of a given format; read back
@@ -18,7 +18,7 @@
 //! Shared by OpenAI's `tools`/`tool_choice` and Ollama's `tools` (whose `tool_choice`
 //! is always auto).
 
-use crate::backend::{ChatMessage, TextModel, ToolSyntax};
+use crate::backend::{ChatMessage, PromptOptions, TextModel, ToolSyntax};
 use crate::grammar::{Besides, Structured};
 use serde_json::{json, Value};
 use std::ops::Range;
@@ -196,7 +196,7 @@ impl Toolbox {
             // A reply in words in the model's own syntax: it writes freely.
             (ToolSyntax::Hermes | ToolSyntax::Llama3 | ToolSyntax::CommandR7b, Besides::Text)
             | (ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. }, Besides::Text)
-            | (ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. }, Besides::Text) => None,
+            | (ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. } | ToolSyntax::Harmony, Besides::Text) => None,
             _ => Some(crate::grammar::tool_answer(&callable, besides, self.parallel, self.syntax)),
         }
     }
@@ -299,6 +299,7 @@ impl Toolbox {
             }
             ToolSyntax::MistralNemo => return read_mistral_nemo(text),
             ToolSyntax::Mistral { .. } => return read_mistral(text),
+            ToolSyntax::Harmony => return read_harmony(text),
             ToolSyntax::Generic => {}
         }
         let Ok(v) = serde_json::from_str::<Value>(text.trim()) else { return Reply::Text(text.to_string()) };
@@ -333,7 +334,11 @@ impl Toolbox {
         }
         let from = match self.syntax {
             ToolSyntax::Generic => return None,
-            ToolSyntax::Hermes | ToolSyntax::Llama3 | ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. } => 0,
+            ToolSyntax::Hermes
+            | ToolSyntax::Llama3
+            | ToolSyntax::MistralNemo
+            | ToolSyntax::Mistral { .. }
+            | ToolSyntax::Harmony => 0,
             ToolSyntax::CommandR7b => text.find(COHERE_REPLY).map_or(0, |i| i + COHERE_REPLY.len()),
             ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => text.len() - after_thinking(text).len(),
         };
@@ -359,21 +364,11 @@ impl Toolbox {
         let markers: &[&str] = match self.syntax {
             ToolSyntax::MistralNemo => &["[TOOL_CALLS]"],
             ToolSyntax::Mistral { .. } => &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
+            // Harmony's are the thinking's too: every answer shows them (`gen::run`).
             // Command R7B's reader takes a bare list where its markers render as nothing.
             _ => &[],
         };
-        // What tokenizing adds to any text (the BOS, where the model wants one).
-        let added = text.tokenize("", true);
-        markers
-            .iter()
-            .filter_map(|m| {
-                let tokens = text.tokenize(m, true);
-                match tokens.strip_prefix(added.as_slice()) {
-                    Some(&[t]) if text.piece(t).is_empty() => Some((t, m.as_bytes().to_vec())),
-                    _ => None,
-                }
-            })
-            .collect()
+        crate::thinking::shown_markers(text, markers)
     }
 }
 
@@ -382,6 +377,48 @@ fn after_thinking(text: &str) -> &str {
     match text.find("</think>") {
         Some(i) => text[i + "</think>".len()..].trim_start(),
         None => text,
+    }
+}
+
+/// A harmony answer read back (gpt-oss's): its calls, each a message addressed
+/// `to=functions.NAME` whose body (after `<|message|>`, up to `<|call|>`, `<|end|>`,
+/// the next `<|start|>` or the end) is a JSON object of arguments; any call that does
+/// not read makes the whole answer text, as it came. No call: the text as it came (the
+/// `final` channel's, where the thinking was kept apart).
+fn read_harmony(text: &str) -> Reply {
+    use crate::thinking::harmony;
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find(harmony::TO_FUNCTIONS) {
+        let after = &rest[at + harmony::TO_FUNCTIONS.len()..];
+        let name_end = after.find(|c: char| c.is_whitespace() || c == '<').unwrap_or(after.len());
+        let name = &after[..name_end];
+        let Some(open) = after.find(harmony::MESSAGE) else { return Reply::Text(text.to_string()) };
+        let body = &after[open + harmony::MESSAGE.len()..];
+        let end = [harmony::CALL, harmony::END, harmony::START, harmony::RETURN]
+            .iter()
+            .filter_map(|m| body.find(m))
+            .min()
+            .unwrap_or(body.len());
+        let arguments = serde_json::from_str::<Value>(body[..end].trim()).ok().filter(Value::is_object);
+        match arguments {
+            Some(arguments) if !name.is_empty() => calls.push(Call { id: None, name: name.to_string(), arguments }),
+            _ => return Reply::Text(text.to_string()),
+        }
+        rest = &body[end..];
+    }
+    if !calls.is_empty() {
+        return Reply::Calls(calls);
+    }
+    // An answer with its headers (the thinking not kept apart): the final message's body.
+    const FINAL: &str = "<|channel|>final<|message|>";
+    match text.rfind(FINAL) {
+        Some(at) => {
+            let body = &text[at + FINAL.len()..];
+            let end = [harmony::END, harmony::RETURN, harmony::START].iter().filter_map(|m| body.find(m)).min();
+            Reply::Text(body[..end.unwrap_or(body.len())].to_string())
+        }
+        None => Reply::Text(text.to_string()),
     }
 }
 
@@ -716,7 +753,12 @@ fn deepseek_call(body: &str, v31: bool) -> Option<Call> {
 /// The prompt of `turns` for `text`'s model, with `toolbox` offered: through the
 /// model's own template and tool syntax where it has one, in the generic format
 /// ([`prompt_turns`]) otherwise.
-pub(crate) fn prompt(text: &dyn TextModel, turns: &[Turn], toolbox: Option<&Toolbox>) -> Result<String, String> {
+pub(crate) fn prompt(
+    text: &dyn TextModel,
+    turns: &[Turn],
+    toolbox: Option<&Toolbox>,
+    options: &PromptOptions,
+) -> Result<String, String> {
     match toolbox {
         Some(b) if b.syntax != ToolSyntax::Generic => {
             let tools: Vec<Value> =
@@ -728,9 +770,18 @@ pub(crate) fn prompt(text: &dyn TextModel, turns: &[Turn], toolbox: Option<&Tool
             if matches!(b.syntax, ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. }) {
                 for_mistral(&mut messages);
             }
-            text.chat_prompt_with_tools(&messages, &Value::Array(tools))
+            if b.syntax == ToolSyntax::Harmony {
+                // gpt-oss's template looks inside every assistant turn's content (as
+                // text: null is an error there, as in Python's Jinja).
+                for m in messages.as_array_mut().into_iter().flatten() {
+                    if m["content"].is_null() {
+                        m["content"] = json!("");
+                    }
+                }
+            }
+            text.chat_prompt_with_tools_as(&messages, &Value::Array(tools), options)
         }
-        _ => text.chat_prompt(&prompt_turns(turns, toolbox)),
+        _ => text.chat_prompt_as(&prompt_turns(turns, toolbox), options),
     }
 }
 
@@ -1068,6 +1119,9 @@ mod tests {
                                             \"unit\": \"c\"}, \"id\": \"a1B2c3D4e\"}]"
                     .into(),
                 ToolSyntax::Mistral { .. } => "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\", \"unit\": \"c\"}".into(),
+                ToolSyntax::Harmony => "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>\
+                                        {\"city\": \"Oslo\", \"unit\": \"c\"}"
+                    .into(),
             }
         };
         // How each syntax writes a reply (the generic format: inside `response`).
@@ -1076,6 +1130,7 @@ mod tests {
                 ToolSyntax::Generic => format!(r#"{{"response": {json}}}"#),
                 ToolSyntax::CommandR7b => format!("<|START_RESPONSE|>{json}<|END_RESPONSE|>"),
                 ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => format!("</think>\n\n{json}"),
+                ToolSyntax::Harmony => format!("<|channel|>final<|message|>{json}"),
                 _ => json.to_string(),
             }
         };
@@ -1088,6 +1143,7 @@ mod tests {
             ToolSyntax::DeepSeekV31 { lists_tools: true },
             ToolSyntax::MistralNemo,
             ToolSyntax::Mistral { call_ids: true },
+            ToolSyntax::Harmony,
         ] {
             let mut b = Toolbox::new(&[weather(), time()], None, None).unwrap().unwrap();
             b.speak(syntax);
@@ -1316,6 +1372,75 @@ mod tests {
         assert_eq!(b.told(), None);
     }
 
+    /// Harmony's syntax (gpt-oss): a required call is one `commentary` message to the
+    /// function, maybe after an `analysis` message; answers read back from that (with
+    /// or without their headers), a malformed call making the answer text.
+    #[test]
+    fn harmony_grammar_holds_one_call_and_answers_read_back() {
+        let b = required(ToolSyntax::Harmony, true);
+        let g = b.grammar().unwrap();
+        let call = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>\
+                    {\"city\": \"Oslo\", \"unit\": \"c\"}";
+        assert!(gbnf::accepts(&g, call), "{g}");
+        let thought = format!("<|channel|>analysis<|message|>Oslo's weather, in C.<|end|><|start|>assistant{call}");
+        assert!(gbnf::accepts(&g, &thought), "{g}");
+        let cet = "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{\"zone\": \"CET\"}";
+        assert!(gbnf::accepts(&g, cet));
+        for bad in [
+            call.replace("get_weather", "get_date"),
+            call.replace("\"c\"", "\"k\""),
+            call.replace(" <|constrain|>json", ""),
+            format!("{call}{cet}"),
+            "<|channel|>final<|message|>It is cold.".to_string(),
+            thought.replace("<|end|>", ""),
+        ] {
+            assert!(!gbnf::accepts(&g, &bad), "{bad}");
+        }
+        let mut named = Toolbox::new(
+            &[weather(), time()],
+            Some(&json!({"type": "function", "function": {"name": "get_time"}})),
+            None,
+        )
+        .unwrap()
+        .unwrap();
+        named.speak(ToolSyntax::Harmony);
+        let g = named.grammar().unwrap();
+        assert!(gbnf::accepts(&g, cet), "{g}");
+        assert!(!gbnf::accepts(&g, call));
+        let mut auto = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        auto.speak(ToolSyntax::Harmony);
+        assert_eq!(auto.grammar(), None);
+
+        let oslo = Reply::Calls(vec![Call {
+            id: None,
+            name: "get_weather".into(),
+            arguments: json!({"city": "Oslo", "unit": "c"}),
+        }]);
+        assert_eq!(b.read(call), oslo);
+        assert_eq!(b.read(&format!("{call}<|call|>")), oslo);
+        assert_eq!(b.read(&thought), oslo);
+        // The recipient in the role's header, as the template writes earlier calls.
+        let header_first =
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Oslo\", \"unit\": \"c\"}";
+        assert_eq!(b.read(header_first), oslo);
+        assert_eq!(b.read("It is -3 C."), Reply::Text("It is -3 C.".into()));
+        assert_eq!(
+            b.read(
+                "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>Cold.<|return|>"
+            ),
+            Reply::Text("Cold.".into())
+        );
+        // A call that is not one: the answer as it came.
+        for text in [
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": ",
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>[1]",
+            "<|channel|>commentary to=functions. <|constrain|>json<|message|>{}",
+            "<|channel|>commentary to=functions.get_weather",
+        ] {
+            assert_eq!(b.read(text), Reply::Text(text.into()), "{text}");
+        }
+    }
+
     #[test]
     fn the_syntax_is_read_off_the_template() {
         let hermes =
@@ -1350,6 +1475,10 @@ mod tests {
         let v31 = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' + \
                    tool['function']['arguments'] | tojson }}";
         assert_eq!(ToolSyntax::of(v31), ToolSyntax::DeepSeekV31 { lists_tools: false });
+        // gpt-oss's harmony: calls written as commentary messages to "functions.".
+        let harmony = "{%- if tools %}{{ tools }}{% endif %}{{- \"<|start|>assistant to=\" }}{{- \"functions.\" + \
+                       tool_call.name + \"<|channel|>commentary \" }}";
+        assert_eq!(ToolSyntax::of(harmony), ToolSyntax::Harmony);
     }
 
     /// A model whose template speaks a tool syntax gets the conversation in OpenAI's
@@ -1391,9 +1520,12 @@ mod tests {
             Turn { role: "tool".into(), content: "-3".into(), call_id: Some("c1".into()), ..Turn::default() },
         ];
         let mut b = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
-        assert_eq!(prompt(&Model(ToolSyntax::Generic), &turns, Some(&b)).unwrap(), "generic 4");
+        assert_eq!(
+            prompt(&Model(ToolSyntax::Generic), &turns, Some(&b), &PromptOptions::default()).unwrap(),
+            "generic 4"
+        );
         b.speak(ToolSyntax::Hermes);
-        let p = prompt(&Model(ToolSyntax::Hermes), &turns, Some(&b)).unwrap();
+        let p = prompt(&Model(ToolSyntax::Hermes), &turns, Some(&b), &PromptOptions::default()).unwrap();
         let (messages, tools) = p.split_once('|').unwrap();
         assert_eq!(
             serde_json::from_str::<Value>(messages).unwrap(),
@@ -1408,7 +1540,7 @@ mod tests {
 
         // Mistral's templates take 9-character ids only, and a call's content as text.
         b.speak(ToolSyntax::MistralNemo);
-        let p = prompt(&Model(ToolSyntax::MistralNemo), &turns, Some(&b)).unwrap();
+        let p = prompt(&Model(ToolSyntax::MistralNemo), &turns, Some(&b), &PromptOptions::default()).unwrap();
         let m: Value = serde_json::from_str(p.split_once('|').unwrap().0).unwrap();
         let id = m[1]["tool_calls"][0]["id"].as_str().unwrap();
         assert!(is_mistral_id(id) && m[2]["tool_call_id"] == id && m[1]["content"] == "", "{m}");

@@ -4,7 +4,9 @@
 //! and a client that goes away cancelling its generation.
 
 use serde_json::{json, Value};
-use shoal_api::{Backend, ChatMessage, Failure, ModelInfo, ModelState, Sampled, TextModel, ToolSyntax};
+use shoal_api::{
+    Backend, ChatMessage, Failure, ModelInfo, ModelState, PromptOptions, Sampled, TextModel, ThinkingSyntax, ToolSyntax,
+};
 use shoal_pipeline::{GenerateRequest, Report};
 use shoal_types::{CatalogEntry, TokenId};
 use std::io::{BufRead, BufReader, Read};
@@ -44,12 +46,48 @@ const FIM: [TokenId; 3] = [301, 302, 303];
 /// The fake vocabulary's `[TOOL_CALLS]`: a control token (it renders as nothing), as in
 /// Mistral's vocabularies. The model answers it wherever its answer has that text.
 const TOOL_CALLS: TokenId = 304;
+/// Harmony's control tokens, as in gpt-oss's vocabulary (llama.cpp shows its
+/// `<|channel|>`, `<|message|>` and `<|start|>` as their text; the fake's are bytes):
+/// `<|end|>` renders as nothing, `<|return|>` and `<|call|>` end the generation.
+const HARMONY_END: TokenId = 305;
+const HARMONY_RETURN: TokenId = 306;
+const HARMONY_CALL: TokenId = 307;
+/// The fake vocabulary's special tokens and their text.
+const SPECIALS: [(&str, TokenId); 4] = [
+    ("[TOOL_CALLS]", TOOL_CALLS),
+    ("<|end|>", HARMONY_END),
+    ("<|return|>", HARMONY_RETURN),
+    ("<|call|>", HARMONY_CALL),
+];
 
 struct Bytes {
     /// Whether it has fill-in-the-middle tokens.
     fim: bool,
     /// The tool syntax its template speaks.
     syntax: ToolSyntax,
+    /// How its template writes thinking.
+    thinking: ThinkingSyntax,
+    /// Whether its template opens the thinking for the answer (`<think>\n` at the end).
+    opens: bool,
+}
+
+impl Bytes {
+    /// What the fake template writes after the turns: the template variables given,
+    /// then the assistant's turn (and, where it opens it, the thinking).
+    fn end(&self, options: &PromptOptions) -> String {
+        let mut end = String::new();
+        if let Some(t) = options.enable_thinking {
+            end += &format!("<enable_thinking={t}>");
+        }
+        if let Some(e) = &options.reasoning_effort {
+            end += &format!("<reasoning_effort={e}>");
+        }
+        end += "<assistant>";
+        if self.opens {
+            end += "<think>\n";
+        }
+        end
+    }
 }
 
 impl TextModel for Bytes {
@@ -59,12 +97,15 @@ impl TextModel for Bytes {
     }
 
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        self.chat_prompt_as(messages, &PromptOptions::default())
+    }
+    fn chat_prompt_as(&self, messages: &[ChatMessage], options: &PromptOptions) -> Result<String, String> {
         Ok(messages.iter().map(|m| format!("<{}>{}</{}>", m.role, m.content, m.role)).collect::<String>()
-            + "<assistant>")
+            + &self.end(options))
     }
     fn tokenize(&self, text: &str, parse_special: bool) -> Vec<TokenId> {
-        if parse_special && text == "[TOOL_CALLS]" {
-            return vec![TOOL_CALLS];
+        if let Some((_, t)) = SPECIALS.iter().find(|(s, _)| parse_special && *s == text) {
+            return vec![*t];
         }
         text.bytes().map(TokenId::from).collect()
     }
@@ -72,17 +113,29 @@ impl TextModel for Bytes {
         if token < 256 {
             vec![token as u8]
         } else {
+            // Special tokens are control tokens: they render as nothing.
             Vec::new()
         }
     }
     fn eog_tokens(&self) -> Vec<TokenId> {
-        vec![EOG]
+        vec![EOG, HARMONY_RETURN, HARMONY_CALL]
     }
     fn tool_syntax(&self) -> ToolSyntax {
         self.syntax
     }
     fn chat_prompt_with_tools(&self, messages: &Value, tools: &Value) -> Result<String, String> {
-        Ok(format!("{messages}{tools}<assistant>"))
+        self.chat_prompt_with_tools_as(messages, tools, &PromptOptions::default())
+    }
+    fn chat_prompt_with_tools_as(
+        &self,
+        messages: &Value,
+        tools: &Value,
+        options: &PromptOptions,
+    ) -> Result<String, String> {
+        Ok(format!("{messages}{tools}{}", self.end(options)))
+    }
+    fn thinking(&self) -> ThinkingSyntax {
+        self.thinking
     }
 }
 
@@ -109,6 +162,9 @@ struct Fake {
     syntax: std::sync::Mutex<Option<ToolSyntax>>,
     /// What the model answers, when a test says (else as the grammar allows).
     answer: std::sync::Mutex<Option<String>>,
+    /// How every model's template writes thinking (none by default), and whether it
+    /// opens the thinking for the answer.
+    thinking: std::sync::Mutex<(Option<ThinkingSyntax>, bool)>,
 }
 
 fn entry(name: &str, hash_digit: char) -> CatalogEntry {
@@ -184,7 +240,9 @@ impl Backend for Fake {
 
     async fn text(&self, model: &str) -> Result<Arc<dyn TextModel>, Failure> {
         let syntax = self.syntax.lock().unwrap().unwrap_or(ToolSyntax::Generic);
-        Ok(Arc::new(Bytes { fim: model == "slow", syntax }))
+        let (thinking, opens) = *self.thinking.lock().unwrap();
+        let thinking = thinking.unwrap_or(ThinkingSyntax::None);
+        Ok(Arc::new(Bytes { fim: model == "slow", syntax, thinking, opens }))
     }
 
     async fn generate(
@@ -223,15 +281,24 @@ impl Backend for Fake {
         };
         let told = self.answer.lock().unwrap().clone();
         let text = told.as_deref().unwrap_or(text);
-        let answer: Vec<TokenId> = if model == "slow" {
+        // The slow model makes a long answer unless a test says what it answers.
+        let answer: Vec<TokenId> = if model == "slow" && told.is_none() {
             std::iter::repeat_n(b'x' as TokenId, 100_000).collect()
         } else {
+            // Bytes, and the special tokens where the answer has their text.
             let mut tokens = Vec::new();
-            for (i, part) in text.split("[TOOL_CALLS]").enumerate() {
-                if i > 0 {
-                    tokens.push(TOOL_CALLS);
+            let mut rest = text.as_bytes();
+            while let Some(&b) = rest.first() {
+                match SPECIALS.iter().find(|(s, _)| rest.starts_with(s.as_bytes())) {
+                    Some((s, t)) => {
+                        tokens.push(*t);
+                        rest = &rest[s.len()..];
+                    }
+                    None => {
+                        tokens.push(TokenId::from(b));
+                        rest = &rest[1..];
+                    }
                 }
-                tokens.extend(part.bytes().map(TokenId::from));
             }
             tokens.into_iter().chain([EOG]).collect()
         };
@@ -1814,4 +1881,386 @@ async fn mistral_calls_come_back_with_nine_character_ids_and_ids_sent_back_are_m
     assert!(mistral_id(&choice["message"]["tool_calls"][0]["id"]), "{v}");
     *fake.syntax.lock().unwrap() = None;
     *fake.answer.lock().unwrap() = None;
+}
+
+/// `<think>` tags, as Qwen 3's and DeepSeek R1's templates write them.
+const THINK: ThinkingSyntax = ThinkingSyntax::Tags { open: "<think>", close: "</think>" };
+/// A thinking model's answer: its thinking, then the reply (every byte a token, so the
+/// closing tag comes over eight).
+const THOUGHT: &str = "<think>\nThe user says hi.\n</think>\n\nHello!";
+
+/// Every model of `fake` thinks in `syntax` (its template opening the thinking when
+/// `opens`) and answers `answer`.
+fn thinks(fake: &Fake, syntax: ThinkingSyntax, opens: bool, answer: &str) {
+    *fake.thinking.lock().unwrap() = (Some(syntax), opens);
+    *fake.answer.lock().unwrap() = Some(answer.to_string());
+}
+
+/// A stream's chunks (the SSE `data:` payloads before `[DONE]`).
+fn chunks(body: &str) -> Vec<Value> {
+    let data = sse_data(body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
+}
+
+/// The thinking and the content a chat stream's deltas carry, joined.
+fn deltas(chunks: &[Value]) -> (String, String) {
+    let field = |name: &str| chunks.iter().filter_map(|c| c["choices"][0]["delta"][name].as_str()).collect();
+    (field("reasoning_content"), field("content"))
+}
+
+/// OpenAI's chat: a thinking model's thinking comes in `reasoning_content`, apart from
+/// the `content`, whole and streamed (no chunk shows a part of the closing tag), where
+/// the template opened it too; usage counts every token; a stop sequence and
+/// `max_tokens` still end it; `reasoning_format: none` leaves it in the content; the
+/// prompt as is (completions) never splits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_keeps_a_thinking_models_thinking_apart() {
+    let (url, fake) = server().await;
+    let chat = format!("{url}/v1/chat/completions");
+    thinks(&fake, THINK, false, THOUGHT);
+    let req = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, body) = post(chat.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let message = &v["choices"][0]["message"];
+    assert_eq!(
+        *message,
+        json!({"role": "assistant", "content": "Hello!", "reasoning_content": "The user says hi."}),
+        "{v}"
+    );
+    assert_eq!(v["usage"]["completion_tokens"], THOUGHT.len() + 1, "every token counts");
+
+    let mut streamed = req.clone();
+    streamed["stream"] = json!(true);
+    let (status, _, body) = post(chat.clone(), streamed.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let cs = chunks(&body);
+    assert_eq!(cs[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(deltas(&cs), ("The user says hi.".into(), "Hello!".into()));
+    for c in &cs {
+        let delta = &c["choices"][0]["delta"];
+        for field in ["content", "reasoning_content"] {
+            let text = delta[field].as_str().unwrap_or_default();
+            assert!(!text.contains('<') && !text.contains('>'), "a tag's part leaked: {c}");
+        }
+    }
+    assert_eq!(cs.last().unwrap()["choices"][0]["finish_reason"], "stop");
+
+    // Log-probabilities list the reply's tokens, not the thinking's or its tags'.
+    let mut scored = req.clone();
+    scored["logprobs"] = json!(true);
+    let v: Value = serde_json::from_str(&post(chat.clone(), scored).await.2).unwrap();
+    let tokens: String = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["token"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(tokens, "Hello!", "{v}");
+
+    // The template opened the thinking: the answer starts inside it.
+    thinks(&fake, THINK, true, "Hmm.</think>Hi there.");
+    let (_, _, body) = post(chat.clone(), streamed.clone()).await;
+    assert_eq!(deltas(&chunks(&body)), ("Hmm.".into(), "Hi there.".into()));
+    assert!(fake.prompts.lock().unwrap().last().unwrap().ends_with("<assistant><think>\n"));
+
+    // A stop sequence in the reply; max_tokens inside the thinking.
+    thinks(&fake, THINK, false, THOUGHT);
+    let mut stopped = req.clone();
+    stopped["stop"] = json!("!");
+    let v: Value = serde_json::from_str(&post(chat.clone(), stopped).await.2).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello");
+    assert_eq!(v["choices"][0]["message"]["reasoning_content"], "The user says hi.");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let mut cut = req.clone();
+    cut["max_tokens"] = json!(14);
+    let v: Value = serde_json::from_str(&post(chat.clone(), cut).await.2).unwrap();
+    assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": "", "reasoning_content": "The us"}));
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 14);
+
+    // As llama.cpp's server: `reasoning_format: none` keeps it in the content.
+    let mut none = req.clone();
+    none["reasoning_format"] = json!("none");
+    let v: Value = serde_json::from_str(&post(chat.clone(), none).await.2).unwrap();
+    assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": THOUGHT}));
+    let mut bad = req.clone();
+    bad["reasoning_format"] = json!("qwen");
+    assert_eq!(post(chat.clone(), bad).await.0, 400);
+    let (_, _, body) = post(format!("{url}/v1/completions"), json!({"model": "tiny", "prompt": "Hi"})).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["text"], THOUGHT);
+
+    // The template's variables: chat_template_kwargs and reasoning_effort reach it.
+    let mut kwargs = req.clone();
+    kwargs["chat_template_kwargs"] = json!({"enable_thinking": false});
+    kwargs["reasoning_effort"] = json!("low");
+    assert_eq!(post(chat.clone(), kwargs).await.0, 200);
+    let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+    assert!(prompt.ends_with("<enable_thinking=false><reasoning_effort=low><assistant>"), "{prompt}");
+    let mut unknown = req.clone();
+    unknown["chat_template_kwargs"] = json!({"tools_in_user_message": true});
+    assert_eq!(post(chat.clone(), unknown).await.0, 400);
+
+    // A model without thinking: `<think>` in its answer is its text.
+    *fake.thinking.lock().unwrap() = (None, false);
+    let v: Value = serde_json::from_str(&post(chat, req).await.2).unwrap();
+    assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": THOUGHT}));
+}
+
+/// Ollama's `think`: absent or true, the thinking comes in `thinking` (`message.thinking`
+/// in chat), streamed on lines of its own, and the template is told to think; false
+/// tells the template not to (`enable_thinking`, as Ollama passes it); true on a model
+/// that cannot think is refused as Ollama refuses it; a raw generate is not split.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollama_think_keeps_the_thinking_apart_or_turns_it_off() {
+    let (url, fake) = server().await;
+    let chat = format!("{url}/api/chat");
+    thinks(&fake, THINK, false, THOUGHT);
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let last_prompt = || fake.prompts.lock().unwrap().last().unwrap().clone();
+    for think in [Value::Null, json!(true)] {
+        let mut req = json!({"model": "tiny", "messages": msgs, "stream": false});
+        if !think.is_null() {
+            req["think"] = think.clone();
+        }
+        let (status, _, body) = post(chat.clone(), req).await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v["message"],
+            json!({"role": "assistant", "content": "Hello!", "thinking": "The user says hi."}),
+            "think {think}"
+        );
+        assert_eq!(v["eval_count"], THOUGHT.len() + 1);
+        assert!(last_prompt().ends_with("<enable_thinking=true><assistant>"), "{}", last_prompt());
+    }
+    let (status, _, _) = post(chat.clone(), json!({"model": "tiny", "messages": msgs, "think": false})).await;
+    assert_eq!(status, 200);
+    assert!(last_prompt().ends_with("<enable_thinking=false><assistant>"), "{}", last_prompt());
+    let (status, _, _) = post(chat.clone(), json!({"model": "tiny", "messages": msgs, "think": "high"})).await;
+    assert_eq!(status, 200);
+    assert!(last_prompt().ends_with("<reasoning_effort=high><assistant>"), "{}", last_prompt());
+    assert_eq!(post(chat.clone(), json!({"model": "tiny", "messages": msgs, "think": "max"})).await.0, 400);
+
+    // Streamed: thinking lines, then content lines, then the end.
+    let (_, _, body) = post(chat.clone(), json!({"model": "tiny", "messages": msgs})).await;
+    let lines: Vec<Value> = body.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let joined = |f: &str| -> String { lines.iter().filter_map(|l| l["message"][f].as_str()).collect() };
+    assert_eq!((joined("thinking"), joined("content")), ("The user says hi.".to_string(), "Hello!".to_string()));
+    let first_content = lines.iter().position(|l| l["message"]["content"] != "").unwrap();
+    assert!(lines[..first_content].iter().any(|l| l["message"].get("thinking").is_some()));
+    assert!(lines[first_content..].iter().all(|l| l["message"].get("thinking").is_none()));
+    assert_eq!(lines.last().unwrap()["done"], true);
+
+    // Generate: `thinking` beside `response`; raw, the text as it came.
+    let generate = format!("{url}/api/generate");
+    let (_, _, body) = post(generate.clone(), json!({"model": "tiny", "prompt": "Hi", "stream": false})).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((v["response"].clone(), v["thinking"].clone()), (json!("Hello!"), json!("The user says hi.")));
+    let raw = json!({"model": "tiny", "prompt": "Hi", "raw": true, "stream": false});
+    let v: Value = serde_json::from_str(&post(generate, raw).await.2).unwrap();
+    assert_eq!((v["response"].clone(), v.get("thinking")), (json!(THOUGHT), None));
+
+    // `/api/show` says it thinks; a model that does not is refused `think: true`.
+    let (_, _, body) = post(format!("{url}/api/show"), json!({"model": "tiny"})).await;
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["capabilities"].to_string().contains("thinking"));
+    *fake.thinking.lock().unwrap() = (None, false);
+    let (status, _, body) = post(chat.clone(), json!({"model": "tiny", "messages": msgs, "think": true})).await;
+    assert_eq!(status, 400);
+    assert!(body.contains("does not support thinking"), "{body}");
+    let (_, _, body) = post(chat, json!({"model": "tiny", "messages": msgs, "stream": false})).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["message"], json!({"role": "assistant", "content": THOUGHT}));
+    assert!(!last_prompt().contains("enable_thinking"), "a model that cannot think is not told to");
+}
+
+/// Anthropic's `thinking`: enabled, a thinking block before the text block (streamed:
+/// its `thinking_delta`s and a `signature_delta`, then the text block at the next
+/// index); absent, no thinking block and the thinking left out; disabled, the template
+/// told not to think; thinking blocks sent back in the history are taken (and dropped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_thinking_comes_as_thinking_blocks_when_enabled() {
+    let (url, fake) = server().await;
+    let msgs = format!("{url}/v1/messages");
+    thinks(&fake, THINK, false, THOUGHT);
+    let enabled = json!({"type": "enabled", "budget_tokens": 1024});
+    // A model whose context holds max_tokens above the least budget.
+    let req = json!({"model": "slow", "max_tokens": 2000, "thinking": enabled,
+        "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, body) = post(msgs.clone(), req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["content"],
+        json!([{"type": "thinking", "thinking": "The user says hi.", "signature": ""},
+            {"type": "text", "text": "Hello!"}])
+    );
+    assert_eq!(v["usage"]["output_tokens"], THOUGHT.len() + 1);
+
+    let mut streamed = req.clone();
+    streamed["stream"] = json!(true);
+    let (_, _, body) = post(msgs.clone(), streamed).await;
+    let events: Vec<(String, Value)> = body
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let name = e.lines().find_map(|l| l.strip_prefix("event: ")).unwrap().to_string();
+            (name, serde_json::from_str(e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap())
+        })
+        .collect();
+    let starts: Vec<&Value> = events.iter().filter(|(n, _)| n == "content_block_start").map(|(_, d)| d).collect();
+    assert_eq!(starts.len(), 2, "{body}");
+    assert_eq!((starts[0]["index"].clone(), starts[0]["content_block"]["type"].clone()), (json!(0), json!("thinking")));
+    assert_eq!((starts[1]["index"].clone(), starts[1]["content_block"]["type"].clone()), (json!(1), json!("text")));
+    let joined = |index: u64, kind: &str, field: &str| -> String {
+        events
+            .iter()
+            .filter(|(_, d)| d["index"] == index && d["delta"]["type"] == kind)
+            .filter_map(|(_, d)| d["delta"][field].as_str())
+            .collect()
+    };
+    assert_eq!(joined(0, "thinking_delta", "thinking"), "The user says hi.");
+    assert_eq!(joined(1, "text_delta", "text"), "Hello!");
+    let signature = events.iter().position(|(_, d)| d["delta"]["type"] == "signature_delta").unwrap();
+    let first_stop = events.iter().position(|(n, _)| n == "content_block_stop").unwrap();
+    assert_eq!(signature + 1, first_stop, "the signature comes just before the thinking block stops");
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names[names.len() - 3..], ["content_block_stop", "message_delta", "message_stop"]);
+
+    // Not enabled: no thinking block, and no thinking in the text.
+    let mut absent = req.clone();
+    absent.as_object_mut().unwrap().remove("thinking");
+    let v: Value = serde_json::from_str(&post(msgs.clone(), absent.clone()).await.2).unwrap();
+    assert_eq!(v["content"], json!([{"type": "text", "text": "Hello!"}]));
+    absent["stream"] = json!(true);
+    let (_, _, body) = post(msgs.clone(), absent).await;
+    let text: String = sse_data(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok()?["delta"]["text"].as_str().map(str::to_string))
+        .collect();
+    assert!(!body.contains("thinking") && text == "Hello!", "{body}");
+    let mut disabled = req.clone();
+    disabled["thinking"] = json!({"type": "disabled"});
+    assert_eq!(post(msgs.clone(), disabled).await.0, 200);
+    let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+    assert!(prompt.ends_with("<enable_thinking=false><assistant>"), "{prompt}");
+    for bad in [
+        json!({"type": "enabled", "budget_tokens": 100}),
+        json!({"type": "enabled", "budget_tokens": 4000}),
+        json!({"type": "sometimes"}),
+    ] {
+        let mut r = req.clone();
+        r["thinking"] = bad.clone();
+        assert_eq!(post(msgs.clone(), r).await.0, 400, "{bad}");
+    }
+
+    // The history as clients send it back, thinking blocks included.
+    let mut history = req.clone();
+    history["messages"] = json!([{"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hm.", "signature": "x"},
+            {"type": "text", "text": "Hello!"}]},
+        {"role": "user", "content": "Bye"}]);
+    let (status, _, body) = post(msgs, history).await;
+    assert_eq!(status, 200, "{body}");
+    let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+    assert!(prompt.contains("<assistant>Hello!</assistant><user>Bye</user>"), "{prompt}");
+}
+
+/// gpt-oss's harmony answers: its channels split (`analysis` the thinking, `final` the
+/// content; `<|end|>`, a control token that renders as nothing, shown so the answer
+/// reads), whole and streamed; a call in a `commentary` message to a function comes
+/// back as a tool call, a malformed one as text; a required call is held to the syntax.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harmony_answers_are_split_into_channels_and_calls() {
+    let (url, fake) = server().await;
+    let chat = format!("{url}/v1/chat/completions");
+    let req = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]});
+    thinks(&fake, ThinkingSyntax::Harmony, false, "<|channel|>final<|message|>Hello!<|return|>");
+    let v: Value = serde_json::from_str(&post(chat.clone(), req.clone()).await.2).unwrap();
+    assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": "Hello!"}), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let harmony = "<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final\
+                   <|message|>Hello!<|return|>";
+    thinks(&fake, ThinkingSyntax::Harmony, false, harmony);
+    let v: Value = serde_json::from_str(&post(chat.clone(), req.clone()).await.2).unwrap();
+    assert_eq!(
+        v["choices"][0]["message"],
+        json!({"role": "assistant", "content": "Hello!", "reasoning_content": "The user greets."}),
+        "{v}"
+    );
+    // The answer's tokens less `<|return|>` and the fake's own end: `<|return|>` ended it.
+    assert_eq!(v["usage"]["completion_tokens"], harmony.len() - "<|end|><|return|>".len() + 2);
+    let mut streamed = req.clone();
+    streamed["stream"] = json!(true);
+    let (_, _, body) = post(chat.clone(), streamed).await;
+    let cs = chunks(&body);
+    assert_eq!(deltas(&cs), ("The user greets.".into(), "Hello!".into()));
+    assert!(!body.contains("<|"), "{body}");
+    // Ollama's `thinking` too.
+    let ollama = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": false});
+    let v: Value = serde_json::from_str(&post(format!("{url}/api/chat"), ollama).await.2).unwrap();
+    assert_eq!(v["message"], json!({"role": "assistant", "content": "Hello!", "thinking": "The user greets."}));
+
+    // A call, after the thinking.
+    *fake.syntax.lock().unwrap() = Some(ToolSyntax::Harmony);
+    let call = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary \
+                to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\", \"unit\": \"c\"}<|call|>";
+    *fake.answer.lock().unwrap() = Some(call.to_string());
+    let mut tools = req.clone();
+    tools["tools"] = json!([weather_tool()]);
+    let (status, _, body) = post(chat.clone(), tools.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message["reasoning_content"], "Need the weather.");
+    assert_eq!(message["content"], Value::Null);
+    assert_eq!(message["tool_calls"][0]["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(message["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Oslo", "unit": "c"}));
+    assert_eq!(last_grammar(&fake), "", "auto: the model writes freely");
+    // Anthropic's tool_use block, after the thinking block.
+    let anthropic = json!({"model": "slow", "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]});
+    let v: Value = serde_json::from_str(&post(format!("{url}/v1/messages"), anthropic).await.2).unwrap();
+    assert_eq!(v["content"][0], json!({"type": "thinking", "thinking": "Need the weather.", "signature": ""}));
+    assert_eq!(
+        (v["content"][1]["type"].clone(), v["content"][1]["input"].clone()),
+        (json!("tool_use"), json!({"city": "Oslo", "unit": "c"}))
+    );
+    assert_eq!(v["stop_reason"], "tool_use");
+
+    // The call and its result go back to the template, the call's content text (gpt-oss's
+    // template looks inside it), not null.
+    *fake.answer.lock().unwrap() = Some("<|channel|>final<|message|>It is -3 C.".into());
+    let mut history = tools.clone();
+    history["messages"] = json!([{"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]);
+    let v: Value = serde_json::from_str(&post(chat.clone(), history).await.2).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "It is -3 C.", "{v}");
+    let prompt = fake.prompts.lock().unwrap().last().unwrap().clone();
+    assert!(prompt.contains(r#""content":"""#) && !prompt.contains("null"), "{prompt}");
+    assert!(prompt.contains(r#""name":"get_weather""#) && prompt.contains("-3 C"), "{prompt}");
+
+    // A malformed call: the text as it came (less the thinking).
+    let broken = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": ";
+    *fake.answer.lock().unwrap() = Some(broken.to_string());
+    let v: Value = serde_json::from_str(&post(chat.clone(), tools.clone()).await.2).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["message"]["content"], broken);
+
+    // Required: the grammar holds a call in harmony's syntax.
+    *fake.answer.lock().unwrap() = Some(call.to_string());
+    tools["tool_choice"] = json!("required");
+    assert_eq!(post(chat, tools).await.0, 200);
+    let g = last_grammar(&fake);
+    let held = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>\
+                {\"city\": \"Oslo\", \"unit\": \"c\"}";
+    assert!(gbnf::accepts(&g, held) && !gbnf::accepts(&g, "<|channel|>final<|message|>Hi"), "{g}");
 }

@@ -21,12 +21,28 @@ pub struct Turn<'a> {
     pub content: &'a str,
 }
 
+/// Variables a template reads besides the conversation (Hugging Face's keyword
+/// arguments to `apply_chat_template`); each is undefined unless given, as Hugging Face
+/// leaves it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Vars<'a> {
+    /// `enable_thinking` (Qwen 3's, SmolLM3's, DeepSeek V3.1's …).
+    pub enable_thinking: Option<bool>,
+    /// `reasoning_effort` (gpt-oss's: `low`, `medium`, `high`).
+    pub reasoning_effort: Option<&'a str>,
+}
+
 /// Render `turns` with the Jinja `template`, ready for the assistant's answer
 /// (`add_generation_prompt`), `bos` and `eos` being the model's BOS and EOS texts.
 /// The error says what the template could not do.
 pub fn render(template: &str, turns: &[Turn<'_>], bos: &str, eos: &str) -> Result<String, String> {
+    render_as(template, turns, bos, eos, Vars::default())
+}
+
+/// [`render`] with the template's variables `vars` set.
+pub fn render_as(template: &str, turns: &[Turn<'_>], bos: &str, eos: &str, vars: Vars<'_>) -> Result<String, String> {
     let messages: Vec<Value> = turns.iter().map(|t| context! { role => t.role, content => t.content }).collect();
-    render_with(template, Value::from(messages), Value::from(()), bos, eos)
+    render_with(template, Value::from(messages), Value::from(()), bos, eos, vars)
 }
 
 /// [`render`] for messages in OpenAI's shape (an assistant's `tool_calls`, a tool's
@@ -39,7 +55,19 @@ pub fn render_json(
     bos: &str,
     eos: &str,
 ) -> Result<String, String> {
-    render_with(template, Value::from(Serde(messages)), Value::from(Serde(tools)), bos, eos)
+    render_json_as(template, messages, tools, bos, eos, Vars::default())
+}
+
+/// [`render_json`] with the template's variables `vars` set.
+pub fn render_json_as(
+    template: &str,
+    messages: &serde_json::Value,
+    tools: &serde_json::Value,
+    bos: &str,
+    eos: &str,
+    vars: Vars<'_>,
+) -> Result<String, String> {
+    render_with(template, Value::from(Serde(messages)), Value::from(Serde(tools)), bos, eos, vars)
 }
 
 /// Whether `template` parses as Jinja in this renderer (what it then renders is up to
@@ -49,7 +77,14 @@ pub fn check(template: &str) -> Result<(), String> {
     environment().add_template("chat", &template).map_err(|e| describe(&e))
 }
 
-fn render_with(template: &str, messages: Value, tools: Value, bos: &str, eos: &str) -> Result<String, String> {
+fn render_with(
+    template: &str,
+    messages: Value,
+    tools: Value,
+    bos: &str,
+    eos: &str,
+    vars: Vars<'_>,
+) -> Result<String, String> {
     let mut env = environment();
     let template = generation_blocks_as_ifs(template);
     env.add_template("chat", &template).map_err(|e| describe(&e))?;
@@ -62,6 +97,16 @@ fn render_with(template: &str, messages: Value, tools: Value, bos: &str, eos: &s
         tools => tools,
         documents => Value::from(()),
     };
+    // Given variables only: templates test `is defined` (gpt-oss's effort defaults to
+    // medium, Qwen 3 thinks unless `enable_thinking` is false).
+    let mut given = std::collections::BTreeMap::new();
+    if let Some(t) = vars.enable_thinking {
+        given.insert("enable_thinking", Value::from(t));
+    }
+    if let Some(e) = vars.reasoning_effort {
+        given.insert("reasoning_effort", Value::from(e));
+    }
+    let ctx = context! { ..Value::from(given), ..ctx };
     // Invariant: the template was added above under this name.
     let tmpl = env.get_template("chat").expect("template added above");
     tmpl.render(ctx).map_err(|e| describe(&e))
@@ -216,6 +261,22 @@ mod tests {
             out,
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    /// A request's variables reach the template; absent ones stay undefined, so a
+    /// template's own default holds (Qwen 3 thinks, gpt-oss's effort is medium).
+    #[test]
+    fn variables_reach_the_template_only_when_given() {
+        let t = "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}\
+                 {% if reasoning_effort is not defined %}{% set reasoning_effort = 'medium' %}{% endif %}\
+                 Reasoning: {{ reasoning_effort }}";
+        let turns = [Turn { role: "user", content: "Hi" }];
+        assert_eq!(render(t, &turns, "", "").unwrap(), "Reasoning: medium");
+        let vars = Vars { enable_thinking: Some(false), reasoning_effort: Some("high") };
+        assert_eq!(render_as(t, &turns, "", "", vars).unwrap(), "<think></think>Reasoning: high");
+        let messages = serde_json::json!([{"role": "user", "content": "Hi"}]);
+        let on = Vars { enable_thinking: Some(true), ..Vars::default() };
+        assert_eq!(render_json_as(t, &messages, &serde_json::Value::Null, "", "", on).unwrap(), "Reasoning: medium");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! from the GGUF's vocabulary (loaded alone, without weights) through `llama-cpp-2`.
 
 use crate::backend::backend;
-use crate::template::Turn;
+use crate::template::{Turn, Vars};
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::{LlamaChatMessage, LlamaChatTemplate, LlamaModel};
 use llama_cpp_2::token::LlamaToken;
@@ -99,6 +99,12 @@ impl Vocab {
     /// version of its format where the Jinja cannot be rendered. Without the BOS text
     /// where the tokenizer adds the BOS.
     pub fn chat(&self, turns: &[(&str, &str)]) -> Result<String, VocabError> {
+        self.chat_as(turns, Vars::default())
+    }
+
+    /// [`Vocab::chat`] with the template's variables `vars` set (`enable_thinking` …;
+    /// llama.cpp's built-in formats, the fallback, know none).
+    pub fn chat_as(&self, turns: &[(&str, &str)], vars: Vars<'_>) -> Result<String, VocabError> {
         let err = |why: String| VocabError::Template { path: self.path.clone(), why };
         let tmpl = match (self.model.chat_template(None), &self.tool_use) {
             (Ok(t), _) => t,
@@ -107,7 +113,7 @@ impl Vocab {
         };
         let source = tmpl.to_str().map_err(|e| err(e.to_string()))?;
         let jinja: Vec<Turn<'_>> = turns.iter().map(|&(role, content)| Turn { role, content }).collect();
-        match self.render(|bos, eos| crate::template::render(source, &jinja, bos, eos)) {
+        match self.render(|bos, eos| crate::template::render_as(source, &jinja, bos, eos, vars)) {
             Ok(text) => return Ok(text),
             Err(why) => tracing::warn!(
                 path = %self.path.display(),
@@ -132,9 +138,19 @@ impl Vocab {
         messages: &serde_json::Value,
         tools: &serde_json::Value,
     ) -> Result<String, VocabError> {
+        self.chat_with_tools_as(messages, tools, Vars::default())
+    }
+
+    /// [`Vocab::chat_with_tools`] with the template's variables `vars` set.
+    pub fn chat_with_tools_as(
+        &self,
+        messages: &serde_json::Value,
+        tools: &serde_json::Value,
+        vars: Vars<'_>,
+    ) -> Result<String, VocabError> {
         let err = |why: String| VocabError::Template { path: self.path.clone(), why };
         let source = self.tool_template_source().ok_or_else(|| err("the model has no chat template".into()))?;
-        self.render(|bos, eos| crate::template::render_json(&source, messages, tools, bos, eos)).map_err(err)
+        self.render(|bos, eos| crate::template::render_json_as(&source, messages, tools, bos, eos, vars)).map_err(err)
     }
 
     /// What `render` (given the model's BOS and EOS texts) writes, without the BOS text

@@ -244,3 +244,45 @@ fn llama_cpps_model_templates_all_render_as_jinja() {
     }
     assert!(rendered >= 70, "only {rendered} templates in {}", dir.display());
 }
+
+/// The real templates of reasoning models take the variables a request sets: Qwen 3's
+/// closes the thinking at once with `enable_thinking` false and leaves it to the model
+/// otherwise; gpt-oss's writes the effort asked for (medium by default), ends the
+/// prompt at `<|start|>assistant`, and writes an earlier call and its result (the
+/// messages as Shoal's API gives them to it, OpenAI's shape with the call's content
+/// empty, not null) as harmony's commentary messages.
+#[test]
+fn reasoning_templates_take_the_requests_variables() {
+    use shoal_engine::template::{render_as, render_json_as, Turn, Vars};
+    let dir = vocabs().join("templates");
+    let hi = [Turn { role: "user", content: "Hi there" }];
+    let qwen3 = std::fs::read_to_string(dir.join("Qwen-Qwen3-0.6B.jinja")).unwrap();
+    let think = render_as(&qwen3, &hi, "", "", Vars::default()).unwrap();
+    assert!(think.ends_with("<|im_start|>assistant\n"), "{think:?}");
+    let off = Vars { enable_thinking: Some(false), ..Vars::default() };
+    let no_think = render_as(&qwen3, &hi, "", "", off).unwrap();
+    assert!(no_think.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{no_think:?}");
+
+    let gpt_oss = std::fs::read_to_string(dir.join("openai-gpt-oss-120b.jinja")).unwrap();
+    let medium = render_as(&gpt_oss, &hi, "", "", Vars::default()).unwrap();
+    assert!(medium.contains("Reasoning: medium") && medium.ends_with("<|start|>assistant"), "{medium:?}");
+    let high = Vars { reasoning_effort: Some("high"), ..Vars::default() };
+    assert!(render_as(&gpt_oss, &hi, "", "", high).unwrap().contains("Reasoning: high"));
+    let weather = serde_json::json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "The weather in a city", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let messages = serde_json::json!([{"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call_1",
+            "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "-3 C", "tool_call_id": "call_1", "name": "get_weather"}]);
+    let out = render_json_as(&gpt_oss, &messages, &weather, "", "", Vars::default()).unwrap();
+    for part in [
+        "namespace functions",
+        "type get_weather = (_: {",
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Oslo\"}<|call|>",
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>\"-3 C\"<|end|>",
+    ] {
+        assert!(out.contains(part), "{part:?} not in {out:?}");
+    }
+    assert!(out.ends_with("<|start|>assistant"), "{out:?}");
+}

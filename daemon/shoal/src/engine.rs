@@ -1,7 +1,7 @@
 //! The node process's engine: llama.cpp stages ([`LlamaStage`]) on shard files, with
 //! the samplers the tail uses. The node crate never links llama.cpp; it gets this.
 
-use shoal_api::{ChatMessage, TextModel, ToolSyntax};
+use shoal_api::{ChatMessage, PromptOptions, TextModel, ThinkingSyntax, ToolSyntax};
 use shoal_engine::{DraftError, DraftModel, GpuLayers, LlamaStage, Sampler, SamplingParams, StageConfig, Vocab};
 use shoal_node::runtime::{Engine, StageSizing};
 use shoal_pipeline::SamplerFactory;
@@ -88,7 +88,15 @@ impl Engine for LlamaEngine {
         // Read off the template that renders requests with tools: a Command R's
         // `tool_use` one, not its default one (which has no tool syntax).
         let tools = vocab.tool_template_source().map_or(ToolSyntax::Generic, |t| ToolSyntax::of(&t));
-        Ok(Arc::new(LlamaText { eog: vocab.eog_tokens(), vocab, tools }))
+        // Thinking as the default template writes it, or the tool one where only it
+        // does (Command R7B's plans in its `tool_use` template).
+        let thinking = [vocab.template_source(), vocab.tool_template_source()]
+            .into_iter()
+            .flatten()
+            .map(|t| ThinkingSyntax::of(&t))
+            .find(|s| *s != ThinkingSyntax::None)
+            .unwrap_or(ThinkingSyntax::None);
+        Ok(Arc::new(LlamaText { eog: vocab.eog_tokens(), vocab, tools, thinking }))
     }
 }
 
@@ -118,10 +126,24 @@ struct LlamaText {
     /// The tool syntax of the chat template it renders requests with tools through
     /// (its `tool_use` one where it has one; read once).
     tools: ToolSyntax,
+    /// How its templates write the model's thinking (read once).
+    thinking: ThinkingSyntax,
+}
+
+/// A request's template variables as the engine's renderer takes them.
+fn vars(options: &PromptOptions) -> shoal_engine::template::Vars<'_> {
+    shoal_engine::template::Vars {
+        enable_thinking: options.enable_thinking,
+        reasoning_effort: options.reasoning_effort.as_deref(),
+    }
 }
 
 impl TextModel for LlamaText {
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        self.chat_prompt_as(messages, &PromptOptions::default())
+    }
+
+    fn chat_prompt_as(&self, messages: &[ChatMessage], options: &PromptOptions) -> Result<String, String> {
         if !self.vocab.has_chat_template() {
             // A base model: the turns as plain text, the answer to follow.
             let mut s: String = messages.iter().map(|m| format!("{}: {}\n", m.role, m.content)).collect();
@@ -129,7 +151,7 @@ impl TextModel for LlamaText {
             return Ok(s);
         }
         let turns: Vec<(&str, &str)> = messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
-        self.vocab.chat(&turns).map_err(|e| e.to_string())
+        self.vocab.chat_as(&turns, vars(options)).map_err(|e| e.to_string())
     }
 
     fn tokenize(&self, text: &str, parse_special: bool) -> Vec<TokenId> {
@@ -158,5 +180,18 @@ impl TextModel for LlamaText {
         tools: &serde_json::Value,
     ) -> Result<String, String> {
         self.vocab.chat_with_tools(messages, tools).map_err(|e| e.to_string())
+    }
+
+    fn chat_prompt_with_tools_as(
+        &self,
+        messages: &serde_json::Value,
+        tools: &serde_json::Value,
+        options: &PromptOptions,
+    ) -> Result<String, String> {
+        self.vocab.chat_with_tools_as(messages, tools, vars(options)).map_err(|e| e.to_string())
+    }
+
+    fn thinking(&self) -> ThinkingSyntax {
+        self.thinking
     }
 }

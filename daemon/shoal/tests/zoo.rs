@@ -87,11 +87,13 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
 /// ordinary text (Mistral's, control tokens in its own vocabularies, are shown as their
 /// text: the route tests check that on a fake vocabulary). Mistral's templates take
 /// only 9-character call ids: the call sent back is the API's, with such an id.
+/// The node reads each model's thinking syntax off the same templates (gpt-oss's
+/// harmony and the other reasoning templates are read off their files).
 #[test]
 fn models_call_tools_in_their_own_syntax_through_the_api() {
     use common::{shoal, wait_for};
     use serde_json::{json, Value};
-    use shoal_api::ToolSyntax;
+    use shoal_api::{ThinkingSyntax, ToolSyntax};
     use shoal_node::runtime::Engine;
     let tmp = tempfile::tempdir().unwrap();
     let vocabs = shoal_gguf::models_dir().join("llama.cpp-vocabs");
@@ -225,8 +227,19 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
     // Devstral's (Unsloth's) template speaks the later Mistral syntax too, without ids.
     let devstral = std::fs::read_to_string(vocabs.join("templates/unsloth-mistral-Devstral-Small-2507.jinja")).unwrap();
     assert_eq!(ToolSyntax::of(&devstral), ToolSyntax::Mistral { call_ids: false });
-    for (name, vocab, template, tool_use, syntax, rendered) in models {
-        let template = std::fs::read_to_string(vocabs.join("templates").join(template)).unwrap();
+    // gpt-oss's speaks harmony (its calls and its thinking); the other reasoning
+    // models' templates write `<think>` (there is no o200k vocabulary here to run it on).
+    let read = |t: &str| std::fs::read_to_string(vocabs.join("templates").join(t)).unwrap();
+    let gpt_oss = read("openai-gpt-oss-120b.jinja");
+    assert_eq!(
+        (ToolSyntax::of(&gpt_oss), ThinkingSyntax::of(&gpt_oss)),
+        (ToolSyntax::Harmony, ThinkingSyntax::Harmony)
+    );
+    for t in ["Qwen-Qwen3-0.6B.jinja", "Qwen-QwQ-32B.jinja", "HuggingFaceTB-SmolLM3-3B.jinja"] {
+        assert_eq!(ThinkingSyntax::of(&read(t)), ThinkingSyntax::Tags { open: "<think>", close: "</think>" }, "{t}");
+    }
+    for (name, vocab, template_name, tool_use, syntax, rendered) in models {
+        let template = std::fs::read_to_string(vocabs.join("templates").join(template_name)).unwrap();
         let path = tmp.path().join(name);
         let vocab = vocabs.join(vocab);
         if tool_use {
@@ -242,6 +255,18 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
         // The syntax the node will speak, read off the template it renders tools with.
         let text = shoal::engine::LlamaEngine { threads: 1, draft_models: Vec::new() }.text(&path).unwrap();
         assert_eq!(text.tool_syntax(), syntax, "{name}");
+        // The thinking, read off the same templates (Command R7B's off its `tool_use`
+        // one, its default one having none).
+        let thinking = match template_name {
+            "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja" => Some(("<|START_THINKING|>", "<|END_THINKING|>")),
+            "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja" | "deepseek-ai-DeepSeek-V3.1.jinja" => {
+                Some(("<think>", "</think>"))
+            }
+            "mistralai-Ministral-3-14B-Reasoning-2512.jinja" => Some(("[THINK]", "[/THINK]")),
+            _ => None,
+        };
+        let thinking = thinking.map_or(ThinkingSyntax::None, |(open, close)| ThinkingSyntax::Tags { open, close });
+        assert_eq!(text.thinking(), thinking, "{name}");
         if tool_use {
             // A request without tools: the default template (Command R's turns, none
             // of Command R7B's system preamble).
