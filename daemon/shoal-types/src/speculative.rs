@@ -357,7 +357,11 @@ pub fn draft_cap(s: &SpecSettings, steps: &[DecodeStep], n_tokens: usize) -> usi
             (best, best_value) = (k, value);
         }
     }
-    if best == 0 && idle >= PROBE_AFTER {
+    // Drafts that were all accepted pay iff a drafted position costs less than a step
+    // ((k + 1) / (1 + step + k × position) > 1 / (1 + step) ⟺ position < 1 + step):
+    // dearer drafts never pay, so nothing is worth a look.
+    let could_pay = position < 1.0 + step;
+    if best == 0 && idle >= PROBE_AFTER && could_pay {
         // A look at whether drafts pay again: prompt lookup's drafts cost nothing to
         // make, so the longest; a draft model's each cost a pass, so one.
         return if s.model_cost > 0 { 1 } else { s.max_draft as usize };
@@ -644,8 +648,12 @@ mod tests {
             n += 1;
         }
         assert_eq!(draft_cap(&s, &steps, n), 8);
-        // With a draft model (each draft costs a pass) the look is one token long.
+        // With a draft model (each draft costs a pass) the look is one token long; with
+        // one so dear that even drafts all accepted would not pay, there is none.
         assert_eq!(draft_cap(&SpecSettings { model_cost: 900, ..s }, &steps, n), 1);
+        assert_eq!(draft_cap(&SpecSettings { model_cost: 1000, ..s }, &steps, n), 0);
+        let (all, n_all) = history(8, 8, 8);
+        assert_eq!(draft_cap(&SpecSettings { model_cost: 1000, ..s }, &all, n_all), 0);
     }
 
     /// A fake draft model whose answers depend on its history, as a real one's do
