@@ -291,6 +291,12 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
         NodeResponse::Added(e) => assert_eq!(e.holders.len(), 1),
         other => panic!("add: {other:?}"),
     }
+    // D learns of the entry when the leader's commit reaches it (the add answered once
+    // the leader committed it), so it is asked to load only then.
+    wait_for("D to see the model", 10, || async {
+        others[2].models().await.iter().any(|r| r.entry.name == SMOL).then_some(())
+    })
+    .await;
     let load = NodeRequest::ModelLoad { model: SMOL.into(), context: 512, sessions: 1, exclude: vec![] };
     match others[2].ask(load).await {
         NodeResponse::Ok(text) => assert!(text.contains("loading"), "{text}"),
