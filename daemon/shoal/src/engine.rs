@@ -18,6 +18,20 @@ pub struct LlamaEngine {
     pub draft_models: Vec<PathBuf>,
 }
 
+impl LlamaEngine {
+    /// A context sized as the placement says, on this node's threads, all on the CPU.
+    fn config(&self, s: StageSizing) -> StageConfig {
+        StageConfig {
+            n_ctx_per_session: s.context,
+            max_sessions: s.sessions,
+            chunk: s.chunk,
+            threads: self.threads,
+            gpu_layers: 0,
+            gpus: Vec::new(),
+        }
+    }
+}
+
 impl Engine for LlamaEngine {
     fn load(
         &self,
@@ -28,27 +42,16 @@ impl Engine for LlamaEngine {
         gpus: &[GpuShare],
     ) -> Result<Box<dyn Stage>, String> {
         let config = StageConfig {
-            n_ctx_per_session: s.context,
-            max_sessions: s.sessions,
-            chunk: s.chunk,
-            threads: self.threads,
-            gpu_layers: 0,
             // The placement's offload: its last layers on these GPUs.
             gpus: gpus.iter().map(|g| GpuLayers { device: g.device.clone(), layers: g.layers, head: g.head }).collect(),
+            ..self.config(s)
         };
         let stage = LlamaStage::load(shard, layers, n_layer, &config).map_err(|e| e.to_string())?;
         Ok(Box::new(stage))
     }
 
     fn drafts(&self, shard: &Path, model_bytes: u64, s: StageSizing) -> Result<Option<Arc<dyn DraftSource>>, String> {
-        let config = StageConfig {
-            n_ctx_per_session: s.context,
-            max_sessions: s.sessions,
-            chunk: s.chunk,
-            threads: self.threads,
-            gpu_layers: 0,
-            gpus: Vec::new(),
-        };
+        let config = self.config(s);
         for path in &self.draft_models {
             match DraftModel::load(path, shard, model_bytes, &config) {
                 Ok(d) => {
