@@ -78,6 +78,12 @@ impl DraftModel {
         Ok(DraftModel { stage: Arc::new(Mutex::new(stage)), target_vocab, next_session: AtomicU64::new(1), cost })
     }
 
+    /// What it holds (llama.cpp's buffers for its weights, KV cache and compute).
+    pub fn memory(&self) -> shoal_types::StageMemory {
+        // Poisoned only if a forward panicked; its buffers are as allocated.
+        self.stage.lock().unwrap_or_else(|p| p.into_inner()).memory()
+    }
+
     /// [`DraftSource::cost`].
     pub fn cost(&self) -> u32 {
         self.cost

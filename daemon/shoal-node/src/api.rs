@@ -273,6 +273,28 @@ pub struct StageStatus {
     /// Its layers on GPUs, as the placement says (empty: all on the CPU).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<shoal_types::GpuShare>,
+    /// The draft model a coordinating stage (stage 0) drafts with, or why its node's
+    /// did not load; `None`: the node has none for this model (prompt lookup drafts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft: Option<DraftState>,
+}
+
+/// A coordinating stage's draft model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DraftState {
+    /// Loaded: speculating generations draft with it.
+    Loaded {
+        /// Its file's name.
+        file: String,
+        /// What it holds (weights, KV cache, compute buffers), bytes.
+        bytes: u64,
+        /// What a drafted token costs, thousandths of a target pass.
+        cost: u32,
+    },
+    /// The node has one for this model's vocabulary, but it did not fit or load (why);
+    /// prompt lookup drafts instead.
+    NotLoaded(String),
 }
 
 /// A stage's progress.

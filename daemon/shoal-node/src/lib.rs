@@ -81,6 +81,14 @@ pub async fn run(
     let shared = SharedEndpoint::bind(cfg.listen, identity.clone(), &cfg.transport)?;
     let (handle, inbox) = Handle::new();
     let free = inventory.borrow().ram_available_bytes;
+    let offer = options.max_memory.unwrap_or(free.saturating_sub(RESERVE_BYTES));
+    // A draft model's room comes out of the offer (at a default load's sizing), so the
+    // planner does not fill the memory a coordinator's draft needs.
+    let draft_reserve =
+        options.engine.as_ref().map_or(0, |e| e.draft_reserve(runtime::DRAFT_RESERVE_SIZING)).min(offer);
+    if draft_reserve > 0 {
+        tracing::info!(mib = draft_reserve >> 20, "memory kept out of the offer for the draft model");
+    }
     let rt = Arc::new(Runtime {
         me: identity.id(),
         node: shared.node.clone(),
@@ -88,7 +96,8 @@ pub async fn run(
         membership: handle.clone(),
         cache: ShardCache::new(options.shard_dir.clone().unwrap_or_else(|| cfg.data_dir.join("shards"))),
         engine: options.engine.clone(),
-        offer_bytes: options.max_memory.unwrap_or(free.saturating_sub(RESERVE_BYTES)),
+        offer_bytes: offer - draft_reserve,
+        draft_reserve,
         gpus: options.gpus.clone(),
         stage: Mutex::new(None),
         rss_before_stage: Default::default(),

@@ -8,7 +8,7 @@
 //! - the shard server other nodes fetch from, and the forwarding of generations to a
 //!   model's coordinator.
 
-use crate::api::{ApiError, ErrorKind, NodeResponse, StageState, StageStatus};
+use crate::api::{ApiError, DraftState, ErrorKind, NodeResponse, StageState, StageStatus};
 use crate::models;
 use crate::schedule::{self, Decision, Inputs, MemberFacts};
 use shoal_gguf::{ShardCache, SourceHash};
@@ -40,6 +40,16 @@ pub struct StageSizing {
     pub chunk: u32,
 }
 
+/// A draft model a node loaded for the generations it coordinates ([`Engine::drafts`]).
+pub struct LoadedDraft {
+    /// Where its proposers come from.
+    pub source: Arc<dyn shoal_types::speculative::DraftSource>,
+    /// Its file's name, for the stage's status.
+    pub file: String,
+    /// What it holds (weights, KV cache, compute buffers), bytes.
+    pub bytes: u64,
+}
+
 /// The inference engine, provided by the binary (llama.cpp) or a test (a fake one):
 /// this crate never links llama.cpp.
 pub trait Engine: Send + Sync {
@@ -60,15 +70,24 @@ pub trait Engine: Send + Sync {
     /// A draft model for the generations this node coordinates of the model whose
     /// vocabulary is in `shard` (its first stage) and whose GGUF takes `model_bytes`:
     /// the first of the node's draft models that shares the vocabulary, loaded for the
-    /// stage's `sizing`. `Ok(None)`: none given, or none fits. Blocking.
+    /// stage's `sizing` if it needs at most `room` bytes. `Ok(None)`: none given, or
+    /// none shares the vocabulary; `Err`: one does but does not fit or load. Blocking.
     fn drafts(
         &self,
         shard: &Path,
         model_bytes: u64,
         sizing: StageSizing,
-    ) -> Result<Option<Arc<dyn shoal_types::speculative::DraftSource>>, String> {
-        let _ = (shard, model_bytes, sizing);
+        room: u64,
+    ) -> Result<Option<LoadedDraft>, String> {
+        let _ = (shard, model_bytes, sizing, room);
         Ok(None)
+    }
+    /// Memory to keep out of this node's offer for its draft models: the most one of
+    /// them takes at `sizing` (the default load's). The planner then leaves room for
+    /// the draft on whichever node coordinates. Blocking (reads GGUF headers).
+    fn draft_reserve(&self, sizing: StageSizing) -> u64 {
+        let _ = sizing;
+        0
     }
     /// What the speed of this engine's stages depends on besides the machine (threads,
     /// backends), e.g. "threads=8": a speed measured under another is stale.
@@ -96,8 +115,11 @@ pub struct Runtime {
     pub cache: ShardCache,
     /// The engine; `None`: this node runs no stages (it still places and forwards).
     pub engine: Option<Arc<dyn Engine>>,
-    /// Memory this node offers to models.
+    /// Memory this node offers to the planner for models' stages.
     pub offer_bytes: u64,
+    /// Memory kept out of the offer for a draft model ([`Engine::draft_reserve`]): a
+    /// coordinating stage's draft loads into it plus what the plan left of the offer.
+    pub draft_reserve: u64,
     /// The GPUs this node offers to models.
     pub gpus: Vec<shoal_types::GpuOffer>,
     /// The stage this node runs, as `Stages` reports it.
@@ -556,6 +578,7 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
         loaded_bytes: None,
         resident_bytes: None,
         gpus: stage.gpus.clone(),
+        draft: None,
     };
     *lock(&rt.stage) = Some(status.clone());
     let fail = |rt: &Runtime, mut status: StageStatus, why: String| {
@@ -620,16 +643,24 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
     };
     // The first stage coordinates: a draft model of this node's that fits the model
     // drafts for its speculating generations (without one, prompt lookup does).
+    // It loads into what the plan left of this node's memory: the reserve kept out of
+    // the offer, plus the offer less the stage's predicted memory.
     let drafts = if index == 0 {
         let (engine, path, bytes) = (engine.clone(), obtained.file.path.clone(), entry.size);
-        match tokio::task::spawn_blocking(move || engine.drafts(&path, bytes, sizing)).await {
-            Ok(Ok(d)) => d,
-            Ok(Err(e)) => {
-                tracing::warn!("the draft model did not load, drafting by prompt lookup: {e}");
-                None
+        let room = draft_room(rt.offer_bytes, rt.draft_reserve, stage.memory_bytes);
+        let loaded = match tokio::task::spawn_blocking(move || engine.drafts(&path, bytes, sizing, room)).await {
+            Ok(r) => r,
+            Err(e) => Err(e.to_string()),
+        };
+        match loaded {
+            Ok(Some(d)) => {
+                status.draft = Some(DraftState::Loaded { file: d.file, bytes: d.bytes, cost: d.source.cost() });
+                Some(d.source)
             }
+            Ok(None) => None,
             Err(e) => {
                 tracing::warn!("the draft model did not load, drafting by prompt lookup: {e}");
+                status.draft = Some(DraftState::NotLoaded(e));
                 None
             }
         }
@@ -680,6 +711,17 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
     if let Err(e) = shoal_pipeline::serve_on(rt.node.clone(), &rt.router, cfg).await {
         fail(&rt, status, format!("the stage stopped: {e}"));
     }
+}
+
+/// The sizing a draft model's reserve is counted at: a default load's context and
+/// chunk, one session (`models load` and the API's loads use these).
+pub const DRAFT_RESERVE_SIZING: StageSizing =
+    StageSizing { context: crate::http::DEFAULT_CONTEXT, sessions: 1, chunk: schedule::CHUNK };
+
+/// The memory a coordinating stage's draft model may take: the reserve kept out of
+/// the offer for it, plus what the stage's predicted memory leaves of the offer.
+pub fn draft_room(offer: u64, reserve: u64, stage_predicted: u64) -> u64 {
+    reserve.saturating_add(offer.saturating_sub(stage_predicted))
 }
 
 /// The stage this node runs as `Stages` reports it: its status, with its resident

@@ -805,6 +805,20 @@ fn no_fit(p: &Problem<'_>, pins: &[(usize, u32, u32)], search: &Search) -> PlanE
             .saturating_mul(period),
     );
     let usable = (0..k).fold(0u64, |a, d| a.saturating_add(p.usable(d)));
+    if k == 1 {
+        // One device holds the whole model or nothing, so "the layers that found no
+        // room" would be all of them: say what the whole model lacks instead.
+        let need = p.model.stage_memory(p.unit_range(0, p.units), &p.opts.sizing).total();
+        return PlanError::DoesNotFit {
+            missing_bytes: need.saturating_sub(usable).max(1),
+            detail: format!(
+                "1 device with {} usable after a reserve of {}; the whole model needs {}",
+                gib(usable),
+                gib(p.opts.reserve_bytes),
+                gib(need)
+            ),
+        };
+    }
     PlanError::DoesNotFit {
         missing_bytes: u64::from(missing_units).saturating_mul(unit_bytes),
         detail: format!(
@@ -1061,6 +1075,26 @@ mod tests {
             keepalive: false,
             estimated: false,
             offload: false,
+        }
+    }
+
+    /// One device too small for the whole model: the error says what the whole model
+    /// lacks (a few MiB here), not every layer's bytes (it holds the model or nothing).
+    #[test]
+    fn one_device_short_of_the_model_is_told_what_it_lacks() {
+        const MB: u64 = 1 << 20;
+        let m = small_model(30, 4 * MB, 4 * MB);
+        let need = m.stage_memory(LayerRange::new(0, 30), &Options::default().sizing).total();
+        let reserve = Options::default().reserve_bytes;
+        let cluster = Cluster { devices: vec![device("a/0", "a", need + reserve - 5 * MB, 1.0)], links: vec![] };
+        for search in [plan, plan_exhaustive] {
+            match search(&m, &cluster, &Options::default()) {
+                Err(e @ PlanError::DoesNotFit { missing_bytes, .. }) => {
+                    assert_eq!(missing_bytes, 5 * MB, "{e}");
+                    assert!(e.to_string().contains("the whole model needs"), "{e}");
+                }
+                other => panic!("{other:?}"),
+            }
         }
     }
 

@@ -3,9 +3,8 @@
 
 use shoal_api::{ChatMessage, PromptOptions, TextModel, ThinkingSyntax, ToolSyntax};
 use shoal_engine::{DraftError, DraftModel, GpuLayers, LlamaStage, Sampler, SamplingParams, StageConfig, Vocab};
-use shoal_node::runtime::{Engine, StageSizing};
+use shoal_node::runtime::{Engine, LoadedDraft, StageSizing};
 use shoal_pipeline::SamplerFactory;
-use shoal_types::speculative::DraftSource;
 use shoal_types::{GpuShare, LayerRange, Stage, TokenId, TokenSampler};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -50,20 +49,51 @@ impl Engine for LlamaEngine {
         Ok(Box::new(stage))
     }
 
-    fn drafts(&self, shard: &Path, model_bytes: u64, s: StageSizing) -> Result<Option<Arc<dyn DraftSource>>, String> {
+    fn drafts(&self, shard: &Path, model_bytes: u64, s: StageSizing, room: u64) -> Result<Option<LoadedDraft>, String> {
         let config = self.config(s);
         for path in &self.draft_models {
-            match DraftModel::load(path, shard, model_bytes, &config) {
-                Ok(d) => {
-                    tracing::info!(draft = %path.display(), cost = d.cost(), "drafting with a draft model");
-                    return Ok(Some(Arc::new(d)));
-                }
+            match shoal_engine::check_vocabularies(path, shard) {
+                Ok(_) => {}
                 // Another family's: the next may fit.
-                Err(e @ DraftError::Vocabulary { .. }) => tracing::debug!("{e}"),
+                Err(e @ DraftError::Vocabulary { .. }) => {
+                    tracing::debug!("{e}");
+                    continue;
+                }
                 Err(e) => return Err(e.to_string()),
             }
+            let need = draft_memory(path, s)?;
+            if need > room {
+                return Err(format!(
+                    "{} needs {} MiB at this load's context and sessions, {} MiB are left of this node's memory \
+                     (raise --max-memory, or load with a smaller context)",
+                    path.display(),
+                    need >> 20,
+                    room >> 20
+                ));
+            }
+            let d = DraftModel::load(path, shard, model_bytes, &config).map_err(|e| e.to_string())?;
+            tracing::info!(draft = %path.display(), cost = d.cost(), "drafting with a draft model");
+            let file =
+                path.file_name().map_or_else(|| path.display().to_string(), |f| f.to_string_lossy().into_owned());
+            let bytes = d.memory().total();
+            return Ok(Some(LoadedDraft { source: Arc::new(d), file, bytes }));
         }
         Ok(None)
+    }
+
+    fn draft_reserve(&self, s: StageSizing) -> u64 {
+        self.draft_models
+            .iter()
+            .filter_map(|p| match draft_memory(p, s) {
+                Ok(b) => Some(b),
+                // It will not load either; the load says why.
+                Err(e) => {
+                    tracing::warn!("draft model {}: {e}", p.display());
+                    None
+                }
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     fn samplers(&self, shard: &Path) -> SamplerFactory {
@@ -101,6 +131,15 @@ impl Engine for LlamaEngine {
             .unwrap_or(ThinkingSyntax::None);
         Ok(Arc::new(LlamaText { eog: vocab.eog_tokens(), vocab, tools, thinking }))
     }
+}
+
+/// What the draft model at `path` takes run whole at `s`'s sizing (the planner's
+/// prediction: weights, KV cache, compute buffers).
+fn draft_memory(path: &Path, s: StageSizing) -> Result<u64, String> {
+    let (_, meta) = shoal_gguf::open_model(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let profile = shoal_planner::ModelProfile::from_meta(&meta);
+    let sizing = shoal_planner::Sizing { context: s.context, sessions: s.sessions, chunk: s.chunk };
+    Ok(profile.stage_memory(LayerRange::new(0, meta.n_layer), &sizing).total())
 }
 
 /// The tail's samplers for the model file (or shard) at `gguf`: a request with a

@@ -272,12 +272,20 @@ fn plan(a: PlanArgs) -> Result<()> {
             None => String::new(),
             Some(st) => {
                 let shard = st.shard_origin.map(|o| format!(", shard {o}")).unwrap_or_default();
+                // The coordinator's draft model (stage 0 only).
+                let draft = match st.draft {
+                    Some(api::DraftState::Loaded { file, bytes, cost }) => {
+                        format!(", drafting with {file} ({}, a drafted token ~{cost}‰ of a pass)", gib(bytes))
+                    }
+                    Some(api::DraftState::NotLoaded(why)) => format!(", its draft model not loaded: {why}"),
+                    None => String::new(),
+                };
                 match st.state {
                     api::StageState::Fetching { done, of } => {
                         format!("fetching its shard: {done}/{of} chunks, {}", gib(st.shard_bytes_received))
                     }
                     api::StageState::Loading => format!("loading{shard}"),
-                    api::StageState::Running => format!("running{shard}"),
+                    api::StageState::Running => format!("running{shard}{draft}"),
                     api::StageState::Failed(why) => format!("FAILED: {why}"),
                 }
             }

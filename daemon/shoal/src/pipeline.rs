@@ -61,8 +61,10 @@ pub struct ServeArgs {
     /// whose vocabulary it shares: where this node runs a model's first stage (it
     /// coordinates that model's generations), speculating requests draft with it
     /// instead of prompt lookup. Loaded whole on this node with the stage's context,
-    /// sessions and threads; its memory is not in the planner's accounts (leave room
-    /// with --max-memory). Repeat for several families: the first that fits is used.
+    /// sessions and threads. A cluster node keeps room for it out of the memory it
+    /// offers the planner (what the largest takes at 4096 positions, one session), and
+    /// loads it only where it fits what the plan leaves (`shoal status` says why not).
+    /// Repeat for several families: the first whose vocabulary fits is used.
     #[arg(long, value_name = "GGUF")]
     draft_model: Vec<PathBuf>,
     /// Where shard files are cached [default: ~/.cache/shoal/shards].
@@ -298,13 +300,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             sessions: placement.sessions,
             chunk: placement.chunk,
         };
-        let drafts =
-            shoal_node::runtime::Engine::drafts(&engine, &placement.model, size, sizing).map_err(anyhow::Error::msg)?;
-        if drafts.is_none() {
+        // A placement file's stage has no memory offer to keep within: room for any.
+        let Some(d) = shoal_node::runtime::Engine::drafts(&engine, &placement.model, size, sizing, u64::MAX)
+            .map_err(anyhow::Error::msg)?
+        else {
             bail!("no --draft-model shares the vocabulary of {}", placement.model.display());
-        }
-        eprintln!("[shoal] drafting with a draft model");
-        drafts
+        };
+        eprintln!("[shoal] drafting with {} ({} MiB)", d.file, d.bytes >> 20);
+        Some(d.source)
     };
     let samplers: SamplerFactory = crate::engine::sampler_factory(shard.path.clone());
     // One thread for all of the node's networking: a frame's path through the link

@@ -12,7 +12,7 @@
 mod common;
 use common::*;
 use serde_json::Value;
-use shoal_node::api::{NodeRequest, NodeResponse, StageStatus};
+use shoal_node::api::{DraftState, NodeRequest, NodeResponse, StageStatus};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -649,15 +649,34 @@ fn a_node_drafts_with_its_draft_model_like_the_unsplit_run() {
     let tmp = tempfile::tempdir().unwrap();
     let draft = tmp.path().join("draft-q4_0.gguf");
     shoal_engine::requantize(&model, &draft, shoal_engine::Quant::Q4_0).unwrap();
+    // The planner's predictions (what the node checks the draft against): the draft
+    // whole and the model in one stage, at a sizing.
+    let predict = |path: &Path, context: u32, sessions: u32| {
+        let (_, meta) = shoal_gguf::open_model(path).unwrap();
+        let sizing = shoal_planner::Sizing { context, sessions, chunk: shoal_node::schedule::CHUNK };
+        shoal_planner::ModelProfile::from_meta(&meta)
+            .stage_memory(shoal_types::LayerRange::new(0, meta.n_layer), &sizing)
+            .total()
+    };
+    // The node keeps room for the draft at a default load (4096 positions, 1 session)
+    // out of what it offers the planner. Memory for the model at 2048 positions × 4
+    // sessions and that reserve, but short of the model and its draft at that sizing,
+    // and of the model at 5 sessions and the reserve (though the model alone fits).
+    let reserve = predict(&draft, 4096, 1);
+    let (model_4, draft_4, model_5) = (predict(&model, 2048, 4), predict(&draft, 2048, 4), predict(&model, 2048, 5));
+    let memory = model_4 + reserve + (model_5 - model_4) / 2;
+    assert!(memory < model_4 + draft_4 && memory >= model_5, "{memory} {model_4} {draft_4} {model_5} {reserve}");
     let dir = tmp.path().join("a");
     let extra = ["--draft-model", draft.to_str().unwrap()];
-    let mut nodes = Nodes(vec![("a", serve_with(&dir, "a", true, "300M", "1", &extra))]);
+    let mut nodes = Nodes(vec![("a", serve_with(&dir, "a", true, &format!("{}", memory), "1", &extra))]);
     wait_for("the cluster", 30, || status(&dir).filter(|s| !s["cluster"].is_null()));
     run_ok(&["models", "add", model.to_str().unwrap()], &dir);
     let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--wait"], &dir);
     assert!(loaded.contains("ready: 1 stage(s)"), "{loaded}");
     let args = ["--prompt", PROMPT, "-n", "48", "--ignore-eos", "--json", "--draft", "4", "--draft-cost", "0,0"];
-    let g = json(shoal().args(["generate", "--model", SMOL]).args(args).arg("--data-dir").arg(&dir).output().unwrap());
+    let generate =
+        || json(shoal().args(["generate", "--model", SMOL]).args(args).arg("--data-dir").arg(&dir).output().unwrap());
+    let g = generate();
     let mut with_draft: Vec<&str> = args.to_vec();
     with_draft.extend(extra);
     let r = unsplit(&model, &with_draft);
@@ -665,5 +684,44 @@ fn a_node_drafts_with_its_draft_model_like_the_unsplit_run() {
     for k in ["tokens", "logits_digest", "decode_steps", "drafted", "accepted"] {
         assert_eq!(g[k], r[k], "{k} differs from shoal run --draft-model: {g}");
     }
+    // The stage says what it drafts with and what that holds; `shoal status` shows it.
+    let st = &stages(&dir)[0];
+    match &st.draft {
+        Some(DraftState::Loaded { file, bytes, cost }) => {
+            assert_eq!(file, "draft-q4_0.gguf");
+            assert!(*bytes > 0 && *bytes <= predict(&draft, 512, 1) + (16 << 20), "{st:?}");
+            assert!(*cost > 500, "a requantized copy costs about a target pass: {st:?}");
+        }
+        other => panic!("no draft model in the stage's status: {other:?}"),
+    }
+    let shown = run_ok(&["status"], &dir);
+    assert!(shown.contains("drafting with draft-q4_0.gguf"), "{shown}");
+
+    // Loaded for 4 sessions of 2048 positions, the draft does not fit what the plan
+    // leaves: the stage runs without it, says why, and drafts by prompt lookup.
+    run_ok(&["models", "unload", SMOL], &dir);
+    let loaded = run_ok(&["models", "load", SMOL, "--context", "2048", "--sessions", "4", "--wait"], &dir);
+    assert!(loaded.contains("ready: 1 stage(s)"), "{loaded}");
+    let st = &stages(&dir)[0];
+    match &st.draft {
+        Some(DraftState::NotLoaded(why)) => assert!(why.contains("MiB are left of this node's memory"), "{why}"),
+        other => panic!("the draft model should not fit: {other:?}"),
+    }
+    let g = generate();
+    let lookup = unsplit(&model, &args);
+    for k in ["tokens", "logits_digest", "decode_steps", "drafted", "accepted"] {
+        assert_eq!(g[k], lookup[k], "{k} differs from shoal run's prompt lookup: {g}");
+    }
+
+    // The reserve is not offered to the planner: 5 sessions would fit the node's
+    // memory, not its offer.
+    run_ok(&["models", "unload", SMOL], &dir);
+    let out = shoal()
+        .args(["models", "load", SMOL, "--context", "2048", "--sessions", "5", "--wait", "--data-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success() && said.contains("does not fit"), "placed into the draft model's reserve: {said}");
     nodes.kill_all();
 }
