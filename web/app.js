@@ -249,7 +249,8 @@ function modelCard(m, nodes, colour) {
       const measured = s.resident_bytes != null ? `, ${bytes(s.resident_bytes)} measured`
         : s.loaded_bytes != null ? `, ${bytes(s.loaded_bytes)} loaded` : s.state ? ` (${s.state})` : "";
       const speed = s.decode_ms != null ? `, ${s.decode_ms.toFixed(1)} ms per token` : "";
-      item.append(sw, `${names.get(s.node) || s.node.slice(0, 8)}: ${span(s)}, ${bytes(s.memory_bytes)} predicted${measured}${speed}`);
+      const draft = s.draft ? `; ${s.draft}` : "";
+      item.append(sw, `${names.get(s.node) || s.node.slice(0, 8)}: ${span(s)}, ${bytes(s.memory_bytes)} predicted${measured}${speed}${draft}`);
       legend.append(item);
     }
     card.append(bar, legend);

@@ -239,4 +239,8 @@ pub struct StageCard {
     pub resident_bytes: Option<u64>,
     /// Its measured compute per decode step, milliseconds (once it decoded).
     pub decode_ms: Option<f64>,
+    /// Stage 0's draft model in words ("drafts with small.gguf, 0.4 GiB", or why its
+    /// node's did not load); `None` where it has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft: Option<String>,
 }

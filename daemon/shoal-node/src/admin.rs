@@ -654,6 +654,14 @@ fn model_card(
                                 .and_then(|r| r.services.iter().find(|n| n.layers == s.layers))
                                 .filter(|n| n.decode_steps > 0)
                                 .map(|n| n.decode_compute_ms / n.decode_steps as f64),
+                            draft: st.as_ref().and_then(|st| st.draft.as_ref()).map(|d| match d {
+                                crate::api::DraftState::Loaded { file, bytes, .. } => {
+                                    format!("drafts with {file} ({})", shoal_planner::plan::gib(*bytes))
+                                }
+                                crate::api::DraftState::NotLoaded(why) => {
+                                    format!("its draft model did not load: {why}")
+                                }
+                            }),
                         }
                     })
                     .collect()

@@ -696,6 +696,29 @@ fn a_node_drafts_with_its_draft_model_like_the_unsplit_run() {
     }
     let shown = run_ok(&["status"], &dir);
     assert!(shown.contains("drafting with draft-q4_0.gguf"), "{shown}");
+    // And the admin page's overview (its model card's stage 0), once a password is set.
+    let http = std::fs::read_to_string(dir.join("http")).unwrap().trim().to_string();
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let setup = agent
+        .post(&format!("http://{http}/admin/api/setup"))
+        .header("content-type", "application/json")
+        .send(r#"{"password":"a long enough password"}"#)
+        .unwrap();
+    assert_eq!(setup.status().as_u16(), 200);
+    let cookie = setup.headers().get("set-cookie").unwrap().to_str().unwrap().split(';').next().unwrap().to_string();
+    let overview: Value = serde_json::from_str(
+        &agent
+            .get(&format!("http://{http}/admin/api/overview"))
+            .header("cookie", &cookie)
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap(),
+    )
+    .unwrap();
+    let card = &overview["models"].as_array().unwrap().iter().find(|m| m["name"] == SMOL).unwrap()["stages"][0];
+    assert!(card["draft"].as_str().unwrap().starts_with("drafts with draft-q4_0.gguf"), "{card}");
 
     // Loaded for 4 sessions of 2048 positions, the draft does not fit what the plan
     // leaves: the stage runs without it, says why, and drafts by prompt lookup.
