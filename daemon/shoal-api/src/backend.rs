@@ -206,6 +206,14 @@ pub enum ToolSyntax {
     /// answers each call as `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`
     /// and reads results in `<tool_response>`.
     Hermes,
+    /// Qwen3-Coder's XML (and Qwen 3.5's, Nemotron 3 Nano's, Step 3.5 Flash's): the
+    /// template lists the tools in `<tools></tools>` as XML, the model answers each call
+    /// as `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n…
+    /// </function>\n</tool_call>` (several one after another; text may come before the
+    /// first, never after the last), a value written raw where the tool's schema makes
+    /// it a string and as JSON otherwise, and reads results in `<tool_response>` within
+    /// a user turn.
+    QwenXml,
     /// Llama 3.1, 3.2 and 3.3's: the template lists the tools as JSON, the model
     /// answers one call as `{"name": …, "parameters": {…}}` and reads results as
     /// `ipython` turns.
@@ -261,7 +269,11 @@ impl ToolSyntax {
     /// The syntax a Jinja chat template speaks: DeepSeek's when it writes
     /// `<｜tool▁calls▁begin｜>` and `<｜tool▁sep｜>` (R1's when its call has a
     /// `` ```json `` fence, V3.1's otherwise; whether it lists `tools` noted); and
-    /// among templates that list `tools`: Hermes' when it writes `<tool_call>`;
+    /// among templates that list `tools`: the generic one when it writes GLM's
+    /// `<arg_key>`/`<arg_value>` pairs (GLM 4.6 and 4.7's, Ling's, Laguna's: their
+    /// `<tool_call>` is not Hermes', and Shoal does not run GLM's architecture yet, so
+    /// their syntax is not read); Qwen3-Coder's XML when it writes `<tool_call>`,
+    /// `<function=` and `<parameter=`; Hermes' when it writes `<tool_call>` otherwise;
     /// Llama 3's when it answers tools in an `ipython` environment with
     /// `"parameters"`; Command R7B's when it writes `<|START_ACTION|>` lists of
     /// `"tool_name"`s; Mistral's when it writes `[TOOL_CALLS]` (the later one when its
@@ -285,6 +297,16 @@ impl ToolSyntax {
             }
         } else if !lists_tools {
             ToolSyntax::Generic
+        } else if template.contains("<arg_key>") {
+            // GLM's calls, `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…`.
+            ToolSyntax::Generic
+        } else if template.contains("<tool_call>")
+            && template.contains("<function=")
+            && template.contains("<parameter=")
+        {
+            // Seed-OSS's `<seed:tool_call>` calls have no `<tool_call>`, and no newline
+            // around their values: not these.
+            ToolSyntax::QwenXml
         } else if template.contains("<tool_call>") {
             ToolSyntax::Hermes
         } else if template.contains("Environment: ipython") && template.contains("\"parameters\": ") {

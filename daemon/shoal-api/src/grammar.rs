@@ -120,8 +120,8 @@ pub(crate) enum Besides<'a> {
     /// A reply that is this JSON value: `{"response": VALUE}` in the generic format;
     /// in a model's own syntax the value as the syntax writes a reply (Command R7B's
     /// between `<|START_RESPONSE|>` and `<|END_RESPONSE|>`; DeepSeek's after its
-    /// thinking is closed; the others' (Hermes', Llama 3's, Mistral's) as the whole
-    /// answer).
+    /// thinking is closed; the others' (Hermes', Qwen3-Coder's, Llama 3's, Mistral's) as
+    /// the whole answer).
     Json(&'a Structured),
 }
 
@@ -142,6 +142,8 @@ const MISTRAL_ID: &str = "[a-zA-Z0-9]{9}";
 /// model's own `syntax` instead: Hermes' `<tool_call>\n{"name", "arguments"}\n</tool_call>`
 /// blocks, one per line; Llama 3's one object `{"name", "parameters"}`; Command R7B's
 /// `<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, …]<|END_ACTION|>`;
+/// Qwen3-Coder's `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n…
+/// </function>\n</tool_call>` blocks, one per line (see [`xml_parameters`]);
 /// DeepSeek R1's `<｜tool▁calls▁begin｜>` then calls
 /// `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`
 /// one per line, then `<｜tool▁calls▁end｜>`; V3.1's the same with calls
@@ -173,7 +175,8 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
         for (i, (name, params)) in tools.iter().enumerate() {
             let mut c =
                 Converter { root: params, prefix: format!("t{i}-"), rules: BTreeMap::new(), defs_done: Vec::new() };
-            let args = if strict { c.expr(params, 0).ok() } else { None };
+            // Qwen3-Coder's XML writes each parameter on its own (see `xml_parameters`).
+            let args = if strict && syntax != ToolSyntax::QwenXml { c.expr(params, 0).ok() } else { None };
             let args = match args {
                 Some(a) => {
                     rules.append(&mut c.rules);
@@ -191,6 +194,10 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
             };
             let body = match syntax {
                 ToolSyntax::Generic | ToolSyntax::Hermes => object(&[("\"name\"", &quoted), ("\"arguments\"", &args)]),
+                ToolSyntax::QwenXml => {
+                    let parameters = xml_parameters(&c.prefix, params, strict, &mut rules);
+                    format!("{} {parameters} \"</function>\\n\"", literal(&format!("<function={name}>\n")))
+                }
                 ToolSyntax::Llama3 => object(&[("\"name\"", &quoted), ("\"parameters\"", &args)]),
                 // The template numbers calls from 0 across the conversation; any
                 // small number will do for a new one.
@@ -225,6 +232,11 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
             ToolSyntax::Hermes => (
                 format!("block{}", more("\"\\n\"", "block")),
                 "block ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n".to_string(),
+            ),
+            // One block per line, as the template writes earlier calls.
+            ToolSyntax::QwenXml => (
+                format!("block{}", more("\"\\n\"", "block")),
+                format!("block ::= \"<tool_call>\\n\" call \"</tool_call>\"\n{}", xml_rules()),
             ),
             // Llama 3's templates allow one call per message.
             ToolSyntax::Llama3 => ("call".to_string(), String::new()),
@@ -289,7 +301,11 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
             // A call is required, or a native reply is free text (no grammar then).
             (_, Besides::Nothing | Besides::Text) => {}
             (
-                ToolSyntax::Hermes | ToolSyntax::Llama3 | ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. },
+                ToolSyntax::Hermes
+                | ToolSyntax::QwenXml
+                | ToolSyntax::Llama3
+                | ToolSyntax::MistralNemo
+                | ToolSyntax::Mistral { .. },
                 Besides::Json(_),
             ) => out += &format!("reply ::= ws {value} ws\n"),
             // The reader takes what lies between the markers.
@@ -322,6 +338,159 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
     } else {
         build(false)
     }
+}
+
+/// How a parameter's value is written in Qwen3-Coder's XML calls
+/// ([`ToolSyntax::QwenXml`]), by its property's schema: as the template writes an
+/// earlier call's (a string raw, any other value as JSON) and as Qwen's own parser
+/// reads them (a property of no known type as text).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum XmlValue {
+    /// The text as it is: a string, or a property whose type is not said (or that the
+    /// schema does not list).
+    Text,
+    /// JSON: the schema allows no string.
+    Json,
+    /// JSON where the text reads as a JSON value other than a string, else the text:
+    /// the schema allows strings and other values.
+    TextOrJson,
+}
+
+/// How the value of `property` (a property's schema, `None` where the tool's
+/// schema `root` does not list it) is written in an XML call.
+pub(crate) fn xml_value(property: Option<&Value>, root: &Value) -> XmlValue {
+    match property.and_then(|p| value_types(p, root, 0)) {
+        None | Some((true, false)) => XmlValue::Text,
+        Some((false, _)) => XmlValue::Json,
+        Some((true, true)) => XmlValue::TextOrJson,
+    }
+}
+
+/// Whether the values schema `s` allows include strings and whether they include
+/// others (its `type`s, `enum` or `const` values, `anyOf`/`oneOf` alternatives,
+/// `$ref`s followed); `None` where it says nothing of types (any value).
+fn value_types(s: &Value, root: &Value, depth: usize) -> Option<(bool, bool)> {
+    let obj = s.as_object().filter(|_| depth <= MAX_DEPTH)?;
+    let of_value = |v: &Value| (v.is_string(), !v.is_string());
+    let either = |a: (bool, bool), b: (bool, bool)| (a.0 || b.0, a.1 || b.1);
+    let types = if let Some(r) = obj.get("$ref") {
+        let path = r.as_str()?;
+        let name = path.strip_prefix("#/$defs/").or_else(|| path.strip_prefix("#/definitions/"))?;
+        let def = ["$defs", "definitions"].iter().find_map(|k| root.get(k)?.get(name))?;
+        value_types(def, root, depth + 1)?
+    } else if let Some(c) = obj.get("const") {
+        of_value(c)
+    } else if let Some(values) = obj.get("enum").and_then(Value::as_array) {
+        values.iter().map(of_value).fold((false, false), either)
+    } else if let Some(list) = obj.get("anyOf").or_else(|| obj.get("oneOf")).and_then(Value::as_array) {
+        let mut types = (false, false);
+        for s in list {
+            types = either(types, value_types(s, root, depth + 1)?);
+        }
+        types
+    } else {
+        match obj.get("type") {
+            Some(Value::String(t)) => (t == "string", t != "string"),
+            Some(Value::Array(list)) => list
+                .iter()
+                .filter_map(Value::as_str)
+                .map(|t| (t == "string", t != "string"))
+                .fold((false, false), either),
+            None if obj.contains_key("properties") || obj.contains_key("items") => (false, true),
+            _ => return None,
+        }
+    };
+    let nullable = obj.get("nullable") == Some(&Value::Bool(true));
+    Some((types.0, types.1 || nullable))
+}
+
+/// The parameters of an XML call of a tool whose schema is `params` (the rules its
+/// values need added to `rules`, their names after `prefix`): each listed property in
+/// the schema's order (the order the template lists them in, and the model's, as in
+/// the JSON syntaxes' grammars), `<parameter=KEY>\nVALUE\n</parameter>\n`, the required
+/// ones always, the others optional. A value is as [`xml_value`] says:
+/// text without `</parameter>` (within `maxLength` where one is given, as text
+/// without `<`: a grammar cannot otherwise count the characters of text that must
+/// avoid a word), or one of its `enum`/`const` strings; JSON of the property's schema (any JSON value where the grammar cannot
+/// follow it); where both are allowed, text (which JSON is too). Parameters of any
+/// names, as text, where the schema lists none or is not `strict`ly followed.
+fn xml_parameters(prefix: &str, params: &Value, strict: bool, rules: &mut BTreeMap<String, String>) -> String {
+    let properties = params.get("properties").and_then(Value::as_object).filter(|_| strict);
+    let Some(properties) = properties else { return "xml-param*".to_string() };
+    let required: Vec<&str> =
+        params.get("required").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).collect();
+    let mut out = Vec::new();
+    for (key, schema) in properties {
+        let value = match (xml_value(Some(schema), params), schema) {
+            (XmlValue::Json, _) => {
+                // A converter of its own: one that failed leaves no rule half made
+                // for the other properties to refer to.
+                let mut c = Converter {
+                    root: params,
+                    prefix: prefix.to_string(),
+                    rules: BTreeMap::new(),
+                    defs_done: Vec::new(),
+                };
+                match c.expr(schema, 1) {
+                    Ok(expr) => {
+                        rules.append(&mut c.rules);
+                        expr
+                    }
+                    Err(_) => "value".to_string(),
+                }
+            }
+            (XmlValue::TextOrJson, _) => "xml-text".to_string(),
+            // Text of a schema with values: they are strings (else it would not be text).
+            (XmlValue::Text, Value::Object(o)) if o.contains_key("enum") || o.contains_key("const") => {
+                let values = o.get("const").map_or_else(
+                    || o.get("enum").and_then(Value::as_array).cloned().unwrap_or_default(),
+                    |c| vec![c.clone()],
+                );
+                let written: Vec<String> = values.iter().filter_map(Value::as_str).map(literal).collect();
+                // (An `enum` that is not a list says nothing.)
+                if written.is_empty() {
+                    "xml-text".to_string()
+                } else {
+                    alternatives(written.into_iter())
+                }
+            }
+            (XmlValue::Text, _) => {
+                let count = |k: &str| schema.get(k).and_then(Value::as_u64).filter(|n| *n <= 10_000);
+                match (count("minLength").unwrap_or(0), count("maxLength")) {
+                    (min, Some(max)) if max >= min => format!("[^<]{{{min},{max}}}"),
+                    (0, _) => "xml-text".to_string(),
+                    (min, _) => format!("[^<]{{{min}}} xml-text"),
+                }
+            }
+        };
+        let parameter = format!("{} {value} {}", literal(&format!("<parameter={key}>\n")), literal("\n</parameter>\n"));
+        out.push(if required.contains(&key.as_str()) { parameter } else { format!("( {parameter} )?") });
+    }
+    out.join(" ")
+}
+
+/// The rules of XML calls' values: `xml-text`, text without `</parameter>` (every
+/// `<` but the text's last either starts a run of partial `</parameter>`s, each broken
+/// by the next `<`, or begins one broken by a character it does not continue with);
+/// `xml-param`, a parameter of any name with a text value.
+fn xml_rules() -> String {
+    const CLOSE: &str = "/parameter>";
+    let broken = (0..CLOSE.len()).map(|n| {
+        let next = &CLOSE[n..=n];
+        match n {
+            0 => format!("[^{next}<]"),
+            _ => format!("{} [^{next}<]", literal(&CLOSE[..n])),
+        }
+    });
+    let partial = (1..CLOSE.len()).map(|n| literal(&CLOSE[..n]));
+    format!(
+        "xml-text ::= ( [^<] | xml-lt )* xml-open?\n\
+         xml-lt ::= xml-open* \"<\" {}\n\
+         xml-open ::= \"<\" {}?\n\
+         xml-param ::= \"<parameter=\" [^<>\\n]+ \">\\n\" xml-text \"\\n</parameter>\\n\"\n",
+        alternatives(broken),
+        alternatives(partial)
+    )
 }
 
 struct Converter<'a> {

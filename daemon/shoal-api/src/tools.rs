@@ -1,7 +1,8 @@
 //! Tool calling. Models whose template speaks a tool syntax Shoal reads (Hermes' for
-//! Qwen 2.5 and 3 …, Llama 3's, Command R7B's, DeepSeek R1's and V3.1's, Mistral's,
-//! gpt-oss's harmony: see [`ToolSyntax`]) get their own: the template lists the tools (or, for DeepSeek's
-//! templates, which do not, the system message does) and writes the conversation's
+//! Qwen 2.5 and 3 …, Qwen3-Coder's XML, Llama 3's, Command R7B's, DeepSeek R1's and
+//! V3.1's, Mistral's, gpt-oss's harmony: see [`ToolSyntax`]) get their own: the
+//! template lists the tools (or, for DeepSeek's templates, which do not, the system
+//! message does) and writes the conversation's
 //! calls and results, the model answers in its syntax (held by a grammar when a call
 //! is required, or with `auto` when the reply must be JSON of a given format; read back
 //! from free text with `auto` otherwise). Any other model gets the
@@ -19,7 +20,7 @@
 //! is always auto).
 
 use crate::backend::{ChatMessage, PromptOptions, TextModel, ToolSyntax};
-use crate::grammar::{Besides, Structured};
+use crate::grammar::{Besides, Structured, XmlValue};
 use serde_json::{json, Value};
 use std::ops::Range;
 
@@ -194,7 +195,7 @@ impl Toolbox {
         };
         match (self.syntax, besides) {
             // A reply in words in the model's own syntax: it writes freely.
-            (ToolSyntax::Hermes | ToolSyntax::Llama3 | ToolSyntax::CommandR7b, Besides::Text)
+            (ToolSyntax::Hermes | ToolSyntax::QwenXml | ToolSyntax::Llama3 | ToolSyntax::CommandR7b, Besides::Text)
             | (ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. }, Besides::Text)
             | (ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. } | ToolSyntax::Harmony, Besides::Text) => None,
             _ => Some(crate::grammar::tool_answer(&callable, besides, self.parallel, self.syntax)),
@@ -278,6 +279,7 @@ impl Toolbox {
         let json_reply = self.reply.is_some() && self.choice == Choice::Auto;
         match self.syntax {
             ToolSyntax::Hermes => return read_hermes(text),
+            ToolSyntax::QwenXml => return read_qwen_xml(text, &self.tools),
             // A JSON reply may itself look like a call (`{"name": …, "parameters": …}`):
             // the grammar allowed a call only of an offered tool, so any other name
             // was the reply.
@@ -335,6 +337,7 @@ impl Toolbox {
         let from = match self.syntax {
             ToolSyntax::Generic => return None,
             ToolSyntax::Hermes
+            | ToolSyntax::QwenXml
             | ToolSyntax::Llama3
             | ToolSyntax::MistralNemo
             | ToolSyntax::Mistral { .. }
@@ -364,6 +367,9 @@ impl Toolbox {
         let markers: &[&str] = match self.syntax {
             ToolSyntax::MistralNemo => &["[TOOL_CALLS]"],
             ToolSyntax::Mistral { .. } => &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
+            // The special tokens of Qwen's vocabularies among Qwen3-Coder's markers
+            // (`<function=`, `<parameter=` are text), as llama.cpp preserves them.
+            ToolSyntax::QwenXml => &["<tool_call>", "</tool_call>"],
             // Harmony's are the thinking's too: every answer shows them (`gen::run`).
             // Command R7B's reader takes a bare list where its markers render as nothing.
             _ => &[],
@@ -610,6 +616,81 @@ fn read_hermes(text: &str) -> Reply {
         Reply::Text(text.to_string())
     } else {
         Reply::Calls(calls)
+    }
+}
+
+/// Qwen3-Coder's answer read back: from the first `<tool_call>` (text before it, the
+/// model's reasoning, is not part of the calls), blocks
+/// `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n…</function>\n</tool_call>`
+/// with only white space between and after them, each NAME one of `tools`; a VALUE,
+/// less one newline either side (as the template writes it), typed by its property's
+/// schema ([`XmlValue`]). Anything else (no call, a tag left open, a tool not offered,
+/// a parameter given twice, text after the calls) is the text as it came.
+fn read_qwen_xml(text: &str, tools: &[Tool]) -> Reply {
+    const OPEN: &str = "<tool_call>";
+    let Some(at) = text.find(OPEN) else { return Reply::Text(text.to_string()) };
+    let mut rest = &text[at..];
+    let mut calls = Vec::new();
+    while !rest.is_empty() {
+        match rest.strip_prefix(OPEN).and_then(|block| qwen_xml_call(block, tools)) {
+            Some((call, next)) => {
+                calls.push(call);
+                rest = next.trim_start();
+            }
+            None => return Reply::Text(text.to_string()),
+        }
+    }
+    Reply::Calls(calls)
+}
+
+/// One XML call, from after its `<tool_call>`: the call, and what follows its
+/// `</tool_call>`; `None` where it does not read.
+fn qwen_xml_call<'a>(block: &'a str, tools: &[Tool]) -> Option<(Call, &'a str)> {
+    let (name, mut rest) = block.trim_start().strip_prefix("<function=")?.split_once('>')?;
+    let tool = tools.iter().find(|t| t.name == name.trim())?;
+    let properties = tool.parameters.get("properties");
+    let mut arguments = serde_json::Map::new();
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix("</function>") {
+            rest = after;
+            break;
+        }
+        let (key, after) = rest.strip_prefix("<parameter=")?.split_once('>')?;
+        let (value, after) = after.split_once("</parameter>")?;
+        // A name that is not one, a name given twice, or a value holding the next
+        // parameter's start (this one was left open).
+        if key.is_empty() || key.contains(['<', '\n']) || arguments.contains_key(key) || value.contains("\n<parameter=")
+        {
+            return None;
+        }
+        let value = value.strip_prefix('\n').unwrap_or(value);
+        let value = value.strip_suffix('\n').unwrap_or(value);
+        let kind = crate::grammar::xml_value(properties.and_then(|p| p.get(key)), &tool.parameters);
+        arguments.insert(key.to_string(), xml_typed(value, kind));
+        rest = after;
+    }
+    let next = rest.trim_start().strip_prefix("</tool_call>")?;
+    Some((Call { id: None, name: tool.name.clone(), arguments: Value::Object(arguments) }, next))
+}
+
+/// An XML call's value `text` as JSON, as `kind` says: a string; or the JSON it reads
+/// as, where that is not a string (else the text, for the tool to judge), Python's
+/// `True`, `False` and `None` read too where no string is allowed (a template rendered
+/// by Python's Jinja writes them so, and the model learned from those).
+fn xml_typed(text: &str, kind: XmlValue) -> Value {
+    if kind == XmlValue::Text {
+        return Value::String(text.to_string());
+    }
+    match serde_json::from_str::<Value>(text) {
+        Ok(v) if !v.is_string() => v,
+        _ if kind == XmlValue::Json => match text.trim() {
+            "True" => Value::Bool(true),
+            "False" => Value::Bool(false),
+            "None" => Value::Null,
+            _ => Value::String(text.to_string()),
+        },
+        _ => Value::String(text.to_string()),
     }
 }
 
@@ -1051,6 +1132,179 @@ mod tests {
         assert_eq!(b.read(cut), Reply::Text(cut.into()));
     }
 
+    /// A tool whose parameters have every kind of value: a string, an integer, a
+    /// boolean, an object, a string again, one of no type, one either a string or an
+    /// integer; the path and the line required.
+    fn edit() -> Value {
+        json!({"type": "function", "function": {"name": "edit_file", "parameters": {"type": "object",
+            "properties": {"path": {"type": "string"}, "line": {"type": "integer"}, "dry_run": {"type": "boolean"},
+                "options": {"type": "object", "properties": {"indent": {"type": "integer"}}},
+                "version": {"type": "string"}, "note": {"description": "Anything."},
+                "limit": {"type": ["integer", "string"]}},
+            "required": ["path", "line"]}}})
+    }
+
+    /// An XML call of `name` with these parameters (key, value as written).
+    fn xml_call(name: &str, parameters: &[(&str, &str)]) -> String {
+        let parameters: String =
+            parameters.iter().map(|(k, v)| format!("<parameter={k}>\n{v}\n</parameter>\n")).collect();
+        format!("<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>")
+    }
+
+    /// Qwen3-Coder's syntax: a required call is `<tool_call>` blocks of XML, one per
+    /// line when parallel, naming an offered tool and its properties (the required ones
+    /// always), a string's value as text (without `</parameter>`, within its
+    /// `maxLength`), an enum's as the template writes its values, any other as JSON of
+    /// its schema; `auto` leaves the model free.
+    #[test]
+    fn qwen_xml_grammar_holds_xml_calls_of_the_tools_parameters() {
+        let b = required(ToolSyntax::QwenXml, true);
+        let g = b.grammar().unwrap();
+        let oslo = xml_call("get_weather", &[("city", "Oslo"), ("unit", "c")]);
+        let cet = xml_call("get_time", &[("zone", "CET")]);
+        let two = format!("{oslo}\n{cet}");
+        assert!(gbnf::accepts(&g, &two), "{g}");
+        // unit is optional; get_time's zone (whose pattern text cannot follow) too.
+        assert!(gbnf::accepts(&g, &xml_call("get_weather", &[("city", "Oslo")])), "{g}");
+        assert!(gbnf::accepts(&g, &xml_call("get_time", &[])), "{g}");
+        for bad in [
+            two.replace("get_time", "get_date"),
+            xml_call("get_weather", &[("unit", "c")]),
+            xml_call("get_weather", &[("city", "Oslo"), ("unit", "k")]),
+            xml_call("get_weather", &[("city", "Oslo"), ("country", "NO")]),
+            xml_call("get_weather", &[("unit", "c"), ("city", "Oslo")]),
+            oslo.replace("<tool_call>\n", "<tool_call>"),
+            format!("Let me look. {oslo}"),
+            format!("{oslo}{cet}"),
+            "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>".to_string(),
+        ] {
+            assert!(!gbnf::accepts(&g, &bad), "{bad}");
+        }
+        let one = required(ToolSyntax::QwenXml, false).grammar().unwrap();
+        assert!(!gbnf::accepts(&one, &two) && gbnf::accepts(&one, &cet), "{one}");
+        let named = json!({"type": "function", "function": {"name": "get_time"}});
+        let mut named = Toolbox::new(&[weather(), time()], Some(&named), None).unwrap().unwrap();
+        named.speak(ToolSyntax::QwenXml);
+        let g = named.grammar().unwrap();
+        assert!(gbnf::accepts(&g, &cet) && !gbnf::accepts(&g, &oslo), "{g}");
+        let mut auto = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        auto.speak(ToolSyntax::QwenXml);
+        assert_eq!(auto.grammar(), None);
+
+        // Values by type: text, JSON of the schema, text or JSON where both are allowed.
+        let mut b = Toolbox::new(&[edit()], Some(&json!("required")), Some(false)).unwrap().unwrap();
+        b.speak(ToolSyntax::QwenXml);
+        let g = b.grammar().unwrap();
+        let code = "fn main() {\n    if a < b && c </ d {} // <parameter=x> </div> <\n}";
+        let full = [
+            ("path", "src/main.rs"),
+            ("line", "42"),
+            ("dry_run", "true"),
+            ("options", "{\"indent\": 4}"),
+            ("version", code),
+            ("note", "{\"a\": 1}"),
+            ("limit", "seven"),
+        ];
+        assert!(gbnf::accepts(&g, &xml_call("edit_file", &full)), "{g}");
+        assert!(gbnf::accepts(&g, &xml_call("edit_file", &[("path", ""), ("line", "-3")])), "{g}");
+        for bad in [
+            xml_call("edit_file", &[("path", "a.rs")]),
+            xml_call("edit_file", &[("path", "a.rs"), ("line", "forty")]),
+            xml_call("edit_file", &[("path", "a.rs"), ("line", "1"), ("dry_run", "yes")]),
+            xml_call("edit_file", &[("path", "a.rs"), ("line", "1"), ("options", "{\"indent\": \"4\"}")]),
+            xml_call("edit_file", &[("path", "a.rs</parameter>b"), ("line", "1")]),
+            xml_call("edit_file", &[("path", "a.rs"), ("line", "1"), ("version", "<</parameter>")]),
+        ] {
+            assert!(!gbnf::accepts(&g, &bad), "{bad}");
+        }
+        // A string's maxLength bounds its text.
+        let short = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+            "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"]}}});
+        let mut b = Toolbox::new(&[short], Some(&json!("required")), None).unwrap().unwrap();
+        b.speak(ToolSyntax::QwenXml);
+        let g = b.grammar().unwrap();
+        assert!(gbnf::accepts(&g, &xml_call("f", &[("s", "abc")])), "{g}");
+        assert!(!gbnf::accepts(&g, &xml_call("f", &[("s", "abcd")])), "{g}");
+    }
+
+    /// Qwen3-Coder's answers read back call by call, each value typed by its
+    /// property's schema; any block that does not read makes the answer text.
+    #[test]
+    fn qwen_xml_answers_read_back_as_typed_calls_or_text() {
+        let b = required(ToolSyntax::QwenXml, true);
+        let oslo = xml_call("get_weather", &[("city", "Oslo"), ("unit", "c")]);
+        let cet = xml_call("get_time", &[("zone", "CET")]);
+        let two = format!("{oslo}\n{cet}");
+        assert_eq!(b.read(&two), oslo_and_cet());
+        assert_eq!(
+            b.read(&oslo),
+            Reply::Calls(vec![Call {
+                id: None,
+                name: "get_weather".into(),
+                arguments: json!({"city": "Oslo", "unit": "c"})
+            }])
+        );
+        // After the model's words (or thinking); blocks apart by any white space.
+        assert_eq!(b.read(&format!("I will look both up.\n\n{oslo}\n\n{cet}\n")), oslo_and_cet());
+        assert_eq!(b.read("It is -3 C."), Reply::Text("It is -3 C.".into()));
+        for text in [
+            // Cut short; a tag left open; a tool not offered; a parameter twice; words after.
+            two[..two.len() - 5].to_string(),
+            oslo.replace("</function>\n", ""),
+            oslo.replace("Oslo\n</parameter>", "Oslo\n"),
+            oslo.replace("<function=get_weather>", "<function=get_weather"),
+            oslo.replace("get_weather", "get_date"),
+            xml_call("get_weather", &[("city", "Oslo"), ("city", "Bergen")]),
+            format!("{oslo} Done."),
+            "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>".to_string(),
+        ] {
+            assert_eq!(b.read(&text), Reply::Text(text.clone()), "{text}");
+        }
+
+        // Values: strings as written (one newline either side taken off), others as JSON.
+        let mut b = Toolbox::new(&[edit()], None, None).unwrap().unwrap();
+        b.speak(ToolSyntax::QwenXml);
+        let code = "\nfn main() {\n    println!(\"<b>\");\n}\n";
+        let call = xml_call(
+            "edit_file",
+            &[
+                ("path", "src/main.rs"),
+                ("line", "42"),
+                ("dry_run", "true"),
+                ("options", "{\"indent\": 4, \"tabs\": [false]}"),
+                ("version", "1.10"),
+                ("note", "{\"a\": 1}"),
+                ("limit", "7"),
+                ("extra", "3"),
+            ],
+        );
+        let Reply::Calls(calls) = b.read(&call) else { panic!("{call} read as text") };
+        assert_eq!(
+            calls[0].arguments,
+            json!({"path": "src/main.rs", "line": 42, "dry_run": true, "options": {"indent": 4, "tabs": [false]},
+                "version": "1.10", "note": "{\"a\": 1}", "limit": 7, "extra": "3"})
+        );
+        // Text where JSON does not read (or reads as a string); Python's spellings where no
+        // string is allowed; a value's own newlines kept.
+        let call = xml_call(
+            "edit_file",
+            &[
+                ("path", code),
+                ("line", "forty"),
+                ("dry_run", "True"),
+                ("options", "\"x\""),
+                ("limit", "seven"),
+                ("version", "\"2\""),
+            ],
+        );
+        let Reply::Calls(calls) = b.read(&call) else { panic!("{call} read as text") };
+        assert_eq!(
+            calls[0].arguments,
+            json!({"path": code, "line": "forty", "dry_run": true, "options": "\"x\"", "limit": "seven",
+                "version": "\"2\""})
+        );
+    }
+
     /// Llama 3's syntax: a required call is one `{"name", "parameters"}` object (one
     /// call per message, whatever `parallel` says); answers read back as that object
     /// (after a `<|python_tag|>`) or as text.
@@ -1103,6 +1357,9 @@ mod tests {
                     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}\n</tool_call>"
                         .into()
                 }
+                ToolSyntax::QwenXml => "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n\
+                                        <parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>"
+                    .into(),
                 ToolSyntax::Llama3 => r#"{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}"#.into(),
                 ToolSyntax::CommandR7b => "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \
                                            \"parameters\": {\"city\": \"Oslo\", \"unit\": \"c\"}}]<|END_ACTION|>"
@@ -1137,6 +1394,7 @@ mod tests {
         for syntax in [
             ToolSyntax::Generic,
             ToolSyntax::Hermes,
+            ToolSyntax::QwenXml,
             ToolSyntax::Llama3,
             ToolSyntax::CommandR7b,
             ToolSyntax::DeepSeekR1 { lists_tools: true },
@@ -1446,6 +1704,18 @@ mod tests {
         let hermes =
             "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> <tool_call>{% endif %}";
         assert_eq!(ToolSyntax::of(hermes), ToolSyntax::Hermes);
+        // Qwen3-Coder's XML; GLM's `<arg_key>` pairs are not Hermes' (nor read yet);
+        // Seed-OSS's `<seed:tool_call>` XML is not Qwen's.
+        let qwen_xml = "{% for tool in tools %}<function>{% endfor %}{{- '<tool_call>\\n<function=' + \
+                        tool_call.name + '>\\n' }}{{- '<parameter=' + args_name + '>\\n' }}";
+        assert_eq!(ToolSyntax::of(qwen_xml), ToolSyntax::QwenXml);
+        assert_eq!(ToolSyntax::of(&qwen_xml.replace("tools", "functions")), ToolSyntax::Generic);
+        let glm = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}{{ '<tool_call>' + tc.name }}\
+                   {{ '<arg_key>' + k + '</arg_key><arg_value>' + v + '</arg_value>' }}</tool_call>";
+        assert_eq!(ToolSyntax::of(glm), ToolSyntax::Generic);
+        let seed = "{% for tool in tools %}{% endfor %}{{ '<seed:tool_call>\\n<function=' + name + '>\\n' }}\
+                    {{ '<parameter=' + arg_name + '>' }}";
+        assert_eq!(ToolSyntax::of(seed), ToolSyntax::Generic);
         let llama3 = "{%- if tools is not none %}Environment: ipython\n{{- '\"parameters\": ' }}{% endif %}";
         assert_eq!(ToolSyntax::of(llama3), ToolSyntax::Llama3);
         assert_eq!(

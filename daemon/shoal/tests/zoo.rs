@@ -67,7 +67,9 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
 }
 
 /// Models whose templates speak a tool syntax Shoal reads call tools in it through a
-/// node's OpenAI route: Qwen 2.5 (Hermes' `<tool_call>` blocks), Llama 3.3 (one
+/// node's OpenAI route: Qwen 2.5 (Hermes' `<tool_call>` blocks), Qwen3-Coder (XML
+/// `<tool_call>` blocks, `<function=NAME>` with a `<parameter=KEY>` per argument, its
+/// template run on Qwen 2's vocabulary, which its own extends), Llama 3.3 (one
 /// `{"name", "parameters"}` object), Command R7B (`<|START_ACTION|>` lists), DeepSeek
 /// R1's Qwen distill and DeepSeek V3.1 (`<｜tool▁calls▁begin｜>` calls), Mistral Nemo
 /// (a `[TOOL_CALLS]` list), Mistral Small 3.2 and Ministral 3 (`[TOOL_CALLS]NAME[ARGS]`
@@ -88,7 +90,10 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
 /// text: the route tests check that on a fake vocabulary). Mistral's templates take
 /// only 9-character call ids: the call sent back is the API's, with such an id.
 /// The node reads each model's thinking syntax off the same templates (gpt-oss's
-/// harmony and the other reasoning templates are read off their files).
+/// harmony and the other reasoning templates are read off their files). The other
+/// templates that write Qwen3-Coder's XML (Qwen 3.5's, Nemotron 3 Nano's, Step 3.5
+/// Flash's) are read as such off their files, and GLM's `<arg_key>` ones (whose
+/// architectures Shoal does not run) as none Shoal reads.
 #[test]
 fn models_call_tools_in_their_own_syntax_through_the_api() {
     use common::{shoal, wait_for};
@@ -102,7 +107,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
     // (file, vocabulary, template, written as the `tool_use` template beside the
     // vocabulary's default one, its syntax, what it writes)
     type Row = (&'static str, &'static str, &'static str, bool, ToolSyntax, &'static [&'static str]);
-    let models: [Row; 8] = [
+    let models: [Row; 9] = [
         (
             "qwen-tools.gguf",
             "ggml-vocab-qwen2.gguf",
@@ -112,6 +117,19 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
             &[
                 "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}\n</tool_call>",
                 "<tool_response>\n-3 c\n</tool_response>",
+            ],
+        ),
+        (
+            "qwen3-coder-tools.gguf",
+            "ggml-vocab-qwen2.gguf",
+            "Qwen3-Coder.jinja",
+            false,
+            ToolSyntax::QwenXml,
+            &[
+                "<tools>\n<function>\n<name>get_weather</name>\n<description>The weather in a city</description>",
+                "<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n\
+                 <parameter=unit>\nc\n</parameter>\n</function>\n</tool_call><|im_end|>",
+                "<|im_start|>user\n<tool_response>\n-3 c\n</tool_response>\n<|im_end|>",
             ],
         ),
         (
@@ -216,6 +234,9 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
             ],
             ToolSyntax::MistralNemo => &["[TOOL_CALLS]"],
             ToolSyntax::Mistral { .. } => &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
+            ToolSyntax::QwenXml => {
+                &["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>"]
+            }
             _ => &[],
         }
     };
@@ -237,6 +258,24 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
     );
     for t in ["Qwen-Qwen3-0.6B.jinja", "Qwen-QwQ-32B.jinja", "HuggingFaceTB-SmolLM3-3B.jinja"] {
         assert_eq!(ThinkingSyntax::of(&read(t)), ThinkingSyntax::Tags { open: "<think>", close: "</think>" }, "{t}");
+    }
+    // Qwen3-Coder's XML calls in the templates of architectures Shoal does not run yet.
+    for t in ["Qwen3.5-4B.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja", "StepFun3.5-Flash.jinja"] {
+        assert_eq!(ToolSyntax::of(&read(t)), ToolSyntax::QwenXml, "{t}");
+    }
+    // GLM's `<tool_call>NAME<arg_key>…` calls are not Hermes' (and not read yet); nor is
+    // Seed-OSS's `<seed:tool_call>` XML Qwen's.
+    for t in [
+        "GLM-4.6.jinja",
+        "GLM-4.7-Flash.jinja",
+        "Spark2.5.jinja",
+        "inclusionai-ling-3.0-flash.jinja",
+        "poolside-Laguna-S-2.1.jinja",
+        "poolside-Laguna-XS-2.1.jinja",
+        "poolside-Laguna-XS.2.jinja",
+        "ByteDance-Seed-OSS.jinja",
+    ] {
+        assert_eq!(ToolSyntax::of(&read(t)), ToolSyntax::Generic, "{t}");
     }
     for (name, vocab, template_name, tool_use, syntax, rendered) in models {
         let template = std::fs::read_to_string(vocabs.join("templates").join(template_name)).unwrap();
