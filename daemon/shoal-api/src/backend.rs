@@ -224,6 +224,13 @@ pub enum ToolSyntax {
     /// a reply as `<|START_RESPONSE|>…<|END_RESPONSE|>`, and reads results in
     /// `<|START_TOOL_RESULT|>`.
     CommandR7b,
+    /// Command R+'s and Command R's (35B; their `tool_use` templates): the template lists
+    /// the tools as Python function signatures with docstrings and asks for
+    /// `Action:` then a `` ```json `` fenced list of `{"tool_name": …, "parameters": {…}}`
+    /// objects, the tool `directly-answer` standing for a reply without tools (a
+    /// "Plan: …" may come first); it writes an earlier call as such a list in the
+    /// assistant's turn and reads results in `<results>` within a system turn.
+    CommandRPlus,
     /// DeepSeek R1's (and its Qwen and Llama distills'): each call
     /// `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then its arguments in a
     /// `` ```json `` fence and `<｜tool▁call▁end｜>`, one per line, all between
@@ -276,12 +283,14 @@ impl ToolSyntax {
     /// `<function=` and `<parameter=`; Hermes' when it writes `<tool_call>` otherwise;
     /// Llama 3's when it answers tools in an `ipython` environment with
     /// `"parameters"`; Command R7B's when it writes `<|START_ACTION|>` lists of
-    /// `"tool_name"`s; Mistral's when it writes `[TOOL_CALLS]` (the later one when its
+    /// `"tool_name"`s; Command R+'s when it writes `Action:` with a `` ```json `` fenced
+    /// list of `"tool_name"`s (R7B's template says `Action:` and `` ```json `` too, in
+    /// its instructions, so its own markers are looked for first); Mistral's when it
+    /// writes `[TOOL_CALLS]` (the later one when its
     /// calls have `[ARGS]`, whether they have `[CALL_ID]`s noted; Nemo's list
     /// otherwise); harmony's when it writes `<|channel|>commentary` messages to
     /// `"functions."` (gpt-oss's). Otherwise the generic one (templates with other
-    /// syntaxes, Command R+'s `Action:` lists, get the generic format until Shoal reads
-    /// theirs).
+    /// syntaxes get the generic format until Shoal reads theirs).
     pub fn of(template: &str) -> ToolSyntax {
         // A template that never names `tools` cannot list them; DeepSeek's own are
         // such, and are told the tools by Shoal instead.
@@ -313,6 +322,8 @@ impl ToolSyntax {
             ToolSyntax::Llama3
         } else if template.contains("<|START_ACTION|>") && template.contains("\"tool_name\"") {
             ToolSyntax::CommandR7b
+        } else if template.contains("Action:") && template.contains("```json") && template.contains("\"tool_name\"") {
+            ToolSyntax::CommandRPlus
         } else if template.contains("[TOOL_CALLS]") {
             if template.contains("[ARGS]") {
                 ToolSyntax::Mistral { call_ids: template.contains("[CALL_ID]") }

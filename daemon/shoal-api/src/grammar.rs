@@ -119,7 +119,8 @@ pub(crate) enum Besides<'a> {
     Text,
     /// A reply that is this JSON value: `{"response": VALUE}` in the generic format;
     /// in a model's own syntax the value as the syntax writes a reply (Command R7B's
-    /// between `<|START_RESPONSE|>` and `<|END_RESPONSE|>`; DeepSeek's after its
+    /// between `<|START_RESPONSE|>` and `<|END_RESPONSE|>`; Command R+'s as the whole
+    /// answer or after an action list of `directly-answer`; DeepSeek's after its
     /// thinking is closed; the others' (Hermes', Qwen3-Coder's, Llama 3's, Mistral's) as
     /// the whole answer).
     Json(&'a Structured),
@@ -136,12 +137,22 @@ const HARMONY_THOUGHT: &str =
 /// A Mistral call id: 9 letters or digits, as Mistral's templates require.
 const MISTRAL_ID: &str = "[a-zA-Z0-9]{9}";
 
+/// What opens Command R+'s action list: `Action:`, then on the same line (as Cohere's
+/// model card shows the model's answer) or the next (as the template writes earlier
+/// calls), the fence and the list's `[`.
+const PLUS_OPEN: &str = "\"Action:\" [ \\n] \"```json\\n[\" ws";
+
+/// What closes it: the list's `]` and the fence, on the list's last line (as the
+/// template writes it) or the next (as the model card shows it).
+const PLUS_CLOSE: &str = "ws \"]\" \"\\n\"? \"```\"";
+
 /// The grammar of a tool-calling answer (see `tools`): `{"tool_calls": [{"name",
 /// "arguments"}]}` naming one of `tools` (name, parameter schema) with arguments its
 /// schema allows, several calls when `parallel`, or a reply as `besides` says. In a
 /// model's own `syntax` instead: Hermes' `<tool_call>\n{"name", "arguments"}\n</tool_call>`
 /// blocks, one per line; Llama 3's one object `{"name", "parameters"}`; Command R7B's
 /// `<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, …]<|END_ACTION|>`;
+/// Command R+'s ``Action: ```json\n[{"tool_name", "parameters"}, …]\n``` ``;
 /// Qwen3-Coder's `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n…
 /// </function>\n</tool_call>` blocks, one per line (see [`xml_parameters`]);
 /// DeepSeek R1's `<｜tool▁calls▁begin｜>` then calls
@@ -206,6 +217,7 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
                     ("\"tool_name\"", &quoted),
                     ("\"parameters\"", &args),
                 ]),
+                ToolSyntax::CommandRPlus => object(&[("\"tool_name\"", &quoted), ("\"parameters\"", &args)]),
                 // DeepSeek writes the name bare.
                 ToolSyntax::DeepSeekR1 { .. } => format!("{} \"\\n```json\\n\" {args} \"\\n```\"", literal(name)),
                 ToolSyntax::DeepSeekV31 { .. } => format!("{} \"<｜tool▁sep｜>\" {args}", literal(name)),
@@ -249,6 +261,11 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
                 ),
                 String::new(),
             ),
+            // One list, as the model card shows it (no plan before it: a call is asked
+            // for, not a plan).
+            ToolSyntax::CommandRPlus => {
+                (format!("{PLUS_OPEN} call{} {PLUS_CLOSE}", more("ws \",\" ws", "call")), String::new())
+            }
             // Likewise `<think>` (llama.cpp's R1 template opens it).
             ToolSyntax::DeepSeekR1 { .. } => (
                 format!(
@@ -313,6 +330,17 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
                 out += &format!(
                     "reply ::= ( \"<|END_THINKING|>\" )? \"<|START_RESPONSE|>\" ws {value} ws \"<|END_RESPONSE|>\"\n"
                 )
+            }
+            // The value alone, or after the action the template asks for when no tool
+            // is called (the reader takes what follows it).
+            (ToolSyntax::CommandRPlus, Besides::Json(_)) => {
+                let member = |k: &str, v: &str| format!("{} ws \":\" ws {v}", literal(&format!("\"{k}\"")));
+                let direct = format!(
+                    "\"{{\" ws {} ws \",\" ws {} ws \"}}\"",
+                    member("tool_name", &literal("\"directly-answer\"")),
+                    member("parameters", "\"{\" ws \"}\"")
+                );
+                out += &format!("reply ::= ( {PLUS_OPEN} {direct} {PLUS_CLOSE} )? ws {value} ws\n")
             }
             // The reader drops the closed thinking before the value.
             (ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. }, Besides::Json(_)) => {

@@ -378,8 +378,9 @@ async fn prepare<B: Backend>(
 /// Why `logprobs` with tools are refused for a model in the generic tool format.
 pub(crate) const LOGPROBS_IN_GENERIC_FORMAT: &str =
     "logprobs with tools (tool_choice auto) need a model whose chat template has a tool syntax of its own \
-     (Hermes, Qwen3-Coder, Llama 3, Command R7B, DeepSeek, Mistral, harmony): this model answers in Shoal's \
-     generic JSON tool format, where a reply is written inside {\"response\": …} and its tokens are not the reply's";
+     (Hermes, Qwen3-Coder, Llama 3, Command R7B, Command R+, DeepSeek, Mistral, harmony): this model answers in \
+     Shoal's generic JSON tool format, where a reply is written inside {\"response\": …} and its tokens are not the \
+     reply's";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {

@@ -1,13 +1,12 @@
 //! Tool calling. Models whose template speaks a tool syntax Shoal reads (Hermes' for
-//! Qwen 2.5 and 3 …, Qwen3-Coder's XML, Llama 3's, Command R7B's, DeepSeek R1's and
-//! V3.1's, Mistral's, gpt-oss's harmony: see [`ToolSyntax`]) get their own: the
-//! template lists the tools (or, for DeepSeek's templates, which do not, the system
-//! message does) and writes the conversation's
-//! calls and results, the model answers in its syntax (held by a grammar when a call
-//! is required, or with `auto` when the reply must be JSON of a given format; read back
-//! from free text with `auto` otherwise). Any other model gets the
-//! generic format: the tools are described in
-//! the system message, and a grammar holds the answer to one JSON object, either
+//! Qwen 2.5 and 3 …, Qwen3-Coder's XML, Llama 3's, Command R7B's, Command R+'s,
+//! DeepSeek R1's and V3.1's, Mistral's, gpt-oss's harmony: see [`ToolSyntax`]) get
+//! their own: the template lists the tools (or, for DeepSeek's templates, which do
+//! not, the system message does) and writes the conversation's calls and results, the
+//! model answers in its syntax (held by a grammar when a call is required, or with
+//! `auto` when the reply must be JSON of a given format; read back from free text with
+//! `auto` otherwise). Any other model gets the generic format: the tools are described
+//! in the system message, and a grammar holds the answer to one JSON object, either
 //! `{"tool_calls": [{"name": …, "arguments": {…}}]}` or `{"response": "…"}` (the
 //! generic format llama.cpp falls back to for templates without a tool syntax of their
 //! own). A call names one of the request's tools, and its arguments follow the tool's
@@ -195,7 +194,8 @@ impl Toolbox {
         };
         match (self.syntax, besides) {
             // A reply in words in the model's own syntax: it writes freely.
-            (ToolSyntax::Hermes | ToolSyntax::QwenXml | ToolSyntax::Llama3 | ToolSyntax::CommandR7b, Besides::Text)
+            (ToolSyntax::Hermes | ToolSyntax::QwenXml | ToolSyntax::Llama3, Besides::Text)
+            | (ToolSyntax::CommandR7b | ToolSyntax::CommandRPlus, Besides::Text)
             | (ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. }, Besides::Text)
             | (ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. } | ToolSyntax::Harmony, Besides::Text) => None,
             _ => Some(crate::grammar::tool_answer(&callable, besides, self.parallel, self.syntax)),
@@ -274,7 +274,8 @@ impl Toolbox {
     /// reply. Text that is not such an object (an answer cut by `max_tokens`) is
     /// returned as it is, as a reply. A reply held to a JSON format is that JSON's
     /// text: in the generic format the `response` value written out (a string value
-    /// too, quoted, as JSON); DeepSeek's without the closed thinking before it.
+    /// too, quoted, as JSON); DeepSeek's without the closed thinking before it; Command
+    /// R+'s after its `directly-answer` action, where it wrote one.
     pub fn read(&self, text: &str) -> Reply {
         let json_reply = self.reply.is_some() && self.choice == Choice::Auto;
         match self.syntax {
@@ -292,6 +293,9 @@ impl Toolbox {
                 }
             }
             ToolSyntax::CommandR7b => return read_command_r7b(text),
+            // (A JSON reply cannot be taken for an action: an `Action:` within it is in a
+            // string, and what follows it reads as a string, not a list.)
+            ToolSyntax::CommandRPlus => return read_command_r_plus(text, &self.tools),
             ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => {
                 let v31 = matches!(self.syntax, ToolSyntax::DeepSeekV31 { .. });
                 return match read_deepseek(text, v31) {
@@ -327,7 +331,8 @@ impl Toolbox {
 
     /// Where `reply`, read from the answer `text` by [`Toolbox::read`], lies in
     /// `text` (bytes), so that its tokens can be told from the rest: the whole answer;
-    /// Command R7B's after `<|START_RESPONSE|>`; DeepSeek's after its closed thinking.
+    /// Command R7B's after `<|START_RESPONSE|>`; Command R+'s after its action list
+    /// where it lies there (else before it); DeepSeek's after its closed thinking.
     /// None where the reply is not a part of the text as written (the generic format's
     /// `response`, unescaped or written out again).
     pub fn reply_span(&self, text: &str, reply: &str) -> Option<Range<usize>> {
@@ -343,6 +348,10 @@ impl Toolbox {
             | ToolSyntax::Mistral { .. }
             | ToolSyntax::Harmony => 0,
             ToolSyntax::CommandR7b => text.find(COHERE_REPLY).map_or(0, |i| i + COHERE_REPLY.len()),
+            ToolSyntax::CommandRPlus => match plus_action(text) {
+                Some((action, _)) if text[action.end..].contains(reply) => action.end,
+                _ => 0,
+            },
             ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => text.len() - after_thinking(text).len(),
         };
         // The reply starts where its reader took it from, so the first match there is it.
@@ -371,7 +380,8 @@ impl Toolbox {
             // (`<function=`, `<parameter=` are text), as llama.cpp preserves them.
             ToolSyntax::QwenXml => &["<tool_call>", "</tool_call>"],
             // Harmony's are the thinking's too: every answer shows them (`gen::run`).
-            // Command R7B's reader takes a bare list where its markers render as nothing.
+            // Command R7B's reader takes a bare list where its markers render as nothing;
+            // Command R+'s `Action:` and fences are text.
             _ => &[],
         };
         crate::thinking::shown_markers(text, markers)
@@ -755,7 +765,13 @@ fn read_command_r7b(text: &str) -> Reply {
 /// "parameters"}, …]` (the ids are the model's count, not the client's: dropped); `None`
 /// unless `body` is a non-empty list of such objects.
 fn cohere_calls(body: &str) -> Option<Vec<Call>> {
-    let list = serde_json::from_str::<Value>(body).ok()?;
+    action_calls(&serde_json::from_str::<Value>(body).ok()?)
+}
+
+/// The calls of a Cohere action list (Command R7B's, with ids, or Command R+'s,
+/// without): `{"tool_name", "parameters"}` objects; `None` unless `list` is a
+/// non-empty list of such objects.
+fn action_calls(list: &Value) -> Option<Vec<Call>> {
     let calls = list
         .as_array()?
         .iter()
@@ -765,6 +781,52 @@ fn cohere_calls(body: &str) -> Option<Vec<Call>> {
         })
         .collect::<Option<Vec<_>>>()?;
     (!calls.is_empty()).then_some(calls)
+}
+
+/// What opens Command R+'s action list.
+const PLUS_ACTION: &str = "Action:";
+
+/// The tool Command R+'s template tells the model to call when it answers without
+/// tools, as the template spells it and as Cohere's model card does.
+const DIRECTLY_ANSWER: [&str; 2] = ["directly-answer", "directly_answer"];
+
+/// Command R+'s answer read back: the calls in its action list (see [`plus_action`];
+/// text before it, a "Plan: …", is not part of them; text after a list of calls is
+/// dropped, as the other Cohere reader drops it), less any `directly-answer`, which
+/// stands for no call (unless the request offers a tool of that name). A list of
+/// nothing but `directly-answer`: a reply, the text the model wrote after the list,
+/// else before it, else (it wrote the action alone) the whole answer as it came, so
+/// that the client sees what the model said rather than an empty reply. No list, or
+/// one that is not of calls: the text as it came.
+fn read_command_r_plus(text: &str, tools: &[Tool]) -> Reply {
+    let Some((action, calls)) = plus_action(text) else { return Reply::Text(text.to_string()) };
+    let direct = |c: &Call| DIRECTLY_ANSWER.contains(&c.name.as_str()) && !tools.iter().any(|t| t.name == c.name);
+    let calls: Vec<Call> = calls.into_iter().filter(|c| !direct(c)).collect();
+    if !calls.is_empty() {
+        return Reply::Calls(calls);
+    }
+    let (before, after) = (text[..action.start].trim(), text[action.end..].trim());
+    let reply = [after, before].into_iter().find(|t| !t.is_empty()).unwrap_or(text);
+    Reply::Text(reply.to_string())
+}
+
+/// Command R+'s action in `text`: where it lies (from its `Action:` to the end of the
+/// fence closing its list, or of the list where the fence is left open, as at the end
+/// of a generation cut short) and its calls. The first `Action:` then, after any white
+/// space, a `` ```json `` (or bare `` ``` ``) fence, or none, and a non-empty JSON list
+/// of `{"tool_name", "parameters"}` objects; `None` otherwise.
+fn plus_action(text: &str) -> Option<(Range<usize>, Vec<Call>)> {
+    let at = text.find(PLUS_ACTION)?;
+    let after = text[at + PLUS_ACTION.len()..].trim_start();
+    let body = after.strip_prefix("```json").or_else(|| after.strip_prefix("```")).unwrap_or(after).trim_start();
+    // The list is the first JSON value: what follows it (the fence's close, words)
+    // is not read as JSON.
+    let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+    let list = values.next()?.ok()?;
+    let calls = action_calls(&list)?;
+    let rest = body.get(values.byte_offset()..)?;
+    let rest = rest.trim_start().strip_prefix("```").unwrap_or(rest);
+    Some((at..text.len() - rest.len(), calls))
 }
 
 /// The ways DeepSeek's models open their calls: the template's marker, and the
@@ -842,7 +904,7 @@ pub(crate) fn prompt(
 ) -> Result<String, String> {
     match toolbox {
         Some(b) if b.syntax != ToolSyntax::Generic => {
-            let tools: Vec<Value> =
+            let mut tools: Vec<Value> =
                 b.tools.iter().map(|t| json!({"type": "function", "function": t.described})).collect();
             let mut messages = openai_messages(turns);
             if let Some(told) = b.told() {
@@ -851,19 +913,43 @@ pub(crate) fn prompt(
             if matches!(b.syntax, ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. }) {
                 for_mistral(&mut messages);
             }
-            if b.syntax == ToolSyntax::Harmony {
+            if matches!(b.syntax, ToolSyntax::Harmony | ToolSyntax::CommandRPlus) {
                 // gpt-oss's template looks inside every assistant turn's content (as
-                // text: null is an error there, as in Python's Jinja).
+                // text: null is an error there, as in Python's Jinja); Command R+'s
+                // writes a call's content, trimmed, before its action (a null one as
+                // "None", as Python's Jinja writes it).
                 for m in messages.as_array_mut().into_iter().flatten() {
                     if m["content"].is_null() {
                         m["content"] = json!("");
                     }
                 }
             }
+            if b.syntax == ToolSyntax::CommandRPlus {
+                for (tool, t) in tools.iter_mut().zip(&b.tools) {
+                    tool["function"]["parameters"] = for_command_r_plus(&t.parameters);
+                }
+            }
             text.chat_prompt_with_tools_as(&messages, &Value::Array(tools), options)
         }
         _ => text.chat_prompt_as(&prompt_turns(turns, toolbox), options),
     }
+}
+
+/// A tool's parameter schema as Command R+'s template can list it: the template adds
+/// each property's `description` to its text and looks names up in `required` and
+/// `properties`, and an undefined one is an error there (as in Python's Jinja), where a
+/// schema may leave them out: missing ones are given, empty.
+fn for_command_r_plus(parameters: &Value) -> Value {
+    let mut out = parameters.clone();
+    let Some(schema) = out.as_object_mut() else { return out };
+    let properties = schema.entry("properties").or_insert_with(|| json!({}));
+    for property in properties.as_object_mut().into_iter().flat_map(|p| p.values_mut()) {
+        if let Some(p) = property.as_object_mut() {
+            p.entry("description").or_insert_with(|| json!(""));
+        }
+    }
+    schema.entry("required").or_insert_with(|| json!([]));
+    out
 }
 
 /// `messages` (OpenAI's shape) with `text` joined to the system message (one is added
@@ -1364,6 +1450,9 @@ mod tests {
                 ToolSyntax::CommandR7b => "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \
                                            \"parameters\": {\"city\": \"Oslo\", \"unit\": \"c\"}}]<|END_ACTION|>"
                     .into(),
+                ToolSyntax::CommandRPlus => "Action: ```json\n[{\"tool_name\": \"get_weather\", \"parameters\": \
+                                             {\"city\": \"Oslo\", \"unit\": \"c\"}}]\n```"
+                    .into(),
                 ToolSyntax::DeepSeekR1 { .. } => "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>\
                                                    get_weather\n```json\n{\"city\": \"Oslo\", \"unit\": \"c\"}\n```\
                                                    <｜tool▁call▁end｜><｜tool▁calls▁end｜>"
@@ -1397,6 +1486,7 @@ mod tests {
             ToolSyntax::QwenXml,
             ToolSyntax::Llama3,
             ToolSyntax::CommandR7b,
+            ToolSyntax::CommandRPlus,
             ToolSyntax::DeepSeekR1 { lists_tools: true },
             ToolSyntax::DeepSeekV31 { lists_tools: true },
             ToolSyntax::MistralNemo,
@@ -1519,6 +1609,127 @@ mod tests {
             "[1, 2]",
         ] {
             assert_eq!(b.read(text), Reply::Text(text.into()));
+        }
+    }
+
+    /// An action list as Command R+'s template writes an earlier call (`Action:` and
+    /// the fence on lines of their own, the objects indented, `]` and the fence's close
+    /// on one line) of get_weather(Oslo, c) and get_time(CET).
+    const PLUS_TWO: &str = "Action:\n```json\n[\n    {\n        \"tool_name\": \"get_weather\",\n        \"parameters\": {\n\
+                            \x20           \"city\": \"Oslo\",\n            \"unit\": \"c\"\n        }\n    },\n    {\n\
+                            \x20       \"tool_name\": \"get_time\",\n        \"parameters\": {\"zone\": \"CET\"}\n    }\n]```";
+
+    /// Command R+'s syntax: a required call is `Action:` and one fenced JSON list of
+    /// `{"tool_name", "parameters"}` objects (one object unless parallel), of the
+    /// offered tools, their parameters as their schemas say; `auto` leaves the model
+    /// free.
+    #[test]
+    fn command_r_plus_grammar_holds_an_action_list_of_the_tools() {
+        let g = required(ToolSyntax::CommandRPlus, true).grammar().unwrap();
+        // As the template writes calls, and as the model card shows the model's.
+        assert!(gbnf::accepts(&g, PLUS_TWO), "{g}");
+        let card = "Action: ```json\n[\n    {\n        \"tool_name\": \"get_time\",\n        \"parameters\": {}\n    }\n]\n```";
+        assert!(gbnf::accepts(&g, card), "{g}");
+        for bad in [
+            // A tool not offered; a required parameter missing; a value outside its
+            // enum; R7B's `tool_call_id`; Hermes' names; no fence; a plan first; an
+            // empty list; `directly-answer` (a call is required); the fence left open.
+            PLUS_TWO.replace("get_time", "get_date"),
+            PLUS_TWO.replace("\"city\": \"Oslo\",\n            ", ""),
+            PLUS_TWO.replace("\"c\"", "\"k\""),
+            PLUS_TWO.replace("\"tool_name\": \"get_time\"", "\"tool_call_id\": \"1\", \"tool_name\": \"get_time\""),
+            PLUS_TWO.replace("tool_name", "name").replace("parameters", "arguments"),
+            PLUS_TWO.replace("```json\n", ""),
+            format!("Plan: I will look both up.\n{PLUS_TWO}"),
+            "Action: ```json\n[]\n```".to_string(),
+            "Action: ```json\n[{\"tool_name\": \"directly-answer\", \"parameters\": {}}]\n```".to_string(),
+            PLUS_TWO.trim_end_matches('`').to_string(),
+        ] {
+            assert!(!gbnf::accepts(&g, &bad), "{bad}");
+        }
+        // One call unless parallel; a named tool alone.
+        let one = required(ToolSyntax::CommandRPlus, false).grammar().unwrap();
+        assert!(!gbnf::accepts(&one, PLUS_TWO) && gbnf::accepts(&one, card), "{one}");
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        let mut named = Toolbox::new(&[weather(), time()], Some(&named), None).unwrap().unwrap();
+        named.speak(ToolSyntax::CommandRPlus);
+        let g = named.grammar().unwrap();
+        let oslo = "Action: ```json\n[{\"tool_name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\", \"unit\": \"c\"}}]\n```";
+        assert!(gbnf::accepts(&g, oslo) && !gbnf::accepts(&g, card), "{g}");
+        let mut auto = Toolbox::new(&[weather()], None, None).unwrap().unwrap();
+        auto.speak(ToolSyntax::CommandRPlus);
+        assert_eq!(auto.grammar(), None);
+
+        // With a reply format: the reply alone, or after a `directly-answer` action.
+        let mut b = Toolbox::new(&[weather(), time()], None, None).unwrap().unwrap();
+        b.speak(ToolSyntax::CommandRPlus);
+        b.reply_as(Some(forecast()));
+        let g = b.grammar().unwrap();
+        let direct = "Action: ```json\n[\n    {\n        \"tool_name\": \"directly-answer\",\n        \"parameters\": {}\n    }\n]\n```";
+        let reply = format!("{direct}\n{{\"city\": \"Oslo\", \"temp\": -3}}");
+        assert!(gbnf::accepts(&g, &reply) && gbnf::accepts(&g, PLUS_TWO), "{g}");
+        assert!(!gbnf::accepts(&g, direct) && !gbnf::accepts(&g, &format!("{direct}\nIt is cold.")), "{g}");
+        assert_eq!(b.read(&reply), Reply::Text("{\"city\": \"Oslo\", \"temp\": -3}".into()));
+        let span = b.reply_span(&reply, "{\"city\": \"Oslo\", \"temp\": -3}").unwrap();
+        assert_eq!(span.start, direct.len() + 1);
+        // A reply holding an `Action:` (in a string) is the reply.
+        let holding = "{\"city\": \"Action: ```json\\n[{\\\"tool_name\\\": \\\"get_time\\\"}]\", \"temp\": 1}";
+        assert!(serde_json::from_str::<Value>(holding).is_ok(), "{holding}");
+        assert_eq!(b.read(holding), Reply::Text(holding.into()));
+    }
+
+    /// Command R+'s answers read back: the action list's calls (after a plan, the fence
+    /// left open at the end), `directly-answer` as no call, anything else as the text.
+    #[test]
+    fn command_r_plus_answers_read_back_as_calls_or_text() {
+        let b = required(ToolSyntax::CommandRPlus, true);
+        assert_eq!(b.read(PLUS_TWO), oslo_and_cet());
+        let cet = Reply::Calls(vec![Call { id: None, name: "get_time".into(), arguments: json!({"zone": "CET"}) }]);
+        // One call, as the model card shows it (arguments as JSON text read as JSON).
+        let one = "Action: ```json\n[\n    {\n        \"tool_name\": \"get_time\",\n        \"parameters\": \
+                   \"{\\\"zone\\\": \\\"CET\\\"}\"\n    }\n]\n```";
+        assert_eq!(b.read(one), cet);
+        // After a plan; white space anywhere; the fence bare, left open, or missing.
+        let planned = format!("Plan: First I will look up the weather, then the time.\n{PLUS_TWO}");
+        assert_eq!(b.read(&planned), oslo_and_cet());
+        let loose = "  Action:```json[{\"tool_name\":\"get_time\",\"parameters\":{\"zone\":\"CET\"}}]```\n";
+        assert_eq!(b.read(loose), cet);
+        assert_eq!(b.read(&PLUS_TWO.replace("```json", "```")), oslo_and_cet());
+        assert_eq!(b.read(PLUS_TWO.trim_end_matches('`')), oslo_and_cet());
+        assert_eq!(b.read(&PLUS_TWO.replace("```json\n", "")), oslo_and_cet());
+        // `directly-answer` beside calls is dropped; alone, it is a reply: the words after
+        // the list, else before it, else the whole answer (no words at all).
+        let direct = "Action: ```json\n[{\"tool_name\": \"directly-answer\", \"parameters\": {}}]\n```";
+        let beside = PLUS_TWO.replacen('[', "[{\"tool_name\": \"directly_answer\", \"parameters\": {}},", 1);
+        assert_eq!(b.read(&beside), oslo_and_cet());
+        assert_eq!(
+            b.read(&format!("{direct}\nHello! How can I help?\n")),
+            Reply::Text("Hello! How can I help?".into())
+        );
+        let before = format!("Plan: I will greet the user.\n{direct}");
+        assert_eq!(b.read(&before), Reply::Text("Plan: I will greet the user.".into()));
+        assert_eq!(b.read(direct), Reply::Text(direct.into()));
+        let answer = format!("{direct}\nHello!");
+        assert_eq!(b.reply_span(&answer, "Hello!"), Some(answer.len() - 6..answer.len()));
+        // A tool the request offers by that name is called.
+        let named = json!({"type": "function", "function": {"name": "directly-answer"}});
+        let mut own = Toolbox::new(&[named], None, None).unwrap().unwrap();
+        own.speak(ToolSyntax::CommandRPlus);
+        assert_eq!(
+            own.read(direct),
+            Reply::Calls(vec![Call { id: None, name: "directly-answer".into(), arguments: json!({}) }])
+        );
+        // No action; an action that is not a list of calls (not JSON, an empty list,
+        // an object without a name, cut short): the answer as it came.
+        for text in [
+            "It is -3 C in Oslo.".to_string(),
+            "Action: look it up.".to_string(),
+            "Action: ```json\n[]\n```".to_string(),
+            "Action: ```json\n[{\"parameters\": {}}]\n```".to_string(),
+            "Action: ```json\n{\"tool_name\": \"get_time\", \"parameters\": {}}\n```".to_string(),
+            PLUS_TWO[..PLUS_TWO.find("CET").unwrap()].to_string(),
+        ] {
+            assert_eq!(b.read(&text), Reply::Text(text.clone()), "{text}");
         }
     }
 
@@ -1733,9 +1944,17 @@ mod tests {
         let r7b = "{% for tool in tools %}{{ tool }}{% endfor %}<|START_ACTION|>[{\"tool_call_id\": \"0\", \
                    \"tool_name\": \"{{ tc.function.name }}\"}]<|END_ACTION|>";
         assert_eq!(ToolSyntax::of(r7b), ToolSyntax::CommandR7b);
-        // Command R+'s `Action:` lists are not read natively.
-        let plus = "{% for tool in tools %}{% endfor %}Action:\n```json\n[{\"tool_name\": \"x\"}]```";
-        assert_eq!(ToolSyntax::of(plus), ToolSyntax::Generic);
+        // R7B's instructions say `Action:` and show a `json` fence too: its markers decide.
+        let r7b_told = format!("{r7b}1. Action: write <|START_ACTION|> …\n```json\n[]\n```");
+        assert_eq!(ToolSyntax::of(&r7b_told), ToolSyntax::CommandR7b);
+        // Command R+'s `Action:` lists (fenced, of `"tool_name"`s); not without the fence,
+        // the names or the tools.
+        let plus = "{% for tool in tools %}{% endfor %}{{- '\\nAction:\\n```json\\n[\\n' }}\
+                    {{- '\"tool_name\": \"' + tool_call.name + '\",\\n' }}";
+        assert_eq!(ToolSyntax::of(plus), ToolSyntax::CommandRPlus);
+        assert_eq!(ToolSyntax::of(&plus.replace("```json", "")), ToolSyntax::Generic);
+        assert_eq!(ToolSyntax::of(&plus.replace("tool_name", "name")), ToolSyntax::Generic);
+        assert_eq!(ToolSyntax::of(&plus.replace("tools", "functions")), ToolSyntax::Generic);
         // DeepSeek's own templates never name the tools; llama.cpp's R1 template lists them.
         let r1 = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + \
                   tool['function']['name'] + '\\n' + '```json' }}";
@@ -1814,6 +2033,23 @@ mod tests {
         let m: Value = serde_json::from_str(p.split_once('|').unwrap().0).unwrap();
         let id = m[1]["tool_calls"][0]["id"].as_str().unwrap();
         assert!(is_mistral_id(id) && m[2]["tool_call_id"] == id && m[1]["content"] == "", "{m}");
+
+        // Command R+'s template writes every parameter's description and looks names up
+        // in `required` (a call's content, too, as text): none undefined.
+        let bare = json!({"type": "function", "function": {"name": "now"}});
+        let mut both = Toolbox::new(&[weather(), bare], None, None).unwrap().unwrap();
+        both.speak(ToolSyntax::CommandRPlus);
+        let p = prompt(&Model(ToolSyntax::CommandRPlus), &turns, Some(&both), &PromptOptions::default()).unwrap();
+        let (messages, tools) = p.split_once('|').unwrap();
+        assert_eq!(serde_json::from_str::<Value>(messages).unwrap()[1]["content"], "");
+        let tools: Value = serde_json::from_str(tools).unwrap();
+        assert_eq!(
+            tools[0]["function"]["parameters"],
+            json!({"type": "object", "properties": {"city": {"type": "string", "description": ""},
+                "unit": {"enum": ["c", "f"], "description": ""}}, "required": ["city"]})
+        );
+        assert_eq!(tools[0]["function"]["description"], "The weather in a city");
+        assert_eq!(tools[1]["function"]["parameters"], json!({"type": "object", "properties": {}, "required": []}));
     }
 
     /// Mistral Nemo's syntax: a required call is `[TOOL_CALLS]` then one JSON list of

@@ -133,7 +133,62 @@ fn environment<'s>() -> Environment<'s> {
     // which templates test before `tools | length`.
     env.add_test("iterable", |v: Value| v.try_iter().is_ok() && !v.is_none() && !v.is_undefined());
     env.add_filter("tojson", tojson);
+    env.add_filter("indent", indent);
     env
+}
+
+/// Jinja's `indent` as Python's writes it (`width` spaces, or the text given, before
+/// every line but the first, and the first too with `first`; blank lines too with
+/// `blank`): minijinja's drops a trailing newline, which Python's keeps, and Command
+/// R+'s template writes the `{` of each earlier call as `'{\n'|indent(4, first=true)`,
+/// its line break then lost from what the model reads.
+fn indent(
+    text: String,
+    width: Option<Value>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<String, Error> {
+    let width = match width {
+        Some(w) => Some(w),
+        None => kwargs.get::<Option<Value>>("width")?,
+    };
+    let first = match first {
+        Some(f) => f,
+        None => kwargs.get::<Option<bool>>("first")?.unwrap_or(false),
+    };
+    let blank = match blank {
+        Some(b) => b,
+        None => kwargs.get::<Option<bool>>("blank")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    let by = match width {
+        None => " ".repeat(4),
+        Some(w) => match w.as_str() {
+            Some(s) => s.to_string(),
+            None => {
+                let n = usize::try_from(w.clone())?;
+                // A template's width, not a request's: bounded all the same.
+                if n > 1024 {
+                    return Err(Error::new(ErrorKind::InvalidOperation, format!("indent({n}): too wide")));
+                }
+                " ".repeat(n)
+            }
+        },
+    };
+    // Python's `splitlines` of the text with a newline added: its lines, a trailing
+    // newline leaving an empty last one.
+    let mut lines = text.split('\n').map(|l| l.strip_suffix('\r').unwrap_or(l));
+    let mut out = if first { by.clone() } else { String::new() };
+    out.push_str(lines.next().unwrap_or_default());
+    for line in lines {
+        out.push('\n');
+        if blank || !line.is_empty() {
+            out.push_str(&by);
+        }
+        out.push_str(line);
+    }
+    Ok(out)
 }
 
 /// Hugging Face's `{% generation %}` … `{% endgeneration %}` (its renderer's
@@ -298,6 +353,19 @@ mod tests {
         let turns = [Turn { role: "assistant", content: "a" }, Turn { role: "assistant", content: "b" }];
         assert_eq!(render(t, &turns, "", "").unwrap(), "[a][b]|1");
         assert_eq!(generation_blocks_as_ifs("x{% generation %}y{%+ endgeneration +%}"), "x{% if true %}y{%+ endif +%}");
+    }
+
+    /// As Python's Jinja writes them (its output in the comments' stead).
+    #[test]
+    fn indent_writes_as_python_does() {
+        let out = |t: &str| render(t, &[], "", "").unwrap();
+        // Command R+'s call: the brace's line break kept.
+        assert_eq!(out("{{ '{\\n'|indent(4, first=true) }}|"), "    {\n|");
+        assert_eq!(out("{{ 'a\\n\\nb\\n'|indent }}|"), "a\n\n    b\n|");
+        assert_eq!(out("{{ 'a\\n\\nb'|indent(2, blank=true) }}|"), "a\n  \n  b|");
+        assert_eq!(out("{{ 'a\\nb'|indent(width='> ', first=true) }}"), "> a\n> b");
+        assert_eq!(out("{{ ''|indent(first=true) }}|"), "    |");
+        assert!(render("{{ 'a'|indent(-1) }}", &[], "", "").is_err());
     }
 
     #[test]

@@ -70,15 +70,17 @@ fn the_planners_memory_prediction_is_within_one_percent_of_llama_cpps_for_every_
 /// node's OpenAI route: Qwen 2.5 (Hermes' `<tool_call>` blocks), Qwen3-Coder (XML
 /// `<tool_call>` blocks, `<function=NAME>` with a `<parameter=KEY>` per argument, its
 /// template run on Qwen 2's vocabulary, which its own extends), Llama 3.3 (one
-/// `{"name", "parameters"}` object), Command R7B (`<|START_ACTION|>` lists), DeepSeek
-/// R1's Qwen distill and DeepSeek V3.1 (`<｜tool▁calls▁begin｜>` calls), Mistral Nemo
-/// (a `[TOOL_CALLS]` list), Mistral Small 3.2 and Ministral 3 (`[TOOL_CALLS]NAME[ARGS]`
-/// calls), each the zoo's qwen2 weights under the family's real vocabulary (V3.1:
+/// `{"name", "parameters"}` object), Command R7B (`<|START_ACTION|>` lists), Command
+/// R+ (`Action:` and a `` ```json `` fenced list), DeepSeek R1's Qwen distill and
+/// DeepSeek V3.1 (`<｜tool▁calls▁begin｜>` calls), Mistral Nemo (a `[TOOL_CALLS]`
+/// list), Mistral Small 3.2 and Ministral 3 (`[TOOL_CALLS]NAME[ARGS]` calls), each the zoo's qwen2 weights under the family's real vocabulary (V3.1:
 /// DeepSeek LLM's, the nearest there is; Mistral's: none of llama.cpp's test
 /// vocabularies is one, so their templates run on Llama 3's BPE one, the nearest to
-/// their Tekken) and chat template. Command R7B's is its `tool_use` template, kept beside
-/// a default one without tool syntax (Command R's, the vocabulary's own) as Cohere's
-/// GGUFs keep it: requests with tools go through the former, the rest the latter. The
+/// their Tekken) and chat template. Command R7B's and Command R+'s are their `tool_use`
+/// templates, each kept beside a default one without tool syntax (Command R's, the
+/// vocabulary's own) as Cohere's GGUFs keep it: requests with tools go through the
+/// former, the rest the latter (Command R+'s, which needs every parameter described,
+/// gets empty descriptions from the API where a request's tool has none). The
 /// template (or, for DeepSeek's, which do not list tools, the system message) lists
 /// the tools, a grammar holds a required call to the model's syntax, and the answer
 /// comes back as parsed `tool_calls` whose arguments follow the tool's schema; the
@@ -107,7 +109,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
     // (file, vocabulary, template, written as the `tool_use` template beside the
     // vocabulary's default one, its syntax, what it writes)
     type Row = (&'static str, &'static str, &'static str, bool, ToolSyntax, &'static [&'static str]);
-    let models: [Row; 9] = [
+    let models: [Row; 10] = [
         (
             "qwen-tools.gguf",
             "ggml-vocab-qwen2.gguf",
@@ -155,6 +157,21 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
                  {\"city\": \"Oslo\", \"unit\": \"c\"}}\n]<|END_ACTION|>",
                 "<|START_TOOL_RESULT|>[\n    {\n        \"tool_call_id\": \"0\",\n        \"results\": {\n            \
                  \"0\": \"-3 c\"",
+            ],
+        ),
+        (
+            "command-r-plus-tools.gguf",
+            "ggml-vocab-command-r.gguf",
+            "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+            true,
+            ToolSyntax::CommandRPlus,
+            &[
+                "```python\ndef get_weather(city: str, unit: Any) -> List[Dict]:\n    \"\"\"The weather in a city\n\n    \
+                 Args:\n        city (str): The city.\n        unit (Any): The unit.\n    \"\"\"\n    pass\n```",
+                "<|CHATBOT_TOKEN|>\nAction:\n```json\n[\n    {\n        \"tool_name\": \"get_weather\",\n        \
+                 \"parameters\": {\n            \"city\": \"Oslo\",\n            \"unit\": \"c\"\n        }\n    }\n]```\n\
+                 <|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><results>\n-3 c</results><|END_OF_TURN_TOKEN|>",
+                "You should use the `directly-answer` tool",
             ],
         ),
         (
@@ -225,6 +242,7 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
     let markers = |syntax: ToolSyntax| -> &[&str] {
         match syntax {
             ToolSyntax::CommandR7b => &["<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>"],
+            ToolSyntax::CommandRPlus => &["Action:", "```json"],
             ToolSyntax::DeepSeekR1 { .. } | ToolSyntax::DeepSeekV31 { .. } => &[
                 "<｜tool▁calls▁begin｜>",
                 "<｜tool▁call▁begin｜>",
@@ -263,6 +281,9 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
     for t in ["Qwen3.5-4B.jinja", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja", "StepFun3.5-Flash.jinja"] {
         assert_eq!(ToolSyntax::of(&read(t)), ToolSyntax::QwenXml, "{t}");
     }
+    // Cohere's later template keeps Command R7B's markers (and says `"tool_name"` and
+    // shows a `json` fence, as Command R+'s does).
+    assert_eq!(ToolSyntax::of(&read("Cohere2MoE.jinja")), ToolSyntax::CommandR7b);
     // GLM's `<tool_call>NAME<arg_key>…` calls are not Hermes' (and not read yet); nor is
     // Seed-OSS's `<seed:tool_call>` XML Qwen's.
     for t in [
@@ -320,13 +341,22 @@ fn models_call_tools_in_their_own_syntax_through_the_api() {
             assert_eq!(String::from_utf8_lossy(&back), *marker, "{name}: {tokens:?}");
         }
         // An earlier call and its result, as the API gives them to the template (to
-        // Mistral's: a 9-character id, content "" beside calls).
+        // Mistral's: a 9-character id, content "" beside calls; to Command R+'s, which
+        // writes the content before the call, content "").
         let mistral = matches!(syntax, ToolSyntax::MistralNemo | ToolSyntax::Mistral { .. });
-        let content = if mistral { json!("") } else { Value::Null };
+        let content = if mistral || syntax == ToolSyntax::CommandRPlus { json!("") } else { Value::Null };
         let messages = json!([ask, {"role": "assistant", "content": content, "tool_calls": [{"type": "function",
             "id": "call00001", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]},
             {"role": "tool", "content": "-3 c", "tool_call_id": "call00001", "name": "get_weather"}]);
-        let prompt = text.chat_prompt_with_tools(&messages, &json!([weather])).unwrap();
+        let mut tool = weather.clone();
+        if syntax == ToolSyntax::CommandRPlus {
+            // Its template writes every parameter's description, which must be there
+            // (the API gives an empty one to a request's tool that has none).
+            for p in ["city", "unit"] {
+                tool["function"]["parameters"]["properties"][p]["description"] = json!(format!("The {p}."));
+            }
+        }
+        let prompt = text.chat_prompt_with_tools(&messages, &json!([tool])).unwrap();
         for part in rendered {
             assert!(prompt.contains(part), "{name}: {part:?} not in {prompt:?}");
         }
