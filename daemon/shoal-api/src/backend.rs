@@ -65,7 +65,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Speculation `settings` fitted to where `model` runs: a node sets the step cost
     /// from its placement's predicted hops and compute
     /// ([`shoal_types::speculative::step_cost_for`]). Chosen once per request, so a
-    /// generation resumed elsewhere keeps its schedule. As given by default.
+    /// generation resumed elsewhere keeps its schedule (with a draft model, where the
+    /// new coordinator drafts with the same file: the coordinator prices and runs it).
+    /// As given by default.
     fn fit_speculation(&self, model: &str, settings: shoal_types::SpecSettings) -> shoal_types::SpecSettings {
         let _ = model;
         settings

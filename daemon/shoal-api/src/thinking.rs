@@ -291,6 +291,16 @@ impl Splitter {
                 }
                 State::Header => {
                     let Some(at) = self.held.find(harmony::MESSAGE) else {
+                        // Text no header starts so (a grammar's JSON answer, words
+                        // without channels) is the answer, streamed as it comes: a
+                        // header starts with a marker, a recipient or the role.
+                        let rest = self.held.trim_start();
+                        let header_like =
+                            ["<|", "to=", "assistant"].iter().any(|m| rest.starts_with(m) || m.starts_with(rest));
+                        if !header_like {
+                            self.state = State::Answer;
+                            continue;
+                        }
                         if end {
                             // Text that never became a message: the answer as it came.
                             let all = std::mem::take(&mut self.held);
@@ -454,5 +464,16 @@ mod tests {
         );
         // Text that is not harmony's: the answer as it came.
         assert_eq!(split(h, false, &["Hello"]), (String::new(), "Hello".into()));
+        // And as it comes (a JSON answer held to a grammar has no header): nothing is
+        // held back for a header that never starts.
+        let mut s = Splitter::new(h, false).unwrap();
+        let r = s.push("{\"a\": ");
+        assert!(matches!(&r.parts[..], [Part::Content(c)] if c == "{\"a\": "), "{:?}", r.parts);
+        // A recipient before the channel still reads as a header.
+        let call = " to=functions.f<|channel|>commentary json<|message|>{}";
+        assert_eq!(
+            split(h, false, &[" to", "=functions.f<|channel|>commentary json<|message|>{}"]),
+            (String::new(), call.into())
+        );
     }
 }

@@ -235,6 +235,11 @@ impl Chain {
             return Err(ChainError::ContextExceeded { prompt: prompt.len(), new: max_new, n_ctx });
         }
         let chunk = self.chunk();
+        // A draft model reads the prompt first, as the pipeline's coordinator has it do
+        // (`Prepared`), so its answers are computed alike.
+        if let Some(p) = proposer.as_deref_mut().filter(|_| spec.is_on()) {
+            let _ = p.read_prompt(prompt);
+        }
         let mut timing = StepTiming::default();
         let mut digest = LogitsDigest::default();
         let mut tokens: Vec<TokenId> = Vec::with_capacity(max_new);

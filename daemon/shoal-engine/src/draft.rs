@@ -165,14 +165,7 @@ impl Proposer for DraftSession {
         let shared = self.stage.clone();
         // Poisoned only by a panic in another session's forward: no drafts then.
         let mut stage = shared.lock().map_err(|_| ProposeError("the draft model failed earlier".into()))?;
-        let chunk = stage.info().chunk as usize;
-        // The stage drops what the session held from `same` on (the Stage contract).
-        self.held.truncate(same);
-        let mut logits = Vec::new();
-        for piece in text[same..].chunks(chunk) {
-            logits = last_logits(&mut stage, self.session, self.held.len(), piece).map_err(|e| self.failed(e))?;
-            self.held.extend(piece);
-        }
+        let mut logits = self.catch_up(&mut stage, &text, same)?;
         let mut out = Vec::with_capacity(k);
         loop {
             let t = first_largest(&logits);
@@ -183,19 +176,44 @@ impl Proposer for DraftSession {
             if out.len() == k || stop.contains(&t) {
                 break;
             }
-            logits = last_logits(&mut stage, self.session, self.held.len(), &[t]).map_err(|e| self.failed(e))?;
+            logits = last_logits(&mut stage, self.session, self.held.len(), &[t]).map_err(ProposeError)?;
             self.held.push(t);
         }
         Ok(out)
     }
+
+    fn read_prompt(&mut self, prompt: &[TokenId]) -> Result<(), ProposeError> {
+        let shared = self.stage.clone();
+        let mut stage = shared.lock().map_err(|_| ProposeError("the draft model failed earlier".into()))?;
+        self.catch_up(&mut stage, prompt, 0).map(drop)
+    }
 }
 
 impl DraftSession {
-    /// A forward failed: what the session holds is unknown, so the next call
-    /// recomputes everything (from position 0, which the stage accepts).
-    fn failed(&mut self, why: String) -> ProposeError {
-        self.held.clear();
-        ProposeError(why)
+    /// Make the session hold `text` (it holds its first `same` tokens already),
+    /// computing the rest in chunks of the stage's C; the logits after it (empty where
+    /// nothing was computed).
+    ///
+    /// A token the draft model does not have (the target's vocabulary may be up to
+    /// [`MAX_VOCAB_DIFFERENCE`] larger) refuses the call before any compute: the
+    /// answer depends on the text alone, and no call recomputes the text for nothing.
+    /// A failed forward leaves the session as it was (the Stage contract), so what it
+    /// holds stays what `held` says; the next forward at `held.len()` drops anything
+    /// past it.
+    fn catch_up(&mut self, stage: &mut LlamaStage, text: &[TokenId], same: usize) -> Result<Vec<f32>, ProposeError> {
+        let n_vocab = stage.info().n_vocab;
+        if let Some(t) = text[same..].iter().find(|&&t| t < 0 || t as u32 >= n_vocab) {
+            return Err(ProposeError(format!("token {t} is past the draft model's vocabulary ({n_vocab})")));
+        }
+        let chunk = stage.info().chunk as usize;
+        // The stage drops what the session held from `same` on (the Stage contract).
+        self.held.truncate(same);
+        let mut logits = Vec::new();
+        for piece in text[same..].chunks(chunk) {
+            logits = last_logits(stage, self.session, self.held.len(), piece).map_err(ProposeError)?;
+            self.held.extend(piece);
+        }
+        Ok(logits)
     }
 }
 

@@ -86,7 +86,12 @@ pub async fn run(
     // planner does not fill the memory a coordinator's draft needs.
     let draft_reserve =
         options.engine.as_ref().map_or(0, |e| e.draft_reserve(runtime::DRAFT_RESERVE_SIZING)).min(offer);
-    if draft_reserve > 0 {
+    if draft_reserve > 0 && draft_reserve == offer {
+        tracing::warn!(
+            mib = draft_reserve >> 20,
+            "the draft model takes all the memory this node offers: no model's stage will be placed here (raise --max-memory)"
+        );
+    } else if draft_reserve > 0 {
         tracing::info!(mib = draft_reserve >> 20, "memory kept out of the offer for the draft model");
     }
     let rt = Arc::new(Runtime {

@@ -647,7 +647,8 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
     // the offer, plus the offer less the stage's predicted memory.
     let drafts = if index == 0 {
         let (engine, path, bytes) = (engine.clone(), obtained.file.path.clone(), entry.size);
-        let room = draft_room(rt.offer_bytes, rt.draft_reserve, stage.memory_bytes);
+        // The offer is RAM: a stage's layers on GPUs take none of it.
+        let room = draft_room(rt.offer_bytes, rt.draft_reserve, stage.ram_bytes());
         let loaded = match tokio::task::spawn_blocking(move || engine.drafts(&path, bytes, sizing, room)).await {
             Ok(r) => r,
             Err(e) => Err(e.to_string()),
@@ -719,7 +720,7 @@ pub const DRAFT_RESERVE_SIZING: StageSizing =
     StageSizing { context: crate::http::DEFAULT_CONTEXT, sessions: 1, chunk: schedule::CHUNK };
 
 /// The memory a coordinating stage's draft model may take: the reserve kept out of
-/// the offer for it, plus what the stage's predicted memory leaves of the offer.
+/// the offer for it, plus what the stage's predicted RAM leaves of the offer.
 pub fn draft_room(offer: u64, reserve: u64, stage_predicted: u64) -> u64 {
     reserve.saturating_add(offer.saturating_sub(stage_predicted))
 }

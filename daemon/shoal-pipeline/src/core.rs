@@ -51,6 +51,9 @@ pub enum Input {
     Done(Job, Result<StepOutput, String>),
     /// A client asks for a generation (coordinator only).
     Generate(GenerateRequest, ClientId),
+    /// The same, with its start computed already ([`Prepared::new`], which the shell
+    /// runs off the event loop where a draft model computes).
+    GeneratePrepared(GenerateRequest, ClientId, Prepared),
     /// The client is gone or does not read its events: end its generation (coordinator
     /// only) and free its session along the ring.
     Cancel(ClientId),
@@ -196,6 +199,71 @@ pub struct CoreConfig {
     /// its own in place of prompt lookup. It computes inline when asked, as stage 0
     /// does; `None`: prompt lookup.
     pub drafts: Option<Arc<dyn DraftSource>>,
+}
+
+/// What a generation starts with, a function of the request and the coordinator's
+/// settings alone: its speculation settings (priced for the draft model), its proposer
+/// (which has read the prompt) and, for a resumed generation, every step it had in
+/// their original shapes plus the next. Computing it may run the draft model over the
+/// prompt and, for a resumed generation, over every step it replays, so the shell
+/// computes it on a blocking thread ([`Input::GeneratePrepared`]) rather than in the
+/// event loop that moves every other session's frames.
+pub struct Prepared {
+    spec: SpecSettings,
+    proposer: Option<Box<dyn Proposer>>,
+    steps: Vec<DecodeStep>,
+}
+
+impl Prepared {
+    /// `req`'s start on a coordinator with draft model `drafts` (none: prompt lookup),
+    /// `n_ctx` positions per session and prefill chunk `chunk`; an error where the
+    /// request is out of bounds.
+    pub fn new(
+        drafts: Option<&Arc<dyn DraftSource>>,
+        n_ctx: u32,
+        chunk: u32,
+        req: &GenerateRequest,
+    ) -> Result<Prepared, String> {
+        // Every bound (prompt and answer within the context, sampling parameters that
+        // cannot make the tail's sampler misbehave or allocate) is checked here, before
+        // the session exists anywhere.
+        req.validate(n_ctx)?;
+        let logprobs = req.sampling.get("logprobs").is_some_and(|v| !v.is_null());
+        let mut spec = req.speculative.filter(|s| s.is_on() && !logprobs).unwrap_or(SpecSettings::OFF);
+        if let Some(d) = drafts {
+            spec = spec.priced_for(d.cost());
+        }
+        // With a draft model, a fresh session reads the prompt first, as every run's
+        // does (the engine's `Chain` too), so its later answers are computed alike.
+        let mut proposer = drafts.filter(|_| spec.is_on()).map(|d| d.proposer());
+        if let Some(p) = proposer.as_deref_mut() {
+            // A failure leaves the session to recompute at its first call.
+            let _ = p.read_prompt(&req.prompt);
+        }
+        // A resumed generation starts as a replay would: every step up to the one after
+        // the tokens it already has, in their original shapes, which the tokens and the
+        // settings determine (validate bounded them below max_new, so the steps fit the
+        // context). The rebuilt schedule asks the fresh session what the first run asked
+        // its own, so it drafts what that one drafted.
+        let (n_ctx, max_new) = (n_ctx as usize, req.max_new as usize);
+        let mut steps = speculative::schedule_of_with(
+            &req.prompt,
+            &req.resume,
+            &spec,
+            max_new,
+            n_ctx,
+            chunk,
+            &req.stop,
+            proposer.as_deref_mut(),
+        );
+        if !req.resume.is_empty() {
+            let limits = speculative::limits_at(req.prompt.len(), req.resume.len(), max_new, n_ctx, chunk, &req.stop);
+            let drafts =
+                speculative::next_draft_with(&req.prompt, &req.resume, &steps, &spec, &limits, proposer.as_deref_mut());
+            steps.push(DecodeStep { n_before: req.resume.len(), drafts });
+        }
+        Ok(Prepared { spec, proposer, steps })
+    }
 }
 
 /// A session as one node sees it.
@@ -362,7 +430,13 @@ impl NodeCore {
     pub fn handle(&mut self, input: Input, now: Instant) -> Vec<Action> {
         let mut out = Vec::new();
         match input {
-            Input::Generate(req, client) => self.start(req, client, now, &mut out),
+            Input::Generate(req, client) => {
+                match Prepared::new(self.cfg.drafts.as_ref(), self.cfg.n_ctx, self.cfg.chunk, &req) {
+                    Ok(p) => self.start(req, client, p, now, &mut out),
+                    Err(m) => out.push(Action::Reply(client, GenEvent::Error(m))),
+                }
+            }
+            Input::GeneratePrepared(req, client, p) => self.start(req, client, p, now, &mut out),
             Input::Cancel(client) => self.cancel(client, &mut out),
             Input::Frame(f) => {
                 self.counters.frames_in += 1;
@@ -391,16 +465,10 @@ impl NodeCore {
 
     // ---- coordinator -------------------------------------------------------------
 
-    fn start(&mut self, req: GenerateRequest, client: ClientId, now: Instant, out: &mut Vec<Action>) {
+    fn start(&mut self, req: GenerateRequest, client: ClientId, p: Prepared, now: Instant, out: &mut Vec<Action>) {
         let fail = |m: String, out: &mut Vec<Action>| out.push(Action::Reply(client, GenEvent::Error(m)));
         if !self.is_coordinator() {
             return fail("this node is not the coordinator".into(), out);
-        }
-        // Every bound (prompt and answer within the context, sampling parameters that
-        // cannot make the tail's sampler misbehave or allocate) is checked here, before
-        // the session exists anywhere.
-        if let Err(m) = req.validate(self.cfg.n_ctx) {
-            return fail(m, out);
         }
         // Skip 0 in the counter (session 0 marks frames about no session).
         self.next_session = (self.next_session + 1) & COUNTER_MASK;
@@ -409,35 +477,7 @@ impl NodeCore {
         }
         let session = session_id(self.incarnation, self.next_session);
         let prompt_steps = req.prompt.len().div_ceil(self.cfg.chunk as usize) as u32;
-        let logprobs = req.sampling.get("logprobs").is_some_and(|v| !v.is_null());
-        let mut spec = req.speculative.filter(|s| s.is_on() && !logprobs).unwrap_or(SpecSettings::OFF);
-        if let Some(d) = &self.cfg.drafts {
-            spec = spec.priced_for(d.cost());
-        }
-        // A resumed generation starts as a replay would: every step up to the one after
-        // the tokens it already has, in their original shapes, which the tokens and the
-        // settings determine (validate bounded them below max_new, so the steps fit the
-        // context).
-        let (n_ctx, chunk, max_new) = (self.cfg.n_ctx as usize, self.cfg.chunk, req.max_new as usize);
-        // With a draft model, the rebuilt schedule asks a fresh session what the first
-        // run asked its own, so it drafts what that one drafted.
-        let mut proposer = self.cfg.drafts.as_ref().filter(|_| spec.is_on()).map(|d| d.proposer());
-        let mut steps = speculative::schedule_of_with(
-            &req.prompt,
-            &req.resume,
-            &spec,
-            max_new,
-            n_ctx,
-            chunk,
-            &req.stop,
-            proposer.as_deref_mut(),
-        );
-        if !req.resume.is_empty() {
-            let limits = speculative::limits_at(req.prompt.len(), req.resume.len(), max_new, n_ctx, chunk, &req.stop);
-            let drafts =
-                speculative::next_draft_with(&req.prompt, &req.resume, &steps, &spec, &limits, proposer.as_deref_mut());
-            steps.push(DecodeStep { n_before: req.resume.len(), drafts });
-        }
+        let Prepared { spec, proposer, steps } = p;
         let resumed = steps.len() as u32;
         let driver = Driver {
             client,

@@ -5,7 +5,7 @@
 
 use crate::breakdown::{DecodeTimes, Mean, Timing};
 pub use crate::core::SamplerFactory;
-use crate::core::{Action, ClientId, CoreConfig, Input, Job, JobInput, NodeCore, RetryPolicy, StepOutput};
+use crate::core::{Action, ClientId, CoreConfig, Input, Job, JobInput, NodeCore, Prepared, RetryPolicy, StepOutput};
 use crate::placement::Placement;
 use crate::protocol::{ControlRequest, GenEvent, GenerateRequest, NodeStatus, MAX_REQUEST};
 use crate::PipelineError;
@@ -63,8 +63,18 @@ enum Event {
     Input(Input),
     /// A frame from the previous stage, and when its reader task had it decoded.
     Frame(Frame, Instant),
-    Generate(GenerateRequest, Client),
+    /// A generation, with its start computed off the loop where a draft model does it.
+    Generate(GenerateRequest, Client, Option<Prepared>),
     Status(tokio::sync::oneshot::Sender<NodeStatus>),
+}
+
+/// What a control task needs to compute a generation's start ([`Prepared::new`]) on a
+/// blocking thread: a draft model reads the prompt there (and replays a resumed
+/// generation's drafts), not in the event loop every session's frames go through.
+struct Starts {
+    drafts: Option<Arc<dyn shoal_types::speculative::DraftSource>>,
+    n_ctx: u32,
+    chunk: u32,
 }
 
 /// A control client waiting for its generation's events, as the event loop holds it.
@@ -184,7 +194,8 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let prev = placement.prev(index).node;
     let incoming = (router.route(alpn::PIPELINE), router.route(alpn::CONTROL));
     let admission = Arc::new(Admission::new(info.max_sessions as usize));
-    tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone(), admission.clone()));
+    let starts = Arc::new(Starts { drafts: drafts.clone(), n_ctx: info.n_ctx_per_session, chunk: info.chunk });
+    tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone(), admission.clone(), starts));
     let coordinator = index == 0;
     let ticker = events_tx.clone();
     tokio::spawn(async move {
@@ -252,10 +263,13 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                 Input::Done(job, out)
             }
             Event::Input(i) => i,
-            Event::Generate(req, client) => {
+            Event::Generate(req, client, prepared) => {
                 next_client += 1;
                 clients.insert(next_client, client);
-                Input::Generate(req, next_client)
+                match prepared {
+                    Some(p) => Input::GeneratePrepared(req, next_client, p),
+                    None => Input::Generate(req, next_client),
+                }
             }
             Event::Status(reply) => {
                 use std::sync::atomic::Ordering::Relaxed;
@@ -651,6 +665,7 @@ async fn accept_task(
     events: mpsc::Sender<Event>,
     counters: Arc<ShellCounters>,
     admission: Arc<Admission>,
+    starts: Arc<Starts>,
 ) {
     loop {
         let acc = tokio::select! {
@@ -669,7 +684,7 @@ async fn accept_task(
             }
             tokio::spawn(read_frames(acc.conn, limits, events, counters.clone()));
         } else if acc.alpn == alpn::CONTROL {
-            tokio::spawn(serve_control(acc.conn, events, admission.clone(), counters.clone()));
+            tokio::spawn(serve_control(acc.conn, events, admission.clone(), counters.clone(), starts.clone()));
         } else {
             acc.conn.close(1u32.into(), b"protocol not served here");
         }
@@ -811,11 +826,13 @@ async fn serve_control(
     events: mpsc::Sender<Event>,
     admission: Arc<Admission>,
     counters: Arc<ShellCounters>,
+    starts: Arc<Starts>,
 ) {
     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
         let events = events.clone();
         let admission = admission.clone();
         let counters = counters.clone();
+        let starts = starts.clone();
         tokio::spawn(async move {
             let reply = |e: GenEvent| {
                 // Invariant: events are plain data and always serialise.
@@ -862,9 +879,33 @@ async fn serve_control(
                 // The client left while waiting.
                 _ = send.stopped() => return,
             };
+            // A draft model's share of the start runs here, on a blocking thread.
+            let speculates = starts.drafts.is_some() && req.speculative.is_some_and(|s| s.is_on());
+            let (req, prepared) = if speculates {
+                let starts = starts.clone();
+                let prepare = move || {
+                    let p = Prepared::new(starts.drafts.as_ref(), starts.n_ctx, starts.chunk, &req);
+                    (req, p)
+                };
+                match tokio::task::spawn_blocking(prepare).await {
+                    Ok((req, Ok(p))) => (req, Some(p)),
+                    Ok((_, Err(e))) => {
+                        let _ = send.write_all(&reply(GenEvent::Error(e))).await;
+                        let _ = send.finish();
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = send.write_all(&reply(GenEvent::Error(format!("preparing the generation: {e}")))).await;
+                        let _ = send.finish();
+                        return;
+                    }
+                }
+            } else {
+                (req, None)
+            };
             let (tx, mut rx) = mpsc::channel(CLIENT_QUEUE);
             let (cut_tx, cut) = tokio::sync::oneshot::channel();
-            if events.send(Event::Generate(req, Client { events: tx, cut: cut_tx })).await.is_err() {
+            if events.send(Event::Generate(req, Client { events: tx, cut: cut_tx }, prepared)).await.is_err() {
                 return;
             }
             let writing = async {

@@ -44,8 +44,9 @@ pub struct SpecSettings {
     /// Longest suffix tried first.
     pub ngram_max: u32,
     /// The cost model that chooses k at each step ([`draft_cap`]): what each drafted
-    /// position adds to a pass, in thousandths of a one-position pass. 0: no model,
-    /// every step drafts up to `max_draft`.
+    /// position adds to a pass, in thousandths of a one-position pass. The model is on
+    /// where this or `model_cost` is above 0; both 0: every step drafts up to
+    /// `max_draft`.
     pub position_cost: u32,
     /// What a step costs besides its positions' compute (hops, wake-ups), in
     /// thousandths of a one-position pass: the dearer a step, the longer the drafts
@@ -210,6 +211,16 @@ pub trait Proposer: Send {
         k: usize,
         stop: &[TokenId],
     ) -> Result<Vec<TokenId>, ProposeError>;
+
+    /// Read the generation's prompt before the first [`Proposer::propose`] (a draft
+    /// model computes its KV cache for it), so the first step's call finds it done.
+    /// Every run calls it once, first, with the prompt (the coordinator's off its
+    /// event loop), so their later answers are computed alike. An error leaves the
+    /// prompt to the first call. Default: nothing to read.
+    fn read_prompt(&mut self, prompt: &[TokenId]) -> Result<(), ProposeError> {
+        let _ = prompt;
+        Ok(())
+    }
 }
 
 /// Makes a [`Proposer`] for each generation (the node's loaded draft model).

@@ -51,6 +51,9 @@ impl Engine for LlamaEngine {
 
     fn drafts(&self, shard: &Path, model_bytes: u64, s: StageSizing, room: u64) -> Result<Option<LoadedDraft>, String> {
         let config = self.config(s);
+        // The first that shares the vocabulary is the one: a file that cannot be read
+        // is passed over (the next may be the one), and named if none loads.
+        let mut unread = None;
         for path in &self.draft_models {
             match shoal_engine::check_vocabularies(path, shard) {
                 Ok(_) => {}
@@ -59,7 +62,11 @@ impl Engine for LlamaEngine {
                     tracing::debug!("{e}");
                     continue;
                 }
-                Err(e) => return Err(e.to_string()),
+                Err(e) => {
+                    tracing::warn!("draft model {}: {e}", path.display());
+                    unread.get_or_insert_with(|| format!("{}: {e}", path.display()));
+                    continue;
+                }
             }
             let need = draft_memory(path, s)?;
             if need > room {
@@ -78,7 +85,10 @@ impl Engine for LlamaEngine {
             let bytes = d.memory().total();
             return Ok(Some(LoadedDraft { source: Arc::new(d), file, bytes }));
         }
-        Ok(None)
+        match unread {
+            Some(why) => Err(why),
+            None => Ok(None),
+        }
     }
 
     fn draft_reserve(&self, s: StageSizing) -> u64 {

@@ -292,7 +292,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut proposer = match &a.draft_model {
         Some(path) => {
             let size = std::fs::metadata(&a.model).with_context(|| format!("reading {}", a.model.display()))?.len();
-            let draft = DraftModel::load(path, &a.model, size, &config)?;
+            // On the CPU, as a node loads it (a GPU computes other numbers, so other
+            // drafts); --gpu-layers counts the model's layers, not the draft's.
+            let draft = DraftModel::load(path, &a.model, size, &StageConfig { gpu_layers: 0, ..config.clone() })?;
             // As a coordinator does: the draft model's price unless --draft-cost gave one.
             spec = spec.priced_for(draft.cost());
             Some(draft.proposer())
