@@ -54,9 +54,26 @@ const TICK: Duration = Duration::from_millis(50);
 
 /// Work for the stage thread.
 enum Work {
-    Forward(Job),
+    Forward(Queued),
     Free(u64),
 }
+
+/// A job handed to the stage thread, with what its timing is counted as.
+struct Queued {
+    job: Job,
+    /// When it was handed over.
+    at: Instant,
+    /// A one-token decode step (the node's profile counts its round trip).
+    decode: bool,
+    /// Any decode step, a verify step too (the breakdown's round trip; and the stage
+    /// thread runs it before other sessions' prompt chunks: [`next_job`]).
+    step: bool,
+}
+
+/// How many decode steps of other sessions may go before the oldest queued job (a
+/// prompt chunk) in a row: a long prompt then never stalls other sessions' streams
+/// for more than one chunk's compute, and is never starved by them.
+const STEPS_BEFORE_CHUNK: u32 = 8;
 
 /// Everything the shell feeds the core, plus client registration.
 enum Event {
@@ -65,6 +82,8 @@ enum Event {
     Frame(Frame, Instant),
     /// A generation, with its start computed off the loop where a draft model does it.
     Generate(GenerateRequest, Client, Option<Prepared>),
+    /// The stage thread ran a job.
+    Ran(Queued, Result<StepOutput, String>),
     Status(tokio::sync::oneshot::Sender<NodeStatus>),
 }
 
@@ -229,7 +248,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let mut hops = crate::latency::HopLatencies::default();
     // When each job still with the stage thread was handed over (it works in order), and
     // whether it is a one-token decode step / any decode step (a verify step too).
-    let mut submitted: std::collections::VecDeque<(Instant, bool, bool)> = std::collections::VecDeque::new();
+    let mut queued = 0usize;
     // Coordinator: when each session's last decode step started, for the step interval.
     let mut last_step: HashMap<u64, Instant> = HashMap::new();
     tracing::info!(stage = %info.layers, addr = ?node.local_addr().ok(), "serving");
@@ -248,19 +267,16 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                 }
                 Input::Frame(f)
             }
-            Event::Input(Input::Done(job, out)) => {
-                if let Some((at, decode, step)) = submitted.pop_front() {
-                    let took = at.elapsed();
-                    if decode {
-                        shell
-                            .decode_roundtrip_ns
-                            .fetch_add(took.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    if step {
-                        shell.steps.roundtrip.add(took);
-                    }
+            Event::Ran(q, out) => {
+                queued = queued.saturating_sub(1);
+                let took = q.at.elapsed();
+                if q.decode {
+                    shell.decode_roundtrip_ns.fetch_add(took.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
                 }
-                Input::Done(job, out)
+                if q.step {
+                    shell.steps.roundtrip.add(took);
+                }
+                Input::Done(q.job, out)
             }
             Event::Input(i) => i,
             Event::Generate(req, client, prepared) => {
@@ -344,7 +360,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                         // wake-up is 0.1-0.5 ms on a loaded or virtual machine), and
                         // nothing else is due meanwhile (the pipeline is in lock-step for
                         // this session).
-                        if submitted.is_empty()
+                        if queued == 0
                             && inline_runs < INLINE_BUDGET
                             && shell.frees_pending.load(std::sync::atomic::Ordering::Acquire) == 0
                             && decode
@@ -371,8 +387,8 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                             shell.steps.roundtrip.add(took);
                             pending.push(Input::Done(job, out));
                         } else {
-                            submitted.push_back((Instant::now(), decode, step));
-                            let _ = work_tx.send(Work::Forward(job));
+                            queued += 1;
+                            let _ = work_tx.send(Work::Forward(Queued { job, at: Instant::now(), decode, step }));
                         }
                     }
                     Action::RenewLink => {
@@ -501,15 +517,30 @@ impl KeepAwake {
     }
 }
 
-/// The stage's own thread: runs queued jobs in order (prefill chunks, and decode steps
-/// that arrive while it is busy).
+/// The stage's own thread: runs queued jobs (prompt chunks, and decode steps that
+/// arrive while it is busy), each session's in order, decode steps before other
+/// sessions' prompt chunks ([`next_job`]).
 fn stage_thread(
     stage: Arc<Mutex<Box<dyn Stage>>>,
     work: std::sync::mpsc::Receiver<Work>,
     done: mpsc::Sender<Event>,
     stats: &ShellCounters,
 ) {
-    while let Ok(w) = work.recv() {
+    let mut queue = std::collections::VecDeque::new();
+    // Decode steps that went before the oldest queued job.
+    let mut passed = 0u32;
+    loop {
+        if queue.is_empty() {
+            match work.recv() {
+                Ok(w) => queue.push_back(w),
+                Err(_) => return,
+            }
+        }
+        queue.extend(work.try_iter());
+        let i = next_job(&queue, passed);
+        passed = if i == 0 { 0 } else { passed + 1 };
+        // Invariant: `next_job` names a queued job, and the queue is not empty.
+        let Some(w) = queue.remove(i) else { return };
         // A poisoned lock means a forward panicked; the stage may be inconsistent.
         let Ok(mut stage) = stage.lock() else { return };
         match w {
@@ -517,15 +548,37 @@ fn stage_thread(
                 stage.free_session(SessionId(s));
                 stats.frees_pending.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
             }
-            Work::Forward(job) => {
-                let out = run_job(stage.as_mut(), &job, stats);
+            Work::Forward(q) => {
+                let out = run_job(stage.as_mut(), &q.job, stats);
                 drop(stage);
-                if done.blocking_send(Event::Input(Input::Done(job, out))).is_err() {
+                if done.blocking_send(Event::Ran(q, out)).is_err() {
                     return;
                 }
             }
         }
     }
+}
+
+/// Which queued job the stage runs next: the first decode step whose session has
+/// nothing queued before it (a prompt chunk of another session waits a step's compute
+/// rather than a stream waiting a whole prompt's), unless [`STEPS_BEFORE_CHUNK`] went
+/// before the oldest job already (`passed`); else the oldest. A session's own jobs keep
+/// their order (a replay queues its prompt chunks before its steps).
+fn next_job(queue: &std::collections::VecDeque<Work>, passed: u32) -> usize {
+    if passed >= STEPS_BEFORE_CHUNK {
+        return 0;
+    }
+    let session = |w: &Work| match w {
+        Work::Forward(q) => q.job.session,
+        Work::Free(s) => *s,
+    };
+    queue
+        .iter()
+        .enumerate()
+        .find(|&(i, w)| {
+            matches!(w, Work::Forward(q) if q.step) && !queue.iter().take(i).any(|o| session(o) == session(w))
+        })
+        .map_or(0, |(i, _)| i)
 }
 
 /// Run one job on the stage, counting decode steps' compute time.
@@ -968,4 +1021,49 @@ fn rand_u32() -> u32 {
             ^ std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
     );
     h.finish() as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+
+    /// Session `session`'s job: a decode step (one token) or a prompt chunk of 128.
+    fn job(session: u64, step: bool) -> Work {
+        let tokens = if step { vec![1] } else { vec![1; 128] };
+        Work::Forward(Queued {
+            job: Job {
+                session,
+                epoch: 0,
+                step: 0,
+                first_pos: 0,
+                flags: 0,
+                input: JobInput::Tokens(tokens),
+                step_tokens: Vec::new(),
+            },
+            at: Instant::now(),
+            decode: step,
+            step,
+        })
+    }
+
+    #[test]
+    fn decode_steps_go_before_other_sessions_prompt_chunks_not_their_own() {
+        // Session 1's long prompt is queued; session 2's step arrives behind it.
+        let q: VecDeque<Work> = [job(1, false), job(1, false), job(2, true), job(3, false)].into();
+        assert_eq!(next_job(&q, 0), 2, "session 2's step runs before session 1's chunks");
+        // A replay queues a session's chunks and then its steps: they keep their order.
+        let q: VecDeque<Work> = [job(1, false), job(1, true), job(2, false)].into();
+        assert_eq!(next_job(&q, 0), 0);
+        // Nor may a step pass its own session's free.
+        let q: VecDeque<Work> = [job(4, false), Work::Free(2), job(2, true)].into();
+        assert_eq!(next_job(&q, 0), 0);
+        // No steps: in order.
+        let q: VecDeque<Work> = [job(1, false), job(2, false)].into();
+        assert_eq!(next_job(&q, 0), 0);
+        // Steps have gone before the oldest job long enough: it runs (no starving).
+        let q: VecDeque<Work> = [job(1, false), job(2, true)].into();
+        assert_eq!(next_job(&q, STEPS_BEFORE_CHUNK - 1), 1);
+        assert_eq!(next_job(&q, STEPS_BEFORE_CHUNK), 0);
+    }
 }

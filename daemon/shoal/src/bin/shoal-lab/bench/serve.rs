@@ -16,7 +16,7 @@ use shoal::local::Lab;
 use shoal_node::api::{NodeRequest, NodeResponse};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// `shoal-lab bench serve`.
 #[derive(Args, Debug)]
@@ -187,7 +187,61 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         }
         println!("  {k} stream(s): {agg:>7.1} tok/s aggregate   x{:.2} of one stream", agg / one);
     }
+
+    // A stream while another request's long prompt is read: the stages run decode
+    // steps before other sessions' prompt chunks, so the stream pauses for about one
+    // chunk's compute per stage, not the whole prompt's.
+    lab.ask("n2", NodeRequest::ModelUnload { model: name.clone() })?;
+    lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: ctx, sessions: 2, exclude: vec![] })?;
+    lab.running(&name, p6.generation)?;
+    let (gaps, (from, to)) = api.on_client(|| {
+        std::thread::scope(|scope| -> Result<(Vec<(Instant, f64)>, (Instant, Instant))> {
+            let (api, name) = (&api, &name);
+            let stream = scope.spawn(move || api_stream_times(api, name, super::node::PROMPT, 4 * a.tokens));
+            std::thread::sleep(Duration::from_millis(600));
+            let from = Instant::now();
+            api_stream(api, name, &long_prompt, 1)?;
+            let to = Instant::now();
+            let times = stream.join().map_err(|_| anyhow::anyhow!("the stream thread panicked"))??;
+            let gaps = times.windows(2).map(|w| (w[1], (w[1] - w[0]).as_secs_f64() * 1e3)).collect();
+            Ok((gaps, (from, to)))
+        })
+    })?;
+    let mut all: Vec<f64> = gaps.iter().map(|g| g.1).collect();
+    all.sort_by(f64::total_cmp);
+    let during =
+        gaps.iter().filter(|g| g.0 > from && g.0 <= to + Duration::from_millis(50)).map(|g| g.1).fold(0.0, f64::max);
+    println!(
+        "a stream while another request's {}-token prompt is read: longest pause {during:.1} ms (prompt read in {:.0} ms; the stream's median gap {:.1} ms)",
+        api.on_client(|| long_prompt_tokens(&api, &name, &long_prompt)).unwrap_or(0),
+        (to - from).as_secs_f64() * 1e3,
+        all.get(all.len() / 2).copied().unwrap_or(f64::NAN)
+    );
     Ok(())
+}
+
+/// When each token of a streamed chat answer arrived.
+fn api_stream_times(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Vec<Instant>> {
+    use std::io::BufRead;
+    let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+        "max_tokens": n, "stream": true, "ignore_eos": true});
+    let mut r = api.request("/v1/chat/completions", &body)?;
+    if r.status() != 200 {
+        bail!("the API answered {}", r.status());
+    }
+    let mut times = Vec::new();
+    for line in std::io::BufReader::new(r.body_mut().as_reader()).lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data)?;
+        if v["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()) {
+            times.push(Instant::now());
+        }
+    }
+    Ok(times)
 }
 
 /// A prompt of about `tokens` tokens (English prose runs ~1.3 tokens a word).
