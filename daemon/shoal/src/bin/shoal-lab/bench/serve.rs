@@ -195,7 +195,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: ctx, sessions: 2, exclude: vec![] })?;
     lab.running(&name, p6.generation)?;
     let (gaps, (from, to)) = api.on_client(|| {
-        std::thread::scope(|scope| -> Result<(Vec<(Instant, f64)>, (Instant, Instant))> {
+        std::thread::scope(|scope| -> Result<(Vec<Gap>, (Instant, Instant))> {
             let (api, name) = (&api, &name);
             let stream = scope.spawn(move || api_stream_times(api, name, super::node::PROMPT, 4 * a.tokens));
             std::thread::sleep(Duration::from_millis(600));
@@ -219,6 +219,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     );
     Ok(())
 }
+
+/// A stream's gap between two tokens: when the second came, and the gap (ms).
+type Gap = (Instant, f64);
 
 /// When each token of a streamed chat answer arrived.
 fn api_stream_times(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Vec<Instant>> {
