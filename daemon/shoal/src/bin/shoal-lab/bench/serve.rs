@@ -164,7 +164,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         // The streams' threads start inside the client's host (they inherit it).
         let (tokens, took) = api.on_client(|| {
             let t0 = Instant::now();
-            let tokens = std::thread::scope(|scope| -> Result<u64> {
+            let tokens = std::thread::scope(|scope| -> Result<Vec<Timing>> {
                 let handles: Vec<_> = (0..k)
                     .map(|i| {
                         let (api, name) = (&api, &name);
@@ -173,19 +173,27 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                         scope.spawn(move || api_stream(api, name, &prompt, n))
                     })
                     .collect();
-                let mut tokens = 0;
+                let mut all = Vec::new();
                 for h in handles {
-                    tokens += h.join().map_err(|_| anyhow::anyhow!("a stream thread panicked"))??.tokens;
+                    all.push(h.join().map_err(|_| anyhow::anyhow!("a stream thread panicked"))??);
                 }
-                Ok(tokens)
+                Ok(all)
             })?;
             Ok((tokens, t0.elapsed().as_secs_f64()))
         })?;
-        let agg = tokens as f64 / took;
+        let n = tokens.iter().map(|t| t.tokens).sum::<u64>();
+        let agg = n as f64 / took;
         if k == 1 {
             one = agg;
         }
-        println!("  {k} stream(s): {agg:>7.1} tok/s aggregate   x{:.2} of one stream", agg / one);
+        // Where a stream's time goes: its first token's wait, then its decode speed.
+        let mean = |f: fn(&Timing) -> f64| tokens.iter().map(f).sum::<f64>() / tokens.len() as f64;
+        println!(
+            "  {k} stream(s): {agg:>7.1} tok/s aggregate   x{:.2} of one stream   (each: first token after {:.3} s, then {:.1} tok/s)",
+            agg / one,
+            mean(|t| t.ttft),
+            mean(|t| t.tok_s)
+        );
     }
 
     // A stream while another request's long prompt is read: the stages run decode
