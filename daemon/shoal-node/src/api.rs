@@ -265,8 +265,9 @@ pub struct StageStatus {
     /// Memory it holds once loaded (llama.cpp's buffers), bytes.
     pub loaded_bytes: Option<u64>,
     /// How much this node's resident memory (RSS) grew from just before the stage
-    /// loaded to when this status was asked, bytes: what the stage really holds in
-    /// RAM, mapped weights counted once paged in (after the first generations). `None`
+    /// loaded to when this status was asked, bytes: what the stage (and stage 0's
+    /// draft model, loaded after it) really holds in RAM, mapped weights counted once
+    /// paged in (after the first generations). `None`
     /// before it runs, or where the system does not say (only Linux's `/proc` is read).
     #[serde(default)]
     pub resident_bytes: Option<u64>,
