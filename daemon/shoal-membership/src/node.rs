@@ -207,6 +207,9 @@ enum Input {
     /// A join with the token given at install ended.
     TokenJoined {
         result: Result<Box<ClusterState>, String>,
+        /// No member that was tried answered (the error is about reaching them): worth
+        /// trying again soon, unlike a member's refusal.
+        unreachable: bool,
     },
     Welcome {
         from: NodeId,
@@ -999,9 +1002,9 @@ impl Actor {
                 };
                 let _ = reply.send(answer);
             }
-            Input::TokenJoined { result } => {
+            Input::TokenJoined { result, unreachable } => {
                 self.token_join.trying = false;
-                self.on_token_joined(result)?;
+                self.on_token_joined(result, unreachable)?;
             }
             Input::JoinResult { result: Err(e), code, tries, reply } if e == NO_OFFER && tries < 6 => {
                 let tx = self.tx.clone();
@@ -1454,12 +1457,19 @@ impl Actor {
         let info = lock(&self.public).clone();
         let (open, tx) = (self.open.clone(), self.tx.clone());
         tokio::spawn(async move {
-            let result = join_with_code(&open, &JoinSecret::Token(token), info, &targets).await;
-            let _ = tx.send(Input::TokenJoined { result }).await;
+            let (result, unreachable) = match join_attempt(&open, &JoinSecret::Token(token), info, &targets).await {
+                Ok(state) => (Ok(state), false),
+                Err((e, answered)) => (Err(e), !answered),
+            };
+            let _ = tx.send(Input::TokenJoined { result, unreachable }).await;
         });
     }
 
-    fn on_token_joined(&mut self, result: Result<Box<ClusterState>, String>) -> Result<(), NodeError> {
+    fn on_token_joined(
+        &mut self,
+        result: Result<Box<ClusterState>, String>,
+        unreachable: bool,
+    ) -> Result<(), NodeError> {
         let now = self.now();
         let Some(token) = self.cfg.join_token.clone() else { return Ok(()) };
         match result {
@@ -1484,6 +1494,12 @@ impl Actor {
             Err(e) if e == NO_OFFER => {
                 self.token_join.status =
                     format!("no member of cluster {} discovered so far holds this token", token.cluster);
+                self.token_join.next = now + 3_000;
+            }
+            // No member answered (a busy or restarting member, a lost packet): again soon.
+            Err(e) if unreachable => {
+                tracing::info!("joining with the join token: no member answered: {e}");
+                self.token_join.status = format!("no member answered yet: {e}");
                 self.token_join.next = now + 3_000;
             }
             Err(e) => {
@@ -2236,6 +2252,17 @@ async fn join_with_code(
     info: PublicInfo,
     targets: &[(NodeId, SocketAddr)],
 ) -> Result<Box<ClusterState>, String> {
+    join_attempt(open, code, info, targets).await.map_err(|(e, _)| e)
+}
+
+/// [`join_with_code`], its error with whether a member answered (a refusal, a wrong
+/// secret, no offer) rather than none being reached.
+async fn join_attempt(
+    open: &Node,
+    code: &JoinSecret,
+    info: PublicInfo,
+    targets: &[(NodeId, SocketAddr)],
+) -> Result<Box<ClusterState>, (String, bool)> {
     // What a member that held an offer said (a wrong code, a pause to respect) matters
     // more to the user than members that could not be reached.
     let (mut answered, mut unreachable): (Option<String>, Option<String>) = (None, None);
@@ -2243,14 +2270,18 @@ async fn join_with_code(
         let attempt = pair_with(open, code, info.clone(), *member, *addr);
         match tokio::time::timeout(Duration::from_secs(45), attempt).await {
             Ok(PairOutcome::Joined(state)) => return Ok(state),
-            Ok(PairOutcome::Final(e)) => return Err(e),
+            Ok(PairOutcome::Final(e)) => return Err((e, true)),
             Ok(PairOutcome::NoOffer) => {}
             Ok(PairOutcome::Next(e)) => answered = Some(e),
             Ok(PairOutcome::Unreachable(e)) => unreachable = Some(e),
             Err(_) => unreachable = Some(format!("{member} did not finish the exchange in 45 s")),
         }
     }
-    Err(answered.or(unreachable).unwrap_or_else(|| NO_OFFER.to_string()))
+    match (answered, unreachable) {
+        (Some(e), _) => Err((e, true)),
+        (None, Some(e)) => Err((e, false)),
+        (None, None) => Err((NO_OFFER.to_string(), true)),
+    }
 }
 
 /// How one pairing attempt with one member ended.
