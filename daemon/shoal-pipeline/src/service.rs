@@ -253,7 +253,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let mut last_step: HashMap<u64, Instant> = HashMap::new();
     tracing::info!(stage = %info.layers, addr = ?node.local_addr().ok(), "serving");
     while let Some(ev) = events.recv().await {
-        if let (Some(k), Event::Frame(..) | Event::Input(Input::Done(..)) | Event::Generate(..)) = (&awake, &ev) {
+        if let (Some(k), Event::Frame(..) | Event::Ran(..) | Event::Generate(..)) = (&awake, &ev) {
             k.touch();
         }
         let input = match ev {
