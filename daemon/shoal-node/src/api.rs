@@ -298,6 +298,19 @@ pub enum DraftState {
     NotLoaded(String),
 }
 
+impl DraftState {
+    /// In words for `shoal status` and `shoal models plan`, its memory as `size` writes
+    /// bytes.
+    pub fn describe(&self, size: impl Fn(u64) -> String) -> String {
+        match self {
+            DraftState::Loaded { file, bytes, cost } => {
+                format!("drafting with {file} ({}, a drafted token ~{cost}‰ of a pass)", size(*bytes))
+            }
+            DraftState::NotLoaded(why) => format!("its draft model not loaded: {why}"),
+        }
+    }
+}
+
 /// A stage's progress.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

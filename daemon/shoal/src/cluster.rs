@@ -537,13 +537,7 @@ fn print_stage(dir: &Option<PathBuf>) {
             shoal_node::api::StageState::Failed(why) => format!("failed: {why}"),
         };
         // A coordinator's draft model is memory beside the stage's.
-        let draft = match &st.draft {
-            Some(shoal_node::api::DraftState::Loaded { file, bytes, cost }) => {
-                format!("; drafting with {file} ({}, a drafted token ~{cost}‰ of a pass)", mib(Some(*bytes)))
-            }
-            Some(shoal_node::api::DraftState::NotLoaded(why)) => format!("; its draft model not loaded: {why}"),
-            None => String::new(),
-        };
+        let draft = st.draft.as_ref().map(|d| format!("; {}", d.describe(|b| mib(Some(b))))).unwrap_or_default();
         println!(
             "this node's stage: layers {} of model {}, generation {}: {state}; memory predicted {}, loaded {}, resident {}{draft}",
             st.layers,

@@ -273,13 +273,7 @@ fn plan(a: PlanArgs) -> Result<()> {
             Some(st) => {
                 let shard = st.shard_origin.map(|o| format!(", shard {o}")).unwrap_or_default();
                 // The coordinator's draft model (stage 0 only).
-                let draft = match st.draft {
-                    Some(api::DraftState::Loaded { file, bytes, cost }) => {
-                        format!(", drafting with {file} ({}, a drafted token ~{cost}‰ of a pass)", gib(bytes))
-                    }
-                    Some(api::DraftState::NotLoaded(why)) => format!(", its draft model not loaded: {why}"),
-                    None => String::new(),
-                };
+                let draft = st.draft.map(|d| format!(", {}", d.describe(gib))).unwrap_or_default();
                 match st.state {
                     api::StageState::Fetching { done, of } => {
                         format!("fetching its shard: {done}/{of} chunks, {}", gib(st.shard_bytes_received))
