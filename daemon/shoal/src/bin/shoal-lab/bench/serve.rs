@@ -233,14 +233,20 @@ type Gap = (Instant, f64);
 
 /// When each token of a streamed chat answer arrived.
 fn api_stream_times(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Vec<Instant>> {
-    use std::io::BufRead;
     let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
         "max_tokens": n, "stream": true, "ignore_eos": true});
-    let mut r = api.request("/v1/chat/completions", &body)?;
+    Ok(sse_chat(api, &body)?.0)
+}
+
+/// A streamed chat request's answer read to its end: when each piece of text arrived,
+/// and the completion tokens its usage chunk counts (0 without one).
+fn sse_chat(api: &Api, body: &Value) -> Result<(Vec<Instant>, u64)> {
+    use std::io::BufRead;
+    let mut r = api.request("/v1/chat/completions", body)?;
     if r.status() != 200 {
         bail!("the API answered {}", r.status());
     }
-    let mut times = Vec::new();
+    let (mut times, mut tokens) = (Vec::new(), 0);
     for line in std::io::BufReader::new(r.body_mut().as_reader()).lines() {
         let line = line?;
         let Some(data) = line.strip_prefix("data: ") else { continue };
@@ -251,8 +257,9 @@ fn api_stream_times(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Vec<
         if v["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()) {
             times.push(Instant::now());
         }
+        tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(tokens);
     }
-    Ok(times)
+    Ok((times, tokens))
 }
 
 /// A prompt of about `tokens` tokens (English prose runs ~1.3 tokens a word).
@@ -280,29 +287,11 @@ fn agent() -> ureq::Agent {
 /// One greedy streamed chat through the API: first token and decode speed as the
 /// client sees them.
 fn api_stream(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Timing> {
-    use std::io::BufRead;
     let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
         "max_tokens": n, "stream": true, "stream_options": {"include_usage": true}});
     let t0 = Instant::now();
-    let mut r = api.request("/v1/chat/completions", &body)?;
-    if r.status() != 200 {
-        bail!("the API answered {}", r.status());
-    }
-    let (mut first, mut last, mut tokens) = (None, t0, 0);
-    for line in std::io::BufReader::new(r.body_mut().as_reader()).lines() {
-        let line = line?;
-        let Some(data) = line.strip_prefix("data: ") else { continue };
-        if data == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(data)?;
-        if v["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()) {
-            first.get_or_insert_with(Instant::now);
-            last = Instant::now();
-        }
-        tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(tokens);
-    }
-    let first = first.context("no text came")?;
+    let (times, tokens) = sse_chat(api, &body)?;
+    let (Some(&first), Some(&last)) = (times.first(), times.last()) else { bail!("no text came") };
     let decode = (last - first).as_secs_f64();
     Ok(Timing {
         tokens,
