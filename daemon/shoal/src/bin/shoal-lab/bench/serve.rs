@@ -7,7 +7,13 @@
 //! - time to first token of a ~1,000-token prompt through the API vs unsplit;
 //! - the API's own cost per token: API vs `shoal generate --model` (the node protocol,
 //!   no HTTP) on the same placement;
-//! - aggregate tok/s with 1, 2, 3 and 6 concurrent streams (a placement of 6 sessions).
+//! - aggregate tok/s with 1, 2, 3 and 6 concurrent streams (a placement of 6 sessions,
+//!   loaded afresh for each count so that its step breakdown is its own; every stream
+//!   makes its full count of tokens, as the single-stream runs do, so that counts
+//!   compare the same work).
+//!
+//! Generations ignore end-of-text: a stream that stopped early would compare fewer
+//! tokens, and a count's aggregate would include time when fewer streams ran.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -160,7 +166,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         a.tokens
     );
     let mut one = 0.0;
+    let mut gen6 = p6.generation;
     for k in [1usize, 2, 3, 6] {
+        if k > 1 {
+            // A fresh load per count, so each count's step breakdown is its own.
+            lab.ask("n2", NodeRequest::ModelUnload { model: name.clone() })?;
+            lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: 384, sessions: 6, exclude: vec![] })?;
+            gen6 = lab.running(&name, gen6)?.0.generation;
+        }
         // The streams' threads start inside the client's host (they inherit it).
         let (tokens, took) = api.on_client(|| {
             let t0 = Instant::now();
@@ -194,6 +207,25 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             mean(|t| t.ttft),
             mean(|t| t.tok_s)
         );
+        // Where the steps' time went at this count: each stage's compute (two stages
+        // computing at once share the machine) and its wait for the stage thread
+        // (another session's step ahead of it).
+        if let NodeResponse::Breakdowns(all) = lab.ask("n0", NodeRequest::Breakdowns)? {
+            for (_, b) in all {
+                let per_stage = |what: &str| {
+                    let us: Vec<String> =
+                        b.parts.iter().filter(|p| p.what.contains(what)).map(|p| format!("{:.0}", p.us)).collect();
+                    us.join(" / ")
+                };
+                println!(
+                    "      a session's step every {:.0} µs (median {:.0}): compute {} µs, waits for the stage thread {} µs",
+                    b.interval_us,
+                    b.interval_p50_us,
+                    per_stage(" compute ("),
+                    per_stage(" hand-off to the stage thread")
+                );
+            }
+        }
     }
 
     // A stream while another request's long prompt is read: the stages run decode
@@ -201,7 +233,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // chunk's compute per stage, not the whole prompt's.
     lab.ask("n2", NodeRequest::ModelUnload { model: name.clone() })?;
     lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: ctx, sessions: 2, exclude: vec![] })?;
-    lab.running(&name, p6.generation)?;
+    lab.running(&name, gen6)?;
     let (gaps, (from, to)) = api.on_client(|| {
         std::thread::scope(|scope| -> Result<(Vec<Gap>, (Instant, Instant))> {
             let (api, name) = (&api, &name);
@@ -288,7 +320,7 @@ fn agent() -> ureq::Agent {
 /// client sees them.
 fn api_stream(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Timing> {
     let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-        "max_tokens": n, "stream": true, "stream_options": {"include_usage": true}});
+        "max_tokens": n, "stream": true, "stream_options": {"include_usage": true}, "ignore_eos": true});
     let t0 = Instant::now();
     let (times, tokens) = sse_chat(api, &body)?;
     let (Some(&first), Some(&last)) = (times.first(), times.last()) else { bail!("no text came") };
