@@ -267,6 +267,10 @@ pub fn wait<T>(what: &str, secs: u64, mut f: impl FnMut() -> Result<Option<T>>) 
     }
 }
 
+/// Generations the demo's model runs at once (each with its own KV cache on every
+/// stage; 512 positions each fit the nodes' 90 MiB twice).
+const DEMO_SESSIONS: u32 = 2;
+
 /// `shoal demo`: a local cluster of three nodes on loopback, each offering little
 /// memory; the test model is added on one, loaded (the leader splits it over the
 /// three, the other two receive only their shards) and asked `prompt` through another
@@ -291,10 +295,15 @@ pub fn demo(prompt: &str, max_tokens: usize, once: bool) -> Result<()> {
     lab.ask("n0", NodeRequest::ModelAdd { path: model.display().to_string(), name: None })?;
     eprintln!("[demo] added {name} on n0 (the only node with the file); loading it from n2 …");
     let t1 = Instant::now();
-    lab.ask("n2", NodeRequest::ModelLoad { model: name.into(), context: 512, sessions: 1, exclude: vec![] })?;
+    // Two sessions: two clients (a chat page and a curl) are answered side by side
+    // rather than one after the other.
+    lab.ask(
+        "n2",
+        NodeRequest::ModelLoad { model: name.into(), context: 512, sessions: DEMO_SESSIONS, exclude: vec![] },
+    )?;
     let (placement, stages) = lab.running(name, 0)?;
     eprintln!(
-        "[demo] the leader placed it in {} stages; every stage runs {:.1} s after the load:",
+        "[demo] the leader placed it in {} stages, {DEMO_SESSIONS} sessions at once; every stage runs {:.1} s after the load:",
         placement.stages.len(),
         t1.elapsed().as_secs_f64()
     );

@@ -10,7 +10,9 @@
 //! - aggregate tok/s with 1, 2, 3 and 6 concurrent streams (a placement of 6 sessions,
 //!   loaded afresh for each count so that its step breakdown is its own; every stream
 //!   makes its full count of tokens, as the single-stream runs do, so that counts
-//!   compare the same work).
+//!   compare the same work), beside two unsplit processes side by side: what the
+//!   machine gives two computations at once in that moment;
+//! - a stream's longest pause while another request's ~1,000-token prompt is read.
 //!
 //! Generations ignore end-of-text: a stream that stopped early would compare fewer
 //! tokens, and a count's aggregate would include time when fewer streams ran.
@@ -165,7 +167,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         layers(&p6),
         a.tokens
     );
-    let mut one = 0.0;
+    let (mut one, mut one_decode) = (0.0, 0.0);
     let mut gen6 = p6.generation;
     for k in [1usize, 2, 3, 6] {
         if k > 1 {
@@ -196,16 +198,21 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         })?;
         let n = tokens.iter().map(|t| t.tokens).sum::<u64>();
         let agg = n as f64 / took;
+        // Decode alone: the streams' decode speeds added up (their first tokens' waits
+        // left out), to set beside the unsplit processes' below.
+        let decode = tokens.iter().map(|t| t.tok_s).sum::<f64>();
         if k == 1 {
-            one = agg;
+            (one, one_decode) = (agg, decode);
         }
         // Where a stream's time goes: its first token's wait, then its decode speed.
         let mean = |f: fn(&Timing) -> f64| tokens.iter().map(f).sum::<f64>() / tokens.len() as f64;
         println!(
-            "  {k} stream(s): {agg:>7.1} tok/s aggregate   x{:.2} of one stream   (each: first token after {:.3} s, then {:.1} tok/s)",
+            "  {k} stream(s): {agg:>7.1} tok/s aggregate   x{:.2} of one stream   (each: first token after {:.3} s, \
+             then {:.1} tok/s; decode x{:.2})",
             agg / one,
             mean(|t| t.ttft),
-            mean(|t| t.tok_s)
+            mean(|t| t.tok_s),
+            decode / one_decode
         );
         // Where the steps' time went at this count: each stage's compute (two stages
         // computing at once share the machine) and its wait for the stage thread
@@ -227,6 +234,21 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             }
         }
     }
+
+    // What this machine gives two computations at once, measured now (these machines'
+    // state drifts): `shoal run` unsplit alone, then two side by side, decode speeds.
+    let solo = run_unsplit(&lab.exe, &model, super::node::PROMPT, a.tokens, ctx)?.tok_s;
+    let pair = std::thread::scope(|scope| -> Result<Vec<f64>> {
+        let runs: Vec<_> =
+            (0..2).map(|_| scope.spawn(|| run_unsplit(&lab.exe, &model, super::node::PROMPT, a.tokens, ctx))).collect();
+        runs.into_iter().map(|r| Ok(r.join().map_err(|_| anyhow::anyhow!("a run's thread panicked"))??.tok_s)).collect()
+    })?;
+    println!(
+        "  this machine meanwhile: `shoal run` unsplit {solo:.1} tok/s alone, two side by side {:.1} + {:.1} (decode x{:.2})",
+        pair[0],
+        pair[1],
+        pair.iter().sum::<f64>() / solo
+    );
 
     // A stream while another request's long prompt is read: the stages run decode
     // steps before other sessions' prompt chunks, so the stream pauses for about one
