@@ -60,6 +60,12 @@ pub struct Timing {
 pub struct DecodeTimes {
     /// The stage's forward pass (the tail's includes the LM head).
     pub compute: Timing,
+    /// The forward pass's time on a core (its thread's CPU time; `n` 0 where the
+    /// platform has no per-thread clock): `compute` less this is the time its core ran
+    /// other threads, which on a machine the stages share is the nodes' networking and
+    /// the other stages.
+    #[serde(default)]
+    pub compute_cpu: Timing,
     /// Handing the step to the stage thread and its result back (0 when it ran inline
     /// on the event loop's thread).
     pub handoff: Timing,
@@ -134,7 +140,27 @@ impl TokenBreakdown {
             let tail = i + 1 == n;
             part(format!("stage {i} protocol core, frame in"), d.core_in);
             part(format!("stage {i} hand-off to the stage thread"), d.handoff);
-            part(format!("stage {i} compute ({})", st.layers), d.compute);
+            if d.compute_cpu.n > 0 {
+                // The compute split in its time on a core and the time its core ran
+                // other threads (both sum to the compute's wall time).
+                let off = |wall: f64, cpu: f64| (wall - cpu).max(0.0);
+                let cpu = Timing {
+                    n: d.compute.n,
+                    mean_us: d.compute_cpu.mean_us.min(d.compute.mean_us),
+                    p50_us: d.compute_cpu.p50_us.min(d.compute.p50_us),
+                };
+                part(format!("stage {i} compute ({})", st.layers), cpu);
+                part(
+                    format!("stage {i} compute, its core taken by other threads"),
+                    Timing {
+                        n: d.compute.n,
+                        mean_us: off(d.compute.mean_us, d.compute_cpu.mean_us),
+                        p50_us: off(d.compute.p50_us, d.compute_cpu.p50_us),
+                    },
+                );
+            } else {
+                part(format!("stage {i} compute ({})", st.layers), d.compute);
+            }
             part(format!("stage {i} {}", if tail { "sampling" } else { "protocol core, result out" }), d.core_out);
             if n == 1 {
                 continue;
@@ -190,9 +216,10 @@ impl TokenBreakdown {
         out
     }
 
-    /// Compute's share of the step (the rest is protocol, queues and the wire).
+    /// Compute's share of the step, its wall time (the rest is protocol, queues and
+    /// the wire).
     pub fn compute_us(&self) -> f64 {
-        self.parts.iter().filter(|p| p.what.contains(" compute (")).map(|p| p.us).sum()
+        self.parts.iter().filter(|p| p.what.contains(" compute")).map(|p| p.us).sum()
     }
 }
 
@@ -272,6 +299,24 @@ mod tests {
         // Medians are split the same way: 60 µs at the tail less 2.5 + 7.5 + 3.5.
         let wire = b.parts.iter().find(|p| p.what.starts_with("hop 0→1 QUIC and wire")).unwrap();
         assert_eq!(wire.p50_us, 60.0 - 13.5);
+    }
+
+    #[test]
+    fn a_compute_splits_in_its_time_on_a_core_and_the_time_its_core_ran_others() {
+        let coordinator =
+            DecodeTimes { compute: t(5000.0), compute_cpu: t(3800.0), interval: t(6000.0), ..Default::default() };
+        let b = TokenBreakdown::of(&[node(coordinator)]).unwrap();
+        let part = |what: &str| b.parts.iter().find(|p| p.what.starts_with(what)).unwrap().clone();
+        assert_eq!(part("stage 0 compute (").us, 3800.0);
+        let taken = part("stage 0 compute, its core taken");
+        assert_eq!((taken.us, taken.p50_us), (1200.0, 600.0));
+        // Compute is still its whole wall time, and the parts still add up.
+        assert_eq!(b.compute_us(), 5000.0);
+        assert!((b.unexplained_us - 1000.0).abs() < 1e-9, "{b:?}");
+        // A CPU time above the wall time (clock granularity) is no negative share.
+        let odd = DecodeTimes { compute: t(100.0), compute_cpu: t(120.0), interval: t(200.0), ..Default::default() };
+        let b = TokenBreakdown::of(&[node(odd)]).unwrap();
+        assert_eq!(b.compute_us(), 100.0);
     }
 
     #[test]

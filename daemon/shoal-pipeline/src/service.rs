@@ -143,6 +143,8 @@ struct ShellCounters {
 #[derive(Default)]
 struct StepClocks {
     compute: Mean,
+    /// The same forwards' time on a core (the thread's CPU time).
+    compute_cpu: Mean,
     /// Handing a step to the stage (thread, or inline) to handling its result.
     roundtrip: Mean,
     core_in: Mean,
@@ -160,6 +162,7 @@ impl StepClocks {
         let (compute, roundtrip) = (self.compute.timing(), self.roundtrip.timing());
         DecodeTimes {
             compute,
+            compute_cpu: self.compute_cpu.timing(),
             handoff: Timing {
                 n: roundtrip.n,
                 mean_us: (roundtrip.mean_us - compute.mean_us).max(0.0),
@@ -615,16 +618,20 @@ fn run_job(stage: &mut dyn Stage, job: &Job, stats: &ShellCounters) -> Result<St
         JobInput::Tokens(t) => StageInput::Tokens(t),
         JobInput::Hidden(h) => StageInput::Hidden(h),
     };
-    let t0 = Instant::now();
+    let (t0, cpu0) = (Instant::now(), thread_cpu_time());
     let all_rows = job.flags & shoal_net::frame::FLAG_VERIFY != 0;
     let result = stage.forward_rows(SessionId(job.session), job.first_pos, input, all_rows);
     let took = t0.elapsed();
+    let on_core = thread_cpu_time().zip(cpu0).map(|(a, b)| a.saturating_sub(b));
     if is_decode(job, stage.info().n_embd) {
         stats.decode_steps.fetch_add(1, Relaxed);
         stats.decode_ns.fetch_add(took.as_nanos() as u64, Relaxed);
     }
     if is_step(job, stage.info().n_embd) {
         stats.steps.compute.add(took);
+        if let Some(cpu) = on_core {
+            stats.steps.compute_cpu.add(cpu.min(took));
+        }
     }
     match result {
         Ok(StageOutput::Hidden(h)) => Ok(StepOutput::Hidden(h)),
@@ -632,6 +639,21 @@ fn run_job(stage: &mut dyn Stage, job: &Job, stats: &ShellCounters) -> Result<St
         Err(StageError::PositionGap { .. }) => Ok(StepOutput::Gap),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// This thread's CPU time so far: a compute's wall time less its CPU time is the time
+/// its core ran other threads (on a shared machine, the nodes' networking preempts the
+/// stages' compute). `None` where there is no such clock.
+fn thread_cpu_time() -> Option<Duration> {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: `ts` is a valid timespec this call writes; the clock id is a constant.
+        let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
+        ok.then(|| Duration::new(u64::try_from(ts.tv_sec).unwrap_or(0), u32::try_from(ts.tv_nsec).unwrap_or(0)))
+    }
+    #[cfg(not(unix))]
+    None
 }
 
 /// Whether `job` is a decode step (one token), whose timings make the node's profile.

@@ -214,9 +214,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             mean(|t| t.tok_s),
             decode / one_decode
         );
-        // Where the steps' time went at this count: each stage's compute (two stages
-        // computing at once share the machine) and its wait for the stage thread
-        // (another session's step ahead of it).
+        // Where the steps' time went at this count: each stage's compute on a core,
+        // the time its core ran other threads meanwhile (stages and networking sharing
+        // the machine's cores), and its wait for the stage thread (another session's
+        // step ahead of it).
         if let NodeResponse::Breakdowns(all) = lab.ask("n0", NodeRequest::Breakdowns)? {
             for (_, b) in all {
                 let per_stage = |what: &str| {
@@ -225,10 +226,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                     us.join(" / ")
                 };
                 println!(
-                    "      a session's step every {:.0} µs (median {:.0}): compute {} µs, waits for the stage thread {} µs",
+                    "      a session's step every {:.0} µs (median {:.0}): compute on a core {} µs, its core taken by \
+                     other threads {} µs, waits for the stage thread {} µs",
                     b.interval_us,
                     b.interval_p50_us,
                     per_stage(" compute ("),
+                    per_stage(" compute, its core taken"),
                     per_stage(" hand-off to the stage thread")
                 );
             }
