@@ -61,9 +61,11 @@ pub struct DecodeTimes {
     /// The stage's forward pass (the tail's includes the LM head).
     pub compute: Timing,
     /// The forward pass's time on a core (its thread's CPU time; `n` 0 where the
-    /// platform has no per-thread clock): `compute` less this is the time its core ran
-    /// other threads, which on a machine the stages share is the nodes' networking and
-    /// the other stages.
+    /// platform has no per-thread clock). `compute` less this is the time its thread
+    /// was off the CPU: with one CPU thread per stage, the time its core ran other
+    /// threads (where the stages share a machine: the nodes' networking and the other
+    /// stages); with more threads it also holds waits for its thread pool, and with GPU
+    /// layers the wait for the GPU.
     #[serde(default)]
     pub compute_cpu: Timing,
     /// Handing the step to the stage thread and its result back (0 when it ran inline
@@ -141,8 +143,9 @@ impl TokenBreakdown {
             part(format!("stage {i} protocol core, frame in"), d.core_in);
             part(format!("stage {i} hand-off to the stage thread"), d.handoff);
             if d.compute_cpu.n > 0 {
-                // The compute split in its time on a core and the time its core ran
-                // other threads (both sum to the compute's wall time).
+                // The compute split in its thread's time on and off the CPU (both sum
+                // to the compute's wall time; the median off the CPU is the medians'
+                // difference, not the median of each step's, a close enough figure).
                 let off = |wall: f64, cpu: f64| (wall - cpu).max(0.0);
                 let cpu = Timing {
                     n: d.compute.n,
@@ -151,7 +154,7 @@ impl TokenBreakdown {
                 };
                 part(format!("stage {i} compute ({})", st.layers), cpu);
                 part(
-                    format!("stage {i} compute, its core taken by other threads"),
+                    format!("stage {i} compute, its thread off the CPU"),
                     Timing {
                         n: d.compute.n,
                         mean_us: off(d.compute.mean_us, d.compute_cpu.mean_us),
@@ -219,7 +222,11 @@ impl TokenBreakdown {
     /// Compute's share of the step, its wall time (the rest is protocol, queues and
     /// the wire).
     pub fn compute_us(&self) -> f64 {
-        self.parts.iter().filter(|p| p.what.contains(" compute")).map(|p| p.us).sum()
+        self.parts
+            .iter()
+            .filter(|p| p.what.contains(" compute (") || p.what.contains(" compute, its thread off"))
+            .map(|p| p.us)
+            .sum()
     }
 }
 
@@ -302,13 +309,13 @@ mod tests {
     }
 
     #[test]
-    fn a_compute_splits_in_its_time_on_a_core_and_the_time_its_core_ran_others() {
+    fn a_compute_splits_in_its_threads_time_on_and_off_the_cpu() {
         let coordinator =
             DecodeTimes { compute: t(5000.0), compute_cpu: t(3800.0), interval: t(6000.0), ..Default::default() };
         let b = TokenBreakdown::of(&[node(coordinator)]).unwrap();
         let part = |what: &str| b.parts.iter().find(|p| p.what.starts_with(what)).unwrap().clone();
         assert_eq!(part("stage 0 compute (").us, 3800.0);
-        let taken = part("stage 0 compute, its core taken");
+        let taken = part("stage 0 compute, its thread off the CPU");
         assert_eq!((taken.us, taken.p50_us), (1200.0, 600.0));
         // Compute is still its whole wall time, and the parts still add up.
         assert_eq!(b.compute_us(), 5000.0);

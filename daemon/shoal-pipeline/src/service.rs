@@ -642,13 +642,15 @@ fn run_job(stage: &mut dyn Stage, job: &Job, stats: &ShellCounters) -> Result<St
 }
 
 /// This thread's CPU time so far: a compute's wall time less its CPU time is the time
-/// its core ran other threads (on a shared machine, the nodes' networking preempts the
-/// stages' compute). `None` where there is no such clock.
+/// the thread was off the CPU (with one CPU thread per stage: its core ran other
+/// threads, as when a machine's stages and networking share its cores). `None` where
+/// there is no such clock.
 fn thread_cpu_time() -> Option<Duration> {
     #[cfg(unix)]
     {
         let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        // SAFETY: `ts` is a valid timespec this call writes; the clock id is a constant.
+        // SAFETY: `ts` is a valid timespec this call writes; the clock id is a constant;
+        // a failure (return code checked) leaves no figure.
         let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
         ok.then(|| Duration::new(u64::try_from(ts.tv_sec).unwrap_or(0), u32::try_from(ts.tv_nsec).unwrap_or(0)))
     }

@@ -142,6 +142,8 @@ async fn a_decode_steps_time_is_broken_down_round_the_ring() {
     for (i, st) in ring.iter().enumerate() {
         let d = &st.decode_times;
         assert_eq!((d.compute.n, d.core_out.n), (39, 39), "stage {i}: {d:?}");
+        // Each step's compute is also timed on the thread's CPU clock (Unix).
+        assert_eq!(d.compute_cpu.n, if cfg!(unix) { 39 } else { 0 }, "stage {i}: {d:?}");
         let tail = i == ring.len() - 1;
         // Steps' frames in: hidden states of each step, or at the coordinator the
         // tail's tokens (the prompt's first one too); as many sent on.
@@ -158,8 +160,10 @@ async fn a_decode_steps_time_is_broken_down_round_the_ring() {
     assert_eq!((coordinator.interval.n, coordinator.client_write.n), (38, 40), "{coordinator:?}");
     let b = shoal_pipeline::TokenBreakdown::of(&ring).unwrap();
     assert_eq!(b.steps, 38);
-    // Four parts per stage, four per hop.
-    assert_eq!(b.parts.len(), 4 * 3 + 4 * 3, "{b:?}");
+    // Four parts per stage (five where compute splits into its thread on and off the
+    // CPU), four per hop.
+    let per_stage = if cfg!(unix) { 5 } else { 4 };
+    assert_eq!(b.parts.len(), per_stage * 3 + 4 * 3, "{b:?}");
     assert!(b.parts.iter().all(|p| p.us >= 0.0 && p.us.is_finite()), "{b:?}");
     assert!(b.interval_us > b.compute_us() && b.compute_us() > 0.0 && b.unexplained_us.is_finite(), "{b:?}");
     assert_eq!(b.lines().len(), 3 + b.parts.len() + 2);

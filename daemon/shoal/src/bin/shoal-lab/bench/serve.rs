@@ -215,9 +215,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             decode / one_decode
         );
         // Where the steps' time went at this count: each stage's compute on a core,
-        // the time its core ran other threads meanwhile (stages and networking sharing
-        // the machine's cores), and its wait for the stage thread (another session's
-        // step ahead of it).
+        // the time its core ran other threads meanwhile (the stages run one CPU thread
+        // each here, so their compute's time off the CPU is that: stages and networking
+        // sharing the machine's cores), and its wait for the stage thread (another
+        // session's step ahead of it).
         if let NodeResponse::Breakdowns(all) = lab.ask("n0", NodeRequest::Breakdowns)? {
             for (_, b) in all {
                 let per_stage = |what: &str| {
@@ -231,7 +232,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                     b.interval_us,
                     b.interval_p50_us,
                     per_stage(" compute ("),
-                    per_stage(" compute, its core taken"),
+                    per_stage(" compute, its thread off the CPU"),
                     per_stage(" hand-off to the stage thread")
                 );
             }
