@@ -618,18 +618,20 @@ fn run_job(stage: &mut dyn Stage, job: &Job, stats: &ShellCounters) -> Result<St
         JobInput::Tokens(t) => StageInput::Tokens(t),
         JobInput::Hidden(h) => StageInput::Hidden(h),
     };
-    let (t0, cpu0) = (Instant::now(), thread_cpu_time());
+    // Only decode steps' compute is split on the thread's clock (a prompt chunk's is
+    // not in the step breakdown).
+    let step = is_step(job, stage.info().n_embd);
+    let (t0, cpu0) = (Instant::now(), if step { thread_cpu_time() } else { None });
     let all_rows = job.flags & shoal_net::frame::FLAG_VERIFY != 0;
     let result = stage.forward_rows(SessionId(job.session), job.first_pos, input, all_rows);
     let took = t0.elapsed();
-    let on_core = thread_cpu_time().zip(cpu0).map(|(a, b)| a.saturating_sub(b));
     if is_decode(job, stage.info().n_embd) {
         stats.decode_steps.fetch_add(1, Relaxed);
         stats.decode_ns.fetch_add(took.as_nanos() as u64, Relaxed);
     }
-    if is_step(job, stage.info().n_embd) {
+    if step {
         stats.steps.compute.add(took);
-        if let Some(cpu) = on_core {
+        if let Some(cpu) = cpu0.zip(thread_cpu_time()).map(|(before, after)| after.saturating_sub(before)) {
             stats.steps.compute_cpu.add(cpu.min(took));
         }
     }

@@ -157,10 +157,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     }
 
     // Concurrent streams: six sessions, short context.
-    lab.ask("n2", NodeRequest::ModelUnload { model: name.clone() })?;
-    let gen = p.generation;
-    lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: 384, sessions: 6, exclude: vec![] })?;
-    let (p6, _) = lab.running(&name, gen)?;
+    let p6 = reload(&lab, &name, 384, 6, p.generation)?;
     println!(
         "concurrent streams ({} stages, layers {}, 6 sessions), {} tokens each:",
         p6.stages.len(),
@@ -172,9 +169,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     for k in [1usize, 2, 3, 6] {
         if k > 1 {
             // A fresh load per count, so each count's step breakdown is its own.
-            lab.ask("n2", NodeRequest::ModelUnload { model: name.clone() })?;
-            lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: 384, sessions: 6, exclude: vec![] })?;
-            gen6 = lab.running(&name, gen6)?.0.generation;
+            gen6 = reload(&lab, &name, 384, 6, gen6)?.generation;
         }
         // The streams' threads start inside the client's host (they inherit it).
         let (tokens, took) = api.on_client(|| {
@@ -257,9 +252,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // A stream while another request's long prompt is read: the stages run decode
     // steps before other sessions' prompt chunks, so the stream pauses for about one
     // chunk's compute per stage, not the whole prompt's.
-    lab.ask("n2", NodeRequest::ModelUnload { model: name.clone() })?;
-    lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: ctx, sessions: 2, exclude: vec![] })?;
-    lab.running(&name, gen6)?;
+    reload(&lab, &name, ctx, 2, gen6)?;
     let (gaps, (from, to)) = api.on_client(|| {
         std::thread::scope(|scope| -> Result<(Vec<Gap>, (Instant, Instant))> {
             let (api, name) = (&api, &name);
@@ -289,11 +282,25 @@ pub fn serve(a: ServeArgs) -> Result<()> {
 /// A stream's gap between two tokens: when the second came, and the gap (ms).
 type Gap = (Instant, f64);
 
+/// Unload `name` and load it again with `context` positions and `sessions` (from n2,
+/// as the single-stream load): its placement once every stage runs, newer than
+/// generation `after`.
+fn reload(lab: &Lab, name: &str, context: u32, sessions: u32, after: u64) -> Result<shoal_types::ModelPlacement> {
+    lab.ask("n2", NodeRequest::ModelUnload { model: name.into() })?;
+    lab.ask("n2", NodeRequest::ModelLoad { model: name.into(), context, sessions, exclude: vec![] })?;
+    Ok(lab.running(name, after)?.0)
+}
+
+/// The bench's streamed chat request: greedy, `n` tokens whatever the model would end
+/// on, the usage in a last chunk.
+fn chat_body(model: &str, prompt: &str, n: u32) -> Value {
+    json!({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+        "max_tokens": n, "stream": true, "stream_options": {"include_usage": true}, "ignore_eos": true})
+}
+
 /// When each token of a streamed chat answer arrived.
 fn api_stream_times(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Vec<Instant>> {
-    let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-        "max_tokens": n, "stream": true, "ignore_eos": true});
-    Ok(sse_chat(api, &body)?.0)
+    Ok(sse_chat(api, &chat_body(model, prompt, n))?.0)
 }
 
 /// A streamed chat request's answer read to its end: when each piece of text arrived,
@@ -345,10 +352,8 @@ fn agent() -> ureq::Agent {
 /// One greedy streamed chat through the API: first token and decode speed as the
 /// client sees them.
 fn api_stream(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Timing> {
-    let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-        "max_tokens": n, "stream": true, "stream_options": {"include_usage": true}, "ignore_eos": true});
     let t0 = Instant::now();
-    let (times, tokens) = sse_chat(api, &body)?;
+    let (times, tokens) = sse_chat(api, &chat_body(model, prompt, n))?;
     let (Some(&first), Some(&last)) = (times.first(), times.last()) else { bail!("no text came") };
     let decode = (last - first).as_secs_f64();
     Ok(Timing {
