@@ -647,7 +647,7 @@ fn run_job(stage: &mut dyn Stage, job: &Job, stats: &ShellCounters) -> Result<St
 /// the thread was off the CPU (with one CPU thread per stage: its core ran other
 /// threads, as when a machine's stages and networking share its cores). `None` where
 /// there is no such clock.
-fn thread_cpu_time() -> Option<Duration> {
+pub fn thread_cpu_time() -> Option<Duration> {
     #[cfg(unix)]
     {
         let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };

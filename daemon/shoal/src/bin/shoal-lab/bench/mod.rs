@@ -17,6 +17,7 @@ mod live;
 mod node;
 mod plan;
 mod reconnect;
+mod ring;
 mod serve;
 mod speculative;
 mod zoo;

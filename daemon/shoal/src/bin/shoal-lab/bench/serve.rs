@@ -6,17 +6,21 @@
 //! - single-stream decode tok/s through the API vs unsplit;
 //! - time to first token of a ~1,000-token prompt through the API vs unsplit;
 //! - the API's own cost per token: API vs `shoal generate --model` (the node protocol,
-//!   no HTTP) on the same placement;
+//!   no HTTP) on the same placement, the median of back-to-back pairs;
 //! - aggregate tok/s with 1, 2, 3 and 6 concurrent streams (a placement of 6 sessions,
 //!   loaded afresh for each count so that its step breakdown is its own; every stream
 //!   makes its full count of tokens, as the single-stream runs do, so that counts
-//!   compare the same work), beside two unsplit processes side by side: what the
-//!   machine gives two computations at once in that moment;
+//!   compare the same work; a count's multiple is of one stream run just before and
+//!   just after it), beside two unsplit processes side by side: what the
+//!   machine gives two computations at once in that moment, and a ring of threads
+//!   computing one stream's per-stage compute with as many tokens as streams (no
+//!   networking; [`super::ring`]): what the machine's scheduler gives any pipeline;
 //! - a stream's longest pause while another request's ~1,000-token prompt is read.
 //!
 //! Generations ignore end-of-text: a stream that stopped early would compare fewer
 //! tokens, and a count's aggregate would include time when fewer streams ran.
 
+use super::ring;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
@@ -110,13 +114,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     lab.ask("n2", NodeRequest::ModelLoad { model: name.clone(), context: ctx, sessions: 1, exclude: vec![] })?;
     let (p, _) = lab.running(&name, 0)?;
     eprintln!("[bench] placed in {} stages (context {ctx}, 1 session)", p.stages.len());
-    let (mut unsplit, mut via_api, mut via_node) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut unsplit, mut via_api) = (Vec::new(), Vec::new());
     let (mut ttft_unsplit, mut ttft_api) = (Vec::new(), Vec::new());
     for round in 0..a.rounds {
         eprintln!("[bench] round {} of {}", round + 1, a.rounds);
         unsplit.push(run_unsplit(&lab.exe, &model, super::node::PROMPT, a.tokens, ctx)?);
         via_api.push(api.on_client(|| api_stream(&api, &name, super::node::PROMPT, a.tokens))?);
-        via_node.push(node_generate(&lab, &name, super::node::PROMPT, a.tokens)?);
         ttft_unsplit.push(run_unsplit(&lab.exe, &model, &long_prompt, 2, ctx)?.ttft);
         ttft_api.push(api.on_client(|| api_stream(&api, &name, &long_prompt, 2))?.ttft);
     }
@@ -125,7 +128,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         v[v.len() / 2]
     };
     let tps = |v: &[Timing]| -> Vec<f64> { v.iter().map(|t| t.tok_s).collect() };
-    let (u, api_tps, node_tps) = (med(&mut tps(&unsplit)), med(&mut tps(&via_api)), med(&mut tps(&via_node)));
+    let (u, api_tps) = (med(&mut tps(&unsplit)), med(&mut tps(&via_api)));
     let (tu, ta) = (med(&mut ttft_unsplit), med(&mut ttft_api));
     println!(
         "single stream, {} tokens, median of {} rounds ({} stages, layers {}):",
@@ -140,12 +143,34 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         api.on_client(|| long_prompt_tokens(&api, &name, &long_prompt)).unwrap_or(0),
         ta / tu
     );
-    let per_token = |t: f64| if t > 0.0 { 1e3 / t } else { f64::NAN };
+    // The API's own cost per token is a fraction of a ms between two ~13 ms figures that
+    // drift by more than that within a minute: measured as the median difference of
+    // back-to-back pairs (API, then node protocol, or the reverse, alternating), so
+    // that each difference compares the same moment of the machine.
+    let per_token = |t: &Timing| if t.tok_s > 0.0 { 1e3 / t.tok_s } else { f64::NAN };
+    let (mut diffs, mut api_ms, mut node_ms) = (Vec::new(), Vec::new(), Vec::new());
+    for pair in 0..OVERHEAD_PAIRS {
+        let api_run = || api.on_client(|| api_stream(&api, &name, super::node::PROMPT, a.tokens));
+        let node_run = || node_generate(&lab, &name, super::node::PROMPT, a.tokens);
+        let (x, y) = if pair % 2 == 0 {
+            let x = api_run()?;
+            (x, node_run()?)
+        } else {
+            let y = node_run()?;
+            (api_run()?, y)
+        };
+        let (x, y) = (per_token(&x), per_token(&y));
+        diffs.push(x - y);
+        api_ms.push(x);
+        node_ms.push(y);
+    }
+    let (lo, hi) = diffs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &d| (l.min(d), h.max(d)));
     println!(
-        "  API overhead per token: {:.3} ms  (API {:.3} ms/token vs node protocol {:.3} ms/token; target <= 0.2)",
-        per_token(api_tps) - per_token(node_tps),
-        per_token(api_tps),
-        per_token(node_tps)
+        "  API overhead per token: {:.3} ms, median of {OVERHEAD_PAIRS} back-to-back pairs (each {lo:+.3} .. {hi:+.3}; \
+         API {:.3} ms/token vs node protocol {:.3}; target <= 0.2)",
+        med(&mut diffs),
+        med(&mut api_ms),
+        med(&mut node_ms)
     );
     // The single-stream runs' steps, round the ring (the concurrent ones below would mix in).
     if let NodeResponse::Breakdowns(all) = lab.ask("n0", NodeRequest::Breakdowns)? {
@@ -164,15 +189,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         layers(&p6),
         a.tokens
     );
-    let (mut one, mut one_decode) = (0.0, 0.0);
-    let mut gen6 = p6.generation;
-    for k in [1usize, 2, 3, 6] {
-        if k > 1 {
-            // A fresh load per count, so each count's step breakdown is its own.
-            gen6 = reload(&lab, &name, 384, 6, gen6)?.generation;
-        }
+    // `k` streams at once: each stream's timing, and their aggregate tok/s (first
+    // tokens' waits included) and decode tok/s (the streams' decode speeds added up,
+    // first tokens' waits left out, to set beside the unsplit processes' below).
+    let streams = |k: usize| -> Result<(Vec<Timing>, f64, f64)> {
         // The streams' threads start inside the client's host (they inherit it).
-        let (tokens, took) = api.on_client(|| {
+        api.on_client(|| {
             let t0 = Instant::now();
             let tokens = std::thread::scope(|scope| -> Result<Vec<Timing>> {
                 let handles: Vec<_> = (0..k)
@@ -189,48 +211,76 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 }
                 Ok(all)
             })?;
-            Ok((tokens, t0.elapsed().as_secs_f64()))
-        })?;
-        let n = tokens.iter().map(|t| t.tokens).sum::<u64>();
-        let agg = n as f64 / took;
-        // Decode alone: the streams' decode speeds added up (their first tokens' waits
-        // left out), to set beside the unsplit processes' below.
-        let decode = tokens.iter().map(|t| t.tok_s).sum::<f64>();
-        if k == 1 {
-            (one, one_decode) = (agg, decode);
+            let took = t0.elapsed().as_secs_f64();
+            let agg = tokens.iter().map(|t| t.tokens).sum::<u64>() as f64 / took;
+            let decode = tokens.iter().map(|t| t.tok_s).sum::<f64>();
+            Ok((tokens, agg, decode))
+        })
+    };
+    // Each count's decode multiple, and one stream's compute per stage on a core: the
+    // ring reference below runs that compute with as many tokens.
+    let (mut multiples, mut one_compute) = (Vec::new(), Vec::new());
+    // One stream's (aggregate, decode) tok/s run last: the baseline's half before the
+    // next count. A count's multiples are of one stream run just before it and one
+    // just after it on the same load (their mean): one stream's speed drifts with the
+    // machine by more than the quantity, so a count compares with its own moment.
+    let mut before = (0.0, 0.0);
+    let mut gen6 = p6.generation;
+    for k in [1usize, 2, 3, 6] {
+        if k > 1 {
+            // A fresh load per count, so each count's step breakdown is its own.
+            gen6 = reload(&lab, &name, 384, 6, gen6)?.generation;
         }
+        let (tokens, agg, decode) = streams(k)?;
+        // This count's steps, read before the one stream after it mixes in.
+        let breakdowns = match lab.ask("n0", NodeRequest::Breakdowns)? {
+            NodeResponse::Breakdowns(all) => all,
+            _ => Vec::new(),
+        };
+        let (one, one_decode) = if k == 1 {
+            before = (agg, decode);
+            before
+        } else {
+            let (_, a1, d1) = streams(1)?;
+            let mean = ((before.0 + a1) / 2.0, (before.1 + d1) / 2.0);
+            before = (a1, d1);
+            mean
+        };
+        multiples.push((k, decode / one_decode));
         // Where a stream's time goes: its first token's wait, then its decode speed.
         let mean = |f: fn(&Timing) -> f64| tokens.iter().map(f).sum::<f64>() / tokens.len() as f64;
         println!(
             "  {k} stream(s): {agg:>7.1} tok/s aggregate   x{:.2} of one stream   (each: first token after {:.3} s, \
-             then {:.1} tok/s; decode x{:.2})",
+             then {:.1} tok/s; decode x{:.2}{})",
             agg / one,
             mean(|t| t.ttft),
             mean(|t| t.tok_s),
-            decode / one_decode
+            decode / one_decode,
+            if k == 1 { String::new() } else { format!("; one stream before and after: {one:.1} tok/s") }
         );
         // Where the steps' time went at this count: each stage's compute on a core,
         // the time its core ran other threads meanwhile (the stages run one CPU thread
         // each here, so their compute's time off the CPU is that: stages and networking
         // sharing the machine's cores), and its wait for the stage thread (another
         // session's step ahead of it).
-        if let NodeResponse::Breakdowns(all) = lab.ask("n0", NodeRequest::Breakdowns)? {
-            for (_, b) in all {
-                let per_stage = |what: &str| {
-                    let us: Vec<String> =
-                        b.parts.iter().filter(|p| p.what.contains(what)).map(|p| format!("{:.0}", p.us)).collect();
-                    us.join(" / ")
-                };
-                println!(
-                    "      a session's step every {:.0} µs (median {:.0}): compute on a core {} µs, its core taken by \
-                     other threads {} µs, waits for the stage thread {} µs",
-                    b.interval_us,
-                    b.interval_p50_us,
-                    per_stage(" compute ("),
-                    per_stage(" compute, its thread off the CPU"),
-                    per_stage(" hand-off to the stage thread")
-                );
+        for (_, b) in breakdowns {
+            if k == 1 {
+                one_compute = b.parts.iter().filter(|p| p.what.contains(" compute (")).map(|p| p.us).collect();
             }
+            let per_stage = |what: &str| {
+                let us: Vec<String> =
+                    b.parts.iter().filter(|p| p.what.contains(what)).map(|p| format!("{:.0}", p.us)).collect();
+                us.join(" / ")
+            };
+            println!(
+                "      a session's step every {:.0} µs (median {:.0}): compute on a core {} µs, its core taken by \
+                 other threads {} µs, waits for the stage thread {} µs",
+                b.interval_us,
+                b.interval_p50_us,
+                per_stage(" compute ("),
+                per_stage(" compute, its thread off the CPU"),
+                per_stage(" hand-off to the stage thread")
+            );
         }
     }
 
@@ -248,6 +298,27 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         pair[1],
         pair.iter().sum::<f64>() / solo
     );
+    // What the machine's scheduler gives a pipeline, measured now: a ring of threads
+    // computing one stream's per-stage compute, with as many tokens as streams, no
+    // networking. No pipeline on this machine does better than its ring.
+    if !one_compute.is_empty() {
+        let work: Vec<Duration> = one_compute.iter().map(|&us| Duration::from_secs_f64(us.max(0.0) / 1e6)).collect();
+        let rate = |k: usize| ring::tokens_per_s(&work, k, Duration::from_secs(3));
+        let single = rate(1);
+        let shown: Vec<String> = one_compute.iter().map(|us| format!("{us:.0}")).collect();
+        println!(
+            "  a ring of {} threads computing those stages' {} µs per token (no model, no networking): 1 token {single:.1} tok/s",
+            work.len(),
+            shown.join(" / ")
+        );
+        for &(k, multiple) in multiples.iter().filter(|m| m.0 > 1) {
+            let ring = rate(k) / single;
+            println!(
+                "      {k} tokens x{ring:.2}; the API's {k} streams decode x{multiple:.2}, {:.0}% of the ring's",
+                100.0 * multiple / ring
+            );
+        }
+    }
 
     // A stream while another request's long prompt is read: the stages run decode
     // steps before other sessions' prompt chunks, so the stream pauses for about one
@@ -278,6 +349,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     );
     Ok(())
 }
+
+/// Back-to-back pairs (API stream, node protocol generation) behind the API overhead
+/// figure: enough for a median that one burst of the machine does not move.
+const OVERHEAD_PAIRS: usize = 7;
 
 /// A stream's gap between two tokens: when the second came, and the gap (ms).
 type Gap = (Instant, f64);
