@@ -375,14 +375,27 @@ fn chat_body(model: &str, prompt: &str, n: u32) -> Value {
 
 /// When each token of a streamed chat answer arrived.
 fn api_stream_times(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Vec<Instant>> {
-    Ok(sse_chat(api, &chat_body(model, prompt, n))?.0)
+    Ok(sse_chat(api, &chat_body(model, prompt, n))?.1)
 }
 
-/// A streamed chat request's answer read to its end: when each piece of text arrived,
-/// and the completion tokens its usage chunk counts (0 without one).
-fn sse_chat(api: &Api, body: &Value) -> Result<(Vec<Instant>, u64)> {
+/// A streamed chat request's answer read to its end: when the request that was
+/// answered went out, when each piece of text arrived, and the completion tokens its
+/// usage chunk counts (0 without one). A 503 (the API node's view of a model just
+/// loaded can lag its stages' by a moment) is retried after its `Retry-After`, as the
+/// API asks of its clients, a few times.
+fn sse_chat(api: &Api, body: &Value) -> Result<(Instant, Vec<Instant>, u64)> {
     use std::io::BufRead;
-    let mut r = api.request("/v1/chat/completions", body)?;
+    let mut attempts = 0;
+    let (sent, mut r) = loop {
+        let sent = Instant::now();
+        let r = api.request("/v1/chat/completions", body)?;
+        attempts += 1;
+        if r.status() != 503 || attempts >= SSE_ATTEMPTS {
+            break (sent, r);
+        }
+        let after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
+        std::thread::sleep(Duration::from_secs(after.unwrap_or(1).clamp(1, 5)));
+    };
     if r.status() != 200 {
         bail!("the API answered {}", r.status());
     }
@@ -399,8 +412,11 @@ fn sse_chat(api: &Api, body: &Value) -> Result<(Vec<Instant>, u64)> {
         }
         tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(tokens);
     }
-    Ok((times, tokens))
+    Ok((sent, times, tokens))
 }
+
+/// Requests [`sse_chat`] makes while the API answers 503.
+const SSE_ATTEMPTS: u32 = 5;
 
 /// A prompt of about `tokens` tokens (English prose runs ~1.3 tokens a word).
 fn long_prompt(tokens: usize) -> String {
@@ -427,8 +443,7 @@ fn agent() -> ureq::Agent {
 /// One greedy streamed chat through the API: first token and decode speed as the
 /// client sees them.
 fn api_stream(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Timing> {
-    let t0 = Instant::now();
-    let (times, tokens) = sse_chat(api, &chat_body(model, prompt, n))?;
+    let (t0, times, tokens) = sse_chat(api, &chat_body(model, prompt, n))?;
     let (Some(&first), Some(&last)) = (times.first(), times.last()) else { bail!("no text came") };
     let decode = (last - first).as_secs_f64();
     Ok(Timing {
