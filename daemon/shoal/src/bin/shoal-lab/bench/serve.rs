@@ -10,8 +10,8 @@
 //! - aggregate tok/s with 1, 2, 3 and 6 concurrent streams (a placement of 6 sessions,
 //!   loaded afresh for each count so that its step breakdown is its own; every stream
 //!   makes its full count of tokens, as the single-stream runs do, so that counts
-//!   compare the same work; a count's multiple is of one stream run just before and
-//!   just after it), beside two unsplit processes side by side: what the
+//!   compare the same work; a count's multiple is of one stream run just before its
+//!   load and one just after it, on its load), beside two unsplit processes side by side: what the
 //!   machine gives two computations at once in that moment, and a ring of threads
 //!   computing one stream's per-stage compute with as many tokens as streams (no
 //!   networking; [`super::ring`]): what the machine's scheduler gives any pipeline;
@@ -221,8 +221,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // ring reference below runs that compute with as many tokens.
     let (mut multiples, mut one_compute) = (Vec::new(), Vec::new());
     // One stream's (aggregate, decode) tok/s run last: the baseline's half before the
-    // next count. A count's multiples are of one stream run just before it and one
-    // just after it on the same load (their mean): one stream's speed drifts with the
+    // next count. A count's multiples are of the mean of one stream run just before it
+    // (on the previous load: one on the count's own load would mix into its step
+    // breakdown) and one just after it on its load: one stream's speed drifts with the
     // machine by more than the quantity, so a count compares with its own moment.
     let mut before = (0.0, 0.0);
     let mut gen6 = p6.generation;
@@ -300,9 +301,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     );
     // What the machine's scheduler gives a pipeline, measured now: a ring of threads
     // computing one stream's per-stage compute, with as many tokens as streams, no
-    // networking. No pipeline on this machine does better than its ring.
+    // networking: stages that only compute and hand over at once, what a pipeline of
+    // these stages can at most expect of this machine's scheduler.
     if !one_compute.is_empty() {
-        let work: Vec<Duration> = one_compute.iter().map(|&us| Duration::from_secs_f64(us.max(0.0) / 1e6)).collect();
+        let work: Vec<Duration> =
+            one_compute.iter().map(|&us| Duration::try_from_secs_f64(us / 1e6).unwrap_or_default()).collect();
         let rate = |k: usize| ring::tokens_per_s(&work, k, Duration::from_secs(3));
         let single = rate(1);
         let shown: Vec<String> = one_compute.iter().map(|us| format!("{us:.0}")).collect();
@@ -311,11 +314,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             work.len(),
             shown.join(" / ")
         );
-        for &(k, multiple) in multiples.iter().filter(|m| m.0 > 1) {
-            let ring = rate(k) / single;
+        // A ring that made no token in its window (a stalled machine) has no multiple.
+        for &(k, multiple) in multiples.iter().filter(|m| m.0 > 1 && single > 0.0) {
+            let ring_x = rate(k) / single;
             println!(
-                "      {k} tokens x{ring:.2}; the API's {k} streams decode x{multiple:.2}, {:.0}% of the ring's",
-                100.0 * multiple / ring
+                "      {k} tokens x{ring_x:.2}; the API's {k} streams decode x{multiple:.2}, {:.0}% of the ring's",
+                100.0 * multiple / ring_x
             );
         }
     }
@@ -381,8 +385,9 @@ fn api_stream_times(api: &Api, model: &str, prompt: &str, n: u32) -> Result<Vec<
 /// A streamed chat request's answer read to its end: when the request that was
 /// answered went out, when each piece of text arrived, and the completion tokens its
 /// usage chunk counts (0 without one). A 503 (the API node's view of a model just
-/// loaded can lag its stages' by a moment) is retried after its `Retry-After`, as the
-/// API asks of its clients, a few times.
+/// loaded can lag its stages' by a moment) is retried after its `Retry-After` (taken
+/// as 1–5 s), as the API asks of its clients, a few times; a concurrency count's
+/// aggregate then includes the wait, its first-token times do not.
 fn sse_chat(api: &Api, body: &Value) -> Result<(Instant, Vec<Instant>, u64)> {
     use std::io::BufRead;
     let mut attempts = 0;
