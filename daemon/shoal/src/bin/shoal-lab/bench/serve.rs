@@ -11,16 +11,17 @@
 //!   loaded afresh for each count so that its step breakdown is its own; every stream
 //!   makes its full count of tokens, as the single-stream runs do, so that counts
 //!   compare the same work; a count's multiple is of one stream run just before its
-//!   load and one just after it, on its load), beside two unsplit processes side by side: what the
-//!   machine gives two computations at once in that moment, and a ring of threads
-//!   computing one stream's per-stage compute with as many tokens as streams (no
-//!   networking; [`super::ring`]): what the machine's scheduler gives any pipeline;
+//!   load and one just after it, on its load), beside two unsplit processes side by
+//!   side: what the machine gives two computations at once in that moment, and a ring
+//!   of threads computing one stream's per-stage compute with as many tokens as
+//!   streams (no networking; [`super::ring`]): what the machine's scheduler gives any
+//!   pipeline;
 //! - a stream's longest pause while another request's ~1,000-token prompt is read.
 //!
 //! Generations ignore end-of-text: a stream that stopped early would compare fewer
 //! tokens, and a count's aggregate would include time when fewer streams ran.
 
-use super::ring;
+use super::{median, ring};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
@@ -123,13 +124,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         ttft_unsplit.push(run_unsplit(&lab.exe, &model, &long_prompt, 2, ctx)?.ttft);
         ttft_api.push(api.on_client(|| api_stream(&api, &name, &long_prompt, 2))?.ttft);
     }
-    let med = |v: &mut Vec<f64>| -> f64 {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let tps = |v: &[Timing]| -> Vec<f64> { v.iter().map(|t| t.tok_s).collect() };
-    let (u, api_tps) = (med(&mut tps(&unsplit)), med(&mut tps(&via_api)));
-    let (tu, ta) = (med(&mut ttft_unsplit), med(&mut ttft_api));
+    let (u, api_tps) = (median(&mut tps(&unsplit)), median(&mut tps(&via_api)));
+    let (tu, ta) = (median(&mut ttft_unsplit), median(&mut ttft_api));
     println!(
         "single stream, {} tokens, median of {} rounds ({} stages, layers {}):",
         a.tokens,
@@ -168,9 +165,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     println!(
         "  API overhead per token: {:.3} ms, median of {OVERHEAD_PAIRS} back-to-back pairs (each {lo:+.3} .. {hi:+.3}; \
          API {:.3} ms/token vs node protocol {:.3}; target <= 0.2)",
-        med(&mut diffs),
-        med(&mut api_ms),
-        med(&mut node_ms)
+        median(&mut diffs),
+        median(&mut api_ms),
+        median(&mut node_ms)
     );
     // The single-stream runs' steps, round the ring (the concurrent ones below would mix in).
     if let NodeResponse::Breakdowns(all) = lab.ask("n0", NodeRequest::Breakdowns)? {
@@ -247,7 +244,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             before = (a1, d1);
             mean
         };
-        multiples.push((k, decode / one_decode));
+        let decode_x = decode / one_decode;
+        multiples.push((k, decode_x));
         // Where a stream's time goes: its first token's wait, then its decode speed.
         let mean = |f: fn(&Timing) -> f64| tokens.iter().map(f).sum::<f64>() / tokens.len() as f64;
         println!(
@@ -256,7 +254,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             agg / one,
             mean(|t| t.ttft),
             mean(|t| t.tok_s),
-            decode / one_decode,
+            decode_x,
             if k == 1 { String::new() } else { format!("; one stream before and after: {one:.1} tok/s") }
         );
         // Where the steps' time went at this count: each stage's compute on a core,
