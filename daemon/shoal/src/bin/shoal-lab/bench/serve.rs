@@ -15,7 +15,8 @@
 //!   side: what the machine gives two computations at once in that moment, and a ring
 //!   of threads computing one stream's per-stage compute with as many tokens as
 //!   streams (no networking; [`super::ring`]): what the machine's scheduler gives any
-//!   pipeline;
+//!   pipeline; and the same ring with its threads pinned to the CPUs: what the cores
+//!   would give without the scheduler's placement of woken threads;
 //! - a stream's longest pause while another request's ~1,000-token prompt is read.
 //!
 //! Generations ignore end-of-text: a stream that stopped early would compare fewer
@@ -328,6 +329,25 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 "      {k} tokens x{ring_x:.2}; the API's {k} streams decode x{multiple:.2}, {:.0}% of the ring's",
                 100.0 * multiple / ring_x
             );
+        }
+        // The same ring with each thread kept on a core (the heaviest stages spread
+        // first): where it beats the free ring, the scheduler's placement of woken
+        // threads, not the cores, is what the free ring (and the API) ran into.
+        let (on, busiest) = ring::balanced(&work, &ring::allowed_cpus());
+        let pinned = |k: usize| ring::tokens_per_s_pinned(&work, k, Duration::from_secs(3), &on);
+        if let (Some(one), false) = (pinned(1).filter(|r| *r > 0.0), busiest.is_zero()) {
+            let cpus: Vec<String> = on.iter().map(|c| c.to_string()).collect();
+            // With every stage busy, a pinned ring runs at its busiest CPU's pace.
+            let bound = 1.0 / busiest.as_secs_f64() / one;
+            println!(
+                "  the same ring pinned (stage by stage on CPUs {}; at most x{bound:.2} then): 1 token {one:.1} tok/s",
+                cpus.join(" / ")
+            );
+            for &(k, _) in multiples.iter().filter(|m| m.0 > 1) {
+                if let Some(r) = pinned(k) {
+                    println!("      {k} tokens x{:.2}", r / one);
+                }
+            }
         }
     }
 
