@@ -32,12 +32,13 @@ pub fn tokens_per_s(work: &[Duration], tokens: usize, run_for: Duration) -> f64 
 /// [`tokens_per_s`] with thread `i` kept on CPU `cpus[i]` (as [`balanced`] assigns
 /// them): what the machine gives the same ring when its scheduler cannot stack two
 /// runnable threads on one core while another idles. `None` where threads cannot be
-/// pinned (not Linux, or a CPU this process may not use).
+/// pinned (not Linux, or a CPU the calling thread may not use).
 pub fn tokens_per_s_pinned(work: &[Duration], tokens: usize, run_for: Duration, cpus: &[usize]) -> Option<f64> {
     ring(work, tokens, run_for, Some(cpus))
 }
 
-/// The CPUs this process may run on (Linux), in order; empty where unknown.
+/// The CPUs the calling thread may run on (Linux; for a thread not pinned, the
+/// process's), in order; empty where unknown.
 pub fn allowed_cpus() -> Vec<usize> {
     #[cfg(target_os = "linux")]
     {
@@ -223,11 +224,20 @@ mod tests {
         // Two tokens round three 2 ms stages: on two free cores up to ~333 a second;
         // all three threads on one CPU, at most what one core computes, ~167. More
         // would mean the threads were not pinned.
-        let Some(&cpu) = allowed_cpus().first() else { return };
+        let allowed = allowed_cpus();
+        let Some(&cpu) = allowed.first() else { return };
+        // Pinning takes: the pinned thread may run on that CPU alone.
+        let only = std::thread::spawn(move || (pin(cpu), allowed_cpus())).join().expect("the thread ran");
+        assert_eq!(only, (true, vec![cpu]));
+        assert_eq!(allowed_cpus(), allowed, "the calling thread is not pinned");
         let work = [Duration::from_millis(2); 3];
         let rate = tokens_per_s_pinned(&work, 2, Duration::from_secs(1), &[cpu; 3]).expect("pinned");
         assert!(rate > 0.0 && rate <= 1000.0 / 6.0 * 1.05, "{rate}");
-        // A CPU that does not exist cannot be pinned to: no figure rather than a wrong one.
+        // A CPU that does not exist, or one this process may not use, cannot be pinned
+        // to: no figure rather than a wrong one.
         assert_eq!(tokens_per_s_pinned(&work, 1, Duration::from_millis(100), &[usize::MAX; 3]), None);
+        if let Some(other) = (0..libc::CPU_SETSIZE as usize).find(|c| !allowed.contains(c)) {
+            assert_eq!(tokens_per_s_pinned(&work, 1, Duration::from_millis(100), &[other; 3]), None);
+        }
     }
 }

@@ -15,8 +15,8 @@
 //!   side: what the machine gives two computations at once in that moment, and a ring
 //!   of threads computing one stream's per-stage compute with as many tokens as
 //!   streams (no networking; [`super::ring`]): what the machine's scheduler gives any
-//!   pipeline; and the same ring with its threads pinned to the CPUs: what the cores
-//!   would give without the scheduler's placement of woken threads;
+//!   pipeline; and the same ring with its threads pinned to the CPUs: what a fixed
+//!   placement of the stages gets, each ring as a share of what it could reach;
 //! - a stream's longest pause while another request's ~1,000-token prompt is read.
 //!
 //! Generations ignore end-of-text: a stream that stopped early would compare fewer
@@ -322,30 +322,49 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             work.len(),
             shown.join(" / ")
         );
+        // What each ring could reach with `k` tokens, as a multiple of its measured one
+        // token: free threads on `cpus` cores at most k, or the cores' worth of the
+        // round's work, or the slowest stage's pace; pinned ones their busiest CPU's.
+        let cpus = ring::allowed_cpus();
+        let (sum, max) = (work.iter().sum::<Duration>(), work.iter().max().copied().unwrap_or_default());
+        let free_limit = |k: usize, one: f64| -> f64 {
+            let cores = cpus.len().max(1) as f64 / sum.as_secs_f64() / one;
+            (k as f64).min(cores).min(1.0 / max.as_secs_f64() / one)
+        };
         // A ring that made no token in its window (a stalled machine) has no multiple.
         for &(k, multiple) in multiples.iter().filter(|m| m.0 > 1 && single > 0.0) {
             let ring_x = rate(k) / single;
+            let limit = free_limit(k, single);
             println!(
-                "      {k} tokens x{ring_x:.2}; the API's {k} streams decode x{multiple:.2}, {:.0}% of the ring's",
+                "      {k} tokens x{ring_x:.2}, {:.0}% of the x{limit:.2} {} cores allow; the API's {k} streams decode x{multiple:.2}, {:.0}% of the ring's",
+                100.0 * ring_x / limit,
+                cpus.len(),
                 100.0 * multiple / ring_x
             );
         }
-        // The same ring with each thread kept on a core (the heaviest stages spread
-        // first): where it beats the free ring, the scheduler's placement of woken
-        // threads, not the cores, is what the free ring (and the API) ran into.
-        let (on, busiest) = ring::balanced(&work, &ring::allowed_cpus());
+        // The same ring with each thread kept on a CPU (the heaviest stages spread
+        // first). Pinning three stages to two cores allows less than free threads
+        // could reach; a pinned ring that comes nearer its limit than the free one
+        // does to its own shows what the scheduler's placement of woken threads costs.
+        let (on, busiest) = ring::balanced(&work, &cpus);
         let pinned = |k: usize| ring::tokens_per_s_pinned(&work, k, Duration::from_secs(3), &on);
-        if let (Some(one), false) = (pinned(1).filter(|r| *r > 0.0), busiest.is_zero()) {
-            let cpus: Vec<String> = on.iter().map(|c| c.to_string()).collect();
-            // With every stage busy, a pinned ring runs at its busiest CPU's pace.
-            let bound = 1.0 / busiest.as_secs_f64() / one;
-            println!(
-                "  the same ring pinned (stage by stage on CPUs {}; at most x{bound:.2} then): 1 token {one:.1} tok/s",
-                cpus.join(" / ")
-            );
-            for &(k, _) in multiples.iter().filter(|m| m.0 > 1) {
-                if let Some(r) = pinned(k) {
-                    println!("      {k} tokens x{:.2}", r / one);
+        if !on.is_empty() && !busiest.is_zero() {
+            if let Some(one) = pinned(1).filter(|r| *r > 0.0) {
+                let shown: Vec<String> = on.iter().map(|c| c.to_string()).collect();
+                println!(
+                    "  the same ring pinned, stage by stage on CPUs {}: 1 token {one:.1} tok/s",
+                    shown.join(" / ")
+                );
+                for &(k, _) in multiples.iter().filter(|m| m.0 > 1) {
+                    // With every stage busy, a pinned ring runs at its busiest CPU's pace.
+                    let limit = (k as f64).min(1.0 / busiest.as_secs_f64() / one);
+                    if let Some(r) = pinned(k) {
+                        let x = r / one;
+                        println!(
+                            "      {k} tokens x{x:.2}, {:.0}% of the x{limit:.2} pinning allows",
+                            100.0 * x / limit
+                        );
+                    }
                 }
             }
         }
