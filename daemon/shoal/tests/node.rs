@@ -47,11 +47,7 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     // Where it runs, as people see it.
     let plan = run_ok(&["models", "plan", SMOL], &dir("b"));
     assert_eq!(plan.matches("running, shard").count(), 3, "{plan}");
-    // B and C fetched theirs; A cut its own from its copy, at the load or before it,
-    // when it measured its speed: a measurement slice can be the very layers A then
-    // runs, and a slice cut from a node's own copy stays in its cache.
-    assert_eq!(plan.matches("shard fetched from").count(), 2, "{plan}");
-    assert!(plan.contains("shard built from this node's copy") || plan.contains("running, shard cache"), "{plan}");
+    assert!(plan.contains("shard built from this node's copy") && plan.contains("shard fetched from"), "{plan}");
     let ls = run_ok(&["models", "ls"], &dir("b"));
     assert!(ls.contains("3 stage(s)"), "{ls}");
 
