@@ -762,9 +762,9 @@ fn holders(rt: &Runtime, view: &View, entry: &CatalogEntry) -> Vec<shoal_transfe
 /// the head's; and publish the result as `speed/<node>/<model>`.
 pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Speed, ApiError> {
     let unavailable = |m: String| ApiError::new(ErrorKind::Unavailable, m);
-    let Some(engine) = rt.engine.as_ref() else {
+    if rt.engine.is_none() {
         return Err(unavailable("this node runs no stages (no engine)".into()));
-    };
+    }
     if lock(&rt.stage).as_ref().is_some_and(|s| !matches!(s.state, StageState::Failed(_))) {
         return Err(ApiError::new(ErrorKind::Busy, "this node runs a stage; it is measured while free"));
     }
@@ -789,8 +789,7 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
     let average = entry.size / u64::from(entry.n_layer.max(1));
     let layer_bytes = profile.as_ref().map_or(&[][..], |p| &p.layer_bytes[..]);
     let layers = schedule::measured_layers(entry.n_layer, entry.layer_period, layer_bytes, average);
-    let (decode_ms, prefill_ms) =
-        time_slice(rt, engine, &view, &entry, layers, MEASURE_ROUNDS, MEASURE_PREFILL_ROUNDS).await?;
+    let (decode_ms, prefill_ms) = time_slice(rt, &view, &entry, layers, MEASURE_ROUNDS, MEASURE_PREFILL_ROUNDS).await?;
     let n = f64::from(layers.len().max(1));
     let ms_per_layer = decode_ms / n;
     let head = profile.as_ref().and_then(|p| {
@@ -800,7 +799,7 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
         // The whole model was timed: its layers' time holds the head already.
         Some(0.0)
     } else if let Some(tail) = head {
-        match time_slice(rt, engine, &view, &entry, tail, MEASURE_HEAD_ROUNDS, 0).await {
+        match time_slice(rt, &view, &entry, tail, MEASURE_HEAD_ROUNDS, 0).await {
             // Noise can make the difference negative for a head much smaller than a layer.
             Ok((tail_ms, _)) => Some((tail_ms - ms_per_layer * f64::from(tail.len())).max(0.0)),
             Err(e) => {
@@ -833,7 +832,6 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
 /// deleted after.
 async fn time_slice(
     rt: &Arc<Runtime>,
-    engine: &Arc<dyn Engine>,
     view: &View,
     entry: &CatalogEntry,
     layers: LayerRange,
@@ -841,7 +839,9 @@ async fn time_slice(
     prefill_rounds: u32,
 ) -> Result<(f64, f64), ApiError> {
     let unavailable = |m: String| ApiError::new(ErrorKind::Unavailable, m);
-    let engine = engine.clone();
+    let Some(engine) = rt.engine.clone() else {
+        return Err(unavailable("this node runs no stages (no engine)".into()));
+    };
     let source: SourceHash = entry.content_hash.parse().map_err(|_| unavailable("a malformed content hash".into()))?;
     let t0 = std::time::Instant::now();
     let obtained = shoal_transfer::obtain(
@@ -897,7 +897,6 @@ const MEASURE_DECODE_STEPS: u32 = 32;
 /// a loaded two-core machine could all fall in one burst and make a faster machine
 /// look like the others (it then never won a re-plan).
 const MEASURE_ROUNDS: u32 = 4;
-const MEASURE_PAUSE: Duration = Duration::from_millis(250);
 
 /// Rounds of the LM head's measurement, which follows the layers' at once: fewer, as
 /// its slice is short (a period or a few of layers, and the head) and the layers'
@@ -907,6 +906,7 @@ const MEASURE_HEAD_ROUNDS: u32 = 2;
 /// Rounds of the layers' measurement that time a prefill chunk (a chunk of 64 positions
 /// takes as long as ~40 decode steps: 0.19 ms per layer and position on SmolLM2 here).
 const MEASURE_PREFILL_ROUNDS: u32 = 2;
+const MEASURE_PAUSE: Duration = Duration::from_millis(250);
 
 /// Time `stage` in `rounds` spaced by [`MEASURE_PAUSE`]: the first `prefill_rounds`
 /// rounds run a prefill chunk of `chunk` positions (the stage's contract lets a chunk

@@ -231,31 +231,21 @@ pub const HEAD_TIMED_MAX_BYTES: u64 = 128 << 20;
 /// layers' alone; or the whole model when it is too short for that. `layer_bytes` are
 /// the layers' sizes (a shorter list counts the missing layers as `fallback` bytes).
 pub fn measured_layers(n_layer: u32, period: u32, layer_bytes: &[u64], fallback: u64) -> shoal_types::LayerRange {
-    let Some((p, min_width)) = middle_slice(n_layer, period) else {
+    let p = period.max(1);
+    let min_width = p * 2u32.div_ceil(p);
+    if n_layer <= p + min_width {
         return shoal_types::LayerRange::new(0, n_layer);
-    };
-    // The widest slice that still ends before the last layer (>= min_width: see
-    // `middle_slice`).
+    }
+    // The widest slice that still ends before the last layer (>= min_width, above).
     let max_width = (n_layer - p - 1) / p * p;
+    let bytes = |range: std::ops::Range<u32>| -> u64 {
+        range.map(|l| layer_bytes.get(l as usize).copied().unwrap_or(fallback)).fold(0u64, u64::saturating_add)
+    };
     let mut width = min_width;
-    while width + p <= max_width && slice_bytes(p..p + width, layer_bytes, fallback) < MEASURE_MIN_BYTES {
+    while width + p <= max_width && bytes(p..p + width) < MEASURE_MIN_BYTES {
         width += p;
     }
     shoal_types::LayerRange::new(p, p + width)
-}
-
-/// The period (at least 1) and a slice's least width (two layers, in whole periods)
-/// when a model of `n_layer` layers has room for a slice between its first period and
-/// its last layer; `None` when it is too short, and is measured whole.
-fn middle_slice(n_layer: u32, period: u32) -> Option<(u32, u32)> {
-    let p = period.max(1);
-    let min_width = p * 2u32.div_ceil(p);
-    (n_layer > p + min_width).then_some((p, min_width))
-}
-
-/// The bytes of layers `range` (`fallback` for each layer `layer_bytes` does not list).
-fn slice_bytes(range: std::ops::Range<u32>, layer_bytes: &[u64], fallback: u64) -> u64 {
-    range.map(|l| layer_bytes.get(l as usize).copied().unwrap_or(fallback)).fold(0u64, u64::saturating_add)
 }
 
 /// The slice a measurement times the LM head on, after the layers of
@@ -273,12 +263,17 @@ pub fn measured_head_layers(
     fallback: u64,
     head_bytes: u64,
 ) -> Option<shoal_types::LayerRange> {
-    let (p, min_width) = middle_slice(n_layer, period).filter(|_| head_bytes <= HEAD_TIMED_MAX_BYTES)?;
-    // On a period, and at least `min_width` layers (n_layer > p + min_width).
+    let p = period.max(1);
+    let min_width = p * 2u32.div_ceil(p);
+    if n_layer <= p + min_width || head_bytes > HEAD_TIMED_MAX_BYTES {
+        return None;
+    }
+    let bytes = |range: std::ops::Range<u32>| -> u64 {
+        range.map(|l| layer_bytes.get(l as usize).copied().unwrap_or(fallback)).fold(head_bytes, u64::saturating_add)
+    };
+    // On a period, and at least `min_width` layers (n_layer > p + min_width, above).
     let mut start = ((n_layer - min_width) / p * p).max(p);
-    while start >= 2 * p
-        && slice_bytes(start..n_layer, layer_bytes, fallback).saturating_add(head_bytes) < MEASURE_MIN_BYTES
-    {
+    while start >= 2 * p && bytes(start..n_layer) < MEASURE_MIN_BYTES {
         start -= p;
     }
     Some(shoal_types::LayerRange::new(start, n_layer))
@@ -428,21 +423,19 @@ fn place(
         let mut d = Device::estimated_cpu(host.clone(), m.offer_bytes, profile);
         let speed = inputs.speeds.get(&(m.id, load.model.clone())).filter(|s| s.is_sane());
         if let Some(speed) = speed.filter(|_| d.ms_per_layer > 0.0) {
-            match speed.head_ms {
-                Some(head) => {
-                    d.head_ms = head;
-                    measured.push(format!("{host} {:.3}; {head:.2}", speed.ms_per_layer));
-                    timed_head = true;
-                }
-                None => {
-                    // The head was not timed: it scales like the layers (both read weights).
-                    d.head_ms *= speed.ms_per_layer / d.ms_per_layer;
-                    measured.push(format!("{host} {:.3}", speed.ms_per_layer));
-                }
-            }
+            d.head_ms = match speed.head_ms {
+                Some(head) => head,
+                // The head was not timed: it scales like the layers (both read weights).
+                None => d.head_ms * speed.ms_per_layer / d.ms_per_layer,
+            };
             d.ms_per_layer = speed.ms_per_layer;
             d.prefill_ms_per_layer_token = Some(speed.prefill_ms_per_layer_token);
             d.estimated = false;
+            measured.push(match speed.head_ms {
+                Some(head) => format!("{host} {:.3}; {head:.2}", speed.ms_per_layer),
+                None => format!("{host} {:.3}", speed.ms_per_layer),
+            });
+            timed_head |= speed.head_ms.is_some();
         }
         runs_on.insert(d.id.clone(), (i, None));
         devices.push(d);
