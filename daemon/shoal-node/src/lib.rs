@@ -107,11 +107,7 @@ pub async fn run(
         stage: Mutex::new(None),
         rss_before_stage: Default::default(),
         keepalive: options.keepalive,
-        fingerprint: options
-            .engine
-            .as_ref()
-            .map(|e| format!("{} {}", e.fingerprint(), runtime::MEASURE_METHOD))
-            .unwrap_or_default(),
+        fingerprint: options.engine.as_ref().map(|e| e.fingerprint()).unwrap_or_default(),
         measuring: Default::default(),
         inventory: inventory.clone(),
         events: Default::default(),

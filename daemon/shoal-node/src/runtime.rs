@@ -130,9 +130,8 @@ pub struct Runtime {
     /// Keep the stage's threads spinning for this long after its last frame (no
     /// wake-up cost between tokens; see `shoal-lab bench keepalive`); `None`: sleep.
     pub keepalive: Option<std::time::Duration>,
-    /// What this node's measured speeds depend on ([`Engine::fingerprint`] and
-    /// [`MEASURE_METHOD`]): a speed measured under another (other threads, another
-    /// build, another way of measuring) is measured again.
+    /// What this node's measured speeds depend on ([`Engine::fingerprint`]): a speed
+    /// measured under another (other threads, another build) is measured again.
     pub fingerprint: String,
     /// Held while a measurement ([`measure`]) runs: the next waits (two would time
     /// each other; a leader may ask for several models, or a new leader again).
@@ -478,8 +477,8 @@ pub async fn breakdowns(rt: &Runtime) -> Vec<(String, shoal_pipeline::TokenBreak
 pub async fn offer(rt: Arc<Runtime>) {
     let mut view = rt.membership.view();
     // This node's speeds measured under another fingerprint (other threads, another
-    // build, another measuring method) are dropped once: the leader measures a free
-    // member again when it lacks them (a few seconds).
+    // build) are dropped once: the leader measures a free member again when it lacks
+    // them (a second or so).
     let mut stale_speeds = true;
     loop {
         let v = view.borrow_and_update().clone();
@@ -792,24 +791,14 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
     let (decode_ms, prefill_ms) = time_slice(rt, &view, &entry, layers, MEASURE_ROUNDS, MEASURE_PREFILL_ROUNDS).await?;
     let n = f64::from(layers.len().max(1));
     let ms_per_layer = decode_ms / n;
-    let head = profile.as_ref().and_then(|p| {
-        schedule::measured_head_layers(entry.n_layer, entry.layer_period, &p.layer_bytes, average, p.head_bytes)
-    });
-    let head_ms = if layers.len() == entry.n_layer {
-        // The whole model was timed: its layers' time holds the head already.
-        Some(0.0)
-    } else if let Some(tail) = head {
-        match time_slice(rt, &view, &entry, tail, MEASURE_HEAD_ROUNDS, 0).await {
+    let head = profile.and_then(|p| schedule::measured_head_layers(entry.n_layer, entry.layer_period, p.head_bytes));
+    let head_ms = match head {
+        Some(tail) => {
+            let (tail_ms, _) = time_slice(rt, &view, &entry, tail, MEASURE_HEAD_ROUNDS, 0).await?;
             // Noise can make the difference negative for a head much smaller than a layer.
-            Ok((tail_ms, _)) => Some((tail_ms - ms_per_layer * f64::from(tail.len())).max(0.0)),
-            Err(e) => {
-                // The layers' figure stands; the head is planned by bytes.
-                tracing::info!(model = %entry.name, %tail, "timing the LM head: {}", e.message);
-                None
-            }
+            Some((tail_ms - ms_per_layer * f64::from(tail.len())).max(0.0))
         }
-    } else {
-        None
+        None => None,
     };
     let speed = shoal_types::Speed {
         ms_per_layer,
@@ -878,12 +867,6 @@ async fn time_slice(
     timed
 }
 
-/// How this node measures its speed (the slices [`schedule::measured_layers`] and
-/// [`schedule::measured_head_layers`] pick, the rounds): part of its speeds'
-/// fingerprint, so that a node measuring differently from its earlier version measures
-/// again instead of planning on figures of the old kind (2 only: two cache-hot layers).
-pub const MEASURE_METHOD: &str = "measure=3";
-
 /// How a measured stage is sized: one session, one prefill chunk of context to spare.
 const MEASURE_SIZING: StageSizing = StageSizing { context: 256, sessions: 1, chunk: 64 };
 
@@ -899,8 +882,8 @@ const MEASURE_DECODE_STEPS: u32 = 32;
 const MEASURE_ROUNDS: u32 = 4;
 
 /// Rounds of the LM head's measurement, which follows the layers' at once: fewer, as
-/// its slice is short (a period or a few of layers, and the head) and the layers'
-/// rounds have already spread the whole measurement over a second or more.
+/// its slice is short (two layers and the head) and the layers' rounds have already
+/// spread the whole measurement over a second or more.
 const MEASURE_HEAD_ROUNDS: u32 = 2;
 
 /// Rounds of the layers' measurement that time a prefill chunk (a chunk of 64 positions
@@ -1298,92 +1281,3 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Watch a view (re-exported for tests).
 pub type ViewRx = watch::Receiver<View>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use shoal_types::{SessionId, StageError, StageInfo, StageInput, StageMemory, StageOutput};
-
-    /// A stage that keeps the [`Stage`] contract's positions (a gap or a context
-    /// overrun is an error) and records every step as (first position, tokens).
-    struct Positions {
-        info: StageInfo,
-        held: u32,
-        steps: Vec<(u32, u32)>,
-    }
-
-    impl Stage for Positions {
-        fn info(&self) -> &StageInfo {
-            &self.info
-        }
-        fn forward_rows(
-            &mut self,
-            session: SessionId,
-            first_pos: u32,
-            input: StageInput<'_>,
-            _all_rows: bool,
-        ) -> Result<StageOutput, StageError> {
-            let n = match input {
-                StageInput::Hidden(h) => h.len() as u32 / self.info.n_embd,
-                StageInput::Tokens(t) => t.len() as u32,
-            };
-            if first_pos > self.held {
-                return Err(StageError::PositionGap { session, first_pos, have: self.held });
-            }
-            if first_pos + n > self.info.n_ctx_per_session {
-                return Err(StageError::ContextFull {
-                    session,
-                    end: first_pos + n,
-                    n_ctx: self.info.n_ctx_per_session,
-                });
-            }
-            self.held = first_pos + n;
-            self.steps.push((first_pos, n));
-            Ok(StageOutput::Hidden(vec![0.0; (n * self.info.n_embd) as usize]))
-        }
-        fn free_session(&mut self, _session: SessionId) {
-            self.held = 0;
-        }
-        fn memory(&self) -> StageMemory {
-            StageMemory::default()
-        }
-    }
-
-    fn stage(n_ctx: u32) -> Positions {
-        let info = StageInfo {
-            layers: LayerRange::new(1, 17),
-            n_layer_total: 30,
-            n_embd: 4,
-            n_vocab: 32,
-            chunk: 64,
-            n_ctx_per_session: n_ctx,
-            max_sessions: 1,
-        };
-        Positions { info, held: 0, steps: Vec::new() }
-    }
-
-    #[test]
-    fn a_measurement_times_prefill_in_its_first_rounds_and_decodes_on_within_the_context() {
-        // As a node measures: 4 rounds, 2 with a prefill chunk, in a 256-position context.
-        let mut s = stage(MEASURE_SIZING.context);
-        let (decode, prefill) = time_stage(&mut s, 64, 32, 4, 2).unwrap();
-        assert!(decode.is_finite() && prefill.is_finite());
-        let chunks: Vec<u32> = s.steps.iter().filter(|(_, n)| *n == 64).map(|(p, _)| *p).collect();
-        // The warm-up chunk and the two timed ones, each from position 0.
-        assert_eq!(chunks, [0, 0, 0]);
-        assert_eq!(s.steps.iter().filter(|(_, n)| *n == 1).count(), 2 + 4 * 32);
-        assert_eq!(s.steps.last(), Some(&(64 + 3 * 32 - 1, 1)), "rounds 3 and 4 decode on from round 2's end");
-        // The head's slice: decode only.
-        let mut s = stage(MEASURE_SIZING.context);
-        let (decode, prefill) = time_stage(&mut s, 64, 32, 2, 0).unwrap();
-        assert!(decode.is_finite() && prefill.is_infinite());
-        assert_eq!(s.steps.iter().filter(|(_, n)| *n == 64).count(), 1);
-        assert_eq!(s.steps.last(), Some(&(64 + 2 + 2 * 32 - 1, 1)));
-        // A context too short to decode on: a chunk starts the positions over instead
-        // of running out of the context.
-        let mut s = stage(64 + 40);
-        time_stage(&mut s, 64, 32, 4, 1).unwrap();
-        assert_eq!(s.steps.iter().filter(|(_, n)| *n == 64).count(), 1 + 4);
-        assert!(s.steps.iter().all(|(p, n)| p + n <= 64 + 40));
-    }
-}

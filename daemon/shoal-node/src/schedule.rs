@@ -23,10 +23,10 @@
 //! - A model that does not fit gets a placement without stages and an error saying why;
 //!   it is planned again as members come back.
 //! - A placement whose load was removed (`unload`) is deleted.
-//! - Plans rest on measured speeds: every free member is asked to time a slice of a
-//!   loaded model's layers ([`measured_layers`]) and a small LM head
-//!   ([`measured_head_layers`]) ([`to_measure`]; a [`Speed`] entry per member and
-//!   model), and a model is not planned from scratch while such a measurement runs
+//! - Plans rest on measured speeds: every free member is asked to time a slice of the
+//!   layers of a loaded model ([`measured_layers`]) and a small LM head
+//!   ([`measured_head_layers`]) ([`to_measure`]; a [`Speed`] entry per member and model), and a
+//!   model is not planned from scratch while such a measurement runs
 //!   ([`Inputs::measuring`]). A member that could not be measured is planned with a
 //!   speed estimated from memory bandwidth, and the explanation says so.
 
@@ -249,33 +249,18 @@ pub fn measured_layers(n_layer: u32, period: u32, layer_bytes: &[u64], fallback:
 }
 
 /// The slice a measurement times the LM head on, after the layers of
-/// [`measured_layers`]: from a period boundary (past the first period: no embedding)
-/// to the model's end, with its head; at least two layers, and more until layers and
-/// head are [`MEASURE_MIN_BYTES`] (a smaller slice would run from the cache, and the
-/// layers' time taken off it was not). Its time less those layers' is the head's.
-/// `None` when the head is planned by bytes instead (bigger than
-/// [`HEAD_TIMED_MAX_BYTES`]), or when the layers' slice is already the whole model
-/// (whose time holds the head). `layer_bytes` and `fallback` as for [`measured_layers`].
-pub fn measured_head_layers(
-    n_layer: u32,
-    period: u32,
-    layer_bytes: &[u64],
-    fallback: u64,
-    head_bytes: u64,
-) -> Option<shoal_types::LayerRange> {
+/// [`measured_layers`]: the model's last whole periods, at least two layers, and its
+/// head; its time less those layers' is the head's. `None` when the head is planned by
+/// bytes instead (bigger than [`HEAD_TIMED_MAX_BYTES`]), or when the layers' slice is
+/// already the whole model (whose time holds the head).
+pub fn measured_head_layers(n_layer: u32, period: u32, head_bytes: u64) -> Option<shoal_types::LayerRange> {
     let p = period.max(1);
-    let min_width = p * 2u32.div_ceil(p);
-    if n_layer <= p + min_width || head_bytes > HEAD_TIMED_MAX_BYTES {
+    let width = p * 2u32.div_ceil(p);
+    if n_layer <= p + width || head_bytes > HEAD_TIMED_MAX_BYTES {
         return None;
     }
-    let bytes = |range: std::ops::Range<u32>| -> u64 {
-        range.map(|l| layer_bytes.get(l as usize).copied().unwrap_or(fallback)).fold(head_bytes, u64::saturating_add)
-    };
-    // On a period, and at least `min_width` layers (n_layer > p + min_width, above).
-    let mut start = ((n_layer - min_width) / p * p).max(p);
-    while start >= 2 * p && bytes(start..n_layer) < MEASURE_MIN_BYTES {
-        start -= p;
-    }
+    // A start on the period, and past the first one (no embedding in the shard).
+    let start = ((n_layer - width) / p * p).max(p);
     Some(shoal_types::LayerRange::new(start, n_layer))
 }
 
@@ -875,31 +860,16 @@ mod tests {
     }
 
     #[test]
-    fn a_small_head_is_timed_on_the_last_layers_and_a_big_one_is_not() {
+    fn a_small_head_is_timed_on_the_last_periods_and_a_big_one_is_not() {
         let range = shoal_types::LayerRange::new;
-        // SmolLM2-135M: a 28 MiB head and two 2 MiB layers make 32 MiB.
-        assert_eq!(measured_head_layers(30, 1, &[2 * MB; 30], 0, 28 * MB), Some(range(28, 30)));
-        // An 8 MiB head: twelve layers more, or the cache would hold the slice.
-        assert_eq!(measured_head_layers(30, 1, &[2 * MB; 30], 0, 8 * MB), Some(range(18, 30)));
-        // A tiny model: every layer but the first period's, never the embedding.
-        assert_eq!(measured_head_layers(30, 1, &[MB / 4; 30], 0, MB), Some(range(1, 30)));
-        assert_eq!(measured_head_layers(18, 6, &[MB; 18], 0, 100 * MB), Some(range(12, 18)));
-        assert_eq!(measured_head_layers(18, 6, &[MB; 18], 0, MB), Some(range(6, 18)));
+        assert_eq!(measured_head_layers(30, 1, 28 * MB), Some(range(28, 30)));
+        assert_eq!(measured_head_layers(18, 6, 100 * MB), Some(range(12, 18)));
         // A period that does not divide the layers: the slice starts on one.
-        assert_eq!(measured_head_layers(26, 6, &[MB; 26], 0, 100 * MB), Some(range(18, 26)));
-        assert_eq!(measured_head_layers(30, 1, &[MB; 30], 0, HEAD_TIMED_MAX_BYTES + 1), None);
+        assert_eq!(measured_head_layers(26, 6, MB), Some(range(18, 26)));
+        assert_eq!(measured_head_layers(30, 1, HEAD_TIMED_MAX_BYTES + 1), None);
         // The layers' slice is the whole model: its time already holds the head.
-        assert_eq!(measured_head_layers(12, 6, &[MB; 12], 0, MB), None);
-        assert_eq!(measured_head_layers(3, 1, &[MB; 3], 0, MB), None);
-        for n in 1..70 {
-            for p in [1, 2, 6] {
-                let Some(r) = measured_head_layers(n, p, &[MB; 8], MB / 2, 4 * MB) else {
-                    assert_eq!(measured_layers(n, p, &[], MB), shoal_types::LayerRange::new(0, n), "{n}/{p}");
-                    continue;
-                };
-                assert!(r.start >= p && r.start.is_multiple_of(p) && r.end == n && r.len() >= 2, "{n}/{p}: {r}");
-            }
-        }
+        assert_eq!(measured_head_layers(12, 6, MB), None);
+        assert_eq!(measured_head_layers(3, 1, MB), None);
     }
 
     #[test]

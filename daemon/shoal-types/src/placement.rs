@@ -178,8 +178,8 @@ impl Offer {
     }
 }
 
-/// A member's speed on one model, measured by the member itself on a slice of the
-/// model's layers (and a small LM head) when the leader asks (so a member that cannot hold the whole model
+/// A member's speed on one model, measured by the member itself on a few of the
+/// model's layers when the leader asks (so a member that cannot hold the whole model
 /// is measured too): the planner's device speeds for that member and model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Speed {
