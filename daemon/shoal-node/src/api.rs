@@ -89,7 +89,7 @@ pub enum NodeRequest {
         /// Where to start, within the header.
         offset: u64,
     },
-    /// Time a slice of a model's layers (and a small LM head) on this node and publish its [`shoal_types::Speed`]
+    /// Time a few layers of a model on this node and publish its [`shoal_types::Speed`]
     /// (the leader asks free members before it plans the model, so that the plan rests
     /// on measured speeds). Only the leader may ask; one measurement at a time, and not
     /// while this node runs a stage.
@@ -148,7 +148,7 @@ impl NodeRequest {
             NodeRequest::ModelAdd { .. } | NodeRequest::ModelImport { .. } => Duration::from_secs(3600),
             // Between two tokens (a long prompt's prefill on slow machines included).
             NodeRequest::Generate { .. } => Duration::from_secs(600),
-            // A shard of a slice of layers (and one with the head) fetched, loaded and timed.
+            // A shard of a few layers fetched, loaded and timed.
             NodeRequest::Measure { .. } => Duration::from_secs(300),
             // Each peer's probe is bounded by a minute.
             NodeRequest::ProbeLinks { .. } => Duration::from_secs(600),

@@ -755,15 +755,14 @@ fn holders(rt: &Runtime, view: &View, entry: &CatalogEntry) -> Vec<shoal_transfe
 }
 
 /// Measure this node's speed on `model` (content hash) for the leader: obtain a shard
-/// of the layers [`schedule::measured_layers`] picks, load it as a stage, time a prefill
-/// chunk and decode steps ([`time_stage`]); for a small LM head the same on a shard
-/// ending with it ([`schedule::measured_head_layers`]), whose time less its layers' is
-/// the head's; and publish the result as `speed/<node>/<model>`.
+/// of a few layers ([`measured_layers`]), load it as a stage, time a prefill chunk and
+/// decode steps ([`time_stage`]), drop the shard again if it was fetched for this,
+/// and publish the result as `speed/<node>/<model>`.
 pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Speed, ApiError> {
     let unavailable = |m: String| ApiError::new(ErrorKind::Unavailable, m);
-    if rt.engine.is_none() {
+    let Some(engine) = rt.engine.clone() else {
         return Err(unavailable("this node runs no stages (no engine)".into()));
-    }
+    };
     if lock(&rt.stage).as_ref().is_some_and(|s| !matches!(s.state, StageState::Failed(_))) {
         return Err(ApiError::new(ErrorKind::Busy, "this node runs a stage; it is measured while free"));
     }
@@ -781,62 +780,12 @@ pub async fn measure(rt: &Arc<Runtime>, model: &str) -> Result<shoal_types::Spee
         .into_iter()
         .find(|e| e.content_hash == model)
         .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("no model {model} in the catalog")))?;
-    // The layers' sizes and the head's come from the model's description; without one
-    // (written by the node that added the model) every layer counts as an average one
-    // and the head is not timed.
-    let profile = typed::<ModelProfile>(&view, PROFILE_PREFIX).remove(model);
-    let average = entry.size / u64::from(entry.n_layer.max(1));
-    let layer_bytes = profile.as_ref().map_or(&[][..], |p| &p.layer_bytes[..]);
-    let layers = schedule::measured_layers(entry.n_layer, entry.layer_period, layer_bytes, average);
-    let (decode_ms, prefill_ms) = time_slice(rt, &view, &entry, layers, MEASURE_ROUNDS, MEASURE_PREFILL_ROUNDS).await?;
-    let n = f64::from(layers.len().max(1));
-    let ms_per_layer = decode_ms / n;
-    let head = profile.and_then(|p| schedule::measured_head_layers(entry.n_layer, entry.layer_period, p.head_bytes));
-    let head_ms = match head {
-        Some(tail) => {
-            let (tail_ms, _) = time_slice(rt, &view, &entry, tail, MEASURE_HEAD_ROUNDS, 0).await?;
-            // Noise can make the difference negative for a head much smaller than a layer.
-            Some((tail_ms - ms_per_layer * f64::from(tail.len())).max(0.0))
-        }
-        None => None,
-    };
-    let speed = shoal_types::Speed {
-        ms_per_layer,
-        prefill_ms_per_layer_token: prefill_ms / n / f64::from(MEASURE_SIZING.chunk),
-        layers,
-        head_ms,
-        fingerprint: rt.fingerprint.clone(),
-    };
-    tracing::info!(model = %entry.name, %layers, ms_per_layer, ?head_ms, prefill = speed.prefill_ms_per_layer_token, "measured");
-    let value = serde_json::to_value(&speed).map_err(|e| unavailable(e.to_string()))?;
-    match rt.membership.ask(AdminRequest::Put { key: shoal_types::Speed::key(&rt.me, model), value }).await {
-        AdminResponse::Error(e) => Err(unavailable(format!("publishing the measurement: {e}"))),
-        _ => Ok(speed),
-    }
-}
-
-/// Obtain a shard of `layers` of `entry`'s model, load it as a stage and time it in
-/// `rounds`, the first `prefill_rounds` with a prefill chunk ([`time_stage`]):
-/// (fastest decode step, fastest prefill chunk) in ms. A shard fetched only for this is
-/// deleted after.
-async fn time_slice(
-    rt: &Arc<Runtime>,
-    view: &View,
-    entry: &CatalogEntry,
-    layers: LayerRange,
-    rounds: u32,
-    prefill_rounds: u32,
-) -> Result<(f64, f64), ApiError> {
-    let unavailable = |m: String| ApiError::new(ErrorKind::Unavailable, m);
-    let Some(engine) = rt.engine.clone() else {
-        return Err(unavailable("this node runs no stages (no engine)".into()));
-    };
     let source: SourceHash = entry.content_hash.parse().map_err(|_| unavailable("a malformed content hash".into()))?;
-    let t0 = std::time::Instant::now();
+    let layers = measured_layers(entry.n_layer, entry.layer_period);
     let obtained = shoal_transfer::obtain(
         &rt.node,
-        &CatalogSources::of(rt, view),
-        &holders(rt, view, entry),
+        &CatalogSources::of(rt, &view),
+        &holders(rt, &view, &entry),
         source,
         layers,
         &rt.cache,
@@ -846,13 +795,9 @@ async fn time_slice(
     .map_err(|e| unavailable(format!("getting the shard of layers {layers} to measure: {e}")))?;
     let path = obtained.file.path.clone();
     let n_layer = entry.n_layer;
-    let got = t0.elapsed();
     let timed = tokio::task::spawn_blocking(move || {
         let mut stage = engine.load(&path, layers, n_layer, MEASURE_SIZING, &[])?;
-        let loaded = t0.elapsed();
-        let timed = time_stage(stage.as_mut(), MEASURE_SIZING.chunk, MEASURE_DECODE_STEPS, rounds, prefill_rounds);
-        tracing::debug!(%layers, ?got, ?loaded, timed = ?t0.elapsed(), "measurement slice");
-        timed
+        time_stage(stage.as_mut(), MEASURE_SIZING.chunk, MEASURE_DECODE_STEPS, MEASURE_ROUNDS)
     })
     .await
     .map_err(|e| unavailable(e.to_string()))
@@ -864,7 +809,20 @@ async fn time_slice(
         let _ = std::fs::remove_file(&obtained.file.path);
         let _ = std::fs::remove_file(shoal_gguf::manifest_path(&obtained.file.path));
     }
-    timed
+    let (decode_ms, prefill_ms) = timed?;
+    let n = f64::from(layers.len().max(1));
+    let speed = shoal_types::Speed {
+        ms_per_layer: decode_ms / n,
+        prefill_ms_per_layer_token: prefill_ms / n / f64::from(MEASURE_SIZING.chunk),
+        layers,
+        fingerprint: rt.fingerprint.clone(),
+    };
+    tracing::info!(model = %entry.name, %layers, ms_per_layer = speed.ms_per_layer, "measured");
+    let value = serde_json::to_value(&speed).map_err(|e| unavailable(e.to_string()))?;
+    match rt.membership.ask(AdminRequest::Put { key: shoal_types::Speed::key(&rt.me, model), value }).await {
+        AdminResponse::Error(e) => Err(unavailable(format!("publishing the measurement: {e}"))),
+        _ => Ok(speed),
+    }
 }
 
 /// How a measured stage is sized: one session, one prefill chunk of context to spare.
@@ -880,33 +838,31 @@ const MEASURE_DECODE_STEPS: u32 = 32;
 /// a loaded two-core machine could all fall in one burst and make a faster machine
 /// look like the others (it then never won a re-plan).
 const MEASURE_ROUNDS: u32 = 4;
-
-/// Rounds of the LM head's measurement, which follows the layers' at once: fewer, as
-/// its slice is short (two layers and the head) and the layers' rounds have already
-/// spread the whole measurement over a second or more.
-const MEASURE_HEAD_ROUNDS: u32 = 2;
-
-/// Rounds of the layers' measurement that time a prefill chunk (a chunk of 64 positions
-/// takes as long as ~40 decode steps: 0.19 ms per layer and position on SmolLM2 here).
-const MEASURE_PREFILL_ROUNDS: u32 = 2;
 const MEASURE_PAUSE: Duration = Duration::from_millis(250);
 
-/// Time `stage` in `rounds` spaced by [`MEASURE_PAUSE`]: the first `prefill_rounds`
-/// rounds run a prefill chunk of `chunk` positions (the stage's contract lets a chunk
-/// re-run: a replay drops the positions after it), and every round `steps`
-/// one-position decode steps, after the last position held; a warm-up chunk and two
-/// warm-up steps come first. Returns (fastest decode step, fastest prefill chunk, or
-/// infinity with no prefill round) in ms: what else runs on the machine only ever adds
-/// time, so the minimum is the machine's own speed (the median would carry a browser's
-/// or another process's burst into the plan). Inputs are a fixed pattern: the matrix
-/// work's time does not depend on values.
-fn time_stage(
-    stage: &mut dyn Stage,
-    chunk: u32,
-    steps: u32,
-    rounds: u32,
-    prefill_rounds: u32,
-) -> Result<(f64, f64), String> {
+/// The layers a measurement times: at least two middle blocks, on the model's layer
+/// period (stage boundaries must fall on it: Gemma 3's is 6), so a shard without
+/// embedding or LM head, small enough for any member to fetch and hold; or the whole
+/// model when it is too short for that.
+pub fn measured_layers(n_layer: u32, period: u32) -> LayerRange {
+    let p = period.max(1);
+    let width = p * 2u32.div_ceil(p);
+    if n_layer > p + width {
+        LayerRange::new(p, p + width)
+    } else {
+        LayerRange::new(0, n_layer)
+    }
+}
+
+/// Time `stage` in `rounds` spaced by [`MEASURE_PAUSE`]: each round runs a prefill
+/// chunk of `chunk` positions (the stage's contract lets a chunk re-run: a replay
+/// drops the positions after it), then `steps` one-position decode steps; a warm-up
+/// chunk and two warm-up steps come first. Returns (fastest decode step, fastest
+/// prefill chunk) in ms: what else runs on the machine only ever adds time, so the
+/// minimum is the machine's own speed (the median would carry a browser's or another
+/// process's burst into the plan). Inputs are a fixed pattern: the matrix work's time
+/// does not depend on values.
+fn time_stage(stage: &mut dyn Stage, chunk: u32, steps: u32, rounds: u32) -> Result<(f64, f64), String> {
     let info = stage.info().clone();
     let session = shoal_types::SessionId(0);
     let tokens = |n: u32, pos: u32| -> Vec<shoal_types::TokenId> {
@@ -929,25 +885,14 @@ fn time_stage(
     run(0, chunk)?;
     run(chunk, 1)?;
     run(chunk + 1, 1)?;
-    let mut pos = chunk + 2;
     let (mut decode, mut prefill) = (f64::INFINITY, f64::INFINITY);
     for round in 0..rounds {
         if round > 0 {
             std::thread::sleep(MEASURE_PAUSE);
         }
-        // A prefill chunk costs as much as dozens of decode steps: timed in the first
-        // rounds only; later ones go on from the last position, unless the context
-        // would run out.
-        if round < prefill_rounds || pos + steps > info.n_ctx_per_session {
-            let t = run(0, chunk)?;
-            if round < prefill_rounds {
-                prefill = prefill.min(t);
-            }
-            pos = chunk;
-        }
-        for _ in 0..steps {
-            decode = decode.min(run(pos, 1)?);
-            pos += 1;
+        prefill = prefill.min(run(0, chunk)?);
+        for i in 0..steps {
+            decode = decode.min(run(chunk + i, 1)?);
         }
     }
     stage.free_session(session);

@@ -23,9 +23,8 @@
 //! - A model that does not fit gets a placement without stages and an error saying why;
 //!   it is planned again as members come back.
 //! - A placement whose load was removed (`unload`) is deleted.
-//! - Plans rest on measured speeds: every free member is asked to time a slice of the
-//!   layers of a loaded model ([`measured_layers`]) and a small LM head
-//!   ([`measured_head_layers`]) ([`to_measure`]; a [`Speed`] entry per member and model), and a
+//! - Plans rest on measured speeds: every free member is asked to time a few layers of
+//!   a loaded model ([`to_measure`]; a [`Speed`] entry per member and model), and a
 //!   model is not planned from scratch while such a measurement runs
 //!   ([`Inputs::measuring`]). A member that could not be measured is planned with a
 //!   speed estimated from memory bandwidth, and the explanation says so.
@@ -205,65 +204,6 @@ pub fn to_measure(inputs: &Inputs) -> Vec<(NodeId, String)> {
     out
 }
 
-/// How much of a model's weights a speed measurement times at least: as much as a
-/// desktop CPU's last-level cache holds (8–32 MiB of L3; AMD's X3D parts have more). A
-/// running stage streams its weights from RAM every token; a slice that fits in the
-/// cache runs from it and makes the member look faster than it is (SmolLM2-135M, 2 MiB
-/// per layer, on a 32 MiB L3: 0.19 ms per layer timed on 2 layers, 0.29 on 16 and 0.28
-/// on 28, 0.34 in running stages of 8–15 layers, which also wait on the other stages'
-/// nodes sharing the machine). Layers of a 1B model and up are half this or more, so
-/// such a model is measured on two layers as before. A bigger slice takes longer to
-/// time: SmolLM2 is measured in 3.5 s instead of 1.2 (three nodes on two cores, with
-/// its head, [`measured_head_layers`]).
-pub const MEASURE_MIN_BYTES: u64 = 32 << 20;
-
-/// The LM head of a model is timed (on a slice that ends with it) when it is at most
-/// this big. A bigger head is read at the memory's speed like the layers, and is planned
-/// from the layers' time by bytes (timing it would send every member a shard holding
-/// it: 0.4 GB for Llama 3 8B). A small one is not: SmolLM2-135M's head, 13.5 layers'
-/// worth of bytes, takes 1.5 ms where 13.5 of its layers take 3.8 ms.
-pub const HEAD_TIMED_MAX_BYTES: u64 = 128 << 20;
-
-/// The layers a speed measurement times ([`MEASURE_MIN_BYTES`] of them or all that fit):
-/// from the second period on, a whole number of periods (stage boundaries must fall on
-/// the model's layer period: Gemma 3's is 6), at least two layers, and never the last
-/// layer, so the shard holds neither the embedding nor the LM head and its time is the
-/// layers' alone; or the whole model when it is too short for that. `layer_bytes` are
-/// the layers' sizes (a shorter list counts the missing layers as `fallback` bytes).
-pub fn measured_layers(n_layer: u32, period: u32, layer_bytes: &[u64], fallback: u64) -> shoal_types::LayerRange {
-    let p = period.max(1);
-    let min_width = p * 2u32.div_ceil(p);
-    if n_layer <= p + min_width {
-        return shoal_types::LayerRange::new(0, n_layer);
-    }
-    // The widest slice that still ends before the last layer (>= min_width, above).
-    let max_width = (n_layer - p - 1) / p * p;
-    let bytes = |range: std::ops::Range<u32>| -> u64 {
-        range.map(|l| layer_bytes.get(l as usize).copied().unwrap_or(fallback)).fold(0u64, u64::saturating_add)
-    };
-    let mut width = min_width;
-    while width + p <= max_width && bytes(p..p + width) < MEASURE_MIN_BYTES {
-        width += p;
-    }
-    shoal_types::LayerRange::new(p, p + width)
-}
-
-/// The slice a measurement times the LM head on, after the layers of
-/// [`measured_layers`]: the model's last whole periods, at least two layers, and its
-/// head; its time less those layers' is the head's. `None` when the head is planned by
-/// bytes instead (bigger than [`HEAD_TIMED_MAX_BYTES`]), or when the layers' slice is
-/// already the whole model (whose time holds the head).
-pub fn measured_head_layers(n_layer: u32, period: u32, head_bytes: u64) -> Option<shoal_types::LayerRange> {
-    let p = period.max(1);
-    let width = p * 2u32.div_ceil(p);
-    if n_layer <= p + width || head_bytes > HEAD_TIMED_MAX_BYTES {
-        return None;
-    }
-    // A start on the period, and past the first one (no embedding in the shard).
-    let start = ((n_layer - width) / p * p).max(p);
-    Some(shoal_types::LayerRange::new(start, n_layer))
-}
-
 /// The kept models that a fresh plan would beat by [`REPLAN_GAIN`] if they were idle:
 /// the leader asks only their coordinators whether they are.
 pub fn better_if_idle(inputs: &Inputs) -> BTreeSet<String> {
@@ -396,8 +336,6 @@ fn place(
     }
     let hosts = host_names(&candidates);
     let mut measured = Vec::new();
-    // Whether a member's measurement timed the LM head (the explanation says so).
-    let mut timed_head = false;
     // Each member is its CPU (with the RAM it offers) and each GPU it offers, marked
     // `offload`: the planner keeps a host's devices in a row with its GPUs after its
     // CPU, which is llama.cpp's order (it offloads a stage's *last* layers; see `merge`).
@@ -408,19 +346,12 @@ fn place(
         let mut d = Device::estimated_cpu(host.clone(), m.offer_bytes, profile);
         let speed = inputs.speeds.get(&(m.id, load.model.clone())).filter(|s| s.is_sane());
         if let Some(speed) = speed.filter(|_| d.ms_per_layer > 0.0) {
-            d.head_ms = match speed.head_ms {
-                Some(head) => head,
-                // The head was not timed: it scales like the layers (both read weights).
-                None => d.head_ms * speed.ms_per_layer / d.ms_per_layer,
-            };
+            // The head was not timed: it scales like the layers (both read weights).
+            d.head_ms *= speed.ms_per_layer / d.ms_per_layer;
             d.ms_per_layer = speed.ms_per_layer;
             d.prefill_ms_per_layer_token = Some(speed.prefill_ms_per_layer_token);
             d.estimated = false;
-            measured.push(match speed.head_ms {
-                Some(head) => format!("{host} {:.3}; {head:.2}", speed.ms_per_layer),
-                None => format!("{host} {:.3}", speed.ms_per_layer),
-            });
-            timed_head |= speed.head_ms.is_some();
+            measured.push(format!("{host} {:.3}", speed.ms_per_layer));
         }
         runs_on.insert(d.id.clone(), (i, None));
         devices.push(d);
@@ -489,8 +420,7 @@ fn place(
         }
         if !measured.is_empty() {
             placement.explanation.push(format!(
-                "Speeds measured by the members on a slice of layers (ms per layer and token{}): {}.",
-                if timed_head { "; LM head" } else { "" },
+                "Speeds measured by the members on a few layers (ms per layer and token): {}.",
                 measured.join(", ")
             ));
         }
@@ -817,76 +747,8 @@ mod tests {
             ms_per_layer,
             prefill_ms_per_layer_token: ms_per_layer / 4.0,
             layers: shoal_types::LayerRange::new(1, 3),
-            head_ms: None,
             fingerprint: String::new(),
         }
-    }
-
-    #[test]
-    fn a_measurement_times_more_layers_than_a_cpu_cache_holds_and_never_the_ends() {
-        let range = shoal_types::LayerRange::new;
-        // SmolLM2-135M: 30 layers of ~2 MiB. Two would fit in the cache; 16 make 32 MiB.
-        assert_eq!(measured_layers(30, 1, &[2 * MB; 30], 0), range(1, 17));
-        // Layers of 5 MiB: 7 of them, the first past the embedding.
-        assert_eq!(measured_layers(30, 1, &[5 * MB; 30], 0), range(1, 8));
-        // 16 layers of 20 MiB (a 1B model): two are already 40 MiB.
-        assert_eq!(measured_layers(16, 1, &[20 * MB; 16], 0), range(1, 3));
-        // 12 layers of 1 MiB: all 10 middle ones are the most there is without the
-        // embedding or the head.
-        assert_eq!(measured_layers(12, 1, &[MB; 12], 0), range(1, 11));
-        // 80 layers of 400 MiB (70B): two are far bigger than any cache.
-        assert_eq!(measured_layers(80, 1, &[400 * MB; 80], 0), range(1, 3));
-        // Gemma 3 270M: 18 layers on a period of 6: the only middle period.
-        assert_eq!(measured_layers(18, 6, &[3 * MB; 18], 0), range(6, 12));
-        // 26 layers of 1 MiB on 6: three periods, the most that leave the last two
-        // layers and the head out; of 3 MiB, two periods make 36 MiB.
-        assert_eq!(measured_layers(26, 6, &[MB; 26], 0), range(6, 24));
-        assert_eq!(measured_layers(26, 6, &[3 * MB; 26], 0), range(6, 18));
-        // Too short for a middle slice: the whole model.
-        assert_eq!(measured_layers(3, 1, &[100 * MB; 3], 0), range(0, 3));
-        assert_eq!(measured_layers(12, 6, &[MB; 12], 0), range(0, 12));
-        // No sizes (no description): each layer counts as the fallback.
-        assert_eq!(measured_layers(30, 1, &[], 40 * MB), range(1, 3));
-        assert_eq!(measured_layers(30, 1, &[], 0), range(1, 29));
-        for n in 1..70 {
-            for p in [1, 2, 6] {
-                let r = measured_layers(n, p, &[MB; 8], MB / 2);
-                assert!(!r.is_empty() && r.end <= n, "{n} layers, period {p}: {r}");
-                assert_eq!(r.start % p, 0);
-                assert!(r.end.is_multiple_of(p) || r.end == n);
-                assert!(r == range(0, n) || (r.start > 0 && r.end < n && r.len() >= 2), "{n}/{p}: {r}");
-            }
-        }
-    }
-
-    #[test]
-    fn a_small_head_is_timed_on_the_last_periods_and_a_big_one_is_not() {
-        let range = shoal_types::LayerRange::new;
-        assert_eq!(measured_head_layers(30, 1, 28 * MB), Some(range(28, 30)));
-        assert_eq!(measured_head_layers(18, 6, 100 * MB), Some(range(12, 18)));
-        // A period that does not divide the layers: the slice starts on one.
-        assert_eq!(measured_head_layers(26, 6, MB), Some(range(18, 26)));
-        assert_eq!(measured_head_layers(30, 1, HEAD_TIMED_MAX_BYTES + 1), None);
-        // The layers' slice is the whole model: its time already holds the head.
-        assert_eq!(measured_head_layers(12, 6, MB), None);
-        assert_eq!(measured_head_layers(3, 1, MB), None);
-    }
-
-    #[test]
-    fn a_timed_head_is_planned_as_measured_and_an_untimed_one_by_bytes() {
-        let (_, profile) = model(1);
-        let head = |speed: Speed| {
-            let mut i = inputs(&[400 * MB]);
-            i.speeds.insert((id(1), hash(1)), speed);
-            step(&mut i);
-            placed(&i).predicted_compute_ms
-        };
-        let timed = head(Speed { head_ms: Some(5.0), ..speed(0.1) });
-        let untimed = head(speed(0.1));
-        // 30 layers at 0.1 ms; the head at 5 ms, or at the layers' rate by bytes.
-        let by_bytes = profile.head_bytes as f64 / (profile.layer_bytes.iter().sum::<u64>() as f64 / 30.0) * 0.1;
-        assert!((timed - (3.0 + 5.0)).abs() < 1e-6, "{timed}");
-        assert!((untimed - (3.0 + by_bytes)).abs() < 1e-6, "{untimed} vs {}", 3.0 + by_bytes);
     }
 
     #[test]

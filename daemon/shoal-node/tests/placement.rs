@@ -305,13 +305,13 @@ async fn the_leader_places_a_loaded_model_shards_travel_and_a_lost_stage_is_repl
     let p = placement(&a, 0).await;
     assert_eq!(p.stages.len(), 3, "the offers force a split in three: {p:?}");
     assert!(p.is_valid(30));
-    // Planned on speeds the members measured on a slice of layers (the fake engine's), none
+    // Planned on speeds the members measured on two layers (the fake engine's), none
     // estimated, and on the links they probed (none assumed): every stage's node among
     // them.
     let why = p.explanation.join("\n");
     assert!(!why.contains("No measured link"), "{why}");
     let measured =
-        why.lines().find_map(|l| l.strip_prefix("Speeds measured by the members on a slice of layers")).unwrap_or("");
+        why.lines().find_map(|l| l.strip_prefix("Speeds measured by the members on a few layers")).unwrap_or("");
     assert!(!why.contains("estimated"), "{why}");
     for s in &p.stages {
         let name = [&a].into_iter().chain(&others).find(|n| n.id == s.node).unwrap().dir.file_name().unwrap();

@@ -189,11 +189,6 @@ pub struct Speed {
     pub prefill_ms_per_layer_token: f64,
     /// The layers that were timed.
     pub layers: LayerRange,
-    /// Time of the output norm and LM head for one token, ms, where it was timed (on a
-    /// slice ending with it, for a small head); `None`: planned from `ms_per_layer` by
-    /// bytes (a big head, or a measurement by an older node).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub head_ms: Option<f64>,
     /// What the speed depends on besides the machine (the engine's threads and
     /// backends): the member measures again when its own differs.
     #[serde(default)]
@@ -214,9 +209,7 @@ impl Speed {
     /// per layer (an entry is a member's word; a broken one is ignored, not believed).
     pub fn is_sane(&self) -> bool {
         let ok = |v: f64| v.is_finite() && v > 0.0 && v < 60_000.0;
-        // A head timed as the difference of two slices' times may come out as zero.
-        let head_ok = self.head_ms.is_none_or(|h| h.is_finite() && (0.0..60_000.0).contains(&h));
-        ok(self.ms_per_layer) && ok(self.prefill_ms_per_layer_token) && head_ok && !self.layers.is_empty()
+        ok(self.ms_per_layer) && ok(self.prefill_ms_per_layer_token) && !self.layers.is_empty()
     }
 }
 
@@ -290,26 +283,5 @@ mod tests {
         }))
         .unwrap();
         assert_eq!((s.gpu_layers(), s.ram_bytes()), (0, 9));
-    }
-
-    #[test]
-    fn a_speed_is_believed_only_with_sane_figures_and_an_older_one_has_no_head() {
-        // As a node before the head was timed wrote it.
-        let old: Speed = serde_json::from_value(serde_json::json!({
-            "ms_per_layer": 0.2, "prefill_ms_per_layer_token": 0.1,
-            "layers": {"start": 1, "end": 3}, "fingerprint": "f"
-        }))
-        .unwrap();
-        assert_eq!(old.head_ms, None);
-        assert!(old.is_sane());
-        // No head: not written at all (an older node reads the entry as before).
-        assert!(!serde_json::to_string(&old).unwrap().contains("head_ms"));
-        for (head, sane) in [(0.0, true), (1.5, true), (-0.1, false), (f64::NAN, false), (f64::INFINITY, false)] {
-            assert_eq!(Speed { head_ms: Some(head), ..old.clone() }.is_sane(), sane, "{head}");
-        }
-        assert!(!Speed { ms_per_layer: 0.0, ..old.clone() }.is_sane());
-        let with_head = Speed { head_ms: Some(1.5), ..old };
-        let back: Speed = serde_json::from_str(&serde_json::to_string(&with_head).unwrap()).unwrap();
-        assert_eq!(back, with_head);
     }
 }

@@ -136,13 +136,6 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         layers(&p)
     );
     println!("  decode tok/s   unsplit {u:>7.1}   API {api_tps:>7.1}   ratio {:.3}   (target >= 0.95)", api_tps / u);
-    // The planner's word on this placement, from the speeds the members measured (the
-    // first token's wait is out of both: the prediction is decode speed).
-    println!(
-        "  the leader predicted {:.1} tok/s for this placement; the API's stream decoded {api_tps:.1} ({:+.0}%)",
-        p.predicted_tok_s,
-        (api_tps / p.predicted_tok_s - 1.0) * 100.0
-    );
     println!(
         "  TTFT of a {}-token prompt   unsplit {tu:.3} s   API {ta:.3} s   ratio {:.3}",
         api.on_client(|| long_prompt_tokens(&api, &name, &long_prompt)).unwrap_or(0),
