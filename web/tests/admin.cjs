@@ -228,6 +228,17 @@ async function tab(page, name) {
     await page.locator(`#catalog .model[data-model="${name}"]`).filter({ hasText: "Last answer through this machine" })
       .waitFor({ timeout: 10000 });
     check(true, "the model's card shows the measured speed of the last answer beside the prediction");
+    // The stages' compute per token, added up, against the answer's own time per token:
+    // within it (the rest is the network and sampling) and not a small part of it, so a
+    // figure in other units or divided by the steps again (once 50x too small) fails.
+    const facts = card.locator(".facts").filter({ hasText: "the stages compute a token in" });
+    await facts.waitFor({ timeout: 30000 });
+    const text = await facts.textContent();
+    const tokS = Number(/Last answer through this machine: ([\d.]+) tokens\/s/.exec(text)[1]);
+    const computeMs = Number(/the stages compute a token in ([\d.]+) ms together/.exec(text)[1]);
+    const perToken = 1000 / tokS;
+    check(computeMs > 0.1 * perToken && computeMs <= 1.5 * perToken,
+      `the stages' compute (${computeMs} ms) is most of a token's ${perToken.toFixed(1)} ms (${tokS} tokens/s)`);
 
     // Activity: the tokens/s chart (uPlot, embedded) and each stage's hop latency.
     await tab(page, "Activity");

@@ -649,14 +649,15 @@ fn model_card(
                             state: st.as_ref().map(|st| format!("{:?}", st.state).to_lowercase()),
                             loaded_bytes: st.as_ref().and_then(|st| st.loaded_bytes),
                             resident_bytes: st.as_ref().and_then(|st| st.resident_bytes),
+                            // Already a mean per step (it was divided by the steps
+                            // again once, which showed 0.0-0.1 ms for ~5 ms stages).
                             decode_ms: reports
                                 .get(&s.node)
                                 .and_then(|r| r.services.iter().find(|n| n.layers == s.layers))
-                                .filter(|n| n.decode_steps > 0)
-                                .map(|n| n.decode_compute_ms / n.decode_steps as f64),
+                                .and_then(shoal_pipeline::NodeStatus::compute_ms_per_step),
                             draft: st.as_ref().and_then(|st| st.draft.as_ref()).map(|d| match d {
                                 crate::api::DraftState::Loaded { file, bytes, .. } => {
-                                    format!("drafts with {file} ({})", shoal_planner::plan::gib(*bytes))
+                                    format!("drafts with {file} ({})", shoal_types::fmt_size(*bytes))
                                 }
                                 crate::api::DraftState::NotLoaded(why) => {
                                     format!("its draft model did not load: {why}")

@@ -24,6 +24,15 @@ pub enum NodeRequest {
         /// The catalog name (default: the file's name).
         name: Option<String>,
     },
+    /// [`NodeRequest::ModelAdd`], with the hashing's progress streamed as
+    /// [`NodeResponse::Progress`] before the answer (`shoal models add` draws it: a
+    /// 40 GB file takes minutes to hash).
+    ModelAddWatched {
+        /// Absolute path on the node.
+        path: String,
+        /// The catalog name (default: the file's name).
+        name: Option<String>,
+    },
     /// The catalog, with the state of this node's copies.
     ModelList,
     /// Remove a model from the catalog (by name, or a prefix of its content hash).
@@ -146,6 +155,8 @@ impl NodeRequest {
     pub fn patience(&self) -> Duration {
         match self {
             NodeRequest::ModelAdd { .. } | NodeRequest::ModelImport { .. } => Duration::from_secs(3600),
+            // Between two progress messages (a few a second while the file is read).
+            NodeRequest::ModelAddWatched { .. } => Duration::from_secs(600),
             // Between two tokens (a long prompt's prefill on slow machines included).
             NodeRequest::Generate { .. } => Duration::from_secs(600),
             // A shard of a few layers fetched, loaded and timed.
@@ -206,6 +217,14 @@ pub enum NodeResponse {
     Ok(String),
     /// One generated token.
     Token(shoal_types::TokenId),
+    /// How far a streamed request's work has come (hashing a model: bytes read of the
+    /// file's), sent before its answer.
+    Progress {
+        /// Work done.
+        done: u64,
+        /// Work in all.
+        total: u64,
+    },
     /// The generation's end.
     Generated(shoal_pipeline::Report),
     /// The stages this node runs.
@@ -420,7 +439,8 @@ pub async fn request(data_dir: &Path, identity: Arc<Identity>, req: &NodeRequest
     request_at(addr, me, identity, req).await
 }
 
-/// [`request`] for an answer that is a stream ([`NodeRequest::Generate`]): every
+/// [`request`] for an answer that is a stream ([`NodeRequest::Generate`],
+/// [`NodeRequest::ModelAddWatched`]): every
 /// message goes to `on_message` until a final one, which is returned.
 pub async fn request_stream(
     data_dir: &Path,
@@ -433,8 +453,8 @@ pub async fn request_stream(
     exchange(addr, node, identity, req, on_message).await
 }
 
-/// One request to node `node` at `addr`: streamed [`NodeResponse::Token`]s go to
-/// `on_message`; the first other message is the answer.
+/// One request to node `node` at `addr`: streamed [`NodeResponse::Token`]s and
+/// [`NodeResponse::Progress`]es go to `on_message`; the first other message is the answer.
 async fn exchange(
     addr: SocketAddr,
     node: NodeId,
@@ -458,7 +478,7 @@ async fn exchange(
             .map_err(|_| down(format!("no answer within {} s", patience.as_secs())))?
             .map_err(|e| down(e.to_string()))?
             .ok_or_else(|| down("the node closed the stream without answering".into()))?;
-        if matches!(msg, NodeResponse::Token(_)) {
+        if matches!(msg, NodeResponse::Token(_) | NodeResponse::Progress { .. }) {
             on_message(&msg);
             continue;
         }

@@ -265,6 +265,9 @@ async fn serve_api(mut incoming: Incoming, ctx: Arc<Ctx>) {
                         Ok(Some(NodeRequest::Generate { model, request })) => {
                             generate(&ctx, &model, request, &mut send).await
                         }
+                        Ok(Some(NodeRequest::ModelAddWatched { path, name })) => {
+                            add_watched(&ctx, &path, name, &mut send).await
+                        }
                         Ok(Some(req @ (NodeRequest::Measure { .. } | NodeRequest::ProbeLinks { .. }))) => {
                             // Loads layers or sends megabytes: the leader's call.
                             let leads = ctx.membership.view().borrow().leader == Some(peer);
@@ -322,7 +325,10 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
         NodeRequest::Stages => Ok(NodeResponse::Stages(runtime::stage_report(&ctx.rt).into_iter().collect())),
         NodeRequest::Breakdowns => Ok(NodeResponse::Breakdowns(runtime::breakdowns(&ctx.rt).await)),
         NodeRequest::Inventory => Ok(NodeResponse::Inventory(Box::new(ctx.rt.inventory.borrow().clone()))),
-        NodeRequest::Generate { .. } | NodeRequest::Measure { .. } | NodeRequest::ProbeLinks { .. } => {
+        NodeRequest::Generate { .. }
+        | NodeRequest::ModelAddWatched { .. }
+        | NodeRequest::Measure { .. }
+        | NodeRequest::ProbeLinks { .. } => {
             Err(ApiError::new(ErrorKind::BadRequest, "served by the connection's loop"))
         }
     };
@@ -348,6 +354,32 @@ async fn measure(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
 
 /// Forward a generation to the model's coordinator, streaming each token back; the
 /// returned message is the last one (the report, or the error).
+/// Add a model, sending the hashing's progress as it goes (a few messages a second at
+/// most), then the answer.
+async fn add_watched(ctx: &Ctx, path: &str, name: Option<String>, send: &mut quinn::SendStream) -> NodeResponse {
+    let (tx, mut rx) = tokio::sync::watch::channel((0u64, 0u64));
+    let add = models::add_with_progress(ctx.me, &ctx.membership, path, name, move |done, total| {
+        let _ = tx.send((done, total));
+    });
+    tokio::pin!(add);
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            answer = &mut add => return answer.map_or_else(NodeResponse::Error, NodeResponse::Added),
+            _ = tick.tick() => {
+                if !rx.has_changed().unwrap_or(false) {
+                    continue;
+                }
+                let (done, total) = *rx.borrow_and_update();
+                if write_msg(send, &NodeResponse::Progress { done, total }).await.is_err() {
+                    // The client went away; the file is still added (it asked for that).
+                    return add.await.map_or_else(NodeResponse::Error, NodeResponse::Added);
+                }
+            }
+        }
+    }
+}
+
 async fn generate(
     ctx: &Ctx,
     model: &str,

@@ -53,10 +53,14 @@ pub fn find<'a>(entries: &'a [CatalogEntry], model: &str) -> Result<&'a CatalogE
     }
 }
 
-/// Describe and hash `path` on a blocking thread; with the planner's profile of it.
-async fn describe(path: PathBuf) -> Result<(Described, ModelProfile), ApiError> {
+/// Describe and hash `path` on a blocking thread, telling `progress(hashed, total)`
+/// as the hash advances; with the planner's profile of it.
+async fn describe(
+    path: PathBuf,
+    mut progress: impl FnMut(u64, u64) + Send + 'static,
+) -> Result<(Described, ModelProfile), ApiError> {
     tokio::task::spawn_blocking(move || {
-        let described = shoal_catalog::describe(&path).map_err(refused)?;
+        let described = shoal_catalog::describe_with_progress(&path, &mut progress).map_err(refused)?;
         // describe() validated the file: the header reads again.
         let profile = crate::runtime::profile_of(&path)
             .ok_or_else(|| ApiError::new(ErrorKind::Refused, format!("{}: no planner profile", path.display())))?;
@@ -76,6 +80,17 @@ fn refused(e: CatalogError) -> ApiError {
 
 /// Add the file at `path` as `name` (default: the file's name), with `me` as a holder.
 pub async fn add(me: NodeId, membership: &Handle, path: &str, name: Option<String>) -> Result<CatalogEntry, ApiError> {
+    add_with_progress(me, membership, path, name, |_, _| {}).await
+}
+
+/// [`add`], telling `progress(hashed, total)` as the file's hash advances.
+pub async fn add_with_progress(
+    me: NodeId,
+    membership: &Handle,
+    path: &str,
+    name: Option<String>,
+    progress: impl FnMut(u64, u64) + Send + 'static,
+) -> Result<CatalogEntry, ApiError> {
     let path = Path::new(path);
     if !path.is_absolute() {
         return Err(ApiError::new(
@@ -83,7 +98,7 @@ pub async fn add(me: NodeId, membership: &Handle, path: &str, name: Option<Strin
             format!("{}: give the node an absolute path", path.display()),
         ));
     }
-    let (described, profile) = describe(path.to_owned()).await?;
+    let (described, profile) = describe(path.to_owned(), progress).await?;
     add_described(me, membership, described, profile, name).await
 }
 
@@ -230,7 +245,7 @@ pub async fn import(me: NodeId, membership: &Handle, from: StoreKind, names: &[S
         }
     }
     for c in scan.found.iter().filter(|c| names.is_empty() || names.contains(&c.name)) {
-        let result = match describe(c.path.clone()).await {
+        let result = match describe(c.path.clone(), |_, _| {}).await {
             Ok((d, profile)) => add_described(me, membership, d, profile, Some(c.name.clone())).await,
             Err(e) => Err(e),
         };

@@ -31,7 +31,7 @@
 
 use shoal_membership::node::LinksEntry;
 use shoal_planner::{Cluster, Device, Link, ModelProfile, Options, Sizing};
-use shoal_types::{CatalogEntry, GpuOffer, GpuShare, LoadSpec, ModelPlacement, NodeId, PlacedStage, Speed};
+use shoal_types::{fmt_size, CatalogEntry, GpuOffer, GpuShare, LoadSpec, ModelPlacement, NodeId, PlacedStage, Speed};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Prefill chunk size C of placed models (DESIGN point 10: 128 loses ≤ 5% against 512).
@@ -474,11 +474,11 @@ fn over_offer(stages: &[PlacedStage], members: &[&MemberFacts]) -> Option<(usize
                 i,
                 format!(
                     "{}'s GPUs left out: as llama.cpp runs a stage (its last layers on the GPU, the embedding \
-                     in RAM) the plan needed {} MiB of RAM of the {} MiB offered{}.",
+                     in RAM) the plan needed {} of RAM of the {} offered{}.",
                     m.name,
-                    s.ram_bytes() >> 20,
-                    m.offer_bytes >> 20,
-                    over_gpu.map(|g| format!(" and {} MiB on {}", g.memory_bytes >> 20, g.device)).unwrap_or_default()
+                    fmt_size(s.ram_bytes()),
+                    fmt_size(m.offer_bytes),
+                    over_gpu.map(|g| format!(" and {} on {}", fmt_size(g.memory_bytes), g.device)).unwrap_or_default()
                 ),
             ));
         }
@@ -1074,7 +1074,7 @@ mod tests {
         m.gpus = vec![GpuOffer { device: "CUDA0".into(), description: String::new(), memory_bytes: 100 * MB }];
         let (i, why) = over_offer(&stages, &[&m]).expect("over the RAM offer");
         assert_eq!(i, 0);
-        assert!(why.contains("n1's GPUs left out") && why.contains("53 MiB of RAM of the 50 MiB offered"), "{why}");
+        assert!(why.contains("n1's GPUs left out") && why.contains("53.0 MiB of RAM of the 50.0 MiB offered"), "{why}");
         m.offer_bytes = 200 * MB;
         assert!(over_offer(&stages, &[&m]).is_none());
         m.gpus[0].memory_bytes = 20 * MB;

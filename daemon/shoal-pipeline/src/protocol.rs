@@ -149,6 +149,15 @@ pub struct NodeStatus {
     pub decode_times: crate::breakdown::DecodeTimes,
 }
 
+impl NodeStatus {
+    /// What one decode step's compute takes on this stage, ms (the mean over the steps
+    /// so far; the tail's includes the LM head); `None` before its first step. The
+    /// admin page shows it per stage and adds the stages' up.
+    pub fn compute_ms_per_step(&self) -> Option<f64> {
+        (self.decode_steps > 0 && self.decode_compute_ms.is_finite()).then_some(self.decode_compute_ms)
+    }
+}
+
 /// One line of the coordinator's answer.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "snake_case")]

@@ -155,6 +155,12 @@ async fn a_decode_steps_time_is_broken_down_round_the_ring() {
         assert_eq!((d.hop_in.n, d.receive_wait.n, d.core_in.n), (frames_in, frames_in, frames_in), "stage {i}: {d:?}");
         assert_eq!((d.send_wait.n, d.write.n), (frames_out, frames_out), "stage {i}: {d:?}");
         assert!(d.compute.mean_us > 0.0 && d.hop_in.mean_us > 0.0, "stage {i}: {d:?}");
+        // The admin page's figure for the stage (compute per decode step) is the
+        // breakdown's compute per step, in ms: the same 39 steps, timed around the same
+        // call (a figure divided by the steps again, or in µs, is 39 or 1000 times off).
+        let page = st.compute_ms_per_step().expect("steps were timed");
+        let breakdown = d.compute.mean_us / 1000.0;
+        assert!((page - breakdown).abs() <= 0.05 * breakdown, "stage {i}: page {page} ms, breakdown {breakdown} ms");
     }
     let coordinator = &ring[0].decode_times;
     assert_eq!((coordinator.interval.n, coordinator.client_write.n), (38, 40), "{coordinator:?}");

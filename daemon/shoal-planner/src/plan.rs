@@ -119,7 +119,7 @@ pub enum PlanError {
     #[error("no devices to place on{0}")]
     NoDevices(String),
     /// The devices together lack memory.
-    #[error("the model does not fit: about {} more is needed ({detail})", gib(*missing_bytes))]
+    #[error("the model does not fit: about {} more is needed ({detail})", fmt_size(*missing_bytes))]
     DoesNotFit {
         /// Bytes missing (approximately: layers that found no room, with their KV).
         missing_bytes: u64,
@@ -134,10 +134,8 @@ pub enum PlanError {
     Placement(String),
 }
 
-/// Bytes as GiB for people.
-pub fn gib(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / f64::from(1u32 << 30))
-}
+/// Bytes for people, as every Shoal output prints them.
+pub use shoal_types::fmt_size;
 
 /// Ordered devices and their layer boundaries: `bounds[i]..bounds[i+1]` on `chain[i]`.
 #[derive(Clone, Debug)]
@@ -813,9 +811,9 @@ fn no_fit(p: &Problem<'_>, pins: &[(usize, u32, u32)], search: &Search) -> PlanE
             missing_bytes: need.saturating_sub(usable).max(1),
             detail: format!(
                 "1 device with {} usable after a reserve of {}; the whole model needs {}",
-                gib(usable),
-                gib(p.opts.reserve_bytes),
-                gib(need)
+                fmt_size(usable),
+                fmt_size(p.opts.reserve_bytes),
+                fmt_size(need)
             ),
         };
     }
@@ -824,8 +822,8 @@ fn no_fit(p: &Problem<'_>, pins: &[(usize, u32, u32)], search: &Search) -> PlanE
         detail: format!(
             "{} device(s) with {} usable after a reserve of {} each hold about {} of {} layers",
             k,
-            gib(usable),
-            gib(p.opts.reserve_bytes),
+            fmt_size(usable),
+            fmt_size(p.opts.reserve_bytes),
             p.unit_range(0, held).end,
             p.model.layers
         ),
@@ -899,9 +897,9 @@ pub fn predict(model: &ModelProfile, cluster: &Cluster, stages: &[Pin], opts: &O
             plan.explanation.push(format!(
                 "{} needs {} but has {} usable (after a reserve of {}): this placement does not fit.",
                 s.device,
-                gib(s.memory_bytes),
-                gib(p.usable(d)),
-                gib(p.opts.reserve_bytes)
+                fmt_size(s.memory_bytes),
+                fmt_size(p.usable(d)),
+                fmt_size(p.opts.reserve_bytes)
             ));
         }
     }

@@ -1,5 +1,5 @@
 //! Cluster profiles: the devices (memory, measured speed), the links between hosts,
-//! and the TOML format `shoal plan --profile` reads (documented in the README).
+//! and the TOML format `shoal plan --profile` reads (documented in docs/planning.md).
 //! Parsing is from a string; reading files is the caller's business.
 
 use crate::model::ModelProfile;

@@ -14,6 +14,8 @@ pub use inventory::{BadClusterId, BadNodeId, ClusterId, DeviceInventory, NodeId,
 pub mod placement;
 pub use placement::{GpuOffer, GpuShare, LoadSpec, ModelPlacement, Offer, PlacedStage, Speed};
 pub mod sampling;
+pub mod size;
+pub use size::{fmt_size, parse_size, SizeError};
 pub mod speculative;
 pub mod text;
 pub use sampling::{

@@ -63,7 +63,8 @@ pub struct ClusterArgs {
     #[arg(long, value_name = "TOKEN")]
     join_token: Option<String>,
     /// Memory this node offers to models (the leader places within it), e.g. 12G,
-    /// 512M [default: what is free at start, less 512 MiB].
+    /// 12GiB, 512MiB, 1.5G: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB
+    /// powers of 1000 [default: what is free at start, less 512 MiB].
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     max_memory: Option<u64>,
     /// Where the HTTP API (OpenAI and Ollama routes) listens. Requests from other
@@ -94,24 +95,9 @@ pub struct ClusterArgs {
     draft: u32,
 }
 
-/// A size in bytes: a number with an optional K, M, G or T suffix (powers of 1024).
+/// A size in bytes as the user wrote it (see [`shoal_types::size::SIZE_SPELLINGS`]).
 fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (num, shift) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                'T' => 40,
-                _ => return Err(format!("{s:?}: use a number with K, M, G or T")),
-            };
-            (&t[..i], shift)
-        }
-        _ => (t, 0),
-    };
-    let n: u64 = num.trim().parse().map_err(|_| format!("{s:?}: use a number with K, M, G or T"))?;
-    n.checked_mul(1u64 << shift).ok_or_else(|| format!("{s:?} is too large"))
+    shoal_types::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// VRAM kept free on each GPU for the driver, the display and other programs.
@@ -521,7 +507,8 @@ fn print_breakdowns(dir: &Option<PathBuf>) {
 }
 
 /// The stage this node runs, with its memory: the planner's prediction, llama.cpp's
-/// buffers and the resident growth (`shoal models plan NAME` shows every stage).
+/// buffers, and how much the node's RSS grew since it loaded (`shoal models plan NAME`
+/// shows every stage).
 /// Nothing when it runs none or does not answer.
 fn print_stage(dir: &Option<PathBuf>) {
     let data_dir = data_dir(dir);
@@ -529,7 +516,6 @@ fn print_stage(dir: &Option<PathBuf>) {
     let ask = shoal_node::api::request(&data_dir, Arc::new(identity), &shoal_node::api::NodeRequest::Stages);
     let Ok(Ok(shoal_node::api::NodeResponse::Stages(stages))) = runtime().map(|rt| rt.block_on(ask)) else { return };
     for st in stages {
-        let mib = |b: Option<u64>| b.map_or("?".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64));
         let state = match &st.state {
             shoal_node::api::StageState::Fetching { done, of } => format!("fetching its shard ({done}/{of} chunks)"),
             shoal_node::api::StageState::Loading => "loading".to_string(),
@@ -537,21 +523,22 @@ fn print_stage(dir: &Option<PathBuf>) {
             shoal_node::api::StageState::Failed(why) => format!("failed: {why}"),
         };
         // A coordinator's draft model is memory beside the stage's.
-        let draft = st.draft.as_ref().map(|d| format!("; {}", d.describe(|b| mib(Some(b))))).unwrap_or_default();
+        let draft = st.draft.as_ref().map(|d| format!("; {}", d.describe(shoal_types::fmt_size))).unwrap_or_default();
         println!(
-            "this node's stage: layers {} of model {}, generation {}: {state}; memory predicted {}, loaded {}, resident {}{draft}",
+            "this node's stage: layers {} of model {}, generation {}: {state}; memory predicted {}, loaded {} (the node's RSS grew {} since){draft}",
             st.layers,
             &st.model[..st.model.len().min(12)],
             st.generation,
-            mib(Some(st.predicted_bytes)),
-            mib(st.loaded_bytes),
-            mib(st.resident_bytes),
+            size_or_unknown(Some(st.predicted_bytes)),
+            size_or_unknown(st.loaded_bytes),
+            size_or_unknown(st.resident_bytes),
         );
     }
 }
 
-fn gib(b: Option<u64>) -> String {
-    b.map_or("?".into(), |b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64))
+/// A size, or "?" when it is not known.
+fn size_or_unknown(b: Option<u64>) -> String {
+    b.map_or("?".into(), shoal_types::fmt_size)
 }
 
 fn print_status(st: &ClusterStatus) {
@@ -594,8 +581,8 @@ fn print_status(st: &ClusterStatus) {
                 shown(&m.name),
                 m.role.to_string(),
                 format!("{:?}{}", m.state, if m.leader { " *" } else { "" }).to_lowercase(),
-                gib(m.ram_available),
-                gib(m.vram_free),
+                size_or_unknown(m.ram_available),
+                size_or_unknown(m.vram_free),
                 m.addr.as_deref().unwrap_or("?")
             );
         }
@@ -608,7 +595,7 @@ fn print_status(st: &ClusterStatus) {
                 short(&p.node),
                 shown(&p.name),
                 p.role.to_string(),
-                gib(Some(p.memory_bytes)),
+                size_or_unknown(Some(p.memory_bytes)),
                 p.addr
             );
         }
@@ -633,13 +620,20 @@ mod tests {
     use shoal_types::{DeviceInventory, NodeInventory};
 
     #[test]
-    fn sizes_take_binary_suffixes_and_refuse_nonsense() {
-        assert_eq!(parse_size("512M"), Ok(512 << 20));
-        assert_eq!(parse_size("2g"), Ok(2 << 30));
-        assert_eq!(parse_size("1000"), Ok(1000));
-        assert!(parse_size("12X").is_err());
-        assert!(parse_size("G").is_err());
-        assert!(parse_size("99999999999T").is_err());
+    fn max_memory_takes_sizes_as_people_write_them() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Serve {
+            #[command(flatten)]
+            a: super::ClusterArgs,
+        }
+        let offer = |size: &str| Serve::try_parse_from(["serve", "--max-memory", size]).map(|s| s.a.max_memory);
+        for (size, bytes) in [("100MiB", 100 << 20), ("12GiB", 12 << 30), ("12GB", 12_000_000_000), ("1.5G", 3 << 29)] {
+            assert_eq!(offer(size).unwrap(), Some(bytes), "{size}");
+        }
+        let refused = offer("12X").err().expect("12X is refused").to_string();
+        assert!(refused.contains("KiB/MiB/GiB/TiB"), "{refused}");
+        assert_eq!(parse_size("99999999999T"), Err("\"99999999999T\" is too large".into()));
     }
 
     #[test]

@@ -97,7 +97,7 @@ pub fn inventory(a: InventoryArgs) -> anyhow::Result<()> {
 
 /// One line per fact, then one line per GPU.
 fn human(inv: &NodeInventory) -> String {
-    let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+    use shoal_types::fmt_size;
     let mut s = format!(
         "hostname:      {}\nos:            {}\nshoal:         {}\ncpu:           {}\ncores:         {}\n\
          ram total:     {}\nram available: {}\n",
@@ -106,8 +106,8 @@ fn human(inv: &NodeInventory) -> String {
         inv.shoal_version,
         inv.cpu_model,
         inv.cpu_cores,
-        gib(inv.ram_total_bytes),
-        gib(inv.ram_available_bytes),
+        fmt_size(inv.ram_total_bytes),
+        fmt_size(inv.ram_available_bytes),
     );
     if inv.gpus.is_empty() {
         s.push_str("gpus:          none\n");
@@ -118,8 +118,8 @@ fn human(inv: &NodeInventory) -> String {
             g.name,
             g.description,
             g.kind,
-            gib(g.free_bytes),
-            gib(g.total_bytes)
+            fmt_size(g.free_bytes),
+            fmt_size(g.total_bytes)
         ));
     }
     s

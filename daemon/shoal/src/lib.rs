@@ -12,6 +12,7 @@ pub mod local;
 pub mod models;
 pub mod pipeline;
 pub mod plan;
+pub mod progress;
 pub mod run;
 pub mod service;
 pub mod stats;

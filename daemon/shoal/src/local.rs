@@ -276,10 +276,10 @@ const DEMO_SESSIONS: u32 = 2;
 /// three, the other two receive only their shards) and asked `prompt` through another
 /// node's HTTP API (OpenAI's chat route, streamed); then it serves until Ctrl-C
 /// (or stops at once with `once`).
-pub fn demo(prompt: &str, max_tokens: usize, once: bool) -> Result<()> {
+pub fn demo(prompt: &str, max_tokens: usize, once: bool, mut phases: Vec<(String, f64)>) -> Result<()> {
     let model = shoal_gguf::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if !model.exists() {
-        bail!("{} is missing: run scripts/setup.sh first (the README's demo command does)", model.display());
+        bail!("{} is missing: run scripts/setup.sh --demo first (scripts/demo.sh does)", model.display());
     }
     let name = "SmolLM2-135M-Instruct.Q4_1.gguf";
     eprintln!("[demo] starting three nodes on loopback, each offering 90 MiB to models …");
@@ -288,6 +288,7 @@ pub fn demo(prompt: &str, max_tokens: usize, once: bool) -> Result<()> {
     let default = std::net::SocketAddr::from(([127, 0, 0, 1], shoal_api::DEFAULT_PORT));
     let api = std::net::TcpListener::bind(default).is_ok().then_some(default);
     let lab = Lab::start_with_api(3, 90, api)?;
+    phases.push(("cluster formed".into(), t0.elapsed().as_secs_f64()));
     eprintln!(
         "[demo] cluster formed in {:.1} s (discovered over mDNS, joined with pairing codes)",
         t0.elapsed().as_secs_f64()
@@ -302,6 +303,7 @@ pub fn demo(prompt: &str, max_tokens: usize, once: bool) -> Result<()> {
         NodeRequest::ModelLoad { model: name.into(), context: 512, sessions: DEMO_SESSIONS, exclude: vec![] },
     )?;
     let (placement, stages) = lab.running(name, 0)?;
+    phases.push(("model placed and loaded".into(), t1.elapsed().as_secs_f64()));
     eprintln!(
         "[demo] the leader placed it in {} stages, {DEMO_SESSIONS} sessions at once; every stage runs {:.1} s after the load:",
         placement.stages.len(),
@@ -320,7 +322,12 @@ pub fn demo(prompt: &str, max_tokens: usize, once: bool) -> Result<()> {
     let api = api.trim();
     eprintln!("[demo] API: http://{api}  (OpenAI routes under /v1, Ollama's under /api)");
     eprintln!("[demo] asking n1 through it: {prompt}");
-    chat_stream(api, name, prompt, max_tokens)?;
+    let first_token = chat_stream(api, name, prompt, max_tokens)?;
+    phases.push(("first token".into(), first_token.as_secs_f64()));
+    eprintln!("[demo] what each phase took:");
+    for (phase, secs) in &phases {
+        eprintln!("[demo]   {phase:<24} {secs:>7.1} s");
+    }
     if once {
         eprintln!("[demo] stopping the nodes");
         return Ok(());
@@ -335,8 +342,9 @@ pub fn demo(prompt: &str, max_tokens: usize, once: bool) -> Result<()> {
 }
 
 /// Ask `prompt` of `model` at the API `api` (OpenAI's chat route, streamed): the
-/// answer goes to stdout as it comes, then the speed to stderr.
-fn chat_stream(api: &str, model: &str, prompt: &str, max_tokens: usize) -> Result<()> {
+/// answer goes to stdout as it comes, then the speed to stderr. Returns the time from
+/// the request to its first piece of text.
+fn chat_stream(api: &str, model: &str, prompt: &str, max_tokens: usize) -> Result<Duration> {
     use std::io::{BufRead, Write};
     let body = serde_json::json!({"model": model, "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
@@ -352,6 +360,7 @@ fn chat_stream(api: &str, model: &str, prompt: &str, max_tokens: usize) -> Resul
     }
     let mut out = std::io::stdout().lock();
     let mut completion = 0;
+    let mut first_text = None;
     for line in std::io::BufReader::new(r.body_mut().as_reader()).lines() {
         let Some(data) = line?.strip_prefix("data: ").map(str::to_string) else { continue };
         if data == "[DONE]" {
@@ -362,6 +371,7 @@ fn chat_stream(api: &str, model: &str, prompt: &str, max_tokens: usize) -> Resul
             bail!("the generation failed: {e}");
         }
         if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            first_text.get_or_insert_with(|| t0.elapsed());
             write!(out, "{t}")?;
             out.flush()?;
         }
@@ -369,5 +379,5 @@ fn chat_stream(api: &str, model: &str, prompt: &str, max_tokens: usize) -> Resul
     }
     writeln!(out)?;
     eprintln!("[demo] {completion} tokens in {:.1} s, through n1's API", t0.elapsed().as_secs_f64());
-    Ok(())
+    first_text.context("the answer held no text")
 }

@@ -8,8 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use shoal_engine::Observer;
 use shoal_node::api::{self, CopyState, NodeRequest, NodeResponse, StoreKind};
-use shoal_planner::plan::gib;
-use std::io::Write;
+use shoal_types::fmt_size;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -164,8 +163,11 @@ fn load(a: LoadArgs) -> Result<()> {
     if !a.wait {
         return Ok(());
     }
-    // Until the placement is committed and each stage's node says it runs.
+    // Until the placement is committed and each stage's node says it runs; a line of
+    // progress for the placing, then one per stage.
     let t0 = std::time::Instant::now();
+    let mut placing = Some(crate::progress::Lines::new(1));
+    let mut stages: Option<(u64, crate::progress::Lines)> = None;
     loop {
         if t0.elapsed() > std::time::Duration::from_secs(1800) {
             bail!("not every stage runs after 30 minutes (see `shoal models plan {}`)", a.model);
@@ -174,26 +176,58 @@ fn load(a: LoadArgs) -> Result<()> {
         let NodeResponse::Placement { placement, committed: true, .. } =
             ask(&a.dir, NodeRequest::ModelPlan { model: a.model.clone() })?
         else {
+            if let Some(lines) = &mut placing {
+                lines.set(0, "placing: the leader measures the members and plans", None);
+            }
             continue;
         };
         if let Some(e) = &placement.error {
             bail!("the model cannot be placed: {e}");
         }
-        if stages_running(&a.dir, &placement)? {
+        if let Some(lines) = placing.take() {
+            lines.finish();
+        }
+        // A new generation of the placement (a stage's node failed and was replaced)
+        // gets lines of its own.
+        if stages.as_ref().is_none_or(|(generation, _)| *generation != placement.generation) {
+            if let Some((_, lines)) = stages.take() {
+                lines.finish();
+            }
+            stages = Some((placement.generation, crate::progress::Lines::new(placement.stages.len())));
+        }
+        let Some((_, lines)) = &mut stages else { continue };
+        if stages_running(&a.dir, &placement, lines)? {
+            if let Some((_, lines)) = stages.take() {
+                lines.finish();
+            }
             println!("ready: {} stage(s), generation {}", placement.stages.len(), placement.generation);
             return Ok(());
         }
     }
 }
 
-/// Whether every stage of `p` runs; an error if one failed.
-fn stages_running(dir: &DirArg, p: &shoal_types::ModelPlacement) -> Result<bool> {
+/// Whether every stage of `p` runs, each stage's state shown on its line of `lines`;
+/// an error if one failed.
+fn stages_running(dir: &DirArg, p: &shoal_types::ModelPlacement, lines: &mut crate::progress::Lines) -> Result<bool> {
     let mut all = true;
-    for (s, st) in p.stages.iter().zip(stage_states(dir, p)?) {
+    for (i, (s, st)) in p.stages.iter().zip(stage_states(dir, p)?).enumerate() {
+        let node = &s.node.to_string()[..12];
+        let on = format!("stage {i} (layers {}) on {node}", s.layers);
         match st.map(|st| st.state) {
-            Some(api::StageState::Running) => {}
-            Some(api::StageState::Failed(why)) => bail!("the stage on {} failed: {why}", &s.node.to_string()[..12]),
-            _ => all = false,
+            Some(api::StageState::Running) => lines.set(i, &format!("{on}: running"), None),
+            Some(api::StageState::Failed(why)) => bail!("the stage on {node} failed: {why}"),
+            Some(api::StageState::Fetching { done, of }) => {
+                all = false;
+                lines.set(i, &format!("{on}: fetching its shard, {done}/{of} chunks"), Some((done, of)));
+            }
+            Some(api::StageState::Loading) => {
+                all = false;
+                lines.set(i, &format!("{on}: loading"), None);
+            }
+            None => {
+                all = false;
+                lines.set(i, &format!("{on}: starting"), None);
+            }
         }
     }
     Ok(all)
@@ -263,8 +297,13 @@ fn plan(a: PlanArgs) -> Result<()> {
     for (i, (s, st)) in placement.stages.iter().zip(states).enumerate() {
         // What the node measures of it: llama.cpp's buffers, and its RSS growth.
         let measured = st.as_ref().map_or(String::new(), |st| {
-            let loaded = st.loaded_bytes.map(|b| format!(", {} loaded", gib(b))).unwrap_or_default();
-            let resident = st.resident_bytes.map(|b| format!(", {} resident", gib(b))).unwrap_or_default();
+            let loaded = st.loaded_bytes.map(|b| format!(", {} loaded", fmt_size(b))).unwrap_or_default();
+            // The process's growth holds more than the stage (the API's tokenizer,
+            // samplers, the allocator's slack): said as the node's, not the stage's.
+            let resident = st
+                .resident_bytes
+                .map(|b| format!("; the node's RSS grew {} since", fmt_size(b)))
+                .unwrap_or_default();
             loaded + &resident
         });
         let state = match st {
@@ -273,10 +312,10 @@ fn plan(a: PlanArgs) -> Result<()> {
             Some(st) => {
                 let shard = st.shard_origin.map(|o| format!(", shard {o}")).unwrap_or_default();
                 // The coordinator's draft model (stage 0 only).
-                let draft = st.draft.map(|d| format!(", {}", d.describe(gib))).unwrap_or_default();
+                let draft = st.draft.map(|d| format!(", {}", d.describe(fmt_size))).unwrap_or_default();
                 match st.state {
                     api::StageState::Fetching { done, of } => {
-                        format!("fetching its shard: {done}/{of} chunks, {}", gib(st.shard_bytes_received))
+                        format!("fetching its shard: {done}/{of} chunks, {}", fmt_size(st.shard_bytes_received))
                     }
                     api::StageState::Loading => format!("loading{shard}"),
                     api::StageState::Running => format!("running{shard}{draft}"),
@@ -290,14 +329,14 @@ fn plan(a: PlanArgs) -> Result<()> {
             .iter()
             .map(|g| {
                 let head = if g.head { " + head" } else { "" };
-                format!(", {} on {}{head} ({})", g.layers, g.device, gib(g.memory_bytes))
+                format!(", {} on {}{head} ({})", g.layers, g.device, fmt_size(g.memory_bytes))
             })
             .collect();
         println!(
             "  stage {i}: layers {:>7} on {}  ({} predicted{offload}{measured})  {state}",
             s.layers.to_string(),
             &s.node.to_string()[..12],
-            gib(s.memory_bytes)
+            fmt_size(s.memory_bytes)
         );
     }
     if !placement.stages.is_empty() {
@@ -408,6 +447,20 @@ fn vocab_file(dir: &Option<PathBuf>, row: &api::ModelRow) -> Result<PathBuf> {
     )
 }
 
+/// Ask the local node for a streamed answer: progress and tokens go to `on_message`;
+/// an error answer becomes an error.
+fn ask_stream(dir: &DirArg, req: &NodeRequest, on_message: &mut (dyn FnMut(&NodeResponse) + Send)) -> Result<NodeResponse> {
+    let data_dir = data_dir(&dir.data_dir);
+    if !data_dir.join(shoal_net::identity::KEY_FILE).exists() {
+        bail!("no node has run with the data directory {} yet: start it with `shoal serve`", data_dir.display());
+    }
+    let identity = Arc::new(shoal_net::Identity::load_or_create(&data_dir)?);
+    match runtime()?.block_on(api::request_stream(&data_dir, identity, req, on_message))? {
+        NodeResponse::Error(e) => bail!("{e}"),
+        answer => Ok(answer),
+    }
+}
+
 /// Ask the local node; an error answer becomes an error.
 pub(crate) fn ask(dir: &DirArg, req: NodeRequest) -> Result<NodeResponse> {
     let data_dir = data_dir(&dir.data_dir);
@@ -430,11 +483,27 @@ fn add(a: AddArgs) -> Result<()> {
     } else {
         std::path::absolute(Path::new(&a.source)).with_context(|| format!("{}: not a usable path", a.source))?
     };
-    eprintln!("[shoal] hashing {} on the node…", path.display());
-    let req = NodeRequest::ModelAdd { path: path.display().to_string(), name: a.name };
-    let e = match ask(&a.dir, req)? {
-        NodeResponse::Added(e) => e,
-        other => bail!("unexpected answer: {other:?}"),
+    let file = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let mut bar = crate::progress::Bytes::new(format!("hashing {file} on the node"));
+    let req = NodeRequest::ModelAddWatched { path: path.display().to_string(), name: a.name };
+    let answer = ask_stream(&a.dir, &req, &mut |m| {
+        if let NodeResponse::Progress { done, total } = m {
+            bar.set(*done, Some(*total));
+        }
+    });
+    let e = match answer {
+        Ok(NodeResponse::Added(e)) => {
+            bar.finish("done");
+            e
+        }
+        Ok(other) => {
+            bar.abandon();
+            bail!("unexpected answer: {other:?}")
+        }
+        Err(e) => {
+            bar.abandon();
+            return Err(e);
+        }
     };
     println!(
         "added {}: {} {} layers, {}, {} ({}…), held by {} node(s)",
@@ -442,7 +511,7 @@ fn add(a: AddArgs) -> Result<()> {
         e.arch,
         e.n_layer,
         e.quantisation,
-        gib(e.size),
+        fmt_size(e.size),
         &e.content_hash[..12],
         e.holders.len()
     );
@@ -452,23 +521,18 @@ fn add(a: AddArgs) -> Result<()> {
 /// Download `url` into `dest`, showing progress on stderr; a cut download resumes when
 /// the same command runs again.
 fn download(url: &str, dest: &Path) -> Result<PathBuf> {
-    let mut last = std::time::Instant::now();
-    let mut progress = |p: shoal_catalog::Progress| {
-        if last.elapsed().as_millis() < 200 {
-            return;
+    let mut bar = crate::progress::Bytes::new(format!("downloading {url}"));
+    let got = shoal_catalog::download(url, dest, &mut |p: shoal_catalog::Progress| bar.set(p.done, p.total));
+    let got = match got {
+        Ok(got) => {
+            bar.finish("done");
+            got
         }
-        last = std::time::Instant::now();
-        match p.total {
-            Some(t) if t > 0 => {
-                eprint!("\r[shoal] {} of {} ({:.0}%)   ", gib(p.done), gib(t), p.done as f64 * 100.0 / t as f64)
-            }
-            _ => eprint!("\r[shoal] {}   ", gib(p.done)),
+        Err(e) => {
+            bar.abandon();
+            return Err(e).with_context(|| format!("downloading {url} (run the same command again to resume)"));
         }
-        let _ = std::io::stderr().flush();
     };
-    let got = shoal_catalog::download(url, dest, &mut progress);
-    eprintln!();
-    let got = got.with_context(|| format!("downloading {url} (run the same command again to resume)"))?;
     eprintln!("[shoal] downloaded {}", got.path.display());
     Ok(got.path)
 }
@@ -509,7 +573,7 @@ fn ls(a: LsArgs) -> Result<()> {
             e.arch,
             e.n_layer,
             e.quantisation,
-            gib(e.size),
+            fmt_size(e.size),
             e.holders.len(),
             format!("{}…", &e.content_hash[..12])
         );
@@ -545,7 +609,7 @@ fn import(a: ImportArgs) -> Result<()> {
         bail!("unexpected answer");
     };
     for e in &added {
-        println!("added {} ({} {} layers, {})", e.name, e.arch, e.n_layer, gib(e.size));
+        println!("added {} ({} {} layers, {})", e.name, e.arch, e.n_layer, fmt_size(e.size));
     }
     for (name, why) in &refused {
         eprintln!("refused {name}: {why}");

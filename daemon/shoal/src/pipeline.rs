@@ -306,7 +306,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         else {
             bail!("no --draft-model shares the vocabulary of {}", placement.model.display());
         };
-        eprintln!("[shoal] drafting with {} ({} MiB)", d.file, d.bytes >> 20);
+        eprintln!("[shoal] drafting with {} ({})", d.file, shoal_types::fmt_size(d.bytes));
         Some(d.source)
     };
     let samplers: SamplerFactory = crate::engine::sampler_factory(shard.path.clone());

@@ -9,9 +9,9 @@ use clap::Args;
 use shoal_engine::open_model;
 use shoal_membership::node;
 use shoal_membership::wire::{AdminRequest, AdminResponse, ClusterStatus, MemberStatus};
-use shoal_planner::plan::{gib, parse_stages};
+use shoal_planner::plan::parse_stages;
 use shoal_planner::{predict, Cluster, Device, Link, ModelProfile, ModelSpec, Options, Plan, Profile};
-use shoal_types::NodeId;
+use shoal_types::{fmt_size, NodeId};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -22,7 +22,7 @@ pub struct PlanArgs {
     /// The GGUF model (or give it in the profile's [model]).
     #[arg(long, short)]
     model: Option<PathBuf>,
-    /// A cluster profile (TOML: [model], [[device]], [[link]]; see the README). Without
+    /// A cluster profile (TOML: [model], [[device]], [[link]]; see docs/planning.md). Without
     /// it, Shoal plans on the live cluster of the local node (`shoal serve` running
     /// with --data-dir), or on this machine alone when there is none.
     #[arg(long)]
@@ -305,8 +305,8 @@ fn measure_missing(live: &mut Live, model: &ModelProfile, model_path: &std::path
                 Some(free) if free < model_bytes + model_bytes / 10 => notes.push(format!(
                     "{}: not calibrated: the model ({}) does not fit its free memory ({}); its speed is estimated",
                     m.name,
-                    gib(model_bytes),
-                    gib(free)
+                    fmt_size(model_bytes),
+                    fmt_size(free)
                 )),
                 _ => {
                     let req = AdminRequest::Calibrate {
@@ -549,7 +549,7 @@ fn print_plan(p: &Plan) {
             "{i:>5}  {:<24} {:>7} {:>12} {:>13.2}",
             s.device,
             format!("{}-{}", s.first, s.last),
-            gib(s.memory_bytes),
+            fmt_size(s.memory_bytes),
             s.ms_per_token
         );
     }

@@ -191,8 +191,22 @@ pub struct DemoArgs {
     /// Stop once the question is answered, instead of serving until Ctrl-C.
     #[arg(long)]
     pub once: bool,
+    /// A phase timed before the demo started, `NAME=SECONDS` (scripts/demo.sh passes
+    /// its set-up and build), printed first among the phases' times.
+    #[arg(long, value_name = "NAME=SECONDS", value_parser = parse_phase, hide = true)]
+    pub phase: Vec<(String, f64)>,
     #[command(flatten)]
     pub gen: GenArgs,
+}
+
+/// `NAME=SECONDS`, as `--phase` takes it.
+fn parse_phase(s: &str) -> Result<(String, f64), String> {
+    let (name, secs) = s.split_once('=').ok_or_else(|| format!("{s:?}: use NAME=SECONDS"))?;
+    let secs: f64 = secs.trim().parse().map_err(|_| format!("{s:?}: {secs:?} is not a number of seconds"))?;
+    if name.trim().is_empty() || !secs.is_finite() || secs < 0.0 {
+        return Err(format!("{s:?}: use NAME=SECONDS with a name and seconds >= 0"));
+    }
+    Ok((name.trim().to_string(), secs))
 }
 
 /// `shoal inspect`.
@@ -388,12 +402,12 @@ impl Observer for Printer<'_> {
 pub fn demo(a: DemoArgs) -> Result<()> {
     let model = shoal_gguf::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if !model.exists() {
-        bail!("{} is missing: run scripts/setup.sh first (the README's demo command does)", model.display());
+        bail!("{} is missing: run scripts/setup.sh --demo first (scripts/demo.sh does)", model.display());
     }
     let mut gen = a.gen;
     gen.text.prompt.get_or_insert_with(|| "Explain in three sentences why the sky is blue.".into());
     if !a.in_process {
-        return crate::local::demo(gen.text.prompt.as_deref().unwrap_or_default(), gen.text.max_tokens, a.once);
+        return crate::local::demo(gen.text.prompt.as_deref().unwrap_or_default(), gen.text.max_tokens, a.once, a.phase);
     }
     run(RunArgs { model, split: vec![10, 20], draft_model: None, gen })
 }

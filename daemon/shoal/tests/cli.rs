@@ -290,9 +290,25 @@ fn bench_keepalive_prints_both_sides() {
 #[test]
 fn the_demo_runs_a_local_cluster_that_splits_the_model_and_answers() {
     model("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal")).args(["demo", "-n", "8", "--once"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["demo", "-n", "8", "--once", "--phase", "set-up=1.5", "--phase", "build=0"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
+    // What each phase took, those timed by scripts/demo.sh first.
+    let phases: Vec<(&str, f64)> = err
+        .lines()
+        .skip_while(|l| *l != "[demo] what each phase took:")
+        .skip(1)
+        .map_while(|l| l.strip_prefix("[demo]   "))
+        .filter_map(|l| l.strip_suffix(" s")?.rsplit_once(' ').map(|(n, s)| (n.trim(), s.trim().parse().ok())))
+        .filter_map(|(n, s)| Some((n, s?)))
+        .collect();
+    let names: Vec<&str> = phases.iter().map(|p| p.0).collect();
+    assert_eq!(names, ["set-up", "build", "cluster formed", "model placed and loaded", "first token"], "{err}");
+    assert_eq!(phases[0].1, 1.5, "{err}");
+    assert!(phases[2..].iter().all(|p| p.1 > 0.0 && p.1 < 600.0), "{err}");
     assert!(err.contains("the leader placed it in 3 stages"), "{err}");
     assert_eq!(err.matches("shard fetched from").count(), 2, "{err}");
     assert!(err.contains("[demo] API: http://127.0.0.1:"), "{err}");

@@ -86,10 +86,10 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
         assert!(resident > 0 && resident <= s.predicted_bytes + slack, "{n}: {s:?}");
     }
     let shown = run_ok(&["models", "plan", SMOL], &dir("c"));
-    assert_eq!(shown.matches(" resident)").count(), 3, "{shown}");
+    assert_eq!(shown.matches("; the node's RSS grew ").count(), 3, "{shown}");
     let status = run_ok(&["status"], &dir("b"));
     assert!(status.contains("this node's stage: layers") && status.contains("running; memory predicted"), "{status}");
-    assert!(!status.contains("resident ?"), "{status}");
+    assert!(!status.contains("RSS grew ?"), "{status}");
     // The generations above were timed round the ring: each stage's share of a step.
     assert!(status.contains("where a decode step's time goes"), "{status}");
     for part in ["stage 0 compute", "stage 1 compute", "stage 2 sampling", "hop 0→1 QUIC and wire", "hop 2→0"] {
