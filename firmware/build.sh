@@ -72,12 +72,12 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >&2
 fi
 
-# Shoal's package: given, or built from this checkout (the shipped profile, release-lto).
+# Shoal's package: given, or built from this checkout (release profile).
 if [ -z "$deb" ]; then
   [ "$arch" = "$(dpkg --print-architecture)" ] || die "--arch $arch needs --deb FILE (a Shoal .deb built for $arch)"
-  say "building Shoal's .deb (release-lto profile)"
-  (cd "$repo" && cargo build --profile release-lto --locked -p shoal --bin shoal >&2 && \
-     cargo deb -p shoal --no-build --profile release-lto --quiet -o "$out/shoal.deb" >&2)
+  say "building Shoal's .deb (release profile)"
+  (cd "$repo" && cargo build --release --locked -p shoal --bin shoal >&2 && \
+     cargo deb -p shoal --no-build --quiet -o "$out/shoal.deb" >&2)
   deb=$out/shoal.deb
 fi
 [ -f "$deb" ] || die "no .deb at $deb"

@@ -23,17 +23,17 @@ arch=$(uname -m)
 SHOAL_GIT_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export SHOAL_GIT_COMMIT
 if [ -n "$features" ]; then
-    cargo build --profile release-lto --locked -p shoal --bin shoal --features "$features"
+    cargo build --release --locked -p shoal --bin shoal --features "$features"
 else
-    cargo build --profile release-lto --locked -p shoal --bin shoal
+    cargo build --release --locked -p shoal --bin shoal
 fi
 mkdir -p target/dist
 bin="target/dist/shoal-$version-linux-$arch$suffix"
-cp target/release-lto/shoal "$bin"
+cp target/release/shoal "$bin"
 if [ -n "$features" ]; then
-    cargo deb -p shoal --no-build --profile release-lto --features "$features" -o "target/dist/shoal${suffix}_${version}-1_$(dpkg --print-architecture).deb"
+    cargo deb -p shoal --no-build --features "$features" -o "target/dist/shoal${suffix}_${version}-1_$(dpkg --print-architecture).deb"
 else
-    cargo deb -p shoal --no-build --profile release-lto -o "target/dist/shoal_${version}-1_$(dpkg --print-architecture).deb"
+    cargo deb -p shoal --no-build -o "target/dist/shoal_${version}-1_$(dpkg --print-architecture).deb"
 fi
 cd target/dist
 for f in *; do

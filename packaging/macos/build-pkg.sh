@@ -21,13 +21,13 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
 SHOAL_GIT_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export SHOAL_GIT_COMMIT
 # shellcheck disable=SC2086
-cargo build --profile release-lto --locked -p shoal --bin shoal --target "$target" $features
+cargo build --release --locked -p shoal --bin shoal --target "$target" $features
 
 payload=$(mktemp -d)
 scripts=$(mktemp -d)
 trap 'rm -rf "$payload" "$scripts"' EXIT
 install -d "$payload/usr/local/bin" "$payload/Library/LaunchDaemons"
-install -m 755 "target/$target/release-lto/shoal" "$payload/usr/local/bin/shoal"
+install -m 755 "target/$target/release/shoal" "$payload/usr/local/bin/shoal"
 install -m 644 packaging/macos/dev.shoal.node.plist "$payload/Library/LaunchDaemons/dev.shoal.node.plist"
 install -m 755 packaging/macos/postinstall "$scripts/postinstall"
 

@@ -12,8 +12,7 @@
 set -eu
 cd "$(dirname "$0")/../.."
 profile=""
-# --release: the shipped profile (release-lto: link-time optimised, stripped).
-[ "${1:-}" = "--release" ] && profile="--profile release-lto"
+[ "${1:-}" = "--release" ] && profile="--release"
 
 export CC_x86_64_pc_windows_gnu=x86_64-w64-mingw32-gcc-posix
 export CXX_x86_64_pc_windows_gnu=x86_64-w64-mingw32-g++-posix
@@ -24,5 +23,5 @@ CFLAGS_x86_64_pc_windows_gnu="-include $(pwd)/packaging/windows/mingw-compat.h"
 export CFLAGS_x86_64_pc_windows_gnu
 # shellcheck disable=SC2086
 cargo build --locked --target x86_64-pc-windows-gnu -p shoal --bin shoal $profile
-if [ -n "$profile" ]; then dir=target/x86_64-pc-windows-gnu/release-lto; else dir=target/x86_64-pc-windows-gnu/debug; fi
+if [ -n "$profile" ]; then dir=target/x86_64-pc-windows-gnu/release; else dir=target/x86_64-pc-windows-gnu/debug; fi
 ls -l "$dir/shoal.exe"
