@@ -600,9 +600,12 @@ async fn a_client_that_goes_away_cancels_its_generation() {
     })
     .await
     .unwrap();
+    // Uncancelled, the slow model's answer (100,000 tokens, 5 ms each) runs for minutes:
+    // its end within 30 s is the cancellation (how fast is not the point, and two shared
+    // cores under the suite's load made a 1 s bound flaky).
     let t0 = Instant::now();
     while fake.running.load(Ordering::SeqCst) > 0 {
-        assert!(t0.elapsed() < Duration::from_secs(1), "the generation still runs a second after the client left");
+        assert!(t0.elapsed() < Duration::from_secs(30), "the generation still runs 30 s after the client left");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

@@ -53,9 +53,11 @@ async fn connect_through_a_flood(server: Node, client: Node, server_id: NodeId, 
     let flooder = flood(addr, started_tx);
     started.await.unwrap();
     let t = Instant::now();
-    let conn = tokio::time::timeout(Duration::from_secs(10), client.connect(addr, server_id, proto))
+    // The time it took is printed; 30 s only catches a node the flood locked out (the
+    // flood and the handshake share two cores with the rest of the suite).
+    let conn = tokio::time::timeout(Duration::from_secs(30), client.connect(addr, server_id, proto))
         .await
-        .unwrap_or_else(|_| panic!("{what}: no connection within 10 s of a flood"))
+        .unwrap_or_else(|_| panic!("{what}: no connection within 30 s of a flood"))
         .unwrap_or_else(|e| panic!("{what}: refused during a flood: {e}"));
     let took = t.elapsed();
     let peer = tokio::time::timeout(Duration::from_secs(10), accepted.recv()).await.unwrap();

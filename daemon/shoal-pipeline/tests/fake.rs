@@ -238,8 +238,9 @@ async fn requests_past_the_sessions_queue_in_order_and_past_the_queue_are_refuse
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keepalive_spins_while_generating_then_stops_and_changes_no_output() {
     let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];
-    // Long enough that the status calls right after the generation fall inside it.
-    let window = std::time::Duration::from_millis(1500);
+    // Long enough that the status calls right after the generation fall inside it even
+    // on two cores the rest of the suite keeps busy (1.5 s was not).
+    let window = std::time::Duration::from_secs(8);
     let (placement, client, _) = start_full(&ranges, Some(window)).await;
     let prompt: Vec<TokenId> = (0..11).map(|i| (i * 5 % 50) as TokenId).collect();
     let report = generate(&client, &placement.stages[0], &request(&prompt, 30), |_, _| {}).await.unwrap();
@@ -253,11 +254,12 @@ async fn keepalive_spins_while_generating_then_stops_and_changes_no_output() {
     }
     for place in &placement.stages {
         let mut st = shoal_pipeline::status(&client, place).await.unwrap();
-        for _ in 0..100 {
+        // Awaited, not slept for: polled until it stops, for up to ten windows.
+        for _ in 0..400 {
             if !st.keepalive_spinning {
                 break;
             }
-            tokio::time::sleep(window).await;
+            tokio::time::sleep(window / 40).await;
             st = shoal_pipeline::status(&client, place).await.unwrap();
         }
         assert!(!st.keepalive_spinning, "still spinning long after the generation: {st:?}");

@@ -79,8 +79,7 @@ fn tools() -> bool {
     let ok = Command::new("jq").arg("--version").output().is_ok_and(|o| o.status.success())
         && Path::new("/usr/share/zoneinfo/Europe/Paris").exists();
     if !ok {
-        // scripts/setup.sh installs both: a suite run never gets here.
-        eprintln!("SKIPPED: jq or tzdata is missing (scripts/setup.sh installs them)");
+        shoal_testnet::precondition::skip("jq or tzdata is missing (scripts/setup.sh installs them)");
     }
     ok
 }

@@ -63,9 +63,10 @@ fn link_flaps_during_a_long_generation_change_nothing() {
 
 /// The planner's prediction check: SmolLM2 on 2-3 namespace hosts with link delays of
 /// 0, 3 and 10 ms, different splits, keep-alive off and on, predicted vs measured
-/// decode tok/s. Timing
-/// targets are the benchmark's business (`shoal-lab bench plan`); the test checks that
-/// every configuration ran and gave sane figures, and prints the table.
+/// decode tok/s. Every configuration runs, and each prediction is within 50% of its
+/// run: a bound this shared 2-core machine holds (measured: +4% to +27% with a build
+/// running beside it, 2026-12-06) that a planner off by its hop costs or by a unit
+/// does not. The bench's own figures are in docs/benchmarks.md.
 #[test]
 fn planner_predictions_are_checked_against_runs() {
     if !namespaces_available() {
@@ -90,6 +91,7 @@ fn planner_predictions_are_checked_against_runs() {
         );
         eprintln!("{:<10} {:>3} ms {p:>10.2} {m:>9.2} {:>+5.1}%", r["split"].to_string(), r["delay_ms"], e * 100.0);
         assert!(p.is_finite() && p > 0.0 && m.is_finite() && m > 0.0, "{r}");
+        assert!((p / m - 1.0).abs() <= 0.5 && e.abs() <= 0.5, "predicted {p:.2} tok/s against {m:.2} measured: {r}");
         assert!(r["ms_per_layer"].as_f64().unwrap() > 0.0 && r["wake_ms"].as_f64().unwrap() >= 0.0, "{r}");
     }
 }
@@ -97,8 +99,11 @@ fn planner_predictions_are_checked_against_runs() {
 /// `shoal-lab bench replace --netns`: five plain nodes, each on a host of its own, the
 /// middle stage's node SIGKILLed during a generation; the bench prints its table, the
 /// generation resumes on a spare and ends as the unsplit run. The time from the kill to
-/// the next token is the benchmark's figure (target p50 <= 5 s), checked here only to
-/// be a sane number.
+/// the next token is the benchmark's figure (target p50 <= 5 s; one round took 5.15 s on
+/// 2026-12-06 with a build beside it); one round here must stay within 20 s, four times
+/// the target, a
+/// bound only a replacement that waits on a timeout (the 60 s no-progress bound, a
+/// suspicion that never ends) exceeds.
 #[test]
 fn bench_replace_on_namespace_hosts_resumes_and_matches_unsplit() {
     if !namespaces_available() {
@@ -114,7 +119,7 @@ fn bench_replace_on_namespace_hosts_resumes_and_matches_unsplit() {
         text.lines().find(|l| l.starts_with("0 ")).expect("the round's row").split_whitespace().collect();
     assert_eq!(row.len(), 6, "{text}");
     let gap: f64 = row[3].parse().unwrap();
-    assert!(gap.is_finite() && gap > 0.0 && gap < 300.0, "{text}");
+    assert!(gap.is_finite() && gap > 0.0 && gap <= 20.0, "kill → next token took {gap} s: {text}");
     assert!(row[4].parse::<u64>().unwrap() > 20, "the prompt and the tokens before the kill are replayed: {text}");
     assert_eq!(row[5], "true", "the answer equals the unsplit run: {text}");
     assert!(text.contains("kill → next token: p50"), "{text}");

@@ -464,15 +464,26 @@ fn a_bigger_node_joining_takes_the_model_but_only_once_no_generation_runs() {
     let model = model(SMOL);
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
-    let mut nodes = start_cluster(&dir, &["a", "b", "c"]);
+    // 105 MiB each: the model at a 2048-position context needs all three (~295 MiB).
+    let mut nodes = Nodes(vec![("a", serve_offering(&dir("a"), "a", true, "105M", "1"))]);
+    wait_for("the first node's cluster", 30, || status(&dir("a")).filter(|s| !s["cluster"].is_null()));
+    for n in ["b", "c"] {
+        add_node_offering(&mut nodes, &dir, "a", n, "105M", "1");
+    }
     run_ok(&["models", "add", model.to_str().unwrap()], &dir("a"));
-    let loaded = run_ok(&["models", "load", SMOL, "--context", "512", "--wait"], &dir("a"));
+    let loaded = run_ok(&["models", "load", SMOL, "--context", "2048", "--wait"], &dir("a"));
     assert!(loaded.contains("ready: 3 stage(s)"), "{loaded}");
     let before = placement(&dir("a"));
 
-    // A long generation runs while a node that holds the whole model's needs joins.
-    let args = ["--prompt", PROMPT, "-n", "400", "--ignore-eos", "--json"];
-    let r = unsplit(&model, &args);
+    // A long generation runs while a node that holds the whole model's needs joins. Long
+    // for this machine: ~15 s at the unsplit speed (faster than the split one), so that a
+    // faster machine, which also joins and measures faster, still runs it past that.
+    let speed = unsplit(&model, &["--prompt", PROMPT, "-n", "64", "--ignore-eos", "--json"])["tok_per_s"]
+        .as_f64()
+        .expect("the unsplit run's speed");
+    let n = ((speed * 15.0) as usize).clamp(400, 1900).to_string();
+    let args = ["--prompt", PROMPT, "-n", n.as_str(), "--ignore-eos", "--json"];
+    let r = unsplit_ctx(&model, 2048, &args);
     let (mut gen, lines) = spawn_generation(shoal(), SMOL, &args, &dir("a"));
     let tokens = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counter = tokens.clone();
@@ -498,7 +509,9 @@ fn a_bigger_node_joining_takes_the_model_but_only_once_no_generation_runs() {
         std::thread::sleep(Duration::from_millis(300));
     }
     reader.join().unwrap();
-    assert!(checked_late, "the generation ended before the leader had time to (wrongly) re-plan; slow machine?");
+    // The generation ran long after the join (the leader measured the newcomer and could
+    // have re-planned); only a machine decoding ~1900 tokens in under 3 s misses this.
+    assert!(checked_late, "the generation ended within 3 s of the join, before the leader could re-plan ({n} tokens)");
     let out = gen.wait_with_output().unwrap();
     let g: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(g["tokens"], r["tokens"], "tokens differ from the unsplit run");

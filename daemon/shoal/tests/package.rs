@@ -76,8 +76,7 @@ fn fields(text: &str) -> HashMap<String, String> {
 #[test]
 fn the_deb_installs_runs_under_systemd_upgrades_keeping_the_node_and_removes_cleanly() {
     if let Some(why) = missing() {
-        eprintln!("skipped: {why}");
-        return;
+        return shoal_testnet::precondition::skip(&why);
     }
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("root");

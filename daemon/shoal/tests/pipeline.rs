@@ -44,21 +44,28 @@ fn serve_cmd(dir: &Path, placement: &Path, i: usize) -> Command {
 }
 
 /// Wait until a `shoal serve` child says it is serving, then keep draining its log.
-/// Returns what it printed before.
+/// Returns what it printed before. A stage silent for 120 s fails the test (the log is
+/// read on a thread of its own, so a stage that hangs without a word is caught too).
 fn wait_serving(c: &mut Child) -> Vec<String> {
     let mut lines = BufReader::new(c.stderr.take().unwrap()).lines();
-    let t0 = Instant::now();
-    let mut before = Vec::new();
-    loop {
-        let line = lines.next().expect("stage exited before serving").unwrap();
-        if line.contains("[shoal] serving") {
-            break;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut before = Vec::new();
+        for line in lines.by_ref().map_while(Result::ok) {
+            if line.contains("[shoal] serving") {
+                let _ = tx.send(Ok(before));
+                lines.for_each(drop);
+                return;
+            }
+            before.push(line);
         }
-        before.push(line);
-        assert!(t0.elapsed() < Duration::from_secs(120), "stage did not start");
+        let _ = tx.send(Err(before));
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(Ok(before)) => before,
+        Ok(Err(before)) => panic!("stage exited before serving: {before:?}"),
+        Err(_) => panic!("stage did not start within 120 s"),
     }
-    std::thread::spawn(move || lines.for_each(drop));
-    before
 }
 
 /// Start one `shoal serve` per split range and wait until each says it is serving.

@@ -295,8 +295,9 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
 }
 
 /// `shoal-lab bench live-plan`: cluster nodes measure themselves when a placement is
-/// planned, and the prediction is compared with runs. The figures are the bench's
-/// business; the test checks the chain ran on measured inputs and gave sane numbers.
+/// planned, and the prediction is compared with runs: the chain ran on measured inputs,
+/// and the prediction is within 50% of the run (measured: +17%, 2026-12-06, on this
+/// shared machine; the bench prints the figure).
 #[test]
 fn bench_live_plan_predicts_from_the_clusters_own_measurements() {
     model("SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -312,6 +313,7 @@ fn bench_live_plan_predicts_from_the_clusters_own_measurements() {
     assert_eq!(r["delay_ms"], 3);
     let (p, m) = (r["predicted_tok_s"].as_f64().unwrap(), r["median_tok_s"].as_f64().unwrap());
     assert!(p.is_finite() && p > 0.0 && m.is_finite() && m > 0.0, "{r}");
+    assert!((p / m - 1.0).abs() <= 0.5, "predicted {p:.2} tok/s against {m:.2} measured: {r}");
     let basis = r["basis"].as_str().unwrap();
     assert!(basis.contains("speeds measured on a, b;") && basis.contains("1 link(s) measured"), "{r}");
     eprintln!("live plan, 3 ms: predicted {p:.2} tok/s, measured {m:.2}");

@@ -55,16 +55,11 @@ pub const PROMPT: &str = "The history of the lighthouse begins in antiquity, whe
     hundred metres tall and was counted among the wonders of the ancient world. Later, Roman engineers \
     raised towers along the coasts of their empire, from Dover to the Black Sea.";
 
-/// Whether network namespaces can be made here (root, iproute2); says why not, so a
-/// namespace test that returns early is seen to skip.
+/// Whether network namespaces can be made here (root, iproute2); where not, the suite's
+/// rule for a missing precondition ([`shoal_testnet::precondition::skip`]) decides: the
+/// test fails (CI, a bare `cargo test`) or is skipped and listed by `scripts/test.sh`.
 pub fn namespaces_available() -> bool {
-    match shoal_testnet::Net::new("probe", 1) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIPPED: network namespaces unavailable here (needs root and iproute2): {e}");
-            false
-        }
-    }
+    shoal_testnet::precondition::namespaces("probe", 1).is_some()
 }
 
 /// A UDP port `p` on 127.0.0.1 with `p + 1` free too (for two stages of a written
@@ -95,11 +90,16 @@ pub fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T
 /// `shoal run` of `model` unsplit on this machine (chunk 128, context 512, as the
 /// node tests load it), as JSON.
 pub fn unsplit(model: &Path, args: &[&str]) -> Value {
+    unsplit_ctx(model, 512, args)
+}
+
+/// [`unsplit`] with a context of `ctx` positions (a long generation's).
+pub fn unsplit_ctx(model: &Path, ctx: u32, args: &[&str]) -> Value {
     json(
         shoal()
             .args(["run", "--model"])
             .arg(model)
-            .args(["--chunk", "128", "--ctx", "512"])
+            .args(["--chunk", "128", "--ctx", &ctx.to_string()])
             .args(args)
             .output()
             .unwrap(),
