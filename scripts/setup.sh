@@ -36,6 +36,8 @@ if ! $demo_only; then
   # Multi-host tests put stages in network namespaces; the partition check pings.
   need ip iproute2
   need ping iputils-ping
+  # Packet loss on namespace hosts (this kernel has no netem): nftables' random drops.
+  need nft nftables
   # The API's route checks call it as users do.
   need curl curl
   # The hub image's root scripts (firmware/rootfs/usr/lib/shoal-hub) are tested here too.

@@ -187,14 +187,20 @@ impl Node {
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(quic));
         server.transport_config(transport.clone());
         let bind = |source| NetError::Bind { addr, source };
+        // Stateless resets and connection ids keyed by the node's identity (see
+        // `Identity::reset_key`): a restarted node resets its old connections at once.
+        let reset = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &identity.reset_key());
+        let mut config = quinn::EndpointConfig::new(Arc::new(reset));
+        let cid_key = identity.connection_id_key();
+        config.cid_generator(move || Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key)));
+        let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
         let endpoint = if opts.impair.is_none() {
-            quinn::Endpoint::server(server, addr).map_err(bind)?
+            let socket = std::net::UdpSocket::bind(addr).map_err(bind)?;
+            quinn::Endpoint::new(config, Some(server), socket, runtime).map_err(bind)?
         } else {
-            let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
             let socket = runtime.wrap_udp_socket(std::net::UdpSocket::bind(addr).map_err(bind)?).map_err(bind)?;
             let socket = Arc::new(ImpairedSocket::new(socket, opts.impair));
-            quinn::Endpoint::new_with_abstract_socket(quinn::EndpointConfig::default(), Some(server), socket, runtime)
-                .map_err(bind)?
+            quinn::Endpoint::new_with_abstract_socket(config, Some(server), socket, runtime).map_err(bind)?
         };
         let (tx, rx) = tokio::sync::mpsc::channel(MAX_HANDSHAKES);
         tokio::spawn(handshakes(endpoint.clone(), tx, open));

@@ -94,6 +94,25 @@ impl Identity {
         self.id
     }
 
+    /// The key of this node's QUIC stateless resets: derived from its private key, so it
+    /// is the same after a restart. A node that crashed and came back (or a laptop that
+    /// woke) then answers the packets its peers still send on its previous run's
+    /// connections with a reset they accept, and they reconnect at once instead of
+    /// writing into a dead connection until their idle timeout (10 s). Knowing it lets
+    /// one reset this node's connections, which the private key already allows.
+    pub(crate) fn reset_key(&self) -> [u8; 32] {
+        blake3::derive_key("shoal 2026-12-06 QUIC stateless reset key", &self.pkcs8)
+    }
+
+    /// The key of this node's QUIC connection ids, derived like [`Identity::reset_key`]:
+    /// a restarted node recognises the ids its previous run issued as its own, which is
+    /// when quinn answers a packet for an unknown connection with a stateless reset
+    /// (ids it cannot recognise are dropped silently).
+    pub(crate) fn connection_id_key(&self) -> u64 {
+        let k = blake3::derive_key("shoal 2026-12-06 QUIC connection id key", &self.pkcs8);
+        u64::from_le_bytes([k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7]])
+    }
+
     /// Certificate chain to present in TLS.
     pub(crate) fn cert_chain(&self) -> Vec<CertificateDer<'static>> {
         vec![self.cert.clone()]

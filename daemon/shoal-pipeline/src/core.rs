@@ -150,6 +150,11 @@ impl Default for RetryPolicy {
     }
 }
 
+/// The longest the coordinator waits before re-driving an unanswered step (unless a
+/// step takes longer than a quarter of it): the bound on how long after a fault heals
+/// the ring is tried again.
+pub const MAX_REDRIVE_WAIT: Duration = Duration::from_secs(2);
+
 /// Bits of a session id that count the coordinator's sessions; the bits above hold
 /// its incarnation.
 pub const SESSION_COUNTER_BITS: u32 = 24;
@@ -325,8 +330,12 @@ struct Driver {
     deadline: Instant,
     /// Last time anything moved.
     progress_at: Instant,
-    /// Smoothed step time.
+    /// Smoothed step time, from steps that answered (never from timeouts).
     ewma: Duration,
+    /// Re-drives in a row with no answer from the ring in between: each doubles the
+    /// wait before the next, up to [`MAX_REDRIVE_WAIT`]; any answer in the current epoch
+    /// resets it, so the first re-drive after a fault heals comes within seconds.
+    backoff: u32,
     started: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -495,6 +504,7 @@ impl NodeCore {
             deadline: now,
             progress_at: now,
             ewma: Duration::ZERO,
+            backoff: 0,
             started: now,
             first_token: None,
             last_token: None,
@@ -566,8 +576,11 @@ impl NodeCore {
         let params = serde_json::to_vec(&s.params).expect("JSON value serialises");
         let Some(d) = s.driver.as_mut() else { return };
         d.sent_at = now;
-        let steps = d.awaiting + 1 - from;
-        d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout) * steps.min(8);
+        // The first answer comes once the prompt's chunks have gone round (a replay's
+        // decode steps then answer one by one, each pushing the deadline on): a step's
+        // wait for each chunk still to send, and one for the step after them.
+        let before_first_answer = d.prompt_steps.saturating_sub(from) + 1;
+        d.deadline = now + Self::timeout(d, self.cfg.retry.min_timeout) * before_first_answer.min(8);
         let jobs: Vec<Job> = (from..=d.awaiting).map(|step| Self::job(d, chunk, session, epoch, step)).collect();
         if tail {
             self.open_tail(session, epoch, &params, now, out);
@@ -577,8 +590,16 @@ impl NodeCore {
         out.extend(jobs.into_iter().map(Action::Submit));
     }
 
-    fn timeout(ewma: Duration, min: Duration) -> Duration {
-        (ewma * 8).max(min)
+    /// How long the coordinator waits for a step's answer before re-driving it: 8 step
+    /// times (at least `min`), doubled for each re-drive in a row that went unanswered,
+    /// but never past [`MAX_REDRIVE_WAIT`] (or 4 step times, for a model slower than
+    /// that): a link that comes back, or a stage that restarted, is re-driven within
+    /// seconds rather than after a backoff that grew through the fault. A re-drive costs
+    /// a frame per stage; waiting costs the user the whole stall.
+    fn timeout(d: &Driver, min: Duration) -> Duration {
+        let base = (d.ewma * 8).max(min);
+        let backed_off = base.saturating_mul(1u32 << d.backoff.min(16));
+        backed_off.min(MAX_REDRIVE_WAIT.max(d.ewma * 4)).max(min)
     }
 
     fn on_token(&mut self, f: Frame, now: Instant, out: &mut Vec<Action>) {
@@ -593,8 +614,12 @@ impl NodeCore {
         let Some(d) = s.driver.as_mut() else { return };
         if current_epoch {
             // The ring answers in the current epoch (during a replay: the replayed
-            // steps coming back one by one), so the time bound restarts.
+            // steps coming back one by one), so the time bound restarts, the backoff
+            // ends, and a replay that makes progress is not re-driven half-way.
             d.progress_at = now;
+            d.backoff = 0;
+            let wait = Self::timeout(d, self.cfg.retry.min_timeout);
+            d.deadline = d.deadline.max(now + wait);
         }
         if d.closing || f.step != d.awaiting {
             // Tokens of an earlier step (re-sent during a replay) or a late duplicate.
@@ -624,7 +649,7 @@ impl NodeCore {
             // its last step is back; close again.
             d.replaying_finished = false;
             d.closing = true;
-            d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
+            d.deadline = now + Self::timeout(d, self.cfg.retry.min_timeout);
             let close = Frame::message(FrameKind::Close, f.session, d.awaiting, epoch, Vec::new());
             self.send_close(close, now, out);
             return;
@@ -656,7 +681,7 @@ impl NodeCore {
         }
         if done {
             d.closing = true;
-            d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
+            d.deadline = now + Self::timeout(d, self.cfg.retry.min_timeout);
             let close = Frame::message(FrameKind::Close, f.session, d.awaiting, epoch, Vec::new());
             self.send_close(close, now, out);
             return;
@@ -673,7 +698,7 @@ impl NodeCore {
         d.steps.push(DecodeStep { n_before: n, drafts });
         d.awaiting += 1;
         d.sent_at = now;
-        d.deadline = now + Self::timeout(d.ewma, self.cfg.retry.min_timeout);
+        d.deadline = now + Self::timeout(d, self.cfg.retry.min_timeout);
         out.push(Action::Submit(Self::job(d, chunk, f.session, epoch, d.awaiting)));
     }
 
@@ -796,13 +821,13 @@ impl NodeCore {
             d.redrives += 1;
             self.counters.redrives += 1;
             if closing {
-                d.deadline = now + Self::timeout(d.ewma, min);
+                d.deadline = now + Self::timeout(d, min);
                 let close = Frame::message(FrameKind::Close, session, d.awaiting, epoch, Vec::new());
                 self.send_close(close, now, out);
                 continue;
             }
-            // Back off: each re-drive of the same step waits longer.
-            d.ewma = (d.ewma * 2).max(min / 8);
+            // Back off: each unanswered re-drive waits longer (within the bound).
+            d.backoff = d.backoff.saturating_add(1);
             let awaiting = d.awaiting;
             tracing::info!(session, step = awaiting, epoch, "token late; re-driving the step");
             self.open_and_send(session, if awaiting < self.prompt_steps(session) { 0 } else { awaiting }, now, out);
@@ -849,6 +874,8 @@ impl NodeCore {
         let stage = std::str::from_utf8(&f.payload).ok().and_then(|t| t.parse::<usize>().ok());
         if let Some(d) = s.driver.as_mut() {
             d.lost_at = stage.or(d.lost_at);
+            // The ring answered: the replay goes out with no backoff.
+            d.backoff = 0;
         }
         self.replay(f.session, now, out);
     }

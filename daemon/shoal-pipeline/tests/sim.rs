@@ -50,6 +50,18 @@ struct Faults {
     reorder: f64,
     /// Per delivered frame: a non-coordinator node restarts.
     restart: f64,
+    /// Per delivered frame: a link goes down for 0.2-5 s (WiFi drops, a cut cable):
+    /// what is in flight on it is lost, and so is everything sent on it until it is
+    /// back.
+    outage: f64,
+    /// Per delivered frame: a non-coordinator node restarts while its links are down
+    /// (it comes back up, restarted, into a network that has not healed yet).
+    restart_down: f64,
+}
+
+impl Faults {
+    /// No faults.
+    const NONE: Faults = Faults { brk: 0.0, dup: 0.0, reorder: 0.0, restart: 0.0, outage: 0.0, restart_down: 0.0 };
 }
 
 enum Ev {
@@ -69,7 +81,8 @@ fn config(index: usize, n: usize) -> CoreConfig {
         samplers,
         retry: RetryPolicy {
             min_timeout: Duration::from_millis(200),
-            max_wait: Duration::from_secs(600),
+            // The product's bound: a fault mix must never stall a generation this long.
+            max_wait: RetryPolicy::default().max_wait,
             // Random restarts can hit a replay again and again; this test is about
             // exactness, the bound has tests of its own.
             max_replays: 1000,
@@ -120,6 +133,8 @@ fn simulate_spec(
     let mut queue: BTreeMap<(Duration, u64), Ev> = BTreeMap::new();
     let mut seq = 0u64;
     let mut link_last = vec![Duration::ZERO; n];
+    // Link k (node k to node k+1) is down until this time.
+    let mut down_until = vec![Duration::ZERO; n];
     let mut in_flight: Vec<VecDeque<(Duration, u64)>> = vec![VecDeque::new(); n];
     let mut push = |q: &mut BTreeMap<(Duration, u64), Ev>, at: Duration, ev: Ev| {
         seq += 1;
@@ -152,6 +167,9 @@ fn simulate_spec(
                     }
                     Action::Send(frame) => {
                         let to = (node + 1) % n;
+                        if now - t0 < down_until[node] {
+                            continue; // the link is down: the frame is lost
+                        }
                         if rng.chance(f.brk) {
                             // The connection dies: what is in flight on it is lost.
                             for key in in_flight[node].drain(..) {
@@ -223,12 +241,33 @@ fn simulate_spec(
             Ev::Deliver(to, frame) => {
                 let from = (to + n - 1) % n;
                 in_flight[from].retain(|k| *k != key);
-                if to != 0 && rng.chance(f.restart) {
+                let mut down = |link: usize, rng: &mut Rng, queue: &mut BTreeMap<(Duration, u64), Ev>| {
+                    let until = key.0 + Duration::from_millis(200 + rng.below(4800));
+                    down_until[link] = down_until[link].max(until);
+                    for k in in_flight[link].drain(..) {
+                        queue.remove(&k);
+                    }
+                };
+                if rng.chance(f.outage) {
+                    let link = rng.below(n as u64) as usize;
+                    down(link, &mut rng, &mut queue);
+                    recoveries += 1;
+                }
+                let restart_down = to != 0 && rng.chance(f.restart_down);
+                if restart_down {
+                    // Both of its links are down as it comes back; this frame is lost.
+                    down(from, &mut rng, &mut queue);
+                    down(to, &mut rng, &mut queue);
+                }
+                if restart_down || (to != 0 && rng.chance(f.restart)) {
                     // The node restarts: sessions and KV gone, queued work gone.
                     cores[to] = NodeCore::new(config(to), 1000 * to as u64);
                     stages[to] = FakeStage::new(ranges[to]);
                     life[to] += 1;
                     recoveries += 1;
+                }
+                if restart_down || key.0 < down_until[from] {
+                    continue; // arrived on a link that went down: lost
                 }
                 inputs.push_back((to, Input::Frame(frame)));
             }
@@ -252,14 +291,13 @@ fn ranges3() -> Vec<LayerRange> {
 fn no_faults_matches_reference() {
     let prompt: Vec<TokenId> = (0..13).collect();
     let (want, digest) = reference(&ranges3(), &prompt, 30);
-    let none = Faults { brk: 0.0, dup: 0.0, reorder: 0.0, restart: 0.0 };
-    let (streamed, tokens, d, recoveries) = simulate(1, &ranges3(), &prompt, 30, &none);
+    let (streamed, tokens, d, recoveries) = simulate(1, &ranges3(), &prompt, 30, &Faults::NONE);
     assert_eq!((streamed, tokens, d, recoveries), (want.clone(), want, digest, 0));
 }
 
 #[test]
 fn faults_never_change_the_output() {
-    let faults = Faults { brk: 0.03, dup: 0.05, reorder: 0.02, restart: 0.01 };
+    let faults = Faults { brk: 0.03, dup: 0.05, reorder: 0.02, restart: 0.01, ..Faults::NONE };
     let mut total_steps = 0;
     let mut total_recoveries = 0;
     for seed in 0..600u64 {
@@ -281,14 +319,38 @@ fn faults_never_change_the_output() {
     eprintln!("{total_steps} steps, {total_recoveries} node restarts + re-drives + replays, all outputs exact");
 }
 
+/// The namespace test's fault mix on the fake engine: links down for seconds (WiFi
+/// drops, cuts), loss, restarts of the middle stage and the tail, and restarts while
+/// their links are still down, over 1,000 seeds; every generation completes exactly.
+#[test]
+fn outages_and_restarts_while_links_are_down_never_change_the_output() {
+    let faults = Faults { brk: 0.01, dup: 0.02, reorder: 0.01, restart: 0.004, outage: 0.004, restart_down: 0.004 };
+    let (mut total_steps, mut total_recoveries) = (0, 0);
+    for seed in 0..1000u64 {
+        let len = 5 + (seed % 11) as usize;
+        let prompt: Vec<TokenId> = (0..len).map(|i| ((i as u64 * 5 + seed) % 50) as TokenId).collect();
+        let max_new = 30 + (seed % 41) as u32;
+        let ranges = if seed % 4 == 0 { vec![LayerRange::new(0, 3), LayerRange::new(3, 6)] } else { ranges3() };
+        let (want, digest) = reference(&ranges, &prompt, max_new as usize);
+        let (streamed, tokens, d, recoveries) = simulate(seed, &ranges, &prompt, max_new, &faults);
+        assert_eq!(streamed, want, "seed {seed}: streamed tokens differ (missing or duplicated)");
+        assert_eq!(tokens, want, "seed {seed}: tokens differ");
+        assert_eq!(d, digest, "seed {seed}: logits digest differs");
+        total_steps += want.len() + prompt.len().div_ceil(CHUNK as usize);
+        total_recoveries += recoveries;
+    }
+    assert!(total_recoveries > 1000, "only {total_recoveries} recoveries");
+    eprintln!("{total_steps} steps, {total_recoveries} outages, restarts, re-drives and replays, all outputs exact");
+}
+
 /// Speculation: the pipeline's verify steps give what the in-process speculative
 /// schedule gives, tokens and logits digest, through drops, duplicates, reorders and
 /// restarts (replays resend the verify batches in their original shapes); drafts are
 /// accepted and rejected along the way.
 #[test]
 fn speculation_matches_its_reference_under_faults() {
-    let faults = Faults { brk: 0.03, dup: 0.05, reorder: 0.02, restart: 0.01 };
-    let none = Faults { brk: 0.0, dup: 0.0, reorder: 0.0, restart: 0.0 };
+    let faults = Faults { brk: 0.03, dup: 0.05, reorder: 0.02, restart: 0.01, ..Faults::NONE };
+    let none = Faults::NONE;
     let fixed =
         SpecSettings { max_draft: 3, ngram_min: 1, ngram_max: 3, position_cost: 0, step_cost: 0, model_cost: 0 };
     // The draft length chosen step by step from acceptance and costs, alike on replays.

@@ -133,6 +133,28 @@ impl Net {
         ip(&["netns", "exec", &self.hosts[k], "ip", "link", "set", &format!("v{k}"), if up { "up" } else { "down" }])
     }
 
+    /// Drop `percent`% of the UDP packets host `k` sends, at random (nftables in its
+    /// namespace: this kernel has no netem); 0 removes the rule. Needs `nft`.
+    pub fn loss(&self, k: usize, percent: u32) -> Result<(), NetnsError> {
+        let nft = |args: &str| -> Result<(), NetnsError> {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &self.hosts[k], "nft"]).args(args.split(' '));
+            let out = c.output().map_err(|e| NetnsError(format!("cannot run nft: {e}")))?;
+            match out.status.success() {
+                true => Ok(()),
+                false => Err(NetnsError(format!("nft {args}: {}", String::from_utf8_lossy(&out.stderr).trim()))),
+            }
+        };
+        // Deleting a table that is not there fails, harmlessly.
+        let _ = nft("delete table inet shoal_loss");
+        if percent == 0 {
+            return Ok(());
+        }
+        nft("add table inet shoal_loss")?;
+        nft("add chain inet shoal_loss out { type filter hook output priority 0 ; }")?;
+        nft(&format!("add rule inet shoal_loss out meta l4proto udp numgen random mod 100 < {} drop", percent.min(100)))
+    }
+
     /// Split the hosts into groups that reach only each other: group 0 stays on the
     /// bridge, each further group gets a bridge of its own (hosts not named stay on
     /// the first). Multicast (mDNS) follows the same cut. [`Net::heal`] undoes it.

@@ -249,8 +249,23 @@ fn restart_middle_drafting(file: &str, splits: &[[u32; 2]], prompt: &str, extra:
     middle.wait().unwrap();
     let mut again = serve_cmd(dir.path(), &placement, 1).spawn().unwrap();
     wait_serving(&mut again);
+    let up = Instant::now();
     stages.0[1] = again;
-    let rest: Vec<String> = progress.map(|l| l.unwrap()).collect();
+    // The restarted stage is up: the next token follows within seconds (the product's
+    // figure: its previous run's connections are reset at once, and the coordinator's
+    // re-drives are at most 2 s apart). A minute would be the no-progress bound.
+    let mut rest: Vec<String> = Vec::new();
+    let mut next_token = None;
+    for line in progress.map_while(Result::ok) {
+        if next_token.is_none() && line.starts_with("token ") {
+            next_token = Some(up.elapsed());
+        }
+        rest.push(line);
+    }
+    if let Some(t) = next_token {
+        eprintln!("{file}: restarted stage up -> next token: {:.2} s", t.as_secs_f64());
+        assert!(t < Duration::from_secs(30), "the next token came {:.1} s after the restart", t.as_secs_f64());
+    }
     let out = gen.wait_with_output().unwrap();
     assert!(out.status.success(), "generate failed after the restart: {rest:?}");
     let g: Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -28,6 +28,9 @@ pub struct Lab {
     dir: tempfile::TempDir,
     /// This `shoal` binary, run inside the hosts.
     exe: PathBuf,
+    /// What each `shoal serve` is started with besides its placement and data
+    /// directory (a restarted stage gets the same).
+    serve_args: Vec<String>,
 }
 
 /// Waits for a child's readiness the way systemd does: the child finds a datagram
@@ -147,28 +150,50 @@ impl Lab {
         }
         let placement = dir.path().join("placement.toml");
         std::fs::write(&placement, toml)?;
-        let mut lab = Lab { net, placement, dir, exe };
         let impair_arg = if impair.is_none() {
             String::new()
         } else {
             format!("delay={}us,jitter={}us,loss={}", impair.delay.as_micros(), impair.jitter.as_micros(), impair.loss)
         };
+        let serve_args = ["--impair", &impair_arg, "--threads", "1"].into_iter().chain(serve_args.iter().copied());
+        let serve_args = serve_args.map(str::to_string).collect();
+        let mut lab = Lab { net, placement, dir, exe, serve_args };
         // Downstream stages first, so each link finds its next stage listening.
         for k in (0..stages.len()).rev() {
-            let mut cmd = lab.net.command(k, &lab.exe);
-            cmd.args(["serve", "--impair", &impair_arg, "--threads", "1"])
-                .args(serve_args)
-                .arg("--placement")
-                .arg(&lab.placement)
-                .arg("--data-dir")
-                .arg(lab.dir.path().join(format!("node{k}")));
-            let (child, status) = spawn_ready(&mut cmd, &format!("stage {k}"))?;
+            let (child, status) = spawn_ready(&mut lab.serve_command(k), &format!("stage {k}"))?;
             lab.net.adopt(child);
             if !impair.is_none() && !status.contains("impairing") {
                 bail!("stage {k} did not apply the impairment: {status}");
             }
         }
         Ok(lab)
+    }
+
+    /// `shoal serve` of stage `k` on its host.
+    fn serve_command(&self, k: usize) -> Command {
+        let mut cmd = self.net.command(k, &self.exe);
+        cmd.arg("serve").args(&self.serve_args).arg("--placement").arg(&self.placement);
+        cmd.arg("--data-dir").arg(self.dir.path().join(format!("node{k}")));
+        cmd
+    }
+
+    /// SIGKILL stage `k`'s process (a crash, a power cut); [`Lab::start_stage`] starts
+    /// it again.
+    pub fn kill_stage(&mut self, k: usize) -> Result<()> {
+        // Invariant: `start` adopted one child per stage, the last stage first.
+        let i = self.net.len() - 1 - k;
+        let child = &mut self.net.children()[i];
+        child.kill().context("killing the stage")?;
+        child.wait()?;
+        Ok(())
+    }
+
+    /// Start stage `k` again (after [`Lab::kill_stage`]) and wait until it serves.
+    pub fn start_stage(&mut self, k: usize) -> Result<()> {
+        let (child, _) = spawn_ready(&mut self.serve_command(k), &format!("stage {k}"))?;
+        let i = self.net.len() - 1 - k;
+        self.net.children()[i] = child;
+        Ok(())
     }
 
     /// Every node's status (`shoal status --json` from the coordinator's host).

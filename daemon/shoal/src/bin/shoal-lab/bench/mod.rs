@@ -12,6 +12,7 @@ use std::process::Command;
 
 mod adoption;
 mod cluster;
+mod faults;
 mod keepalive;
 mod live;
 mod node;
@@ -32,6 +33,10 @@ pub enum BenchCommand {
     /// Stages on namespace hosts; the middle host's link goes down for seconds, several
     /// times, during a generation: link-up to next-token times, output identical.
     Reconnect(reconnect::ReconnectArgs),
+    /// Stages on namespace hosts through a seeded schedule of mixed faults (link cuts,
+    /// loss, SIGKILL and restart of a stage, also while its link is down) during one
+    /// long generation: each fault's healing to the next token, output identical.
+    Faults(faults::FaultsArgs),
     /// The planner's predictions against real runs: SmolLM2 on 2-3 namespace hosts with
     /// different splits and link delays; predicted vs measured decode tok/s.
     Plan(plan::PlanBenchArgs),
@@ -139,6 +144,7 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Split(a) => split(a),
         BenchCommand::Pipeline(a) => pipeline(a),
         BenchCommand::Reconnect(a) => reconnect::reconnect(a),
+        BenchCommand::Faults(a) => faults::faults(a),
         BenchCommand::Plan(a) => plan::plan(a),
         BenchCommand::Cluster(a) => cluster::cluster(a),
         BenchCommand::Adoption(a) => adoption::adoption(a),
