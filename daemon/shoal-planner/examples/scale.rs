@@ -10,23 +10,10 @@
 
 use shoal_planner::plan::plan_exhaustive;
 use shoal_planner::{plan, Cluster, Device, Link, ModelProfile, Options};
+use shoal_testnet::Rng;
 use std::time::Instant;
 
 const GB: u64 = 1_000_000_000;
-
-/// xorshift64*: deterministic variety.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// A Llama-like model of `layers` blocks of `layer_gb` GB.
 fn model(layers: u32, layer_gb: f64, n_embd: u32) -> ModelProfile {
@@ -49,7 +36,7 @@ fn model(layers: u32, layer_gb: f64, n_embd: u32) -> ModelProfile {
 
 /// `devices` devices on hosts of one CPU and 1–3 GPUs.
 fn cluster(devices: usize, seed: u64) -> Cluster {
-    let mut r = Rng(seed);
+    let mut r = Rng::new(seed);
     let mut out = Vec::new();
     let mut links = Vec::new();
     let mut h = 0;

@@ -7,6 +7,8 @@
 pub mod flood;
 pub mod fuzz_inputs;
 pub mod precondition;
+pub mod rng;
+pub use rng::Rng;
 
 use std::ffi::OsStr;
 use std::net::Ipv4Addr;

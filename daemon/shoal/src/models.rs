@@ -300,10 +300,8 @@ fn plan(a: PlanArgs) -> Result<()> {
             let loaded = st.loaded_bytes.map(|b| format!(", {} loaded", fmt_size(b))).unwrap_or_default();
             // The process's growth holds more than the stage (the API's tokenizer,
             // samplers, the allocator's slack): said as the node's, not the stage's.
-            let resident = st
-                .resident_bytes
-                .map(|b| format!("; the node's RSS grew {} since", fmt_size(b)))
-                .unwrap_or_default();
+            let resident =
+                st.resident_bytes.map(|b| format!("; the node's RSS grew {} since", fmt_size(b))).unwrap_or_default();
             loaded + &resident
         });
         let state = match st {
@@ -449,7 +447,11 @@ fn vocab_file(dir: &Option<PathBuf>, row: &api::ModelRow) -> Result<PathBuf> {
 
 /// Ask the local node for a streamed answer: progress and tokens go to `on_message`;
 /// an error answer becomes an error.
-fn ask_stream(dir: &DirArg, req: &NodeRequest, on_message: &mut (dyn FnMut(&NodeResponse) + Send)) -> Result<NodeResponse> {
+fn ask_stream(
+    dir: &DirArg,
+    req: &NodeRequest,
+    on_message: &mut (dyn FnMut(&NodeResponse) + Send),
+) -> Result<NodeResponse> {
     let data_dir = data_dir(&dir.data_dir);
     if !data_dir.join(shoal_net::identity::KEY_FILE).exists() {
         bail!("no node has run with the data directory {} yet: start it with `shoal serve`", data_dir.display());

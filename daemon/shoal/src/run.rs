@@ -407,7 +407,12 @@ pub fn demo(a: DemoArgs) -> Result<()> {
     let mut gen = a.gen;
     gen.text.prompt.get_or_insert_with(|| "Explain in three sentences why the sky is blue.".into());
     if !a.in_process {
-        return crate::local::demo(gen.text.prompt.as_deref().unwrap_or_default(), gen.text.max_tokens, a.once, a.phase);
+        return crate::local::demo(
+            gen.text.prompt.as_deref().unwrap_or_default(),
+            gen.text.max_tokens,
+            a.once,
+            a.phase,
+        );
     }
     run(RunArgs { model, split: vec![10, 20], draft_model: None, gen })
 }

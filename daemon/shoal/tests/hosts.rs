@@ -314,9 +314,7 @@ fn a_shard_transfer_cut_by_a_link_down_goes_on_where_it_stopped() {
     let st = &plan["stages"][i];
     let received = st["shard_bytes_received"].as_u64().unwrap();
     let on_disk = shard_bytes_on_disk(&h.dirs[victim]);
-    eprintln!(
-        "host {victim}: cut 1 s at a quarter of {of} chunks; received {received} bytes, shard {on_disk} on disk"
-    );
+    eprintln!("host {victim}: cut 1 s at a quarter of {of} chunks; received {received} bytes, shard {on_disk} on disk");
     assert!(st["shard_origin"].as_str().unwrap().starts_with("fetched from"), "{st}");
     // Nothing twice: at most the shard's bytes (a transfer resumed on a new connection
     // counts only what that one moved, so this is an upper bound).

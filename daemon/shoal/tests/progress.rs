@@ -8,7 +8,6 @@ mod common;
 use common::*;
 use std::process::Command;
 
-
 #[test]
 fn models_add_and_load_show_progress_as_bars_on_a_terminal_and_as_lines_otherwise() {
     let tmp = tempfile::tempdir().unwrap();

@@ -10,6 +10,7 @@ use super::{json_of, median, GenOutput};
 use crate::lab::Lab;
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use shoal_testnet::Rng;
 use shoal_types::LayerRange;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -81,33 +82,26 @@ impl Fault {
     }
 }
 
-/// xorshift64*: the schedule depends on the seed alone.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545F4914F6CDD1D)
-    }
-    fn ms(&mut self, lo: u64, hi: u64) -> Duration {
-        Duration::from_millis(lo + self.next() % (hi - lo))
-    }
+/// A pause or duration of `lo..hi` ms.
+fn ms(rng: &mut Rng, lo: u64, hi: u64) -> Duration {
+    Duration::from_millis(lo + rng.below(hi - lo))
 }
 
 /// The faults of seed `seed`, with the pause before each.
 fn schedule(seed: u64, n: usize) -> Vec<(Duration, Fault)> {
-    let mut rng = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
+    let mut rng = Rng::new(seed);
     (0..n)
         .map(|_| {
-            let pause = rng.ms(1000, 3000);
-            let fault = match rng.next() % 4 {
-                0 => Fault::Cut((rng.next() % 3) as usize, rng.ms(1000, 4500)),
-                1 => Fault::Loss((rng.next() % 3) as usize),
+            let pause = ms(&mut rng, 1000, 3000);
+            let fault = match rng.below(4) {
+                0 => Fault::Cut(rng.below(3) as usize, ms(&mut rng, 1000, 4500)),
+                1 => Fault::Loss(rng.below(3) as usize),
                 // The middle stage or the tail (the coordinator holds the client's
                 // generation: its restart is the API's resumption, tested there).
-                2 => Fault::Restart(1 + (rng.next() % 2) as usize, rng.ms(200, 2000)),
-                _ => Fault::RestartWhileDown(1 + (rng.next() % 2) as usize, rng.ms(200, 1500), rng.ms(500, 2500)),
+                2 => Fault::Restart(1 + rng.below(2) as usize, ms(&mut rng, 200, 2000)),
+                _ => {
+                    Fault::RestartWhileDown(1 + rng.below(2) as usize, ms(&mut rng, 200, 1500), ms(&mut rng, 500, 2500))
+                }
             };
             (pause, fault)
         })
@@ -154,7 +148,10 @@ pub fn faults(a: FaultsArgs) -> Result<()> {
                 (k.to_string(), serde_json::json!({"n": v.len(), "p50_s": median(&mut v), "max_s": max}))
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"runs": runs, "healed_to_next_token": kinds}))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"runs": runs, "healed_to_next_token": kinds}))?
+        );
     } else {
         println!(
             "bench faults: {} split {SPLIT:?} on 3 namespace hosts, {} tokens, {} faults per run",
@@ -163,7 +160,12 @@ pub fn faults(a: FaultsArgs) -> Result<()> {
             a.faults
         );
         for r in &runs {
-            println!("seed {}: {} tokens, identical to unsplit: {}", r.seed, r.tokens, if r.identical { "yes" } else { "NO" });
+            println!(
+                "seed {}: {} tokens, identical to unsplit: {}",
+                r.seed,
+                r.tokens,
+                if r.identical { "yes" } else { "NO" }
+            );
             if let Some(e) = &r.error {
                 println!("  failed: {e}");
             }
@@ -179,7 +181,11 @@ pub fn faults(a: FaultsArgs) -> Result<()> {
         }
     }
     if let Some(r) = runs.iter().find(|r| !r.identical) {
-        bail!("seed {}: the output differs from the unsplit run ({})", r.seed, r.error.as_deref().unwrap_or("exact count"));
+        bail!(
+            "seed {}: the output differs from the unsplit run ({})",
+            r.seed,
+            r.error.as_deref().unwrap_or("exact count")
+        );
     }
     Ok(())
 }
@@ -270,7 +276,8 @@ fn one(
     drain(&mut arrivals);
     let error = (!out.status.success()).then(|| errors.join().unwrap_or_default());
     let piped: Option<GenOutput> = out.status.success().then(|| serde_json::from_slice(&out.stdout)).transpose()?;
-    let identical = piped.as_ref().is_some_and(|p| p.tokens == unsplit.tokens && p.logits_digest == unsplit.logits_digest);
+    let identical =
+        piped.as_ref().is_some_and(|p| p.tokens == unsplit.tokens && p.logits_digest == unsplit.logits_digest);
     let faults = applied
         .iter()
         .map(|(f, healed)| {
