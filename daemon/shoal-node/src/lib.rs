@@ -352,8 +352,6 @@ async fn measure(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
     }
 }
 
-/// Forward a generation to the model's coordinator, streaming each token back; the
-/// returned message is the last one (the report, or the error).
 /// Add a model, sending the hashing's progress as it goes (a few messages a second at
 /// most), then the answer.
 async fn add_watched(ctx: &Ctx, path: &str, name: Option<String>, send: &mut quinn::SendStream) -> NodeResponse {
@@ -380,6 +378,8 @@ async fn add_watched(ctx: &Ctx, path: &str, name: Option<String>, send: &mut qui
     }
 }
 
+/// Forward a generation to the model's coordinator, streaming each token back; the
+/// returned message is the last one (the report, or the error).
 async fn generate(
     ctx: &Ctx,
     model: &str,

@@ -36,7 +36,7 @@ fn model(layers: u32, layer_gb: f64, n_embd: u32) -> ModelProfile {
 
 /// `devices` devices on hosts of one CPU and 1–3 GPUs.
 fn cluster(devices: usize, seed: u64) -> Cluster {
-    let mut r = Rng::new(seed);
+    let mut r = Rng::from_state(seed);
     let mut out = Vec::new();
     let mut links = Vec::new();
     let mut h = 0;

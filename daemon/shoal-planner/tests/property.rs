@@ -14,7 +14,7 @@ use shoal_types::LayerRange;
 
 #[test]
 fn plans_fit_and_nothing_considered_is_faster() {
-    let mut r = Rng(0x5eed_0001);
+    let mut r = Rng::from_state(0x5eed_0001);
     let mut planned = 0;
     for _ in 0..1000 {
         let (model, cluster) = random_problem(&mut r, 12);
@@ -65,7 +65,7 @@ fn permutations(items: &[usize]) -> Vec<Vec<usize>> {
 
 #[test]
 fn on_small_problems_no_placement_at_all_is_faster() {
-    let mut r = Rng(0x5eed_0002);
+    let mut r = Rng::from_state(0x5eed_0002);
     let mut compared = 0;
     for _ in 0..400 {
         let (model, cluster) = random_problem(&mut r, 6);

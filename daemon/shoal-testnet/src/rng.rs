@@ -13,6 +13,12 @@ impl Rng {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
+    /// A generator that starts from `state` as it is (0 is taken as 1: the state must
+    /// not be zero), for sequences that were written down unmixed.
+    pub fn from_state(state: u64) -> Rng {
+        Rng(state.max(1))
+    }
+
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
@@ -29,6 +35,11 @@ impl Rng {
     /// A value in `0..n` (`n` > 0).
     pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n.max(1)
+    }
+
+    /// A value in `lo..hi`.
+    pub fn float(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

@@ -631,7 +631,7 @@ mod tests {
         for (size, bytes) in [("100MiB", 100 << 20), ("12GiB", 12 << 30), ("12GB", 12_000_000_000), ("1.5G", 3 << 29)] {
             assert_eq!(offer(size).unwrap(), Some(bytes), "{size}");
         }
-        let refused = offer("12X").err().expect("12X is refused").to_string();
+        let refused = offer("12X").expect_err("12X is refused").to_string();
         assert!(refused.contains("KiB/MiB/GiB/TiB"), "{refused}");
         assert_eq!(parse_size("99999999999T"), Err("\"99999999999T\" is too large".into()));
     }

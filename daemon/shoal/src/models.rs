@@ -465,15 +465,7 @@ fn ask_stream(
 
 /// Ask the local node; an error answer becomes an error.
 pub(crate) fn ask(dir: &DirArg, req: NodeRequest) -> Result<NodeResponse> {
-    let data_dir = data_dir(&dir.data_dir);
-    if !data_dir.join(shoal_net::identity::KEY_FILE).exists() {
-        bail!("no node has run with the data directory {} yet: start it with `shoal serve`", data_dir.display());
-    }
-    let identity = Arc::new(shoal_net::Identity::load_or_create(&data_dir)?);
-    match runtime()?.block_on(api::request(&data_dir, identity, &req))? {
-        NodeResponse::Error(e) => bail!("{e}"),
-        answer => Ok(answer),
-    }
+    ask_stream(dir, &req, &mut |_| {})
 }
 
 fn add(a: AddArgs) -> Result<()> {

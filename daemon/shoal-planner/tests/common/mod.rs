@@ -4,22 +4,8 @@
 use shoal_planner::{Cluster, Device, Link, ModelProfile, Options, Plan};
 use shoal_types::LayerRange;
 
-/// xorshift64*: small, deterministic, good enough to vary inputs.
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    pub fn float(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (hi - lo) * (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+/// The suite's seeded generator (the planner's tests seed it with raw states).
+pub use shoal_testnet::Rng;
 
 pub const MB: u64 = 1 << 20;
 

@@ -12,8 +12,18 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// A `shoal generate` under way ([`Lab::spawn_generation`]).
+pub struct Generation {
+    /// The process; its stdout holds the JSON report.
+    pub child: Child,
+    /// Each token's number and arrival time, as they come.
+    pub tokens: mpsc::Receiver<(usize, Instant)>,
+    /// Returns the process's other stderr lines once it has ended.
+    pub errors: std::thread::JoinHandle<String>,
+}
 
 /// Port every stage listens on (each host has its own address).
 const PORT: u16 = 7300;
@@ -202,6 +212,35 @@ impl Lab {
         c.args(["status", "--json", "--placement"]).arg(&self.placement);
         c.arg("--data-dir").arg(self.dir.path().join("client"));
         crate::bench::json_of(c, "status")
+    }
+
+    /// Start `shoal generate --progress ARGS` on the coordinator's host: the child (its
+    /// JSON on stdout), each token's number and arrival time as it comes, and a thread
+    /// that returns the rest of its stderr (why it failed) once it ends.
+    pub fn spawn_generation(&self, args: &[&str]) -> Result<Generation> {
+        let mut child = self
+            .generate()
+            .arg("--progress")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting shoal generate")?;
+        let (tx, tokens) = mpsc::channel::<(usize, Instant)>();
+        let progress = BufReader::new(child.stderr.take().context("generate stderr")?);
+        let errors = std::thread::spawn(move || {
+            let mut other = Vec::new();
+            for line in progress.lines().map_while(Result::ok) {
+                match line.strip_prefix("token ").and_then(|n| n.parse().ok()) {
+                    Some(n) => {
+                        let _ = tx.send((n, Instant::now()));
+                    }
+                    None => other.push(line),
+                }
+            }
+            other.join("\n")
+        });
+        Ok(Generation { child, tokens, errors })
     }
 
     /// `shoal generate` on the coordinator's host, as this lab's client.

@@ -8,15 +8,13 @@
 
 use super::{json_of, median, GenOutput};
 use crate::lab::Lab;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use shoal_testnet::Rng;
 use shoal_types::LayerRange;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
@@ -201,35 +199,14 @@ fn one(
     unsplit: &GenOutput,
 ) -> Result<Run> {
     let mut lab = Lab::start("flt", model, stages, CHUNK, CONTEXT, &shoal_net::Impairment::default(), &[])?;
-    let mut gen = lab
-        .generate()
-        .arg("--progress")
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("starting shoal generate")?;
-    let (tx, rx) = mpsc::channel::<Instant>();
-    let progress = BufReader::new(gen.stderr.take().context("generate stderr")?);
-    let errors = std::thread::spawn(move || {
-        let mut other = Vec::new();
-        for line in progress.lines().map_while(Result::ok) {
-            match line.starts_with("token ") {
-                true => {
-                    let _ = tx.send(Instant::now());
-                }
-                false => other.push(line),
-            }
-        }
-        other.join("\n")
-    });
+    let crate::lab::Generation { child: mut gen, tokens: rx, errors } = lab.spawn_generation(args)?;
     // Token arrival times, as they come.
     let mut arrivals: Vec<Instant> = Vec::new();
-    let drain = |arrivals: &mut Vec<Instant>| arrivals.extend(rx.try_iter());
+    let drain = |arrivals: &mut Vec<Instant>| arrivals.extend(rx.try_iter().map(|(_, t)| t));
     // Under way first: the faults hit decode steps, not the prompt.
     let t0 = Instant::now();
     while arrivals.len() < 40 {
-        arrivals.extend(rx.recv_timeout(Duration::from_secs(120)).ok());
+        arrivals.extend(rx.recv_timeout(Duration::from_secs(120)).ok().map(|(_, t)| t));
         if t0.elapsed() > Duration::from_secs(120) {
             bail!("seed {seed}: the generation did not get under way");
         }

@@ -10,10 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use shoal_engine::open_model;
 use shoal_types::split_ranges;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
@@ -65,29 +63,8 @@ pub fn reconnect(a: ReconnectArgs) -> Result<()> {
     let lab = Lab::start("rc", &model, &stages, CHUNK, CONTEXT, &a.impair, &[])?;
     let flapped = (a.stages / 2) as usize;
     let args = ["--prompt", PROMPT, "--raw", "-n", &a.tokens.to_string(), "--ignore-eos", "--json"];
-    let mut gen = lab
-        .generate()
-        .arg("--progress")
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("starting shoal generate")?;
     // Token arrival times, read as they come.
-    let (tx, rx) = mpsc::channel::<(usize, Instant)>();
-    let progress = BufReader::new(gen.stderr.take().context("generate stderr")?);
-    let errors = std::thread::spawn(move || {
-        let mut other = Vec::new();
-        for line in progress.lines().map_while(Result::ok) {
-            match line.strip_prefix("token ").and_then(|n| n.parse().ok()) {
-                Some(n) => {
-                    let _ = tx.send((n, Instant::now()));
-                }
-                None => other.push(line),
-            }
-        }
-        other.join("\n")
-    });
+    let crate::lab::Generation { child: gen, tokens: rx, errors } = lab.spawn_generation(&args)?;
     // The first arrival at or after token `n`.
     let wait_for = |n: usize| -> Result<(usize, Instant)> {
         loop {
