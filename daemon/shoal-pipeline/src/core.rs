@@ -16,6 +16,11 @@
 //!   broken connection) answers `Lost`, and the coordinator replays the session from
 //!   position 0 *in its original shapes* (prompt chunks of C, then one token per step),
 //!   so every stage's numbers, and so the output, stay bit-identical.
+//! - A replay or re-drive recomputes only what was lost: a stage that still holds a
+//!   step (it computed it, and has computed nothing before it since) sends on what it
+//!   answered then ([`ReplayCache`]) instead of computing it again, so after one stage's
+//!   restart only that stage recomputes the session, with its inputs arriving in a
+//!   burst rather than one ring trip per step.
 //! - A generation that makes no progress fails with a clear error after a bound: no
 //!   answer from the ring for `max_wait`, or `max_replays` replays in a row without a
 //!   new token (a stage in a crash loop), naming the stage when it is known.
@@ -59,6 +64,11 @@ pub enum Input {
     Cancel(ClientId),
     /// Time passes.
     Tick,
+    /// A stage of the ring has just (re)started (it said so over an authenticated
+    /// connection): whatever it held is gone, so every generation's awaited step is
+    /// re-driven now rather than at its deadline, and the restarted stage's `Lost`
+    /// starts the replay at once (coordinator only).
+    StageStarted,
 }
 
 /// A stage's result, in the core's terms.
@@ -277,19 +287,100 @@ struct Session {
     epoch: u32,
     /// Highest step handled in this epoch (duplicates are dropped).
     last_step: Option<u32>,
-    /// The last step this node's stage was given, in any epoch (stages). A step more
-    /// than one past it means frames were lost in between, and the positions the stage
+    /// The last step this node's stage was given or answered from its replay cache, in
+    /// any epoch (stages). A step more than one past it means frames were lost in between, and the positions the stage
     /// holds past the last step's first may be drafts the lost steps rejected and
     /// replaced: only a replay makes them right (without speculation the stage sees the
     /// gap in positions by itself).
     submitted: Option<u32>,
     /// Sampling parameters (kept to re-open the session after a restart).
     params: serde_json::Value,
+    /// What this stage answered for the steps it computed, to answer a replay without
+    /// computing them again.
+    cache: ReplayCache,
     /// Tail only.
     tail: Option<TailState>,
     /// Coordinator only.
     driver: Option<Driver>,
 }
+
+/// Most bytes of answers a session's [`ReplayCache`] holds on one stage: a 70B model's
+/// hidden states (8192 wide, f16) for a 4096-position session are 64 MiB. Steps past
+/// the bound are recomputed by a replay, as without a cache.
+const MAX_REPLAY_CACHE: usize = 256 << 20;
+
+/// A stage's answers to the steps of one session it has computed, so that a replay
+/// (another stage restarted) or a re-drive (a frame was lost downstream) does not
+/// compute them again here.
+///
+/// Sending a kept answer instead of computing is exact only while the stage's KV still
+/// holds that step's positions as computed: every step's positions are written by
+/// computing it, and computing a step rolls back everything after its first position.
+/// So a step may be answered from here iff it is at or before the last step computed
+/// (`computed`, in any epoch: the positions of every step up to it are in place, drafts
+/// that later steps rejected included, as the replay will have them), and the stage
+/// never said it lacked positions (a `Gap`, after which nothing here is trusted). Once
+/// a replay computes a step, the steps after it are computed too. Steps still arrive in
+/// order ([`Session::submitted`] counts answered steps too), so the tail samples each
+/// step, and feeds the logits digest, in step order.
+#[derive(Default)]
+struct ReplayCache {
+    /// By step: what was answered, and the positions it covered (a step of another
+    /// shape is not the same step).
+    steps: HashMap<u32, (u32, u32, Answer)>,
+    /// Payload bytes held (bounded by [`MAX_REPLAY_CACHE`]).
+    bytes: usize,
+    /// The last step handed to the stage to compute, in any epoch.
+    computed: Option<u32>,
+    /// The stage lacked positions once: its KV is not what `steps` assumes.
+    broken: bool,
+}
+
+/// What a stage answered for one step.
+#[derive(Clone)]
+enum Answer {
+    /// Hidden states for the next stage (the frame as sent, epoch aside).
+    Hidden(Frame),
+    /// The tail's tokens, in `TailState::sampled`.
+    Sampled,
+    /// The tail ran a prompt chunk that samples nothing.
+    Quiet,
+}
+
+impl ReplayCache {
+    /// Keep `answer` for `step` (positions `first_pos..first_pos + n`).
+    fn keep(&mut self, step: u32, first_pos: u32, n: u32, answer: Answer) {
+        let size = match &answer {
+            Answer::Hidden(f) => f.payload.len(),
+            Answer::Sampled | Answer::Quiet => 0,
+        };
+        if self.broken || self.bytes + size > MAX_REPLAY_CACHE {
+            return;
+        }
+        if let Some((_, _, Answer::Hidden(old))) = self.steps.insert(step, (first_pos, n, answer)) {
+            self.bytes -= old.payload.len();
+        }
+        self.bytes += size;
+    }
+
+    /// The kept answer for `step` at `first_pos..first_pos + n`, if the stage may send
+    /// it instead of computing (see the type's doc).
+    fn answer(&self, step: u32, first_pos: u32, n: u32) -> Option<&Answer> {
+        if self.broken || self.computed.is_none_or(|l| step > l) {
+            return None;
+        }
+        self.steps.get(&step).filter(|(p, k, _)| (*p, *k) == (first_pos, n)).map(|(_, _, a)| a)
+    }
+
+    /// The stage lacked positions: trust nothing kept.
+    fn lost(&mut self) {
+        *self = ReplayCache { broken: true, ..ReplayCache::default() };
+    }
+}
+
+/// The tail's answer to one step: its tokens, and the token's log-probabilities when
+/// the request asked for them.
+type Sampled = (Vec<TokenId>, Option<TokenLogprobs>);
 
 struct TailState {
     sampler: Box<dyn TokenSampler>,
@@ -297,7 +388,7 @@ struct TailState {
     /// Tokens sampled at each step (by step number: one, or a verify step's several),
     /// with the token's log-probabilities when asked for: a re-sent step answers the
     /// same without sampling again.
-    sampled: HashMap<u32, (Vec<TokenId>, Option<TokenLogprobs>)>,
+    sampled: HashMap<u32, Sampled>,
     /// Alternatives per token's log-probabilities (`SamplingParams::logprobs`); `None`:
     /// the request wants none (nothing computed).
     logprobs: Option<usize>,
@@ -365,6 +456,10 @@ pub struct Counters {
     pub replays: u64,
     pub lost_reported: u64,
     pub cached_tokens_resent: u64,
+    /// Steps a replay or re-drive did not compute again here: this stage still held
+    /// them and sent on what it answered before ([`ReplayCache`]).
+    #[serde(default)]
+    pub replay_skipped: u64,
     /// Generations ended because their client went away or stopped reading (coordinator).
     #[serde(default)]
     pub cancelled: u64,
@@ -457,6 +552,13 @@ impl NodeCore {
                 self.on_done(job, result, now, &mut out)
             }
             Input::Tick => self.on_tick(now, &mut out),
+            Input::StageStarted => {
+                for d in self.sessions.values_mut().filter_map(|s| s.driver.as_mut()) {
+                    d.deadline = d.deadline.min(now);
+                    d.backoff = 0;
+                }
+                self.on_tick(now, &mut out)
+            }
         }
         self.counters.frames_out += out.iter().filter(|a| matches!(a, Action::Send(_))).count() as u64;
         out
@@ -522,6 +624,7 @@ impl NodeCore {
                 last_step: None,
                 submitted: None,
                 params: req.sampling,
+                cache: ReplayCache::default(),
                 tail: None,
                 driver: Some(driver),
             },
@@ -587,7 +690,48 @@ impl NodeCore {
         } else {
             out.push(Action::Send(Frame::message(FrameKind::Open, session, 0, epoch, params)));
         }
-        out.extend(jobs.into_iter().map(Action::Submit));
+        for job in jobs {
+            self.run(job, now, out);
+        }
+    }
+
+    /// Hand `job` to this node's stage, or, where the stage still holds the step (a
+    /// replay or re-drive), send on what it answered before ([`ReplayCache`]).
+    fn run(&mut self, job: Job, now: Instant, out: &mut Vec<Action>) {
+        let n = job.input.n_tokens(self.cfg.n_embd);
+        let Some(s) = self.sessions.get_mut(&job.session) else { return };
+        let answer = s.cache.answer(job.step, job.first_pos, n).cloned();
+        s.submitted = Some(job.step);
+        match answer {
+            None => {
+                s.cache.computed = Some(job.step);
+                out.push(Action::Submit(job));
+            }
+            Some(answer) => {
+                self.counters.replay_skipped += 1;
+                self.send_answer(&job, n, answer, now, out);
+            }
+        }
+    }
+
+    /// Send on a kept answer to `job` (in `job`'s epoch).
+    fn send_answer(&mut self, job: &Job, n: u32, answer: Answer, now: Instant, out: &mut Vec<Action>) {
+        match answer {
+            Answer::Hidden(mut f) => {
+                f.epoch = job.epoch;
+                out.push(Action::Send(f));
+            }
+            Answer::Quiet => {}
+            Answer::Sampled => {
+                let sampled = self.sessions.get(&job.session).and_then(|s| s.tail.as_ref()?.sampled.get(&job.step));
+                // Invariant: `Sampled` is kept only after the tokens went into `sampled`,
+                // which lives as long as the session's tail state.
+                let Some((tokens, lp)) = sampled.cloned() else { return };
+                self.counters.cached_tokens_resent += 1;
+                let f = token_frame(job, job.first_pos + n, &tokens, &lp);
+                self.send_to_coordinator(f, now, out);
+            }
+        }
     }
 
     /// How long the coordinator waits for a step's answer before re-driving it: 8 step
@@ -699,7 +843,8 @@ impl NodeCore {
         d.awaiting += 1;
         d.sent_at = now;
         d.deadline = now + Self::timeout(d, self.cfg.retry.min_timeout);
-        out.push(Action::Submit(Self::job(d, chunk, f.session, epoch, d.awaiting)));
+        let job = Self::job(d, chunk, f.session, epoch, d.awaiting);
+        self.run(job, now, out);
     }
 
     fn send_close(&mut self, close: Frame, now: Instant, out: &mut Vec<Action>) {
@@ -966,6 +1111,7 @@ impl NodeCore {
                 last_step: None,
                 submitted: None,
                 params,
+                cache: ReplayCache::default(),
                 tail: None,
                 driver: None,
             });
@@ -1029,6 +1175,7 @@ impl NodeCore {
                     last_step: None,
                     submitted: None,
                     params: v,
+                    cache: ReplayCache::default(),
                     tail: None,
                     driver: None,
                 });
@@ -1076,24 +1223,49 @@ impl NodeCore {
             return self.send_to_coordinator(self.lost_frame(f.session, f.step, f.epoch), now, out);
         }
         s.last_step = Some(f.step);
-        s.submitted = Some(f.step);
         let job = Job {
             session: f.session,
             epoch: f.epoch,
             step: f.step,
             first_pos: f.first_pos,
             flags: f.flags,
-            input: JobInput::Hidden(f.hidden_values()),
+            input: JobInput::Hidden(Vec::new()),
             step_tokens: f.step_tokens(),
         };
-        out.push(Action::Submit(job));
+        // Decoded only when the stage computes (a replay mostly does not).
+        let n = f.n_tokens;
+        s.submitted = Some(f.step);
+        if let Some(answer) = s.cache.answer(f.step, f.first_pos, n).cloned() {
+            self.counters.replay_skipped += 1;
+            return self.send_answer(&job, n, answer, now, out);
+        }
+        s.cache.computed = Some(f.step);
+        out.push(Action::Submit(Job { input: JobInput::Hidden(f.hidden_values()), ..job }));
     }
 
     fn on_done(&mut self, job: Job, result: Result<StepOutput, String>, now: Instant, out: &mut Vec<Action>) {
-        let current = self.sessions.get(&job.session).map(|s| s.epoch);
-        if current.is_none_or(|e| job.epoch < e) {
-            // Finished for an epoch (or session) that is gone: nothing to pass on.
+        if matches!(result, Ok(StepOutput::Gap) | Err(_)) {
+            // The stage's positions are not what the replay cache assumes (an error may
+            // have left them half-written): recompute everything from now on.
+            if let Some(s) = self.sessions.get_mut(&job.session) {
+                s.cache.lost();
+            }
+        }
+        let Some(current) = self.sessions.get(&job.session).map(|s| s.epoch) else {
+            // Finished for a session that is gone: nothing to pass on.
             self.counters.stale_dropped += 1;
+            return;
+        };
+        if job.epoch < current {
+            // Finished for an epoch that is gone: nothing is sent, but the answer is
+            // right (a step's output depends on its inputs alone), so it is kept and
+            // the tail samples it. The tail must: the new epoch's steps come after this
+            // one's jobs (the stage runs a session's jobs in order), and the digest takes
+            // every step once, in step order.
+            self.counters.stale_dropped += 1;
+            if let Ok(output) = result {
+                self.keep_stale(&job, output);
+            }
             return;
         }
         if matches!(result, Ok(StepOutput::Hidden(_) | StepOutput::Logits(_))) {
@@ -1134,53 +1306,71 @@ impl NodeCore {
                     }
                     f = f.with_step_tokens(&job.step_tokens);
                 }
+                if let Some(s) = self.sessions.get_mut(&job.session) {
+                    s.cache.keep(job.step, job.first_pos, f.n_tokens, Answer::Hidden(f.clone()));
+                }
                 out.push(Action::Send(f));
             }
             Ok(StepOutput::Logits(logits)) => {
+                let n = job.input.n_tokens(self.cfg.n_embd);
                 if job.flags & FLAG_SAMPLE == 0 {
+                    if let Some(s) = self.sessions.get_mut(&job.session) {
+                        s.cache.keep(job.step, job.first_pos, n, Answer::Quiet);
+                    }
                     return;
                 }
-                let Some(tail) = self.sessions.get_mut(&job.session).and_then(|s| s.tail.as_mut()) else {
+                let Some(s) = self.sessions.get_mut(&job.session) else { return };
+                let Some(tail) = s.tail.as_mut() else {
                     self.counters.lost_reported += 1;
                     let f = self.lost_frame(job.session, job.step, job.epoch);
                     return self.send_to_coordinator(f, now, out);
                 };
-                let (tokens, lp) = match tail.sampled.get(&job.step) {
-                    Some(t) => {
-                        self.counters.cached_tokens_resent += 1;
-                        t.clone()
+                let (tokens, lp) = match sample(tail, &job, &logits) {
+                    Ok((t, resent)) => {
+                        self.counters.cached_tokens_resent += u64::from(resent);
+                        t
                     }
-                    None if job.flags & FLAG_VERIFY != 0 => {
-                        match speculative::verify(tail.sampler.as_mut(), &logits, &job.step_tokens, &mut tail.digest) {
-                            Ok(t) => {
-                                tail.sampled.insert(job.step, (t.clone(), None));
-                                (t, None)
-                            }
-                            Err(e) => {
-                                let m = format!("stage {}: {e}", self.cfg.index);
-                                let f =
-                                    Frame::message(FrameKind::Error, job.session, job.step, job.epoch, m.into_bytes());
-                                return self.send_to_coordinator(f, now, out);
-                            }
-                        }
-                    }
-                    None => {
-                        tail.digest.update(&logits);
-                        let t = tail.sampler.sample(&logits);
-                        // The model's distribution (the sampler reshapes its own copy).
-                        let lp = tail.logprobs.map(|n| TokenLogprobs::of(&logits, t, n));
-                        tail.sampled.insert(job.step, (vec![t], lp.clone()));
-                        (vec![t], lp)
+                    Err(e) => {
+                        let m = format!("stage {}: {e}", self.cfg.index);
+                        let f = Frame::message(FrameKind::Error, job.session, job.step, job.epoch, m.into_bytes());
+                        return self.send_to_coordinator(f, now, out);
                     }
                 };
-                let next_pos = job.first_pos + job.input.n_tokens(self.cfg.n_embd);
-                let f = match (&lp, tokens.as_slice()) {
-                    (Some(lp), [token]) => {
-                        Frame::token_with_logprobs(job.session, job.step, job.epoch, next_pos, *token, lp)
-                    }
-                    _ => Frame::tokens(job.session, job.step, job.epoch, next_pos, &tokens),
-                };
+                s.cache.keep(job.step, job.first_pos, n, Answer::Sampled);
+                let f = token_frame(&job, job.first_pos + n, &tokens, &lp);
                 self.send_to_coordinator(f, now, out);
+            }
+        }
+    }
+
+    /// Keep the answer of a job that finished for an epoch that is gone (see `on_done`).
+    fn keep_stale(&mut self, job: &Job, output: StepOutput) {
+        let n = job.input.n_tokens(self.cfg.n_embd);
+        let (n_embd, dtype) = (self.cfg.n_embd, self.cfg.dtype);
+        let Some(s) = self.sessions.get_mut(&job.session) else { return };
+        match output {
+            StepOutput::Gap => {}
+            StepOutput::Hidden(h) => {
+                let mut f = Frame::hidden(job.session, job.step, job.epoch, job.first_pos, &h, n_embd, dtype);
+                f.flags = job.flags & !FLAG_VERIFY;
+                if job.flags & FLAG_VERIFY != 0 {
+                    if job.step_tokens.len() as u32 != f.n_tokens {
+                        return;
+                    }
+                    f = f.with_step_tokens(&job.step_tokens);
+                }
+                s.cache.keep(job.step, job.first_pos, f.n_tokens, Answer::Hidden(f));
+            }
+            StepOutput::Logits(_) if job.flags & FLAG_SAMPLE == 0 => {
+                s.cache.keep(job.step, job.first_pos, n, Answer::Quiet)
+            }
+            StepOutput::Logits(logits) => {
+                let Some(tail) = s.tail.as_mut() else { return };
+                // A verify step that does not check out is refused when the current
+                // epoch's run of it finishes.
+                if sample(tail, job, &logits).is_ok() {
+                    s.cache.keep(job.step, job.first_pos, n, Answer::Sampled);
+                }
             }
         }
     }
@@ -1217,6 +1407,36 @@ impl NodeCore {
     /// the coordinator can name a stage that keeps losing sessions.
     fn lost_frame(&self, session: u64, step: u32, epoch: u32) -> Frame {
         Frame::message(FrameKind::Lost, session, step, epoch, self.cfg.index.to_string().into_bytes())
+    }
+}
+
+/// The tail's tokens for `job`'s step from its `logits`: sampled (and the logits
+/// digested) the first time, the same tokens again after that (`true`: a repeat).
+fn sample(tail: &mut TailState, job: &Job, logits: &[f32]) -> Result<(Sampled, bool), String> {
+    if let Some(t) = tail.sampled.get(&job.step) {
+        return Ok((t.clone(), true));
+    }
+    let answer = if job.flags & FLAG_VERIFY != 0 {
+        let t = speculative::verify(tail.sampler.as_mut(), logits, &job.step_tokens, &mut tail.digest)
+            .map_err(|e| e.to_string())?;
+        (t, None)
+    } else {
+        tail.digest.update(logits);
+        let t = tail.sampler.sample(logits);
+        // The model's distribution (the sampler reshapes its own copy).
+        let lp = tail.logprobs.map(|n| TokenLogprobs::of(logits, t, n));
+        (vec![t], lp)
+    };
+    tail.sampled.insert(job.step, answer.clone());
+    Ok((answer, false))
+}
+
+/// The tail's answer to `job`: its tokens (with log-probabilities, for a one-token step
+/// that asked for them), the next position after the step.
+fn token_frame(job: &Job, next_pos: u32, tokens: &[TokenId], lp: &Option<TokenLogprobs>) -> Frame {
+    match (lp, tokens) {
+        (Some(lp), [token]) => Frame::token_with_logprobs(job.session, job.step, job.epoch, next_pos, *token, lp),
+        _ => Frame::tokens(job.session, job.step, job.epoch, next_pos, tokens),
     }
 }
 

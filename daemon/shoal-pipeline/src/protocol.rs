@@ -100,6 +100,12 @@ pub enum ControlRequest {
     Generate(GenerateRequest),
     /// Report this node's state (any node).
     Status,
+    /// "I have just started": sent by a stage to the stage before it (whose link to it
+    /// may still be a connection to its previous life, retransmitting into the void
+    /// with QUIC's growing probe timeouts) and to the coordinator (which re-drives its
+    /// generations at once). Honoured only from a node of the ring; answered with an
+    /// empty stream.
+    Started,
 }
 
 /// A node's state, for `shoal status` (and the admin page and `/metrics` later).
@@ -217,6 +223,22 @@ pub async fn generate(
             Err(e) => return Err(PipelineError::Generation(format!("bad answer from the coordinator: {e}"))),
         }
     }
+}
+
+/// Tell the node at `place` that this node has just started (see
+/// [`ControlRequest::Started`]); returns once it has acted on it.
+pub async fn announce_started(node: &Node, place: &StagePlace) -> Result<(), PipelineError> {
+    let stream_err = |e: &dyn std::fmt::Display| PipelineError::Stream(e.to_string());
+    let conn = node.connect(place.addr, place.node, alpn::CONTROL).await?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream_err(&e))?;
+    // Invariant: a unit variant always serialises.
+    send.write_all(&serde_json::to_vec(&ControlRequest::Started).expect("serialises"))
+        .await
+        .map_err(|e| stream_err(&e))?;
+    send.finish().map_err(|e| stream_err(&e))?;
+    recv.read_to_end(0).await.map_err(|e| stream_err(&e))?;
+    conn.close(0u32.into(), b"done");
+    Ok(())
 }
 
 /// Ask the node at `place` for its state.

@@ -85,6 +85,8 @@ enum Event {
     /// The stage thread ran a job.
     Ran(Queued, Result<StepOutput, String>),
     Status(tokio::sync::oneshot::Sender<NodeStatus>),
+    /// This node (authenticated as the key) has just started ([`ControlRequest::Started`]).
+    Started(NodeId),
 }
 
 /// What a control task needs to compute a generation's start ([`Prepared::new`]) on a
@@ -218,6 +220,10 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let admission = Arc::new(Admission::new(info.max_sessions as usize));
     let starts = Arc::new(Starts { drafts: drafts.clone(), n_ctx: info.n_ctx_per_session, chunk: info.chunk });
     tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone(), admission.clone(), starts));
+    if index != 0 {
+        tokio::spawn(announce_start(node.clone(), placement.prev(index).clone(), placement.stages[0].clone()));
+    }
+    let ring: Vec<NodeId> = placement.stages.iter().map(|s| s.node).collect();
     let coordinator = index == 0;
     let ticker = events_tx.clone();
     tokio::spawn(async move {
@@ -261,6 +267,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
         }
         let input = match ev {
             Event::Frame(f, decoded) => {
+                tracing::trace!(kind = ?f.kind, step = f.step, epoch = f.epoch, "frame in");
                 hops.record(&f);
                 if is_step_frame(&f) {
                     shell.steps.receive_wait.add(decoded.elapsed());
@@ -319,6 +326,21 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                 });
                 continue;
             }
+            Event::Started(peer) => {
+                // The next stage restarted: the link's connection is to its previous
+                // life; a fresh one goes out before the re-drives below.
+                if peer == next.node && !next_is_self {
+                    tracing::info!(%peer, "the next stage has restarted; connecting again");
+                    if link_tx.send(Link::Renew).await.is_err() {
+                        tracing::error!("the link task has stopped");
+                    }
+                }
+                if !(coordinator && ring.contains(&peer)) {
+                    continue;
+                }
+                tracing::info!(%peer, "a stage has restarted; re-driving now");
+                Input::StageStarted
+            }
         };
         let mut pending = vec![input];
         let mut inline_runs = 0u32;
@@ -343,6 +365,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                 match action {
                     Action::Send(f) if next_is_self => pending.push(Input::Frame(f)),
                     Action::Send(mut f) => {
+                        tracing::trace!(kind = ?f.kind, step = f.step, epoch = f.epoch, "frame out");
                         f.sent_us = shoal_net::wall_us();
                         if link_tx.send(Link::Frame(f, Instant::now())).await.is_err() {
                             tracing::error!("the link task has stopped");
@@ -762,6 +785,36 @@ async fn link_task(
     }
 }
 
+/// Tells the stage before this one, then the coordinator, that this stage has just
+/// started ([`ControlRequest::Started`]): the one renews its link to this node at once
+/// (its connection may be to this node's previous life, probing with QUIC's growing
+/// timeouts), the other re-drives its generations, so a restarted stage's `Lost`
+/// comes in a round trip instead of after the backoffs. Retried with backoff while
+/// they are unreachable (a stage restarted while its link is down), for a minute; a
+/// first start is announced the same way and costs a reconnect nobody waits for.
+async fn announce_start(node: Arc<Node>, prev: crate::StagePlace, coordinator: crate::StagePlace) {
+    let mut targets = vec![prev];
+    if targets[0].node != coordinator.node {
+        targets.push(coordinator);
+    }
+    let give_up = Instant::now() + Duration::from_secs(60);
+    for target in targets {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match crate::protocol::announce_started(&node, &target).await {
+                Ok(()) => break,
+                Err(e) if Instant::now() >= give_up => {
+                    tracing::debug!(addr = %target.addr, "could not announce the start: {e}");
+                    return;
+                }
+                Err(e) => tracing::debug!(addr = %target.addr, "announcing the start: {e}"),
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    }
+}
+
 /// Accepts connections: pipeline frames only from the previous stage's node; control
 /// requests (coordinator only) from any trusted key.
 async fn accept_task(
@@ -790,7 +843,14 @@ async fn accept_task(
             }
             tokio::spawn(read_frames(acc.conn, limits, events, counters.clone()));
         } else if acc.alpn == alpn::CONTROL {
-            tokio::spawn(serve_control(acc.conn, events, admission.clone(), counters.clone(), starts.clone()));
+            tokio::spawn(serve_control(
+                acc.conn,
+                acc.peer,
+                events,
+                admission.clone(),
+                counters.clone(),
+                starts.clone(),
+            ));
         } else {
             acc.conn.close(1u32.into(), b"protocol not served here");
         }
@@ -929,6 +989,7 @@ impl Admission {
 /// One generation per bidirectional stream: a JSON request in, JSON lines out.
 async fn serve_control(
     conn: quinn::Connection,
+    peer: NodeId,
     events: mpsc::Sender<Event>,
     admission: Arc<Admission>,
     counters: Arc<ShellCounters>,
@@ -953,6 +1014,14 @@ async fn serve_control(
                 .and_then(|b| serde_json::from_slice::<ControlRequest>(&b).map_err(|e| format!("bad request: {e}")))
             {
                 Ok(ControlRequest::Generate(r)) => r,
+                Ok(ControlRequest::Started) => {
+                    // Answered once the event loop has it (its link renewed, its
+                    // re-drives out), so the announcer can tell the coordinator next.
+                    let _ = events.send(Event::Started(peer)).await;
+                    let _ = send.finish();
+                    let _ = send.stopped().await;
+                    return;
+                }
                 Ok(ControlRequest::Status) => {
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     if events.send(Event::Status(tx)).await.is_ok() {

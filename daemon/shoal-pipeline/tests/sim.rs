@@ -52,6 +52,8 @@ impl Faults {
 enum Ev {
     Deliver(usize, Frame),
     Done(usize, u64, shoal_pipeline::core::Job, Result<StepOutput, String>),
+    /// A restarted stage's announcement reaches the coordinator.
+    Started,
 }
 
 fn config(index: usize, n: usize) -> CoreConfig {
@@ -77,20 +79,21 @@ fn config(index: usize, n: usize) -> CoreConfig {
     }
 }
 
-/// Run one generation under faults; returns (tokens streamed, report tokens, digest, replays+redrives).
+/// Run one generation under faults; returns (tokens streamed, report tokens, digest,
+/// replays+redrives, steps answered from replay caches).
 fn simulate(
     seed: u64,
     ranges: &[LayerRange],
     prompt: &[TokenId],
     max_new: u32,
     f: &Faults,
-) -> (Vec<TokenId>, Vec<TokenId>, String, u64) {
-    let (streamed, r, recoveries) = simulate_spec(seed, ranges, prompt, max_new, f, None, false);
-    (streamed, r.tokens, r.logits_digest, recoveries)
+) -> (Vec<TokenId>, Vec<TokenId>, String, u64, u64) {
+    let (streamed, r, recoveries, skipped) = simulate_spec(seed, ranges, prompt, max_new, f, None, false);
+    (streamed, r.tokens, r.logits_digest, recoveries, skipped)
 }
 
-/// [`simulate`] with speculation settings; returns the streamed tokens, the report and
-/// the recoveries.
+/// [`simulate`] with speculation settings; returns the streamed tokens, the report, the
+/// recoveries and the steps stages answered from their replay caches.
 fn simulate_spec(
     seed: u64,
     ranges: &[LayerRange],
@@ -99,7 +102,7 @@ fn simulate_spec(
     f: &Faults,
     speculative: Option<SpecSettings>,
     draft_model: bool,
-) -> (Vec<TokenId>, Report, u64) {
+) -> (Vec<TokenId>, Report, u64, u64) {
     let n = ranges.len();
     let mut rng = Rng::new(seed);
     let t0 = Instant::now();
@@ -129,6 +132,8 @@ fn simulate_spec(
     let mut streamed = Vec::new();
     let mut result = None;
     let mut recoveries = 0;
+    // Steps answered from a replay cache, over every life of every node.
+    let mut skipped = 0;
     let req = GenerateRequest {
         prompt: prompt.to_vec(),
         max_new,
@@ -246,10 +251,14 @@ fn simulate_spec(
                 }
                 if restart_down || (to != 0 && rng.chance(f.restart)) {
                     // The node restarts: sessions and KV gone, queued work gone.
+                    skipped += cores[to].counters.replay_skipped;
                     cores[to] = NodeCore::new(config(to), 1000 * to as u64);
                     stages[to] = FakeStage::new(ranges[to]);
                     life[to] += 1;
                     recoveries += 1;
+                    // It says so to the coordinator once its links are up.
+                    let up = key.0.max(down_until[from]).max(down_until[to]) + Duration::from_millis(1);
+                    push(&mut queue, up, Ev::Started);
                 }
                 if restart_down || key.0 < down_until[from] {
                     continue; // arrived on a link that went down: lost
@@ -261,11 +270,13 @@ fn simulate_spec(
                     inputs.push_back((node, Input::Done(job, out)));
                 }
             }
+            Ev::Started => inputs.push_back((0, Input::StageStarted)),
         }
     }
     let r = result.unwrap();
     recoveries += cores[0].counters.redrives + cores[0].counters.replays;
-    (streamed, r, recoveries)
+    skipped += cores.iter().map(|c| c.counters.replay_skipped).sum::<u64>();
+    (streamed, r, recoveries, skipped)
 }
 
 fn ranges3() -> Vec<LayerRange> {
@@ -276,17 +287,25 @@ fn ranges3() -> Vec<LayerRange> {
 fn no_faults_matches_reference() {
     let prompt: Vec<TokenId> = (0..13).collect();
     let (want, digest) = reference(&ranges3(), &prompt, 30);
-    let (streamed, tokens, d, recoveries) = simulate(1, &ranges3(), &prompt, 30, &Faults::NONE);
-    assert_eq!((streamed, tokens, d, recoveries), (want.clone(), want, digest, 0));
+    let (streamed, tokens, d, recoveries, skipped) = simulate(1, &ranges3(), &prompt, 30, &Faults::NONE);
+    assert_eq!((streamed, tokens, d, recoveries, skipped), (want.clone(), want, digest, 0, 0));
 }
 
 /// Generations of seeds `0..seeds` under `faults`, each against its reference (tokens
 /// streamed and reported, logits digest): seed `s` has a prompt of 5-15 tokens (its
 /// i-th token `(i × mul + s) mod 50`), asks for `new_base + s mod new_spread` tokens
 /// and runs on two stages when `s` is a multiple of `two_every`, else three. Returns the
-/// steps run and the recoveries made (restarts, outages, re-drives, replays).
-fn exact_under(faults: &Faults, seeds: u64, mul: u64, new_base: u32, new_spread: u64, two_every: u64) -> (usize, u64) {
-    let (mut total_steps, mut total_recoveries) = (0, 0);
+/// steps run, the recoveries made (restarts, outages, re-drives, replays) and the steps
+/// stages answered from their replay caches rather than computing them again.
+fn exact_under(
+    faults: &Faults,
+    seeds: u64,
+    mul: u64,
+    new_base: u32,
+    new_spread: u64,
+    two_every: u64,
+) -> (usize, u64, u64) {
+    let (mut total_steps, mut total_recoveries, mut total_skipped) = (0, 0, 0);
     for seed in 0..seeds {
         let len = 5 + (seed % 11) as usize;
         let prompt: Vec<TokenId> = (0..len).map(|i| ((i as u64 * mul + seed) % 50) as TokenId).collect();
@@ -294,20 +313,22 @@ fn exact_under(faults: &Faults, seeds: u64, mul: u64, new_base: u32, new_spread:
         let two = seed % two_every == 0;
         let ranges = if two { vec![LayerRange::new(0, 3), LayerRange::new(3, 6)] } else { ranges3() };
         let (want, digest) = reference(&ranges, &prompt, max_new as usize);
-        let (streamed, tokens, d, recoveries) = simulate(seed, &ranges, &prompt, max_new, faults);
+        let (streamed, tokens, d, recoveries, skipped) = simulate(seed, &ranges, &prompt, max_new, faults);
         assert_eq!(streamed, want, "seed {seed}: streamed tokens differ (missing or duplicated)");
         assert_eq!(tokens, want, "seed {seed}: tokens differ");
         assert_eq!(d, digest, "seed {seed}: logits digest differs");
         total_steps += want.len() + prompt.len().div_ceil(CHUNK as usize);
         total_recoveries += recoveries;
+        total_skipped += skipped;
     }
-    (total_steps, total_recoveries)
+    (total_steps, total_recoveries, total_skipped)
 }
 
 #[test]
 fn faults_never_change_the_output() {
     let faults = Faults { brk: 0.03, dup: 0.05, reorder: 0.02, restart: 0.01, ..Faults::NONE };
-    let (total_steps, total_recoveries) = exact_under(&faults, 600, 7, 20, 17, 3);
+    let (total_steps, total_recoveries, skipped) = exact_under(&faults, 600, 7, 20, 17, 3);
+    assert!(skipped > 1000, "only {skipped} steps answered from replay caches");
     assert!(total_steps > 15_000, "{total_steps}");
     // The faults really happened and were recovered from.
     assert!(total_recoveries > 1000, "only {total_recoveries} recoveries: the faults are not exercising anything");
@@ -322,8 +343,9 @@ fn faults_never_change_the_output() {
 #[test]
 fn outages_and_restarts_while_links_are_down_never_change_the_output() {
     let faults = Faults { brk: 0.01, dup: 0.02, reorder: 0.01, restart: 0.004, outage: 0.004, restart_down: 0.004 };
-    let (total_steps, total_recoveries) = exact_under(&faults, 1000, 5, 30, 41, 4);
+    let (total_steps, total_recoveries, skipped) = exact_under(&faults, 1000, 5, 30, 41, 4);
     assert!(total_recoveries > 1000, "only {total_recoveries} recoveries");
+    assert!(skipped > 1000, "only {skipped} steps answered from replay caches");
     eprintln!("{total_steps} steps, {total_recoveries} outages, restarts, re-drives and replays, all outputs exact");
 }
 
@@ -357,7 +379,7 @@ fn speculation_matches_its_reference_under_faults() {
         let (want, digest, d, a) =
             reference_speculative(&ranges, &prompt, max_new as usize, &priced, proposer.as_deref_mut());
         let f = if seed % 2 == 0 { &faults } else { &none };
-        let (streamed, r, recoveries) = simulate_spec(seed, &ranges, &prompt, max_new, f, Some(spec), draft_model);
+        let (streamed, r, recoveries, _) = simulate_spec(seed, &ranges, &prompt, max_new, f, Some(spec), draft_model);
         assert_eq!(streamed, want, "seed {seed}: streamed tokens differ (missing or duplicated)");
         assert_eq!(r.tokens, want, "seed {seed}: tokens differ");
         assert_eq!(r.logits_digest, digest, "seed {seed}: logits digest differs");
@@ -397,6 +419,8 @@ struct Ring {
     crash_loop: Option<usize>,
     /// Nodes that asked to renew their link to the next node, in order.
     renewed: Vec<usize>,
+    /// Jobs each node's stage computed.
+    computed: Vec<usize>,
 }
 
 impl Ring {
@@ -413,6 +437,7 @@ impl Ring {
             black_hole: None,
             crash_loop: None,
             renewed: Vec::new(),
+            computed: vec![0; n],
         }
     }
 
@@ -455,6 +480,7 @@ impl Ring {
                         self.queue.push_back((to, Input::Frame(f)));
                     }
                     Action::Submit(job) => {
+                        self.computed[node] += 1;
                         let input = match &job.input {
                             JobInput::Tokens(t) => StageInput::Tokens(t),
                             JobInput::Hidden(h) => StageInput::Hidden(h),
@@ -503,6 +529,45 @@ impl Ring {
     fn outcome(&self, client: ClientId) -> Option<&GenEvent> {
         self.events.iter().find(|(c, e)| *c == client && !matches!(e, GenEvent::Token(_))).map(|(_, e)| e)
     }
+}
+
+/// The tail restarts mid-generation and says so ([`Input::StageStarted`]): the
+/// coordinator re-drives at once (no clock moves here, so nothing waits for a
+/// deadline), the tail's `Lost` starts a replay, and only the tail computes the session
+/// again: the coordinator's stage and the middle stage send on what they answered
+/// before. The output is the reference's, tokens and logits digest.
+#[test]
+fn after_a_restart_only_the_restarted_stage_computes_the_session_again() {
+    let ranges = ranges3();
+    let prompt: Vec<TokenId> = (0..13).collect();
+    let (want, digest) = reference(&ranges, &prompt, 40);
+    let prompt_steps = prompt.len().div_ceil(CHUNK as usize);
+    let mut ring = Ring::new(&ranges, 1);
+    ring.generate(1, &prompt, 40);
+    while ring.tokens(1).len() < 25 {
+        ring.run(1);
+    }
+    let before = ring.tokens(1).len();
+    let computed_before = ring.computed.clone();
+    ring.restart(2, 0);
+    ring.queue.push_back((0, Input::StageStarted));
+    ring.settle();
+    match ring.outcome(1) {
+        Some(GenEvent::Done(r)) => assert_eq!((&r.tokens, &r.logits_digest), (&want, &digest)),
+        other => panic!("the generation did not finish without waiting: {other:?}"),
+    }
+    assert_eq!(ring.tokens(1), want);
+    let after: Vec<usize> = ring.computed.iter().zip(&computed_before).map(|(a, b)| a - b).collect();
+    // The steps still to come (one per new token), and the one in flight at the restart
+    // at most once more.
+    let new_steps = want.len() - before;
+    for (k, &n) in after.iter().enumerate().take(2) {
+        assert!(n <= new_steps + 1, "stage {k} computed {n} steps after the restart, {new_steps} new");
+        let skipped = ring.cores[k].counters.replay_skipped as usize;
+        assert!(skipped >= prompt_steps + before - 1, "stage {k} answered {skipped} steps from its cache");
+    }
+    // The tail computed every step of the session again.
+    assert!(after[2] >= prompt_steps + want.len() - 1, "the tail computed {} steps", after[2]);
 }
 
 /// The default policy (60 s without progress, 8 replays in a row), on the test model.

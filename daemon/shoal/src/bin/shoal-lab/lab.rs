@@ -76,8 +76,17 @@ impl ReadyWatch {
         let tail = Arc::new(Mutex::new(VecDeque::new()));
         if let Some(stderr) = child.stderr.take() {
             let tail = tail.clone();
+            // For a look at what happened: every line, appended to a file per process.
+            let mut log = std::env::var_os("SHOAL_BENCH_LOGS").and_then(|d| {
+                let name = format!("{}.log", what.replace(' ', "-"));
+                std::fs::OpenOptions::new().create(true).append(true).open(Path::new(&d).join(name)).ok()
+            });
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    if let Some(f) = log.as_mut() {
+                        use std::io::Write;
+                        let _ = writeln!(f, "{line}");
+                    }
                     let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
                     if t.len() == 40 {
                         t.pop_front();
