@@ -64,11 +64,13 @@ pub enum Input {
     Cancel(ClientId),
     /// Time passes.
     Tick,
-    /// A stage of the ring has just (re)started (it said so over an authenticated
+    /// Stage `k` of the ring has just (re)started (it said so over an authenticated
     /// connection): whatever it held is gone, so every generation's awaited step is
     /// re-driven now rather than at its deadline, and the restarted stage's `Lost`
-    /// starts the replay at once (coordinator only).
-    StageStarted,
+    /// starts the replay at once (coordinator only). A generation already replaying
+    /// because that stage said it lost the session is left to finish its replay (the
+    /// announcement can come after the `Lost`, when the stage's link was down).
+    StageStarted(usize),
 }
 
 /// A stage's result, in the core's terms.
@@ -437,6 +439,9 @@ struct Driver {
     replays_in_row: u32,
     /// The stage that last said it lost the session (from its Lost frame), if known.
     lost_at: Option<usize>,
+    /// The stage whose `Lost` started the current epoch's replay (none once a re-drive
+    /// opened a newer epoch).
+    replaying_for: Option<usize>,
     /// Highest step the coordinator's own stage has finished: finishing a higher one
     /// (a prompt chunk on its first pass) is progress, recomputing one is not.
     head_done: Option<u32>,
@@ -552,8 +557,9 @@ impl NodeCore {
                 self.on_done(job, result, now, &mut out)
             }
             Input::Tick => self.on_tick(now, &mut out),
-            Input::StageStarted => {
-                for d in self.sessions.values_mut().filter_map(|s| s.driver.as_mut()) {
+            Input::StageStarted(k) => {
+                let drivers = self.sessions.values_mut().filter_map(|s| s.driver.as_mut());
+                for d in drivers.filter(|d| d.replaying_for != Some(k)) {
                     d.deadline = d.deadline.min(now);
                     d.backoff = 0;
                 }
@@ -614,6 +620,7 @@ impl NodeCore {
             replays: 0,
             replays_in_row: 0,
             lost_at: None,
+            replaying_for: None,
             head_done: None,
             replaying_finished: false,
         };
@@ -964,6 +971,7 @@ impl NodeCore {
             let epoch = s.epoch;
             let Some(d) = s.driver.as_mut() else { continue };
             d.redrives += 1;
+            d.replaying_for = None;
             self.counters.redrives += 1;
             if closing {
                 d.deadline = now + Self::timeout(d, min);
@@ -1019,6 +1027,7 @@ impl NodeCore {
         let stage = std::str::from_utf8(&f.payload).ok().and_then(|t| t.parse::<usize>().ok());
         if let Some(d) = s.driver.as_mut() {
             d.lost_at = stage.or(d.lost_at);
+            d.replaying_for = stage;
             // The ring answered: the replay goes out with no backoff.
             d.backoff = 0;
         }

@@ -335,11 +335,9 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                         tracing::error!("the link task has stopped");
                     }
                 }
-                if !(coordinator && ring.contains(&peer)) {
-                    continue;
-                }
-                tracing::info!(%peer, "a stage has restarted; re-driving now");
-                Input::StageStarted
+                let Some(k) = ring.iter().position(|n| *n == peer).filter(|_| coordinator) else { continue };
+                tracing::info!(%peer, stage = k, "a stage has restarted; re-driving now");
+                Input::StageStarted(k)
             }
         };
         let mut pending = vec![input];

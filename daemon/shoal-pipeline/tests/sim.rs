@@ -52,8 +52,8 @@ impl Faults {
 enum Ev {
     Deliver(usize, Frame),
     Done(usize, u64, shoal_pipeline::core::Job, Result<StepOutput, String>),
-    /// A restarted stage's announcement reaches the coordinator.
-    Started,
+    /// Stage k's announcement that it restarted reaches the coordinator.
+    Started(usize),
 }
 
 fn config(index: usize, n: usize) -> CoreConfig {
@@ -258,7 +258,7 @@ fn simulate_spec(
                     recoveries += 1;
                     // It says so to the coordinator once its links are up.
                     let up = key.0.max(down_until[from]).max(down_until[to]) + Duration::from_millis(1);
-                    push(&mut queue, up, Ev::Started);
+                    push(&mut queue, up, Ev::Started(to));
                 }
                 if restart_down || key.0 < down_until[from] {
                     continue; // arrived on a link that went down: lost
@@ -270,7 +270,7 @@ fn simulate_spec(
                     inputs.push_back((node, Input::Done(job, out)));
                 }
             }
-            Ev::Started => inputs.push_back((0, Input::StageStarted)),
+            Ev::Started(k) => inputs.push_back((0, Input::StageStarted(k))),
         }
     }
     let r = result.unwrap();
@@ -550,7 +550,7 @@ fn after_a_restart_only_the_restarted_stage_computes_the_session_again() {
     let before = ring.tokens(1).len();
     let computed_before = ring.computed.clone();
     ring.restart(2, 0);
-    ring.queue.push_back((0, Input::StageStarted));
+    ring.queue.push_back((0, Input::StageStarted(2)));
     ring.settle();
     match ring.outcome(1) {
         Some(GenEvent::Done(r)) => assert_eq!((&r.tokens, &r.logits_digest), (&want, &digest)),

@@ -128,7 +128,8 @@ fn bench_replace_on_namespace_hosts_resumes_and_matches_unsplit() {
 /// Issue 41's fault schedule on namespace hosts: SmolLM2 at 0-9 / 9-21 / 21-30, one
 /// 700-token greedy generation per seed through eight mixed faults (links cut for
 /// seconds, 10% loss, SIGKILL and restart of the middle stage or the tail, also while
-/// its link is down): tokens and logits digest equal the unsplit run's, and every
+/// its link is down, and a stage stopped 5-20 s like a laptop's lid; seeds 2 and 3
+/// close a lid twice): tokens and logits digest equal the unsplit run's, and every
 /// healed fault is followed by a token well within the no-progress bound (the bench
 /// prints the times; targets: 3 s after a link is back, 5 s after a restarted stage
 /// serves). Before the fix, the re-drive backoff grew with each fault in a row until

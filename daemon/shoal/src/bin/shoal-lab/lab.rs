@@ -207,6 +207,20 @@ impl Lab {
         Ok(())
     }
 
+    /// Stop (`true`: SIGSTOP, a laptop's lid closed) or continue (`false`: SIGCONT, the
+    /// lid opened, with every socket and timer of the process stale) stage `k`'s process.
+    pub fn freeze_stage(&mut self, k: usize, frozen: bool) -> Result<()> {
+        // Invariant: `start` adopted one child per stage, the last stage first.
+        let i = self.net.len() - 1 - k;
+        let pid = self.net.children()[i].id() as libc::pid_t;
+        let signal = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+        // SAFETY: kill(2) with a pid of our own child and a valid signal number.
+        if unsafe { libc::kill(pid, signal) } != 0 {
+            bail!("signalling stage {k}: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Start stage `k` again (after [`Lab::kill_stage`]) and wait until it serves.
     pub fn start_stage(&mut self, k: usize) -> Result<()> {
         let (child, _) = spawn_ready(&mut self.serve_command(k), &format!("stage {k}"))?;

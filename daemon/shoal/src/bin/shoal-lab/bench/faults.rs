@@ -1,7 +1,8 @@
 //! `shoal-lab bench faults`: three stages on namespace hosts and one long greedy
 //! generation through a seeded schedule of mixed faults, one to three seconds apart:
 //! links cut for 1-4.5 s, 10% loss for 3 s, SIGKILL of the middle stage or the tail
-//! and a restart 0.2-2 s later, sometimes while the stage's link is still down. Prints
+//! and a restart 0.2-2 s later, sometimes while the stage's link is still down, and a
+//! stage stopped for 5-20 s (SIGSTOP, a laptop's lid) then continued. Prints
 //! each fault and the time from its healing (the link back, the loss gone, the
 //! restarted stage serving) to the next token, per kind, and checks the tokens and
 //! logits digest against the unsplit run. The suite runs it on several seeds.
@@ -54,6 +55,9 @@ enum Fault {
     /// Stage `k` SIGKILLed while its link is down; started again after the first
     /// duration, its link up after the second.
     RestartWhileDown(usize, Duration, Duration),
+    /// Stage `k`'s process stopped (SIGSTOP: a laptop's lid closed) for this long, then
+    /// continued with its sockets and timers stale.
+    Lid(usize, Duration),
 }
 
 impl Fault {
@@ -63,6 +67,7 @@ impl Fault {
             Fault::Loss(..) => "10% loss",
             Fault::Restart(..) => "restart",
             Fault::RestartWhileDown(..) => "restart, link down",
+            Fault::Lid(..) => "lid closed",
         }
     }
 
@@ -76,6 +81,9 @@ impl Fault {
                 r.as_secs_f64(),
                 u.as_secs_f64()
             ),
+            Fault::Lid(k, d) => {
+                format!("SIGSTOP stage {k} (a laptop's lid) for {:.1} s, then SIGCONT", d.as_secs_f64())
+            }
         }
     }
 }
@@ -91,15 +99,19 @@ fn schedule(seed: u64, n: usize) -> Vec<(Duration, Fault)> {
     (0..n)
         .map(|_| {
             let pause = ms(&mut rng, 1000, 3000);
-            let fault = match rng.below(4) {
+            let fault = match rng.below(5) {
                 0 => Fault::Cut(rng.below(3) as usize, ms(&mut rng, 1000, 4500)),
                 1 => Fault::Loss(rng.below(3) as usize),
                 // The middle stage or the tail (the coordinator holds the client's
                 // generation: its restart is the API's resumption, tested there).
                 2 => Fault::Restart(1 + rng.below(2) as usize, ms(&mut rng, 200, 2000)),
-                _ => {
+                3 => {
                     Fault::RestartWhileDown(1 + rng.below(2) as usize, ms(&mut rng, 200, 1500), ms(&mut rng, 500, 2500))
                 }
+                // The middle stage or the tail. (A coordinator's host that sleeps
+                // stops its clients too, and a stop longer than QUIC's 10 s idle
+                // timeout ends their connections: the API's resumption is for that.)
+                _ => Fault::Lid(1 + rng.below(2) as usize, ms(&mut rng, 5000, 20000)),
             };
             (pause, fault)
         })
@@ -246,6 +258,12 @@ fn one(
                 lab.net.link(k, true)?;
                 Instant::now()
             }
+            Fault::Lid(k, d) => {
+                lab.freeze_stage(k, true)?;
+                std::thread::sleep(d);
+                lab.freeze_stage(k, false)?;
+                Instant::now()
+            }
         };
         applied.push((fault, healed));
     }
@@ -275,13 +293,16 @@ mod tests {
         assert_ne!(schedule(7, 12), schedule(8, 12));
         let kinds: std::collections::BTreeSet<&str> =
             (1..5).flat_map(|s| schedule(s, 8)).map(|(_, f)| f.kind()).collect();
-        assert_eq!(kinds.len(), 4, "{kinds:?}");
+        assert_eq!(kinds.len(), 5, "{kinds:?}");
         for (pause, f) in schedule(3, 50) {
             assert!(pause >= Duration::from_secs(1) && pause < Duration::from_secs(3));
             match f {
                 Fault::Restart(k, _) | Fault::RestartWhileDown(k, ..) => assert!(k == 1 || k == 2, "{f:?}"),
                 Fault::Cut(k, d) => assert!(k < 3 && d < Duration::from_millis(4500), "{f:?}"),
                 Fault::Loss(k) => assert!(k < 3),
+                Fault::Lid(k, d) => {
+                    assert!((k == 1 || k == 2) && d >= Duration::from_secs(5) && d < Duration::from_secs(20), "{f:?}")
+                }
             }
         }
     }
