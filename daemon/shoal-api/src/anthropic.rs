@@ -225,7 +225,7 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
             return Err(Failure::bad("messages: at least one"));
         }
         let model = common::resolve(&*backend, &req.model).await?;
-        common::ready_or_failure(&*backend, &model).await?;
+        let model = common::wait_ready(&*backend, model).await?;
         let text = backend.text(&model.entry.name).await?;
         if let Some(t) = toolbox.as_mut() {
             t.speak(text.tool_syntax());

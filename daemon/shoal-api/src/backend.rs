@@ -10,6 +10,11 @@ use std::future::Future;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
+/// How long a request waits by default for a model that does not answer yet: longer
+/// than a re-placement after a lost node takes (fetching a shard and loading it), and
+/// than a WiFi drop, so that a client never sees either.
+pub const MODEL_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// The node as the API sees it.
 pub trait Backend: Send + Sync + 'static {
     /// Every model a client may name, with its state.
@@ -55,6 +60,13 @@ pub trait Backend: Send + Sync + 'static {
     /// can change while the node runs; `Access::open` is the node's own flag).
     fn open(&self) -> bool {
         false
+    }
+
+    /// How long a request waits for its model to answer (being placed, starting, or
+    /// unreachable for a moment) before it is refused with a 503
+    /// ([`MODEL_WAIT`] unless the node says otherwise).
+    fn model_wait(&self) -> std::time::Duration {
+        MODEL_WAIT
     }
 
     /// How generations speculate when a request does not say (`None`: they do not).

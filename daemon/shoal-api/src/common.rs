@@ -6,7 +6,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde_json::json;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Positions answered when a request gives no limit and the model's context is not
 /// known (it is not placed yet).
@@ -93,27 +93,56 @@ pub(crate) async fn resolve<B: Backend>(backend: &B, name: &str) -> Result<Model
     ))
 }
 
-/// Refuse a model that cannot answer now, before its vocabulary is loaded; a model
-/// in the catalog but not loaded is loaded by this first request (the client is told
-/// to come back, with `Retry-After`, while the cluster places it).
-pub(crate) async fn ready_or_failure<B: Backend>(backend: &B, model: &ModelInfo) -> Result<(), Failure> {
-    let name = &model.entry.name;
-    match &model.state {
-        ModelState::Ready => Ok(()),
-        ModelState::Starting => Err(Failure::new(
-            FailureKind::Loading(5),
-            format!("model '{name}' is loading: its stages are fetching their shards or starting"),
-        )),
-        ModelState::Available => {
-            backend.load(name).await?;
-            Err(Failure::new(
-                FailureKind::Loading(10),
-                format!("model '{name}' was not loaded: the cluster is placing it now; retry in a few seconds"),
-            ))
+/// Wait until `model` answers, before its vocabulary is loaded: a model being placed
+/// (again, after a node was lost), whose stages are starting or unreachable from here
+/// for a moment (this node's link flapped), or in the catalog but not loaded (this
+/// first request loads it, as Ollama does), keeps the request waiting, re-checked
+/// with a growing pause up to 1 s, rather than refused. After [`Backend::model_wait`]
+/// without the model answering, the request is refused (503, with `Retry-After` while
+/// the model is still starting) saying why. Returns the model as it answers now.
+pub(crate) async fn wait_ready<B: Backend>(backend: &B, model: ModelInfo) -> Result<ModelInfo, Failure> {
+    let waited = tokio::time::Instant::now();
+    let bound = backend.model_wait();
+    let mut model = model;
+    let mut asked_load = false;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        if model.state == ModelState::Ready {
+            return Ok(model);
         }
-        ModelState::Unplaced(why) => {
-            Err(Failure::new(FailureKind::Unavailable, format!("model '{name}' cannot be placed now: {why}")))
+        if model.state == ModelState::Available && !asked_load {
+            backend.load(&model.entry.name).await?;
+            asked_load = true;
         }
+        if waited.elapsed() >= bound {
+            let name = &model.entry.name;
+            // Whole seconds as such (the product's 120 s), a test's short bound in tenths.
+            let secs = if bound.subsec_millis() == 0 {
+                format!("{}", bound.as_secs())
+            } else {
+                format!("{:.1}", bound.as_secs_f64())
+            };
+            return Err(match &model.state {
+                ModelState::Unplaced(why) => Failure::new(
+                    FailureKind::Unavailable,
+                    format!("model '{name}' cannot be placed now (waited {secs} s): {why}"),
+                ),
+                ModelState::Available => Failure::new(
+                    FailureKind::Loading(10),
+                    format!("model '{name}' was not loaded: the cluster is placing it (waited {secs} s)"),
+                ),
+                _ => Failure::new(
+                    FailureKind::Loading(5),
+                    format!(
+                        "model '{name}' does not answer yet (waited {secs} s): its stages are fetching their \
+                         shards, starting, or unreachable from this node"
+                    ),
+                ),
+            });
+        }
+        tokio::time::sleep(pause.min(bound.saturating_sub(waited.elapsed()))).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
+        model = resolve(backend, &model.entry.name).await?;
     }
 }
 

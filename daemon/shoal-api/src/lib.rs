@@ -24,7 +24,7 @@ pub use serve::{is_loopback, serve_router, Limits};
 
 pub use backend::{
     Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PromptOptions, PullProgress, Sampled, TextModel,
-    ThinkingSyntax, ToolSyntax,
+    ThinkingSyntax, ToolSyntax, MODEL_WAIT,
 };
 
 use axum::extract::{ConnectInfo, MatchedPath, Request, State};

@@ -373,7 +373,8 @@ async fn job<B: Backend>(
     logprobs: Option<u32>,
     tokens: impl FnOnce(&dyn TextModel, Option<&Toolbox>) -> Result<(Vec<TokenId>, bool), Failure>,
 ) -> Result<Job, Failure> {
-    common::ready_or_failure(backend, model).await?;
+    let ready = common::wait_ready(backend, model.clone()).await?;
+    let model = &ready;
     let text = backend.text(&model.entry.name).await?;
     // A toolbox's grammar depends on the model's tool syntax.
     let mut grammar = grammar;

@@ -357,7 +357,7 @@ async fn prepare<B: Backend>(
     let (mut sampling, stop, mut toolbox) = knobs.check(kind)?;
     let split_thinking = knobs.split_thinking(kind)?;
     let model = common::resolve(backend, name).await?;
-    common::ready_or_failure(backend, &model).await?;
+    let model = common::wait_ready(backend, model).await?;
     let text = backend.text(&model.entry.name).await?;
     if let Some(t) = toolbox.as_mut() {
         t.speak(text.tool_syntax());

@@ -165,6 +165,11 @@ struct Fake {
     /// How every model's template writes thinking (none by default), and whether it
     /// opens the thinking for the answer.
     thinking: std::sync::Mutex<(Option<ThinkingSyntax>, bool)>,
+    /// "warming" answers once this is set (its stages came up).
+    warmed: std::sync::atomic::AtomicBool,
+    /// How long a request waits for a model that does not answer (300 ms unless a
+    /// test says).
+    wait: std::sync::Mutex<Option<Duration>>,
 }
 
 fn entry(name: &str, hash_digit: char) -> CatalogEntry {
@@ -187,8 +192,16 @@ impl Backend for Fake {
             ModelInfo { entry: entry("tiny", 'a'), state: ModelState::Ready, context: Some(CONTEXT) },
             ModelInfo { entry: entry("slow", 'b'), state: ModelState::Ready, context: Some(100_000) },
             ModelInfo { entry: entry("cold", 'c'), state: ModelState::Available, context: None },
-            ModelInfo { entry: entry("warming", 'd'), state: ModelState::Starting, context: Some(CONTEXT) },
+            ModelInfo {
+                entry: entry("warming", 'd'),
+                state: if self.warmed.load(Ordering::SeqCst) { ModelState::Ready } else { ModelState::Starting },
+                context: Some(CONTEXT),
+            },
         ]
+    }
+
+    fn model_wait(&self) -> Duration {
+        self.wait.lock().unwrap().unwrap_or(Duration::from_millis(300))
     }
 
     fn metrics(&self) -> &shoal_api::Metrics {
@@ -455,6 +468,36 @@ async fn max_tokens_ends_with_length_and_stop_sequences_are_cut_on_text() {
     assert_eq!(v["usage"]["prompt_tokens"], 4);
 }
 
+/// A request for a model that does not answer yet (its stages starting, or a node
+/// re-placing it after a fault) waits for it instead of being refused, on every
+/// route, streamed or not, and is answered once the model comes up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_its_model_to_come_up_instead_of_a_503() {
+    let (url, fake) = server().await;
+    *fake.wait.lock().unwrap() = Some(Duration::from_secs(60));
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let requests = [
+        (format!("{url}/v1/chat/completions"), json!({"model": "warming", "messages": msgs, "max_tokens": 3})),
+        (
+            format!("{url}/v1/chat/completions"),
+            json!({"model": "warming", "messages": msgs, "max_tokens": 3, "stream": true}),
+        ),
+        (format!("{url}/api/chat"), json!({"model": "warming", "messages": msgs, "stream": false})),
+        (format!("{url}/v1/messages"), json!({"model": "warming", "max_tokens": 3, "messages": msgs})),
+    ];
+    let waiting: Vec<_> = requests.into_iter().map(|(u, b)| tokio::spawn(post(u, b))).collect();
+    // Nothing is answered while the model does not answer.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(waiting.iter().all(|w| !w.is_finished()), "a request was answered before its model came up");
+    assert_eq!(fake.running.load(Ordering::SeqCst), 0);
+    fake.warmed.store(true, Ordering::SeqCst);
+    for w in waiting {
+        let (status, _, body) = w.await.unwrap();
+        assert_eq!(status, 200, "{body}");
+    }
+    assert!(fake.loads.lock().unwrap().is_empty(), "a starting model is not loaded again");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_failure_has_its_status_and_its_apis_shape() {
     let (url, fake) = server().await;
@@ -480,13 +523,15 @@ async fn every_failure_has_its_status_and_its_apis_shape() {
     assert_eq!(status, 400, "a tool without a function is refused, not ignored: {body}");
     assert!(openai_error(&body)["message"].as_str().unwrap().contains("tools[0]"), "{body}");
 
-    // Not loaded: the first request loads it and says to come back.
+    // Not loaded: the first request loads it (once) and waits for it; a model that
+    // does not come up within the node's bound is a 503 that says to come back.
     let (status, retry, body) = post(chat.clone(), json!({"model": "cold", "messages": msgs})).await;
     assert_eq!((status, retry.as_deref()), (503, Some("10")), "{body}");
-    assert!(openai_error(&body)["message"].as_str().unwrap().contains("placing it"));
+    assert!(openai_error(&body)["message"].as_str().unwrap().contains("placing it (waited"), "{body}");
     assert_eq!(*fake.loads.lock().unwrap(), ["cold"]);
-    let (status, retry, _) = post(chat.clone(), json!({"model": "warming", "messages": msgs})).await;
+    let (status, retry, body) = post(chat.clone(), json!({"model": "warming", "messages": msgs})).await;
     assert_eq!((status, retry.as_deref()), (503, Some("5")));
+    assert!(openai_error(&body)["message"].as_str().unwrap().contains("does not answer yet"), "{body}");
 
     // Over the context: a 400 that gives both numbers, before any stream starts.
     let long = "x".repeat(CONTEXT as usize + 44);
