@@ -2061,7 +2061,6 @@ async fn accept_main(main: Arc<Node>, router: Router, tx: mpsc::Sender<Input>) {
         };
         let Some(acc) = acc else { return };
         let tx = tx.clone();
-        let addr = acc.conn.remote_address();
         if acc.peer != me {
             if let Some(trusted) = main.trusted() {
                 tokio::spawn(shoal_net::close_when_revoked(acc.conn.clone(), acc.peer, trusted.clone()));
@@ -2072,7 +2071,11 @@ async fn accept_main(main: Arc<Node>, router: Router, tx: mpsc::Sender<Input>) {
                 while let Ok(mut recv) = acc.conn.accept_uni().await {
                     match read_msg(&mut recv).await {
                         Ok(Some(msg)) => {
-                            if tx.send(Input::Member(acc.peer, msg, addr)).await.is_err() {
+                            // Where the member is now: QUIC moves a connection to the
+                            // address a renumbered peer sends from (after validating the
+                            // path), and that is a hint for reaching it again.
+                            let now = acc.conn.remote_address();
+                            if tx.send(Input::Member(acc.peer, msg, now)).await.is_err() {
                                 return;
                             }
                         }

@@ -705,6 +705,12 @@ async fn run_stage(rt: Arc<Runtime>, entry: CatalogEntry, placement: ModelPlacem
             None => rt.keepalive,
         },
         drafts,
+        // A member renumbered by DHCP is found again: membership moves it to its new
+        // address once it proved its key there, and the links follow.
+        addresses: Some({
+            let rt = rt.clone();
+            Arc::new(move |node| rt.addr_of(&rt.view(), node))
+        }),
     };
     status.state = StageState::Running;
     *lock(&rt.stage) = Some(status.clone());

@@ -40,7 +40,21 @@ pub struct ServiceConfig {
     /// A draft model for the generations this node coordinates (stage 0 only; see
     /// [`crate::core::CoreConfig::drafts`]).
     pub drafts: Option<Arc<dyn shoal_types::speculative::DraftSource>>,
+    /// Where a node of the ring is now, asked at each (re)connection: a cluster node
+    /// follows its membership, which moves a member to a new address (DHCP renumbered
+    /// it) once the member proved its key there. `None`, or no answer: the placement's
+    /// address.
+    pub addresses: Option<Addresses>,
 }
+
+/// Where a node is now (see [`ServiceConfig::addresses`]).
+pub type Addresses = Arc<dyn Fn(NodeId) -> Option<std::net::SocketAddr> + Send + Sync>;
+
+/// How long one connection attempt to the next node may take: a LAN handshake takes
+/// milliseconds, a lossy one a few round trips; an attempt to an address nobody
+/// answers at any more (the node was renumbered) would otherwise wait out QUIC's idle
+/// timeout before the next address is tried.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Keep-alive window when it is on: longer than a token's trip round a home pipeline
 /// (so it holds between tokens of a generation), short enough that a node stops
@@ -192,7 +206,7 @@ pub async fn serve(node: Arc<Node>, cfg: ServiceConfig) -> Result<(), PipelineEr
 /// and control connections from `router`. Dropping the returned future stops the
 /// stage (its tasks end as their channels close); the endpoint stays open.
 pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> Result<(), PipelineError> {
-    let ServiceConfig { placement, index, stage, samplers, dtype, retry, keepalive, drafts } = cfg;
+    let ServiceConfig { placement, index, stage, samplers, dtype, retry, keepalive, drafts, addresses } = cfg;
     let info = stage.info().clone();
     let limits = FrameLimits { n_embd: info.n_embd, max_tokens: info.chunk, max_message: MAX_MESSAGE };
     let (events_tx, mut events) = mpsc::channel::<Event>(1024);
@@ -212,7 +226,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let next_is_self = next.node == node.id();
     let (link_tx, link_rx) = mpsc::channel::<Link>(4096);
     if !next_is_self {
-        tokio::spawn(link_task(node.clone(), next.addr, next.node, link_rx, shell.clone()));
+        tokio::spawn(link_task(node.clone(), next.clone(), addresses.clone(), link_rx, shell.clone()));
     }
     let n = placement.stages.len();
     let prev = placement.prev(index).node;
@@ -221,7 +235,8 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let starts = Arc::new(Starts { drafts: drafts.clone(), n_ctx: info.n_ctx_per_session, chunk: info.chunk });
     tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone(), admission.clone(), starts));
     if index != 0 {
-        tokio::spawn(announce_start(node.clone(), placement.prev(index).clone(), placement.stages[0].clone()));
+        let (prev, coordinator) = (placement.prev(index).clone(), placement.stages[0].clone());
+        tokio::spawn(announce_start(node.clone(), prev, coordinator, addresses.clone()));
     }
     let ring: Vec<NodeId> = placement.stages.iter().map(|s| s.node).collect();
     let coordinator = index == 0;
@@ -717,11 +732,13 @@ enum Link {
 /// startup, when the next node may not be listening yet.
 async fn link_task(
     node: Arc<Node>,
-    addr: std::net::SocketAddr,
-    peer: NodeId,
+    next: crate::StagePlace,
+    addresses: Option<Addresses>,
     mut frames: mpsc::Receiver<Link>,
     counters: Arc<ShellCounters>,
 ) {
+    let peer = next.node;
+    let mut addr = next.addr;
     let mut stream: Option<quinn::SendStream> = None;
     let mut connection: Option<quinn::Connection> = None;
     let mut pending: Option<Vec<u8>> = None;
@@ -751,7 +768,12 @@ async fn link_task(
             },
         };
         if stream.is_none() {
-            match node.connect(addr, peer, alpn::PIPELINE).await {
+            if let Some(now) = addresses.as_ref().and_then(|a| a(peer)).filter(|a| *a != addr) {
+                tracing::info!(old = %addr, new = %now, "the next node has moved");
+                addr = now;
+            }
+            let attempt = tokio::time::timeout(CONNECT_TIMEOUT, node.connect(addr, peer, alpn::PIPELINE)).await;
+            match attempt.map_err(|_| "timed out".to_string()).and_then(|c| c.map_err(|e| e.to_string())) {
                 Ok(conn) => match conn.open_uni().await {
                     Ok(s) => {
                         tokio::spawn(read_refusals(conn.clone(), counters.clone()));
@@ -790,16 +812,25 @@ async fn link_task(
 /// comes in a round trip instead of after the backoffs. Retried with backoff while
 /// they are unreachable (a stage restarted while its link is down), for a minute; a
 /// first start is announced the same way and costs a reconnect nobody waits for.
-async fn announce_start(node: Arc<Node>, prev: crate::StagePlace, coordinator: crate::StagePlace) {
+async fn announce_start(
+    node: Arc<Node>,
+    prev: crate::StagePlace,
+    coordinator: crate::StagePlace,
+    addresses: Option<Addresses>,
+) {
     let mut targets = vec![prev];
     if targets[0].node != coordinator.node {
         targets.push(coordinator);
     }
     let give_up = Instant::now() + Duration::from_secs(60);
-    for target in targets {
+    for mut target in targets {
         let mut backoff = Duration::from_millis(50);
         loop {
-            match crate::protocol::announce_started(&node, &target).await {
+            if let Some(now) = addresses.as_ref().and_then(|a| a(target.node)) {
+                target.addr = now;
+            }
+            let attempt = tokio::time::timeout(CONNECT_TIMEOUT, crate::protocol::announce_started(&node, &target));
+            match attempt.await.unwrap_or_else(|_| Err(PipelineError::Stream("timed out".into()))) {
                 Ok(()) => break,
                 Err(e) if Instant::now() >= give_up => {
                     tracing::debug!(addr = %target.addr, "could not announce the start: {e}");

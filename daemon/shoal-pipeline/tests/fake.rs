@@ -72,6 +72,7 @@ async fn start_custom(
             retry: shoal_pipeline::RetryPolicy::default(),
             drafts: None,
             keepalive,
+            addresses: None,
         };
         tokio::spawn(serve(node, cfg));
     }

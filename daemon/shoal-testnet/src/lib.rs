@@ -23,10 +23,12 @@ pub struct NetnsError(String);
 pub struct Net {
     /// Namespace holding the bridge `br0` and the hosts' peer ends `b<k>`.
     bridge: String,
-    /// One namespace per host; host `k` has `v<k>` with address `subnet.(k+1)`.
+    /// One namespace per host; host `k` has `v<k>` with address `subnet.octets[k]`.
     hosts: Vec<String>,
     /// First three octets of the hosts' /24.
     subnet: [u8; 3],
+    /// Each host's last octet: `k + 1`, until [`Net::renumber`] changes it.
+    octets: Vec<u8>,
     /// Processes killed (and reaped) before the namespaces go.
     children: Vec<Child>,
 }
@@ -52,6 +54,7 @@ impl Net {
             bridge: format!("{name}-br"),
             hosts: Vec::new(),
             subnet: [10, 200 + (id % 50) as u8, ((id / 50) % 250) as u8],
+            octets: (1..=n as u8).collect(),
             children: Vec::new(),
         };
         // From here on, `net` removes whatever was made if a later step fails.
@@ -90,7 +93,24 @@ impl Net {
     /// Host `k`'s address.
     pub fn addr(&self, k: usize) -> Ipv4Addr {
         let [a, b, c] = self.subnet;
-        Ipv4Addr::new(a, b, c, k as u8 + 1)
+        Ipv4Addr::new(a, b, c, self.octets[k])
+    }
+
+    /// Give host `k` a new address on the same /24, as a DHCP server does to a machine
+    /// that comes back from sleep: the old one is gone at once (sockets bound to any
+    /// address stay open and send from the new one). Returns it.
+    pub fn renumber(&mut self, k: usize) -> Result<Ipv4Addr, NetnsError> {
+        let next = self.octets.iter().copied().max().unwrap_or(0).max(100) + 1;
+        let (old, v, host) = (self.addr(k), format!("v{k}"), self.hosts[k].clone());
+        let in_host = |args: &[&str]| ip(&[&["netns", "exec", &host, "ip"], args].concat());
+        self.octets[k] = next;
+        // Removed first: deleting a primary address deletes the secondaries of its
+        // subnet too (unless the host promotes them).
+        in_host(&["addr", "del", &format!("{old}/24"), "dev", &v])?;
+        in_host(&["addr", "add", &format!("{}/24", self.addr(k)), "dev", &v])?;
+        // The multicast route goes with the address that held the subnet route.
+        let _ = in_host(&["route", "add", "224.0.0.0/4", "dev", &v]);
+        Ok(self.addr(k))
     }
 
     /// Host `k`'s namespace name (for `ip netns exec`).

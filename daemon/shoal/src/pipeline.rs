@@ -346,6 +346,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             retry: RetryPolicy::default(),
             keepalive,
             drafts,
+            // Stages started by hand are where their placement file says.
+            addresses: None,
         };
         tokio::select! {
             r = serve_stage(node.clone(), cfg) => r?,

@@ -329,3 +329,61 @@ fn a_shard_transfer_cut_by_a_link_down_goes_on_where_it_stopped() {
     assert_eq!(g["tokens"], r["tokens"], "through host {victim}: tokens differ from the unsplit run");
     assert_eq!(g["logits_digest"], r["logits_digest"], "through host {victim}: logits differ");
 }
+
+/// A stage's host gets a new address mid-generation, as DHCP renumbers a laptop that
+/// wakes up (the old address gone at once): its links out move with it (QUIC follows
+/// a peer that sends from a new address), the members find it again at the new one
+/// (it proves its key there: an mDNS advert alone moves no member), the stage before
+/// it reconnects there, and the 300-token generation ends with the unsplit run's
+/// tokens and logits, its stages where they were.
+#[test]
+fn a_renumbered_member_is_found_again_and_the_answer_is_exact() {
+    if !namespaces_available() {
+        return;
+    }
+    let model = model(SMOL);
+    let tmp = tempfile::tempdir().unwrap();
+    let net = shoal_testnet::Net::new("ren", 3).unwrap();
+    let dirs = (0..3).map(|k| tmp.path().join(format!("h{k}"))).collect();
+    let mut h = Hosts { net, dirs, children: Vec::new() };
+    h.serve(0);
+    wait_for("host 0's cluster", 60, || h.status(0).filter(|s| !s["cluster"].is_null()));
+    h.join(1);
+    h.join(2);
+    h.ok(0, &["models", "add", model.to_str().unwrap()]);
+    let loaded = h.ok(0, &["models", "load", SMOL, "--context", "512", "--wait"]);
+    assert!(loaded.contains("ready: 3 stage(s)"), "{loaded}");
+    let placed = h.placed(0);
+    // A stage after the first, on a host other than the one asked (whose client would
+    // move with it): the link into it is the one that must find it again.
+    let victim = placed.iter().skip(1).copied().find(|&k| k != 0).unwrap();
+    let args = ["--prompt", PROMPT, "-n", "300", "--ignore-eos", "--json"];
+    let r = unsplit(&model, &args);
+    let (gen, mut lines) = spawn_generation(h.net.command(0, env!("CARGO_BIN_EXE_shoal")), SMOL, &args, &h.dirs[0]);
+    let seen = lines.by_ref().map_while(Result::ok).filter(|l| l.starts_with("token ")).take(40).count();
+    assert_eq!(seen, 40, "the generation did not get under way");
+    let old = h.net.addr(victim);
+    let new = h.net.renumber(victim).unwrap();
+    let renumbered = Instant::now();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let out = gen.wait_with_output().unwrap();
+    assert!(out.status.success(), "the generation failed: {rest:?}");
+    eprintln!(
+        "host {victim} (stages on {placed:?}) renumbered {old} -> {new}; the generation ended {:.1} s later",
+        renumbered.elapsed().as_secs_f64()
+    );
+    let g: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(g["tokens"], r["tokens"], "tokens differ from the unsplit run");
+    assert_eq!(g["logits_digest"], r["logits_digest"], "logits differ from the unsplit run");
+    assert_eq!(rest.iter().filter(|l| l.starts_with("token ")).count(), 260, "tokens missing or repeated");
+    assert_eq!(h.placed(0), placed, "the model was placed again instead of its member found");
+    // Every member knows it at its new address.
+    for k in (0..3).filter(|&k| k != victim) {
+        let id = key(&h.dirs[victim]);
+        wait_for(&format!("host {k} reaches host {victim} at {new}"), 60, || {
+            let s = h.status(k)?;
+            let m = s["members"].as_array()?.iter().find(|m| m["node"] == id.as_str())?.clone();
+            (m["addr"].as_str()?.starts_with(&format!("{new}:")) && m["state"] == "alive").then_some(())
+        });
+    }
+}

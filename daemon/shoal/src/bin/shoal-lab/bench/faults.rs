@@ -32,6 +32,12 @@ pub struct FaultsArgs {
     /// Tokens generated.
     #[arg(short = 'n', long, default_value_t = 700)]
     tokens: usize,
+    /// Let each fault heal fully (the next token has come) before the pause before the
+    /// next one, so that each figure is one fault's own; by default faults come 1-3 s
+    /// apart whatever the recovery, and one often lands while the ring recovers from
+    /// the one before.
+    #[arg(long)]
+    settle: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -140,7 +146,7 @@ pub fn faults(a: FaultsArgs) -> Result<()> {
     let unsplit: GenOutput = json_of(run, "run")?;
     let mut runs = Vec::new();
     for &seed in &a.seeds {
-        runs.push(one(&model, &stages, seed, a.faults, &args, &unsplit)?);
+        runs.push(one(&model, &stages, seed, a.faults, a.settle, &args, &unsplit)?);
     }
     // Healing → next token, by kind, over every run.
     let mut by_kind: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -164,10 +170,11 @@ pub fn faults(a: FaultsArgs) -> Result<()> {
         );
     } else {
         println!(
-            "bench faults: {} split {SPLIT:?} on 3 namespace hosts, {} tokens, {} faults per run",
+            "bench faults: {} split {SPLIT:?} on 3 namespace hosts, {} tokens, {} faults per run{}",
             model.display(),
             a.tokens,
-            a.faults
+            a.faults,
+            if a.settle { ", each healed before the next" } else { ", 1-3 s apart" }
         );
         for r in &runs {
             println!(
@@ -207,6 +214,7 @@ fn one(
     stages: &[LayerRange],
     seed: u64,
     n_faults: usize,
+    settle: bool,
     args: &[&str],
     unsplit: &GenOutput,
 ) -> Result<Run> {
@@ -266,6 +274,12 @@ fn one(
             }
         };
         applied.push((fault, healed));
+        if settle {
+            // Until a token comes after the healing (or the generation ends).
+            while arrivals.last().is_none_or(|t| *t < healed) && gen.try_wait()?.is_none() {
+                arrivals.extend(rx.recv_timeout(Duration::from_millis(50)).ok().map(|(_, t)| t));
+            }
+        }
     }
     let out = gen.wait_with_output()?;
     drain(&mut arrivals);
