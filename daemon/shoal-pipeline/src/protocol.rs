@@ -209,7 +209,9 @@ pub async fn generate(
         line.clear();
         let n = tokio::io::AsyncBufReadExt::read_line(&mut lines, &mut line).await.map_err(|e| stream_err(&e))?;
         if n == 0 {
-            return Err(PipelineError::Generation("the coordinator closed the stream without a result".into()));
+            // The coordinator went away (it stopped, or restarted): the stream failed,
+            // the generation did not (a client may resume it).
+            return Err(PipelineError::Stream("the coordinator closed the stream without a result".into()));
         }
         match serde_json::from_str::<GenEvent>(&line) {
             Ok(GenEvent::Token(t)) => on_token(t, None),

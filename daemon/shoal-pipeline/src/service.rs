@@ -51,10 +51,11 @@ pub struct ServiceConfig {
 pub type Addresses = Arc<dyn Fn(NodeId) -> Option<std::net::SocketAddr> + Send + Sync>;
 
 /// How long one connection attempt to the next node may take: a LAN handshake takes
-/// milliseconds, a lossy one a few round trips; an attempt to an address nobody
-/// answers at any more (the node was renumbered) would otherwise wait out QUIC's idle
-/// timeout before the next address is tried.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// milliseconds, one that lost its first packets two retries (~1 s: see the endpoint's
+/// initial RTT); an attempt made while the link was down, or to an address nobody
+/// answers at any more (the node was renumbered), would otherwise wait out its backed-
+/// off retries or QUIC's idle timeout before a fresh one goes out.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Keep-alive window when it is on: longer than a token's trip round a home pipeline
 /// (so it holds between tokens of a generation), short enough that a node stops

@@ -7,8 +7,8 @@ use clap::Args;
 use shoal_engine::{open_model, LlamaStage, Observer, ShardCache, StageConfig, Vocab};
 use shoal_net::{Dtype, Identity, Impairment, Node, TransportOptions, TrustedKeys};
 use shoal_pipeline::{
-    generate as run_generation, serve as serve_stage, GenerateRequest, Placement, RetryPolicy, SamplerFactory,
-    ServiceConfig,
+    generate as run_generation, serve as serve_stage, GenerateRequest, PipelineError, Placement, RetryPolicy,
+    SamplerFactory, ServiceConfig,
 };
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -400,6 +400,10 @@ pub(crate) async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
+/// How long `shoal generate --placement` keeps trying to reach a coordinator that went
+/// away (it restarts) before it gives up; the node's API waits as long.
+const RESUME_WINDOW: std::time::Duration = shoal_node::runtime::RESUME_WINDOW;
+
 pub fn generate(a: GenerateArgs) -> Result<()> {
     let Some(placement_file) = &a.placement else {
         return crate::models::generate(a.model.clone().unwrap_or_default(), &a.data_dir, a.progress, &a.text);
@@ -435,17 +439,37 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let mut out = Printer::new(&vocab, !t.json, false);
     let report = runtime()?.block_on(async {
         let node = client_node(&placement, identity)?;
-        let mut count = 0;
-        let r = run_generation(&node, &placement.stages[0], &request, |tok, _| {
-            out.token(tok);
-            count += 1;
-            if a.progress {
-                eprintln!("token {count}");
+        // The tokens so far: a generation whose coordinator went away (it restarted)
+        // resumes from them, exactly (the coordinator replays them in their original
+        // shapes), as the API does.
+        let mut made: Vec<shoal_types::TokenId> = Vec::new();
+        let mut progress_at = std::time::Instant::now();
+        let r = loop {
+            let req = GenerateRequest { resume: made.clone(), ..request.clone() };
+            let r = run_generation(&node, &placement.stages[0], &req, |tok, _| {
+                out.token(tok);
+                made.push(tok);
+                progress_at = std::time::Instant::now();
+                if a.progress {
+                    eprintln!("token {}", made.len());
+                }
+            })
+            .await;
+            match r {
+                Err(e @ (PipelineError::Net(_) | PipelineError::Stream(_))) => {
+                    if progress_at.elapsed() > RESUME_WINDOW {
+                        break Err(anyhow::anyhow!("no progress for {} s: {e}", RESUME_WINDOW.as_secs()));
+                    }
+                    if a.progress {
+                        eprintln!("[shoal] the coordinator went away ({e}); resuming after {} tokens", made.len());
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+                r => break r.map_err(anyhow::Error::from),
             }
-        })
-        .await;
+        };
         node.close();
-        anyhow::Ok(r?)
+        r
     })?;
     let tail = out.finish();
     if t.json {

@@ -1,8 +1,9 @@
 //! `shoal-lab bench faults`: three stages on namespace hosts and one long greedy
 //! generation through a seeded schedule of mixed faults, one to three seconds apart:
-//! links cut for 1-4.5 s, 10% loss for 3 s, SIGKILL of the middle stage or the tail
-//! and a restart 0.2-2 s later, sometimes while the stage's link is still down, and a
-//! stage stopped for 5-20 s (SIGSTOP, a laptop's lid) then continued. Prints
+//! links cut for 1-4.5 s, 10% loss for 3 s, SIGKILL of a stage (the coordinator's
+//! too: the client resumes the generation) and a restart 0.2-2 s later, sometimes
+//! while the stage's link is still down, and a stage stopped for 5-20 s (SIGSTOP, a
+//! laptop's lid) then continued. Prints
 //! each fault and the time from its healing (the link back, the loss gone, the
 //! restarted stage serving) to the next token, per kind, and checks the tokens and
 //! logits digest against the unsplit run. The suite runs it on several seeds.
@@ -71,6 +72,7 @@ impl Fault {
         match self {
             Fault::Cut(..) => "link cut",
             Fault::Loss(..) => "10% loss",
+            Fault::Restart(0, _) => "coordinator restart",
             Fault::Restart(..) => "restart",
             Fault::RestartWhileDown(..) => "restart, link down",
             Fault::Lid(..) => "lid closed",
@@ -108,9 +110,10 @@ fn schedule(seed: u64, n: usize) -> Vec<(Duration, Fault)> {
             let fault = match rng.below(5) {
                 0 => Fault::Cut(rng.below(3) as usize, ms(&mut rng, 1000, 4500)),
                 1 => Fault::Loss(rng.below(3) as usize),
-                // The middle stage or the tail (the coordinator holds the client's
-                // generation: its restart is the API's resumption, tested there).
-                2 => Fault::Restart(1 + rng.below(2) as usize, ms(&mut rng, 200, 2000)),
+                // Any stage; the coordinator's restart ends the client's stream, and
+                // `shoal generate` resumes the generation from its tokens (as the API
+                // does).
+                2 => Fault::Restart(rng.below(3) as usize, ms(&mut rng, 200, 2000)),
                 3 => {
                     Fault::RestartWhileDown(1 + rng.below(2) as usize, ms(&mut rng, 200, 1500), ms(&mut rng, 500, 2500))
                 }
@@ -307,11 +310,12 @@ mod tests {
         assert_ne!(schedule(7, 12), schedule(8, 12));
         let kinds: std::collections::BTreeSet<&str> =
             (1..5).flat_map(|s| schedule(s, 8)).map(|(_, f)| f.kind()).collect();
-        assert_eq!(kinds.len(), 5, "{kinds:?}");
+        assert_eq!(kinds.len(), 6, "{kinds:?}");
         for (pause, f) in schedule(3, 50) {
             assert!(pause >= Duration::from_secs(1) && pause < Duration::from_secs(3));
             match f {
-                Fault::Restart(k, _) | Fault::RestartWhileDown(k, ..) => assert!(k == 1 || k == 2, "{f:?}"),
+                Fault::Restart(k, _) => assert!(k < 3, "{f:?}"),
+                Fault::RestartWhileDown(k, ..) => assert!(k == 1 || k == 2, "{f:?}"),
                 Fault::Cut(k, d) => assert!(k < 3 && d < Duration::from_millis(4500), "{f:?}"),
                 Fault::Loss(k) => assert!(k < 3),
                 Fault::Lid(k, d) => {
