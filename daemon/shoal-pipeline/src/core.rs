@@ -1194,6 +1194,11 @@ impl NodeCore {
                     sampled: HashMap::new(),
                     logprobs: logprobs.map(|n| n as usize),
                 });
+                // A fresh sampler and digest must see every step again: answers kept
+                // for the tail state that went (a one-stage ring's coordinator keeps
+                // its session past the Close) name tokens it no longer has.
+                s.cache.steps.clear();
+                s.cache.bytes = 0;
             }
             Err(e) => {
                 let f = Frame::message(
