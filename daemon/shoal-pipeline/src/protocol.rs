@@ -228,32 +228,33 @@ pub async fn generate(
 }
 
 /// Tell the node at `place` that this node has just started (see
-/// [`ControlRequest::Started`]); returns once it has acted on it.
+/// [`ControlRequest::Started`]); returns once it has taken the news in (its event loop
+/// has it queued, ahead of any frame that comes after).
 pub async fn announce_started(node: &Node, place: &StagePlace) -> Result<(), PipelineError> {
-    let stream_err = |e: &dyn std::fmt::Display| PipelineError::Stream(e.to_string());
-    let conn = node.connect(place.addr, place.node, alpn::CONTROL).await?;
-    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream_err(&e))?;
-    // Invariant: a unit variant always serialises.
-    send.write_all(&serde_json::to_vec(&ControlRequest::Started).expect("serialises"))
-        .await
-        .map_err(|e| stream_err(&e))?;
-    send.finish().map_err(|e| stream_err(&e))?;
-    recv.read_to_end(0).await.map_err(|e| stream_err(&e))?;
-    conn.close(0u32.into(), b"done");
-    Ok(())
+    ask(node, place, &ControlRequest::Started, 0).await.map(drop)
 }
 
 /// Ask the node at `place` for its state.
 pub async fn status(node: &Node, place: &StagePlace) -> Result<NodeStatus, PipelineError> {
+    let body = ask(node, place, &ControlRequest::Status, 1 << 20).await?;
+    serde_json::from_slice(&body).map_err(|e| PipelineError::Generation(format!("bad status answer: {e}")))
+}
+
+/// One control request that answers with a single body (at most `limit` bytes) on a
+/// connection of its own.
+async fn ask(
+    node: &Node,
+    place: &StagePlace,
+    request: &ControlRequest,
+    limit: usize,
+) -> Result<Vec<u8>, PipelineError> {
     let stream_err = |e: &dyn std::fmt::Display| PipelineError::Stream(e.to_string());
     let conn = node.connect(place.addr, place.node, alpn::CONTROL).await?;
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream_err(&e))?;
-    // Invariant: a unit variant always serialises.
-    send.write_all(&serde_json::to_vec(&ControlRequest::Status).expect("serialises"))
-        .await
-        .map_err(|e| stream_err(&e))?;
+    // Invariant: a request of plain numbers and JSON values always serialises.
+    send.write_all(&serde_json::to_vec(request).expect("request serialises")).await.map_err(|e| stream_err(&e))?;
     send.finish().map_err(|e| stream_err(&e))?;
-    let body = recv.read_to_end(1 << 20).await.map_err(|e| stream_err(&e))?;
+    let body = recv.read_to_end(limit).await.map_err(|e| stream_err(&e))?;
     conn.close(0u32.into(), b"done");
-    serde_json::from_slice(&body).map_err(|e| PipelineError::Generation(format!("bad status answer: {e}")))
+    Ok(body)
 }

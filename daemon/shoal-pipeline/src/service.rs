@@ -1045,8 +1045,9 @@ async fn serve_control(
             {
                 Ok(ControlRequest::Generate(r)) => r,
                 Ok(ControlRequest::Started) => {
-                    // Answered once the event loop has it (its link renewed, its
-                    // re-drives out), so the announcer can tell the coordinator next.
+                    // Answered once the event loop has it queued: its link renewal
+                    // then goes before any frame the coordinator's re-drive brings,
+                    // so the announcer can tell the coordinator next.
                     let _ = events.send(Event::Started(peer)).await;
                     let _ = send.finish();
                     let _ = send.stopped().await;
