@@ -189,3 +189,83 @@ pub(crate) fn unix_now() -> u64 {
 pub(crate) fn rfc3339_now() -> String {
     humantime::format_rfc3339_nanos(SystemTime::now()).to_string()
 }
+
+/// How long a streamed request may take to its first event before its answer starts
+/// anyway: fast failures (a bad request, an unknown model, a prompt over the context)
+/// keep their status; a slow start (its model being placed again after a fault, its
+/// stages starting, a link down) gets a 200 and SSE comments instead of silence, which
+/// proxies and clients time out on.
+pub(crate) const STREAM_GRACE: Duration = Duration::from_secs(3);
+
+/// How often a started stream that waits for its answer sends an SSE comment.
+pub(crate) const WAIT_COMMENT_EVERY: Duration = Duration::from_secs(5);
+
+/// Whether a request body asks for a streamed answer (`"stream": true`); a body that
+/// does not parse says no (its handler answers it with a 400).
+pub(crate) fn wants_stream(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Flag {
+        #[serde(default)]
+        stream: bool,
+    }
+    serde_json::from_slice::<Flag>(body).is_ok_and(|f| f.stream)
+}
+
+/// Answer a streamed request with what `answer` gives, if it gives it within
+/// [`STREAM_GRACE`]; else start an SSE answer at once that sends a comment (`: waiting
+/// for the model`) every [`WAIT_COMMENT_EVERY`] until `answer` is ready, then its
+/// events, or, if it failed, its error as the stream's last event (`data: {error}` in
+/// OpenAI's shape, `event: error` in Anthropic's). SSE clients ignore comments.
+pub(crate) async fn stream_when_slow(
+    answer: impl std::future::Future<Output = Response> + Send + 'static,
+    dialect: Dialect,
+) -> Response {
+    use futures_util::StreamExt;
+    let mut answer = Box::pin(answer);
+    if let Ok(r) = tokio::time::timeout(STREAM_GRACE, &mut answer).await {
+        return r;
+    }
+    enum St {
+        Waiting(std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send>>, tokio::time::Interval),
+        Body(axum::body::BodyDataStream),
+        Done,
+    }
+    let ticks = tokio::time::interval(WAIT_COMMENT_EVERY);
+    let body = futures_util::stream::unfold(St::Waiting(answer, ticks), move |st| async move {
+        match st {
+            St::Waiting(mut answer, mut ticks) => tokio::select! {
+                r = &mut answer => {
+                    if r.status().is_success() {
+                        let rest = r.into_body().into_data_stream();
+                        Some((Ok(axum::body::Bytes::new()), St::Body(rest)))
+                    } else {
+                        let text = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap_or_default();
+                        let text = String::from_utf8_lossy(&text);
+                        let event = match dialect {
+                            Dialect::Anthropic => format!("event: error\ndata: {text}\n\n"),
+                            Dialect::OpenAi | Dialect::Ollama => format!("data: {text}\n\n"),
+                        };
+                        Some((Ok(axum::body::Bytes::from(event)), St::Done))
+                    }
+                }
+                _ = ticks.tick() => {
+                    let comment = axum::body::Bytes::from_static(b": waiting for the model\n\n");
+                    Some((Ok(comment), St::Waiting(answer, ticks)))
+                }
+            },
+            St::Body(mut rest) => rest.next().await.map(|chunk| (chunk, St::Body(rest))),
+            St::Done => None,
+        }
+    });
+    let mut r = Response::new(axum::body::Body::from_stream(body));
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+/// SSE comments in a stream that stalls (a fault between two tokens): one after
+/// [`WAIT_COMMENT_EVERY`] without an event, so that proxies and clients with read
+/// timeouts keep the connection.
+pub(crate) fn keep_alive() -> axum::response::sse::KeepAlive {
+    axum::response::sse::KeepAlive::new().interval(WAIT_COMMENT_EVERY).text("waiting for the next token")
+}

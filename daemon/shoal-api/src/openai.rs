@@ -290,59 +290,78 @@ enum Prompt {
 
 /// `POST /v1/chat/completions`.
 pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
-    let r = async {
-        let req: ChatRequest = common::parse(&body)?;
-        let turns = req
-            .messages
-            .iter()
-            .map(|m| {
-                if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
-                    return Err(Failure::bad(format!("unknown message role {:?}", m.role)));
-                }
-                // `developer` is OpenAI's newer name for `system`.
-                let role = if m.role == "developer" { "system".to_string() } else { m.role.clone() };
-                let calls = match (&m.tool_calls, role.as_str()) {
-                    (None | Some(Value::Null), _) => Vec::new(),
-                    (Some(c), "assistant") => tools::calls_of(c).map_err(|e| Failure::bad(format!("messages: {e}")))?,
-                    (Some(_), _) => return Err(Failure::bad("messages: only assistant turns carry tool_calls")),
-                };
-                let (content, call_id) = (m.content.text()?, m.tool_call_id.clone());
-                Ok(Turn { role, content, calls, call_id, tool: None })
+    let streamed = common::wants_stream(&body);
+    let answer = async move {
+        let r = async {
+            let req: ChatRequest = common::parse(&body)?;
+            let turns = req
+                .messages
+                .iter()
+                .map(|m| {
+                    if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                        return Err(Failure::bad(format!("unknown message role {:?}", m.role)));
+                    }
+                    // `developer` is OpenAI's newer name for `system`.
+                    let role = if m.role == "developer" { "system".to_string() } else { m.role.clone() };
+                    let calls = match (&m.tool_calls, role.as_str()) {
+                        (None | Some(Value::Null), _) => Vec::new(),
+                        (Some(c), "assistant") => {
+                            tools::calls_of(c).map_err(|e| Failure::bad(format!("messages: {e}")))?
+                        }
+                        (Some(_), _) => return Err(Failure::bad("messages: only assistant turns carry tool_calls")),
+                    };
+                    let (content, call_id) = (m.content.text()?, m.tool_call_id.clone());
+                    Ok(Turn { role, content, calls, call_id, tool: None })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            if turns.is_empty() {
+                return Err(Failure::bad("messages must not be empty"));
+            }
+            let options = req.knobs.prompt_options()?;
+            let (job, knobs, toolbox) = prepare(&*backend, &req.model, req.knobs, Kind::Chat, |text, toolbox| {
+                let prompt = tools::prompt(text, &turns, toolbox, &options).map_err(Failure::bad)?;
+                Ok(text.tokenize(&prompt, true))
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        if turns.is_empty() {
-            return Err(Failure::bad("messages must not be empty"));
+            .await?;
+            match toolbox {
+                Some(toolbox) => answer_with_tools(backend, job, knobs, toolbox).await,
+                None => answer(backend, job, knobs, Kind::Chat).await,
+            }
         }
-        let options = req.knobs.prompt_options()?;
-        let (job, knobs, toolbox) = prepare(&*backend, &req.model, req.knobs, Kind::Chat, |text, toolbox| {
-            let prompt = tools::prompt(text, &turns, toolbox, &options).map_err(Failure::bad)?;
-            Ok(text.tokenize(&prompt, true))
-        })
-        .await?;
-        match toolbox {
-            Some(toolbox) => answer_with_tools(backend, job, knobs, toolbox).await,
-            None => answer(backend, job, knobs, Kind::Chat).await,
-        }
+        .await;
+        r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
+    };
+    if streamed {
+        common::stream_when_slow(answer, Dialect::OpenAi).await
+    } else {
+        answer.await
     }
-    .await;
-    r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
 }
 
 /// `POST /v1/completions`: the prompt as is, no chat template.
 pub(crate) async fn completions<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
-    let r = async {
-        let req: CompletionRequest = common::parse(&body)?;
-        let prompt = match req.prompt {
-            Prompt::One(p) => p,
-            Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
-            Prompt::Many(_) => return Err(Failure::bad("prompt: one string per request")),
-        };
-        let (job, knobs, _) =
-            prepare(&*backend, &req.model, req.knobs, Kind::Text, |text, _| Ok(text.tokenize(&prompt, false))).await?;
-        answer(backend, job, knobs, Kind::Text).await
+    let streamed = common::wants_stream(&body);
+    let answer = async move {
+        let r = async {
+            let req: CompletionRequest = common::parse(&body)?;
+            let prompt = match req.prompt {
+                Prompt::One(p) => p,
+                Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
+                Prompt::Many(_) => return Err(Failure::bad("prompt: one string per request")),
+            };
+            let (job, knobs, _) =
+                prepare(&*backend, &req.model, req.knobs, Kind::Text, |text, _| Ok(text.tokenize(&prompt, false)))
+                    .await?;
+            answer(backend, job, knobs, Kind::Text).await
+        }
+        .await;
+        r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
+    };
+    if streamed {
+        common::stream_when_slow(answer, Dialect::OpenAi).await
+    } else {
+        answer.await
     }
-    .await;
-    r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
 }
 
 /// The model, its vocabulary, the prompt's tokens (by `tokens`, told the tools the
@@ -398,7 +417,7 @@ async fn answer<B: Backend>(backend: Arc<B>, job: Job, knobs: Knobs, kind: Kind)
     if knobs.stream {
         let usage = knobs.stream_options.is_some_and(|o| o.include_usage);
         let chunks = Chunks { id, created, model, kind, usage, scored, offset: Default::default() };
-        return Ok(Sse::new(sse(chunks, first, events)).into_response());
+        return Ok(Sse::new(sse(chunks, first, events)).keep_alive(common::keep_alive()).into_response());
     }
     let gen::Whole { text, thinking, logprobs, outcome } = gen::collect(first, &mut events).await?;
     let logprobs = if scored { logprobs_json(kind, &logprobs, 0) } else { Value::Null };

@@ -498,6 +498,61 @@ async fn a_request_waits_for_its_model_to_come_up_instead_of_a_503() {
     assert!(fake.loads.lock().unwrap().is_empty(), "a starting model is not loaded again");
 }
 
+/// A streamed request that waits longer than the grace (its model being placed again
+/// after a fault) gets its 200 at once and SSE comments while it waits, then its
+/// answer; one whose wait runs out gets the error as the stream's last event, in its
+/// API's shape. A proxy or client with a read timeout keeps the connection meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_stream_starts_with_comments_and_ends_with_its_answer_or_its_error() {
+    let (url, fake) = server().await;
+    *fake.wait.lock().unwrap() = Some(Duration::from_secs(60));
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let chat = format!("{url}/v1/chat/completions");
+    let body = json!({"model": "warming", "messages": msgs, "max_tokens": 3, "stream": true});
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = tokio::task::spawn_blocking(move || {
+        let mut r = agent().post(&chat).header("content-type", "application/json").send(body.to_string()).unwrap();
+        tx.send(r.status().as_u16()).unwrap();
+        r.body_mut().read_to_string().unwrap()
+    });
+    let status = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(30))).await.unwrap();
+    assert_eq!(status, Ok(200), "the answer started");
+    assert_eq!(fake.running.load(Ordering::SeqCst), 0, "started before the model came up");
+    fake.warmed.store(true, Ordering::SeqCst);
+    let text = reader.await.unwrap();
+    assert!(text.starts_with(": waiting for the model\n\n"), "{text}");
+    let data = sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+    assert!(data.iter().any(|d| d.contains("\"delta\"")), "the answer followed the comments: {text}");
+
+    // The wait runs out (a bound past the grace): the error ends the stream.
+    let (url, fake) = server().await;
+    *fake.wait.lock().unwrap() = Some(Duration::from_secs(4));
+    let (status, _, text) = post(
+        format!("{url}/v1/chat/completions"),
+        json!({"model": "warming", "messages": msgs, "max_tokens": 3, "stream": true}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(text.starts_with(": waiting for the model"), "{text}");
+    let last: Value = serde_json::from_str(sse_data(&text).last().unwrap()).unwrap();
+    assert!(last["error"]["message"].as_str().unwrap().contains("waited 4"), "{text}");
+    let (status, _, text) = post(
+        format!("{url}/v1/messages"),
+        json!({"model": "warming", "messages": msgs, "max_tokens": 3, "stream": true}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(text.contains("event: error\ndata: "), "{text}");
+    let last: Value = serde_json::from_str(sse_data(&text).last().unwrap()).unwrap();
+    assert_eq!(last["type"], "error", "{text}");
+
+    // A fast failure keeps its status.
+    let (status, _, _) =
+        post(format!("{url}/v1/chat/completions"), json!({"model": "nope", "messages": msgs, "stream": true})).await;
+    assert_eq!(status, 404);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_failure_has_its_status_and_its_apis_shape() {
     let (url, fake) = server().await;

@@ -170,6 +170,12 @@ pub enum NodeError {
 /// Everything that reaches the actor.
 enum Input {
     Member(NodeId, crate::core::Msg, SocketAddr),
+    /// A member opened a connection to this node from this address (its handshake
+    /// proved its key): where it is now.
+    Seen(NodeId, SocketAddr),
+    /// This machine's own addresses changed (DHCP renumbered it): the members that
+    /// dialled the old one must learn the new one.
+    Renumbered,
     Admin(AdminRequest, oneshot::Sender<AdminResponse>),
     Verified(PublicInfo, SocketAddr),
     /// A discovered unpaired node did not answer its hello (it is tried again when
@@ -524,6 +530,7 @@ pub async fn run_shared(
         actor.create()?;
     }
     tokio::spawn(accept_main(main.clone(), router, tx.clone()));
+    tokio::spawn(watch_addresses(tx.clone()));
     tokio::spawn(accept_join(open.clone(), tx, public, me));
     let r = actor.run(rx, found, inventory, shutdown).await;
     open.close();
@@ -851,30 +858,69 @@ impl Actor {
         Ok(())
     }
 
+    /// A member's handshake (or a message on a connection whose handshake did) came
+    /// from `addr`: that is where it is now. QUIC validated the path before moving a
+    /// connection to it, and only the member's key completes the handshake, so this
+    /// replaces the known address at once (a renumbered member is reached there by
+    /// every later dial: membership links, pipeline links, requests); an mDNS advert
+    /// alone, unauthenticated, only ever gives a hint (`on_discovery`).
+    fn seen_at(&self, from: NodeId, addr: SocketAddr) {
+        let addr = canonical(addr);
+        let mut addrs = lock(&self.addrs);
+        let known = addrs.insert(from, addr);
+        if known.is_some_and(|k| k != addr) {
+            tracing::info!(node = %from, old = ?known, new = %addr, "a member has moved");
+            lock(&self.hints).remove(&from);
+        }
+    }
+
+    /// This machine has new addresses: open a connection to every member from them, so
+    /// that each member's handshake check sees this node at its new address at once
+    /// (`Input::Seen`) instead of when its connections to the old one time out. The
+    /// connections this node opened itself move with it (QUIC migration).
+    fn announce_address(&self) {
+        let addrs = lock(&self.addrs).clone();
+        let members: Vec<NodeId> =
+            self.core.as_ref().map(|c| c.state().members.keys().copied().collect()).unwrap_or_default();
+        tracing::info!("this machine's addresses changed; telling the members");
+        for m in members.into_iter().filter(|m| *m != self.me) {
+            let Some(addr) = addrs.get(&m).copied() else { continue };
+            let main = self.main.clone();
+            tokio::spawn(async move {
+                // Retried a few times: the new address may still be settling (DAD).
+                for wait in [0u64, 500, 1000, 2000, 4000] {
+                    tokio::time::sleep(Duration::from_millis(wait)).await;
+                    let dial = tokio::time::timeout(Duration::from_secs(3), main.connect(addr, m, alpn::MEMBERSHIP));
+                    if let Ok(Ok(c)) = dial.await {
+                        c.close(0u32.into(), b"announced");
+                        return;
+                    }
+                }
+                tracing::debug!(node = %m, "could not tell a member this node's new address");
+            });
+        }
+    }
+
     fn on_input(&mut self, input: Input) -> Result<(), NodeError> {
         let now = self.now();
         match input {
             Input::Member(from, msg, addr) => {
-                if let Some(core) = self.core.as_mut() {
+                if self.core.is_some() {
                     // A member talks to us: it applied the state that admits us.
                     self.provisional = None;
-                    // The handshake proved `from` holds its key at `addr`: known, or a
-                    // candidate for when the known address stops working.
-                    let mut addrs = lock(&self.addrs);
-                    match addrs.get(&from) {
-                        None => {
-                            addrs.insert(from, addr);
-                        }
-                        Some(known) if *known != addr => {
-                            lock(&self.hints).insert(from, addr);
-                        }
-                        Some(_) => {}
-                    }
-                    drop(addrs);
+                    self.seen_at(from, addr);
+                }
+                if let Some(core) = self.core.as_mut() {
                     let actions = core.receive(now, from, msg);
                     self.execute(actions)?;
                 }
             }
+            Input::Seen(from, addr) => {
+                if self.core.as_ref().is_some_and(|c| c.state().members.contains_key(&from)) {
+                    self.seen_at(from, addr);
+                }
+            }
+            Input::Renumbered => self.announce_address(),
             Input::Admin(req, reply) => self.on_admin(req, reply)?,
             Input::VerifyFailed(node) => {
                 self.verifying.remove(&node);
@@ -1982,6 +2028,15 @@ async fn link_task(
         if conn.as_ref().is_some_and(|c| c.close_reason().is_some()) {
             conn = None;
         }
+        // The member moved (renumbered; `Actor::seen_at`): a connection to its old
+        // address would swallow messages until QUIC's idle timeout.
+        let moved = |c: &quinn::Connection| {
+            lock(&addrs).get(&to).is_some_and(|a| canonical(*a) != canonical(c.remote_address()))
+        };
+        if let Some(c) = conn.take_if(|c| moved(c)) {
+            tracing::info!(node = %to, "membership link: the member moved; connecting to its new address");
+            c.close(0u32.into(), b"you moved");
+        }
         if conn.is_none() {
             if Instant::now() < retry_at {
                 continue; // dropped: beats repeat, the protocol tolerates loss
@@ -2046,6 +2101,43 @@ async fn link_task(
     }
 }
 
+/// `addr` with an IPv4-mapped IPv6 address (a dual-stack socket's view of an IPv4
+/// peer) written as IPv4, so that one place compares equal to itself.
+pub fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+/// How often [`watch_addresses`] looks at this machine's addresses.
+const ADDRESS_CHECK: Duration = Duration::from_secs(1);
+
+/// Tell the actor when this machine's addresses change (a laptop back from sleep on a
+/// new DHCP lease): polled, because no portable change notification exists and a
+/// second's delay is small beside a reconnect. Ends with the actor.
+async fn watch_addresses(tx: mpsc::Sender<Input>) {
+    let current = || -> Option<BTreeSet<IpAddr>> {
+        let ifs = if_addrs::get_if_addrs().ok()?;
+        Some(ifs.into_iter().filter(|i| !i.is_loopback()).map(|i| i.ip()).collect())
+    };
+    let mut last = current();
+    loop {
+        tokio::time::sleep(ADDRESS_CHECK).await;
+        let now = current();
+        if now.is_none() || now == last {
+            continue;
+        }
+        // Only an address that is new counts: one going away (a link down) leaves
+        // nothing to tell, and the members keep dialling what they know.
+        let gained = match (&last, &now) {
+            (Some(before), Some(after)) => after.iter().any(|a| !before.contains(a)),
+            _ => false,
+        };
+        last = now;
+        if gained && tx.send(Input::Renumbered).await.is_err() {
+            return;
+        }
+    }
+}
+
 /// Accept connections on the main endpoint: membership and link probes from members,
 /// admin from the owner's CLI (which holds this node's own key) and, limited, from
 /// members; anything else is closed.
@@ -2067,6 +2159,9 @@ async fn accept_main(main: Arc<Node>, router: Router, tx: mpsc::Sender<Input>) {
             }
         }
         if acc.alpn == alpn::MEMBERSHIP && acc.peer != me {
+            if tx.send(Input::Seen(acc.peer, acc.conn.remote_address())).await.is_err() {
+                return;
+            }
             tokio::spawn(async move {
                 while let Ok(mut recv) = acc.conn.accept_uni().await {
                     match read_msg(&mut recv).await {

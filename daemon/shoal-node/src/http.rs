@@ -19,6 +19,10 @@ pub const HTTP_FILE: &str = "http";
 /// Positions per session of a model loaded by a first request.
 pub const DEFAULT_CONTEXT: u32 = 4096;
 
+/// How long a request that came before membership published its first view waits
+/// for it (a node's start takes well under a second).
+const STATE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The API's view of this node.
 pub struct NodeBackend {
     /// Placement, stages, generation.
@@ -33,7 +37,12 @@ pub struct NodeBackend {
 
 impl Backend for NodeBackend {
     async fn models(&self) -> Vec<ModelInfo> {
-        let view = self.rt.membership.view().borrow().clone();
+        // A node that has just (re)started serves HTTP a moment before membership has
+        // read its stored cluster state: answering then would say "catalog empty" (a
+        // 404) to a client whose model exists.
+        let mut rx = self.rt.membership.view();
+        let _ = tokio::time::timeout(STATE_WAIT, rx.wait_for(|v| v.listening.is_some())).await;
+        let view = rx.borrow().clone();
         let mut placements = runtime::placements(&view);
         let mut out = Vec::new();
         for entry in models::entries(&view) {

@@ -982,6 +982,13 @@ pub async fn generate(
     let mut checked = false;
     let mut last_reason = String::new();
     loop {
+        if made.len() > request.resume.len() && request.finished_by(&made) {
+            // Every token was made and passed on; the fault took only the report (it
+            // came between the last token and the end). The client has its answer; the
+            // logits digest of the steps is not known here (the API does not show it).
+            tracing::info!(made = made.len(), "the generation had ended when it was cut; not resumed");
+            return Ok(Report { tokens: made, ..Report::default() });
+        }
         let view = view_rx.borrow_and_update().clone();
         let name = models::entries(&view).into_iter().find(|e| e.content_hash == hash).map(|e| e.name);
         let Some(name) = name else {
@@ -1016,23 +1023,23 @@ pub async fn generate(
                 // QUIC's idle timeout closes the stream, seconds after the leader
                 // re-placed the model.)
                 let r = tokio::select! {
-                    r = run => Some(r),
-                    () = replaced(&mut view_rx, &hash, p.generation) => None,
+                    r = run => r,
+                    why = replaced(rt, &mut view_rx, &hash, p.generation, first.node, addr) => Err(why),
                 };
                 match r {
-                    Some(Ok(report)) => return Ok(report),
+                    Ok(report) => return Ok(report),
                     // A full queue is an answer, not a fault to ride out.
-                    Some(Err(shoal_pipeline::PipelineError::Busy(why))) if !interrupted => {
+                    Err(shoal_pipeline::PipelineError::Busy(why)) if !interrupted => {
                         return Err(ApiError::new(ErrorKind::Busy, format!("{name}: {why}")));
                     }
-                    Some(Err(e)) => e.to_string(),
-                    None => "the model was re-placed".to_string(),
+                    Err(e) => e.to_string(),
                 }
             }
-            (Some(e), _, _) if !interrupted => {
-                return Err(ApiError::new(ErrorKind::Unavailable, format!("{name} cannot be placed now: {e}")));
-            }
-            (Some(e), _, _) => e.clone(),
+            // The model was placed when the request came (the API waits for that);
+            // a member that went away since (WiFi, a lid) may be back in seconds and the
+            // leader places it again then: wait, as for an interrupted generation, up
+            // to the same bound, instead of refusing the request at once.
+            (Some(e), _, _) => format!("it cannot be placed now: {e}"),
             _ => "the coordinator's address is not known yet".to_string(),
         };
         if progress_at.elapsed() > RESUME_WINDOW {
@@ -1053,16 +1060,30 @@ pub async fn generate(
     }
 }
 
-/// Completes when the committed placement of `model` is no longer `generation` (a
-/// new one, or none). Never completes once the view is gone (the node is stopping).
-async fn replaced(view_rx: &mut watch::Receiver<View>, model: &str, generation: u64) {
+/// Completes, saying why, when the committed placement of `model` is no longer
+/// `generation` (a new one, or none), or when its coordinator `node` is no longer at
+/// `addr` (its machine was renumbered: the stream to the old address would end only
+/// at QUIC's idle timeout). Never completes once the view is gone (the node is
+/// stopping).
+async fn replaced(
+    rt: &Runtime,
+    view_rx: &mut watch::Receiver<View>,
+    model: &str,
+    generation: u64,
+    node: NodeId,
+    addr: SocketAddr,
+) -> shoal_pipeline::PipelineError {
     loop {
         if view_rx.changed().await.is_err() {
             return std::future::pending().await;
         }
-        let now = placements(&view_rx.borrow_and_update()).remove(model).map(|p| p.generation);
+        let view = view_rx.borrow_and_update().clone();
+        let now = placements(&view).remove(model).map(|p| p.generation);
         if now != Some(generation) {
-            return;
+            return shoal_pipeline::PipelineError::Stream("the model was re-placed".into());
+        }
+        if rt.addr_of(&view, node).is_some_and(|a| a != addr) {
+            return shoal_pipeline::PipelineError::Stream("the coordinator moved to a new address".into());
         }
     }
 }

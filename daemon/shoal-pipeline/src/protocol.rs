@@ -40,6 +40,13 @@ impl GenerateRequest {
     /// Refuse a request that cannot run within a context of `n_ctx` positions, or whose
     /// sampling parameters are malformed or out of bounds, with a message for the
     /// client. The coordinator calls this before anything reaches a stage.
+    /// Whether a generation that has made `made` is over: all `max_new` made, or the
+    /// last one is an end-of-generation token. A fault between its last token and its
+    /// report leaves nothing to resume (and resuming would make tokens past its end).
+    pub fn finished_by(&self, made: &[TokenId]) -> bool {
+        made.len() >= self.max_new as usize || made.last().is_some_and(|t| self.stop.contains(t))
+    }
+
     pub fn validate(&self, n_ctx: u32) -> Result<SamplingParams, String> {
         let params = sampling_params(&self.sampling).map_err(|e| format!("bad sampling parameters: {e}"))?;
         shoal_types::validate_generation(&params, self.prompt.len(), self.max_new, n_ctx).map_err(|e| e.to_string())?;

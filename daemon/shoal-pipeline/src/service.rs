@@ -13,6 +13,7 @@ use shoal_net::frame::HEADER_LEN;
 use shoal_net::{alpn, Dtype, Frame, FrameKind, FrameLimits, Incoming, Node, NodeId, Router};
 use shoal_types::{SessionId, Stage, StageError, StageInput, StageOutput};
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
@@ -726,7 +727,36 @@ enum Link {
     Frame(Frame, Instant),
     /// The next node restarted: its old connection is dead, connect again.
     Renew,
+    /// The next node is at this address now (its machine was renumbered): the
+    /// connection to the old one is dead, connect there.
+    Moved(SocketAddr),
 }
+
+/// The link task's next instruction: a frame or renewal from the event loop, or, while
+/// `connected`, news that the next node has moved (asked every [`MOVE_CHECK`]).
+async fn next_link(
+    frames: &mut mpsc::Receiver<Link>,
+    check: &mut tokio::time::Interval,
+    addresses: Option<&Addresses>,
+    peer: NodeId,
+    addr: SocketAddr,
+    connected: bool,
+) -> Option<Link> {
+    loop {
+        tokio::select! {
+            l = frames.recv() => return l,
+            _ = check.tick() => {
+                let moved = addresses.and_then(|a| a(peer)).filter(|a| *a != addr);
+                if let (Some(now), true) = (moved, connected) {
+                    return Some(Link::Moved(now));
+                }
+            }
+        }
+    }
+}
+
+/// How often an open link asks where its next node is.
+const MOVE_CHECK: Duration = Duration::from_millis(500);
 
 /// Sends frames to the next node over one ordered stream, reconnecting with jittered
 /// exponential backoff (from 5 ms up to 1 s) when the link is down — including at
@@ -744,29 +774,44 @@ async fn link_task(
     let mut connection: Option<quinn::Connection> = None;
     let mut pending: Option<Vec<u8>> = None;
     let mut backoff = Duration::from_millis(5);
+    // How often an open link asks where the next node is: its connection to an address
+    // the node no longer has would only end at QUIC's idle timeout.
+    let mut check = tokio::time::interval(MOVE_CHECK);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         // Set for a decode step's frame: when the link task took it, to time its write.
         let mut taken: Option<Instant> = None;
         let bytes = match pending.take() {
             Some(b) => b,
-            None => match frames.recv().await {
-                Some(Link::Frame(f, handed)) => {
-                    if is_step_frame(&f) {
-                        counters.steps.send_wait.add(handed.elapsed());
-                        taken = Some(Instant::now());
+            None => {
+                match next_link(&mut frames, &mut check, addresses.as_ref(), peer, addr, connection.is_some()).await {
+                    Some(Link::Moved(now)) => {
+                        tracing::info!(old = %addr, new = %now, "the next node has moved; connecting there");
+                        if let Some(c) = connection.take() {
+                            c.close(0u32.into(), b"you moved");
+                        }
+                        addr = now;
+                        stream = None;
+                        continue;
                     }
-                    length_prefixed(&f)
-                }
-                Some(Link::Renew) => {
-                    if let Some(c) = connection.take() {
-                        tracing::info!(%addr, "the next node restarted; connecting again");
-                        c.close(0u32.into(), b"you restarted");
+                    Some(Link::Frame(f, handed)) => {
+                        if is_step_frame(&f) {
+                            counters.steps.send_wait.add(handed.elapsed());
+                            taken = Some(Instant::now());
+                        }
+                        length_prefixed(&f)
                     }
-                    stream = None;
-                    continue;
+                    Some(Link::Renew) => {
+                        if let Some(c) = connection.take() {
+                            tracing::info!(%addr, "the next node restarted; connecting again");
+                            c.close(0u32.into(), b"you restarted");
+                        }
+                        stream = None;
+                        continue;
+                    }
+                    None => return,
                 }
-                None => return,
-            },
+            }
         };
         if stream.is_none() {
             if let Some(now) = addresses.as_ref().and_then(|a| a(peer)).filter(|a| *a != addr) {

@@ -31,6 +31,8 @@ pub struct Net {
     octets: Vec<u8>,
     /// Processes killed (and reaped) before the namespaces go.
     children: Vec<Child>,
+    /// The last octet [`Net::renumber`] gave (100: none yet).
+    last_given: u8,
 }
 
 /// Run `ip ARGS`.
@@ -56,6 +58,7 @@ impl Net {
             subnet: [10, 200 + (id % 50) as u8, ((id / 50) % 250) as u8],
             octets: (1..=n as u8).collect(),
             children: Vec::new(),
+            last_given: 100,
         };
         // From here on, `net` removes whatever was made if a later step fails.
         ip(&["netns", "add", &net.bridge])?;
@@ -100,7 +103,15 @@ impl Net {
     /// that comes back from sleep: the old one is gone at once (sockets bound to any
     /// address stay open and send from the new one). Returns it.
     pub fn renumber(&mut self, k: usize) -> Result<Ipv4Addr, NetnsError> {
-        let next = self.octets.iter().copied().max().unwrap_or(0).max(100) + 1;
+        // The next free octet after the last one given (101 to 254, round): a long
+        // soak renumbers hundreds of times and reuses what earlier renumbers gave up,
+        // the longest ago first, as a DHCP server does (an address freed a moment ago
+        // is still in the other hosts' neighbour caches).
+        let next = (0..154u16)
+            .map(|i| 101 + ((u16::from(self.last_given - 100) + i) % 154) as u8)
+            .find(|o| !self.octets.contains(o))
+            .ok_or_else(|| NetnsError("no free address left on the /24".into()))?;
+        self.last_given = next;
         let (old, v, host) = (self.addr(k), format!("v{k}"), self.hosts[k].clone());
         let in_host = |args: &[&str]| ip(&[&["netns", "exec", &host, "ip"], args].concat());
         self.octets[k] = next;

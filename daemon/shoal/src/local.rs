@@ -22,6 +22,12 @@ pub struct Lab {
     /// The namespace hosts, node `n<k>` on host `k`, when the nodes do not share
     /// loopback (dropped after the nodes are killed: fields drop after `drop`).
     net: Option<shoal_testnet::Net>,
+    /// Memory each node offers, MiB: a restarted node offers the same.
+    max_memory_mib: u64,
+    /// Where `n1` serves its API, if the caller chose.
+    api: Option<std::net::SocketAddr>,
+    /// Further `shoal serve` arguments of every node.
+    extra: Vec<String>,
 }
 
 impl Drop for Lab {
@@ -71,33 +77,11 @@ impl Lab {
         net: Option<shoal_testnet::Net>,
     ) -> Result<Lab> {
         let exe = crate::shoal_exe().context("locating the shoal binary")?;
-        let mut lab = Lab { exe, dir: tempfile::tempdir()?, nodes: Vec::new(), net };
+        let mut lab =
+            Lab { exe, dir: tempfile::tempdir()?, nodes: Vec::new(), net, max_memory_mib, api, extra: extra.to_vec() };
         for i in 0..n {
             let name = format!("n{i}");
-            let mut serve = lab.command(&name);
-            serve.arg("serve");
-            if lab.net.is_none() {
-                serve
-                    .args(["--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
-                    .arg("--http-listen")
-                    .arg(api.filter(|_| i == 1).map_or("127.0.0.1:0".to_string(), |a| a.to_string()));
-            }
-            let child = serve
-                .args(["--name", &name, "--max-memory", &format!("{max_memory_mib}M")])
-                // Several nodes share this machine: one thread each, as every bench's
-                // unsplit reference run uses.
-                .args(["--threads", "1"])
-                .args(extra)
-                .arg(if i == 0 { "--create-cluster" } else { "--no-create" })
-                .arg("--data-dir")
-                .arg(lab.dir(&name))
-                .stdout(Stdio::null())
-                .stderr(match std::env::var_os("SHOAL_BENCH_LOGS") {
-                    // Each node's log in that folder (RUST_LOG sets what it holds).
-                    Some(d) => Stdio::from(std::fs::File::create(PathBuf::from(d).join(format!("{name}.log")))?),
-                    None => Stdio::null(),
-                })
-                .spawn()?;
+            let child = lab.spawn(i, if i == 0 { "--create-cluster" } else { "--no-create" })?;
             lab.nodes.push((name.clone(), child));
             wait("the node up", 60, || Ok(lab.admin(&name, AdminRequest::Status).ok()))?;
             if i == 0 {
@@ -123,6 +107,75 @@ impl Lab {
             })
         })?;
         Ok(lab)
+    }
+
+    /// Start node `n<i>`'s `shoal serve` (`create` says whether it makes a cluster);
+    /// its log goes to `$SHOAL_BENCH_LOGS/n<i>.log` when set, appended across restarts.
+    fn spawn(&self, i: usize, create: &str) -> Result<Child> {
+        let name = format!("n{i}");
+        let mut serve = self.command(&name);
+        serve.arg("serve");
+        if self.net.is_none() {
+            serve
+                .args(["--listen", "127.0.0.1:0", "--join-listen", "127.0.0.1:0", "--mdns-allow", "lo"])
+                .arg("--http-listen")
+                .arg(self.api.filter(|_| i == 1).map_or("127.0.0.1:0".to_string(), |a| a.to_string()));
+        }
+        let log = match std::env::var_os("SHOAL_BENCH_LOGS") {
+            // Each node's log in that folder (RUST_LOG sets what it holds).
+            Some(d) => Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(PathBuf::from(d).join(format!("{name}.log")))?,
+            ),
+            None => Stdio::null(),
+        };
+        Ok(serve
+            .args(["--name", &name, "--max-memory", &format!("{}M", self.max_memory_mib)])
+            // Several nodes share this machine: one thread each, as every bench's
+            // unsplit reference run uses.
+            .args(["--threads", "1"])
+            .args(&self.extra)
+            .arg(create)
+            .arg("--data-dir")
+            .arg(self.dir(&name))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?)
+    }
+
+    /// Start node `name` again (after [`Lab::kill`]) from its data directory, as a
+    /// machine that rebooted does: it rejoins its cluster and its stages start again.
+    pub fn restart(&mut self, name: &str) -> Result<()> {
+        if self.nodes.iter().any(|(n, _)| n == name) {
+            bail!("{name} still runs");
+        }
+        let child = self.spawn(host_of(name), "--no-create")?;
+        self.nodes.push((name.to_string(), child));
+        Ok(())
+    }
+
+    /// Stop (`frozen`) or continue node `name`'s process (SIGSTOP/SIGCONT), as a laptop
+    /// lid does: its sockets and timers are stale when it wakes.
+    pub fn freeze(&self, name: &str, frozen: bool) -> Result<()> {
+        let pid = self.pid_of(name).with_context(|| format!("{name} does not run"))?;
+        let sig = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+        // SAFETY: kill(2) with a pid this lab spawned and has not reaped.
+        if unsafe { libc::kill(pid as libc::pid_t, sig) } != 0 {
+            bail!("signalling {name}: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// The namespace hosts, on a lab of hosts.
+    pub fn net(&self) -> Option<&shoal_testnet::Net> {
+        self.net.as_ref()
+    }
+
+    /// [`Lab::net`], to change it (renumber a host).
+    pub fn net_mut(&mut self) -> Option<&mut shoal_testnet::Net> {
+        self.net.as_mut()
     }
 
     pub fn dir(&self, name: &str) -> PathBuf {

@@ -171,3 +171,42 @@ fn mixed_faults_on_namespace_hosts_never_change_the_answer() {
         assert!(kinds[kind]["n"].as_u64().is_some_and(|n| n > 0), "no {kind} figure: {v}");
     }
 }
+
+/// `shoal-lab bench soak`, a few minutes of it: four plain `shoal serve` nodes on
+/// namespace hosts (the model placed by the leader), a client streaming through every
+/// node's own API, and one fault at a time from a seeded schedule (WiFi drops, loss
+/// bursts, lids, crashes with the leader's, renumbered hosts). No answer may differ
+/// from the one given before any fault, and no request may fail, but those whose own
+/// API node was killed under them (no server can finish those). The stall figures are
+/// the bench's to print (the hour-long run is pasted in docs/benchmarks.md); here they
+/// only have to exist and be sane.
+#[test]
+fn a_short_soak_through_the_api_changes_no_answer_and_fails_no_request() {
+    if !namespaces_available() {
+        return;
+    }
+    if !shoal_testnet::precondition::tool("nft", "--version", "nftables; scripts/setup.sh installs it") {
+        return;
+    }
+    model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let out =
+        run_leaving_no_namespace(&["bench", "soak", "--json", "--hours", "0.03", "--gap-s", "4", "--seed", "3"], "lab");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&text).unwrap();
+    eprintln!("{}", serde_json::to_string_pretty(&v).unwrap());
+    assert_eq!(v["answers_changed"], 0, "{v}");
+    assert_eq!(v["requests_failed"], 0, "{v}");
+    assert!(v["requests"].as_u64().is_some_and(|n| n >= 8), "too few requests to say anything: {v}");
+    assert!(v["tokens"].as_u64().is_some_and(|n| n >= 400), "{v}");
+    let faults = v["faults"].as_array().unwrap();
+    assert!(faults.len() >= 5, "only {} faults: {v}", faults.len());
+    let kinds: std::collections::BTreeSet<&str> = faults.iter().filter_map(|f| f["kind"].as_str()).collect();
+    assert!(kinds.len() >= 3, "the schedule should mix kinds: {kinds:?}");
+    for f in faults {
+        let t = &f["heal_to_token_max_s"];
+        assert!(t.is_null() || t.as_f64().is_some_and(|t| (0.0..120.0).contains(&t)), "{f}");
+    }
+    let longest = v["longest_stall_s"].as_f64().unwrap();
+    assert!((0.0..120.0).contains(&longest), "{v}");
+}

@@ -20,6 +20,7 @@ mod plan;
 mod reconnect;
 mod ring;
 mod serve;
+mod soak;
 mod speculative;
 mod zoo;
 
@@ -64,6 +65,10 @@ pub enum BenchCommand {
     /// unsplit: decode tok/s, time to first token of a long prompt, the API's cost per
     /// token, aggregate tok/s with 1, 2, 3 and 6 concurrent streams.
     Serve(serve::ServeArgs),
+    /// Hours of home WiFi: cluster nodes on namespace hosts, clients streaming through
+    /// every node's API, one fault at a time (WiFi drops, loss bursts, lids, crashes
+    /// with the leader's, renumbers): answers changed, requests failed, stalls per kind.
+    Soak(soak::SoakArgs),
     /// Speculative decoding: unsplit without vs with speculation vs split with it, on
     /// a repetitive prompt and a free-form one, on loopback and over a delayed link:
     /// decode tok/s, ratios, acceptance rate, mean k, per-token overhead.
@@ -154,6 +159,7 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Load(a) => node::load(a),
         BenchCommand::Replace(a) => node::replace(a),
         BenchCommand::Serve(a) => serve::serve(a),
+        BenchCommand::Soak(a) => soak::soak(a),
         BenchCommand::Zoo(a) => zoo::zoo(a),
         BenchCommand::Speculative(a) => speculative::speculative(a),
     }
