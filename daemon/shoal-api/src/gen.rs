@@ -216,6 +216,8 @@ async fn run<B: Backend>(backend: Arc<B>, job: Job, events: mpsc::Sender<Event>)
             None => backend.speculation(),
         }
         .map(|s| backend.fit_speculation(&job.model, s)),
+        // The node that runs it tags it (for its resumptions).
+        tag: None,
     };
     let (token_tx, mut tokens) = mpsc::unbounded_channel();
     let generation = backend.generate(&job.model, request, token_tx);

@@ -235,6 +235,7 @@ fn inputs(view: &View) -> Inputs {
             .filter_map(|(k, v)| Some((k.parse().ok()?, v)))
             .collect(),
         probing: BTreeSet::new(),
+        returning: BTreeSet::new(),
         index: view.state.as_ref().map_or(0, |s| s.version.index),
     }
 }
@@ -258,13 +259,32 @@ pub async fn lead(rt: Arc<Runtime>) {
     let mut probe_now: Option<NodeId> = None;
     let mut probed: BTreeMap<NodeId, tokio::time::Instant> = BTreeMap::new();
     let (probe_tx, mut probe_rx) = tokio::sync::mpsc::unbounded_channel::<(NodeId, Result<(), String>)>();
+    // Members seen down, and since when (as this node saw them go): within
+    // DOWN_GRACE a placement with no spare waits for them.
+    let mut down_since: BTreeMap<NodeId, tokio::time::Instant> = BTreeMap::new();
     loop {
         let v = view.borrow_and_update().clone();
+        // When the earliest grace ends: the placements are looked at again then.
+        let mut grace_ends: Option<tokio::time::Instant> = None;
         // Models a fresh plan would beat clearly: re-planned only once idle, so their
         // coordinators are asked, and asked again a little later while they are busy.
         let mut waiting_for_idle = false;
         if v.leader == Some(rt.me) && v.state.is_some() {
             let mut i = inputs(&v);
+            let now = tokio::time::Instant::now();
+            down_since.retain(|n, _| !v.alive.contains(n));
+            for m in &i.members {
+                if !m.alive {
+                    down_since.entry(m.id).or_insert(now);
+                }
+            }
+            for (n, since) in &down_since {
+                let ends = *since + schedule::DOWN_GRACE;
+                if ends > now {
+                    i.returning.insert(*n);
+                    grace_ends = Some(grace_ends.map_or(ends, |e| e.min(ends)));
+                }
+            }
             answered.retain(|k, _| !i.speeds.contains_key(k));
             i.speeds.extend(answered.iter().map(|(k, s)| (k.clone(), s.clone())));
             failed.retain(|_, at| at.elapsed() < MEASURE_RETRY);
@@ -335,10 +355,10 @@ pub async fn lead(rt: Arc<Runtime>) {
             }
         }
         let recheck = async {
-            if waiting_for_idle {
-                tokio::time::sleep(IDLE_RECHECK).await;
-            } else {
-                std::future::pending::<()>().await;
+            let idle = waiting_for_idle.then(|| tokio::time::Instant::now() + IDLE_RECHECK);
+            match idle.into_iter().chain(grace_ends).min() {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending::<()>().await,
             }
         };
         tokio::select! {
@@ -977,6 +997,17 @@ pub async fn generate(
         let catalog = models::entries(&view);
         models::find(&catalog, model)?.content_hash.clone()
     };
+    // Tagged once: each resumption ends what is left of the attempt before it.
+    let tag = request.tag.unwrap_or_else(|| {
+        let mut b = [0u8; 8];
+        // Without randomness the tag is the clock's: any value works, the coordinator
+        // matches tags of this node's generations only.
+        getrandom::getrandom(&mut b).map_or_else(
+            |_| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64),
+            |()| u64::from_le_bytes(b),
+        )
+    });
+    let request = &GenerateRequest { tag: Some(tag), ..request.clone() };
     let mut made = request.resume.clone();
     let mut progress_at = tokio::time::Instant::now();
     let mut checked = false;

@@ -14,6 +14,13 @@
 //!   theirs in their cache, so the model serves again sooner and moves fewer bytes than
 //!   after a plan from scratch (which may give every node a new layer range). A full
 //!   re-plan happens when no spare can take a lost stage.
+//! - A placement that lost only members that may come back ([`Inputs::returning`]:
+//!   down for less than [`DOWN_GRACE`]) and that no spare can repair is kept as it is:
+//!   a closed lid, a WiFi drop or a restart costs the other stages nothing, and when
+//!   the member is back the ring goes on where it stopped, its caches intact. Tearing
+//!   it down (a plan from scratch that cannot place the model) would stop every stage,
+//!   and the member's return would reload them all and recompute every generation.
+//!   After the grace the plan from scratch is committed (and says why).
 //! - A working placement is re-planned for speed only when a fresh plan predicts at
 //!   least [`REPLAN_GAIN`] times its decode speed (a bigger or faster machine joined)
 //!   *and* the model is idle: no generation running or queued at its coordinator (the
@@ -41,6 +48,11 @@ pub const CHUNK: u32 = 128;
 /// placement before an idle model is moved to it: 25%, well above the planner's
 /// estimation noise, so that placements do not flap between near-equal plans.
 pub const REPLAN_GAIN: f64 = 1.25;
+
+/// How long a placement waits for a member that went down when nothing else can take
+/// its stage: about the ring's own no-progress bound (`RetryPolicy::max_wait`), so a
+/// generation caught by it still finishes when the member is back in time.
+pub const DOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// A member as the scheduler sees it.
 #[derive(Clone, Debug, PartialEq)]
@@ -83,6 +95,10 @@ pub struct Inputs {
     /// Members whose link probe the leader asked for (or queued) and awaits: no model
     /// is planned from scratch meanwhile.
     pub probing: BTreeSet<NodeId>,
+    /// Members down for less than [`DOWN_GRACE`] as the leader saw them go: a
+    /// placement that lost only such members, and that no spare can repair, waits for
+    /// them.
+    pub returning: BTreeSet<NodeId>,
     /// The cluster state's change index now. New placements take a generation above
     /// it, so a generation is never used twice for a model, even after an unload
     /// (a node that missed the unload must not keep serving an old stage as the new).
@@ -158,6 +174,13 @@ pub fn schedule(inputs: &Inputs) -> Vec<Decision> {
         let generation = previous.map_or(0, |p| p.generation).max(inputs.index) + 1;
         let next = match previous.and_then(|p| repair(inputs, p, load, &alive, &busy, generation)) {
             Some(repaired) => repaired,
+            // Waiting for its members to come back (nothing to commit meanwhile).
+            None if previous.is_some_and(|p| waits_for_return(inputs, p, load, &alive)) => {
+                for s in previous.map_or(&[][..], |p| &p.stages) {
+                    busy.insert(s.node, model);
+                }
+                continue;
+            }
             // Planned once the members' speeds are in.
             None if measuring(inputs, model) => continue,
             None => place(inputs, load, &alive, &busy, generation),
@@ -234,6 +257,22 @@ fn still_good(inputs: &Inputs, p: &ModelPlacement, load: &LoadSpec, alive: &BTre
         && p.context == load.context
         && p.sessions == load.sessions
         && p.stages.iter().all(|s| alive.contains(&s.node) && !load.exclude.contains(&s.node))
+}
+
+/// Whether placement `p`, which no spare can repair, should wait for its members:
+/// it serves `load` as it is, and each of its nodes is alive or down for less than
+/// [`DOWN_GRACE`] (not excluded, not gone from the cluster).
+fn waits_for_return(inputs: &Inputs, p: &ModelPlacement, load: &LoadSpec, alive: &BTreeSet<NodeId>) -> bool {
+    let Some(entry) = inputs.catalog.get(&load.model) else { return false };
+    !p.stages.is_empty()
+        && p.is_valid(entry.n_layer)
+        && p.context == load.context
+        && p.sessions == load.sessions
+        && p.stages.iter().all(|s| {
+            !load.exclude.contains(&s.node)
+                && (alive.contains(&s.node) || inputs.returning.contains(&s.node))
+                && inputs.members.iter().any(|m| m.id == s.node)
+        })
 }
 
 /// `p` with every stage on a down or excluded node moved, layers unchanged, to a live
@@ -688,6 +727,7 @@ mod tests {
             measuring: BTreeSet::new(),
             links: BTreeMap::new(),
             probing: BTreeSet::new(),
+            returning: BTreeSet::new(),
             index: 0,
         }
     }
@@ -981,6 +1021,47 @@ mod tests {
         step(&mut i);
         assert_eq!(placed(&i).stages.len(), 3);
         assert!(placed(&i).generation > p.generation);
+    }
+
+    #[test]
+    fn a_placement_with_no_spare_waits_for_a_member_that_may_come_back_then_says_why() {
+        let mut i = inputs(&[90 * MB, 90 * MB, 90 * MB]);
+        step(&mut i);
+        let before = placed(&i).clone();
+        assert_eq!(before.stages.len(), 3);
+        // A lid closes on node 3: down, within the grace. Nothing changes, however
+        // often the leader asks.
+        i.members[2].alive = false;
+        i.returning.insert(id(3));
+        assert!(schedule(&i).is_empty(), "{:?}", schedule(&i));
+        // Its nodes stay taken: another model is not planned onto them meanwhile.
+        let (entry, profile) = model(2);
+        i.catalog.insert(hash(2), entry);
+        i.profiles.insert(hash(2), profile);
+        i.loads.push(LoadSpec { model: hash(2), context: 256, sessions: 1, exclude: vec![] });
+        i.members.push(member(4, 300 * MB));
+        // (Not a spare for the first: the owner keeps it off that model.)
+        i.loads[0].exclude = vec![id(4)];
+        step(&mut i);
+        let other = &i.placements[&hash(2)];
+        assert!(other.stages.iter().all(|s| s.node == id(4)), "{:?}", other.stages);
+        assert_eq!(placed(&i), &before);
+        // Back: the same placement runs on, no new generation.
+        i.members[2].alive = true;
+        i.returning.clear();
+        assert!(schedule(&i).is_empty());
+        // Down past the grace: planned from scratch, which cannot place it, and says so.
+        i.members[2].alive = false;
+        step(&mut i);
+        let p = placed(&i);
+        assert!(p.stages.is_empty() && p.error.as_deref().is_some_and(|e| e.contains("does not fit")), "{p:?}");
+        // A member that was removed from the cluster is not waited for either.
+        let mut i = inputs(&[90 * MB, 90 * MB, 90 * MB]);
+        step(&mut i);
+        i.members.remove(2);
+        i.returning.insert(id(3));
+        step(&mut i);
+        assert!(placed(&i).stages.is_empty());
     }
 
     #[test]

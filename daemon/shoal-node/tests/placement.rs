@@ -266,6 +266,7 @@ fn request(max_new: u32) -> GenerateRequest {
         sampling: serde_json::json!({}),
         resume: vec![],
         speculative: None,
+        tag: None,
     }
 }
 

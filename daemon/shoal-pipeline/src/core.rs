@@ -71,6 +71,11 @@ pub enum Input {
     /// because that stage said it lost the session is left to finish its replay (the
     /// announcement can come after the `Lost`, when the stage's link was down).
     StageStarted(usize),
+    /// The ring's link into this node was connected anew after its connection closed
+    /// (an outage past QUIC's idle timeout, or the previous node's restart): what was
+    /// in flight on the old connection is gone, so every generation's awaited step is
+    /// re-driven now rather than at its deadline (coordinator only).
+    LinkRenewed,
 }
 
 /// A stage's result, in the core's terms.
@@ -560,6 +565,13 @@ impl NodeCore {
             Input::StageStarted(k) => {
                 let drivers = self.sessions.values_mut().filter_map(|s| s.driver.as_mut());
                 for d in drivers.filter(|d| d.replaying_for != Some(k)) {
+                    d.deadline = d.deadline.min(now);
+                    d.backoff = 0;
+                }
+                self.on_tick(now, &mut out)
+            }
+            Input::LinkRenewed => {
+                for d in self.sessions.values_mut().filter_map(|s| s.driver.as_mut()) {
                     d.deadline = d.deadline.min(now);
                     d.backoff = 0;
                 }
@@ -1532,6 +1544,7 @@ mod tests {
             sampling,
             resume: vec![],
             speculative: None,
+            tag: None,
         }
     }
 

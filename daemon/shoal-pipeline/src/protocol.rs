@@ -34,12 +34,18 @@ pub struct GenerateRequest {
     /// requests that ask for log-probabilities.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub speculative: Option<SpecSettings>,
+    /// A number the client picks for the generation and sends again when it resumes
+    /// it: the coordinator ends a generation with the same tag from the same node that
+    /// still runs before it admits the resumption. A client that lost its connection
+    /// (the coordinator's address changed, or a link was out past the idle timeout)
+    /// resumes at once, while the coordinator may learn that the old stream is dead
+    /// only at QUIC's idle timeout; meanwhile the old generation would hold a session
+    /// and keep the resumption waiting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<u64>,
 }
 
 impl GenerateRequest {
-    /// Refuse a request that cannot run within a context of `n_ctx` positions, or whose
-    /// sampling parameters are malformed or out of bounds, with a message for the
-    /// client. The coordinator calls this before anything reaches a stage.
     /// Whether a generation that has made `made` is over: all `max_new` made, or the
     /// last one is an end-of-generation token. A fault between its last token and its
     /// report leaves nothing to resume (and resuming would make tokens past its end).
@@ -47,6 +53,9 @@ impl GenerateRequest {
         made.len() >= self.max_new as usize || made.last().is_some_and(|t| self.stop.contains(t))
     }
 
+    /// Refuse a request that cannot run within a context of `n_ctx` positions, or whose
+    /// sampling parameters are malformed or out of bounds, with a message for the
+    /// client. The coordinator calls this before anything reaches a stage.
     pub fn validate(&self, n_ctx: u32) -> Result<SamplingParams, String> {
         let params = sampling_params(&self.sampling).map_err(|e| format!("bad sampling parameters: {e}"))?;
         shoal_types::validate_generation(&params, self.prompt.len(), self.max_new, n_ctx).map_err(|e| e.to_string())?;

@@ -52,11 +52,12 @@ pub struct ServiceConfig {
 pub type Addresses = Arc<dyn Fn(NodeId) -> Option<std::net::SocketAddr> + Send + Sync>;
 
 /// How long one connection attempt to the next node may take: a LAN handshake takes
-/// milliseconds, one that lost its first packets two retries (~1 s: see the endpoint's
-/// initial RTT); an attempt made while the link was down, or to an address nobody
-/// answers at any more (the node was renumbered), would otherwise wait out its backed-
-/// off retries or QUIC's idle timeout before a fresh one goes out.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// milliseconds, one that lost its first packets two retries (0.3 and 0.9 s: see the
+/// endpoint's initial RTT); an attempt made while the link was down, or to an address
+/// nobody answers at any more (the node was renumbered), would otherwise wait out its
+/// backed-off retries (the next at 2.1 s) or QUIC's idle timeout before a fresh one
+/// goes out, so the link would come up seconds after the network did.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(1200);
 
 /// Keep-alive window when it is on: longer than a token's trip round a home pipeline
 /// (so it holds between tokens of a generation), short enough that a node stops
@@ -103,6 +104,8 @@ enum Event {
     Status(tokio::sync::oneshot::Sender<NodeStatus>),
     /// This node (authenticated as the key) has just started ([`ControlRequest::Started`]).
     Started(NodeId),
+    /// The previous stage connected again after its link's connection closed.
+    LinkRenewed,
 }
 
 /// What a control task needs to compute a generation's start ([`Prepared::new`]) on a
@@ -112,6 +115,48 @@ struct Starts {
     drafts: Option<Arc<dyn shoal_types::speculative::DraftSource>>,
     n_ctx: u32,
     chunk: u32,
+    /// The tagged generations running here, so that a resumption ends its old attempt.
+    running: Running,
+}
+
+/// Tagged generations running at this coordinator, by client node and tag
+/// ([`GenerateRequest::tag`]): a serial (which registration) and what tells it to end.
+#[derive(Default)]
+struct Running(std::sync::Mutex<HashMap<(NodeId, u64), (u64, Arc<tokio::sync::Notify>)>>);
+
+impl Running {
+    /// Register the generation `key`; one still running under the same key is told to
+    /// end (its client has given up on it and resumes with this one).
+    fn enter(&self, key: (NodeId, u64)) -> Entered<'_> {
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let end = Arc::new(tokio::sync::Notify::new());
+        // A panic elsewhere while holding the lock leaves a map that is still whole.
+        let mut map = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, old)) = map.insert(key, (serial, end.clone())) {
+            // Stored if the old one is not waiting right now: it ends when it looks.
+            old.notify_one();
+        }
+        Entered { running: self, key, serial, end }
+    }
+}
+
+/// A registration in [`Running`], removed when dropped (unless a newer one took the key).
+struct Entered<'a> {
+    running: &'a Running,
+    key: (NodeId, u64),
+    serial: u64,
+    /// Notified when a resumption of the same generation arrived.
+    end: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        let mut map = self.running.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.get(&self.key).is_some_and(|(serial, _)| *serial == self.serial) {
+            map.remove(&self.key);
+        }
+    }
 }
 
 /// A control client waiting for its generation's events, as the event loop holds it.
@@ -234,7 +279,12 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     let prev = placement.prev(index).node;
     let incoming = (router.route(alpn::PIPELINE), router.route(alpn::CONTROL));
     let admission = Arc::new(Admission::new(info.max_sessions as usize));
-    let starts = Arc::new(Starts { drafts: drafts.clone(), n_ctx: info.n_ctx_per_session, chunk: info.chunk });
+    let starts = Arc::new(Starts {
+        drafts: drafts.clone(),
+        n_ctx: info.n_ctx_per_session,
+        chunk: info.chunk,
+        running: Running::default(),
+    });
     tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone(), admission.clone(), starts));
     if index != 0 {
         let (prev, coordinator) = (placement.prev(index).clone(), placement.stages[0].clone());
@@ -282,6 +332,8 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
         if let (Some(k), Event::Frame(..) | Event::Ran(..) | Event::Generate(..)) = (&awake, &ev) {
             k.touch();
         }
+        // Generations whose clients' tasks have ended, cancelled before the next input.
+        let mut gone: Vec<Input> = Vec::new();
         let input = match ev {
             Event::Frame(f, decoded) => {
                 tracing::trace!(kind = ?f.kind, step = f.step, epoch = f.epoch, "frame in");
@@ -307,6 +359,16 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
             }
             Event::Input(i) => i,
             Event::Generate(req, client, prepared) => {
+                // A client whose task ended (its stream failed, or a resumption took
+                // its place) is cancelled before this one starts, so its session's
+                // Close goes round the ring ahead of this one's Open.
+                clients.retain(|id, c| {
+                    let closed = c.events.is_closed();
+                    if closed {
+                        gone.push(Input::Cancel(*id));
+                    }
+                    !closed
+                });
                 next_client += 1;
                 clients.insert(next_client, client);
                 match prepared {
@@ -356,8 +418,15 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                 tracing::info!(%peer, stage = k, "a stage has restarted; re-driving now");
                 Input::StageStarted(k)
             }
+            Event::LinkRenewed if coordinator => {
+                tracing::info!("the ring's link into the coordinator is up again; re-driving now");
+                Input::LinkRenewed
+            }
+            Event::LinkRenewed => continue,
         };
+        // Last in, first handled: the cancellations go before the input.
         let mut pending = vec![input];
+        pending.extend(gone);
         let mut inline_runs = 0u32;
         // A client's queue is half full: let its writer run before the next turn (with
         // a fast stage the next event is always ready and the loop would not wait).
@@ -721,7 +790,7 @@ fn is_step_frame(f: &Frame) -> bool {
     }
 }
 
-/// What the event loop hands the link task.
+/// What the event loop hands the link task (and what the link task tells itself).
 enum Link {
     /// A frame for the next node, and when the event loop handed it over.
     Frame(Frame, Instant),
@@ -730,24 +799,49 @@ enum Link {
     /// The next node is at this address now (its machine was renumbered): the
     /// connection to the old one is dead, connect there.
     Moved(SocketAddr),
+    /// The link task's own: its connection closed under it (QUIC's idle timeout after
+    /// a long outage, or the next node's reset): connect again now, before the
+    /// coordinator's next re-drive needs the link.
+    Lost,
+    /// The link task's own: time for the next attempt to connect again.
+    Redial,
 }
 
-/// The link task's next instruction: a frame or renewal from the event loop, or, while
-/// `connected`, news that the next node has moved (asked every [`MOVE_CHECK`]).
+/// The link task's next instruction: a frame or renewal from the event loop; while
+/// `connection` is open, news that the next node has moved (asked every
+/// [`MOVE_CHECK`]) or that the connection closed; after `redial_in`, another try to
+/// connect.
 async fn next_link(
     frames: &mut mpsc::Receiver<Link>,
     check: &mut tokio::time::Interval,
     addresses: Option<&Addresses>,
-    peer: NodeId,
-    addr: SocketAddr,
-    connected: bool,
+    (peer, addr): (NodeId, SocketAddr),
+    connection: Option<&quinn::Connection>,
+    redial_in: Option<Duration>,
 ) -> Option<Link> {
+    let closed = async {
+        match connection {
+            Some(c) => {
+                c.closed().await;
+            }
+            None => std::future::pending().await,
+        }
+    };
+    let redial = async {
+        match redial_in {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(closed, redial);
     loop {
         tokio::select! {
             l = frames.recv() => return l,
+            () = &mut closed => return Some(Link::Lost),
+            () = &mut redial => return Some(Link::Redial),
             _ = check.tick() => {
                 let moved = addresses.and_then(|a| a(peer)).filter(|a| *a != addr);
-                if let (Some(now), true) = (moved, connected) {
+                if let (Some(now), true) = (moved, connection.is_some()) {
                     return Some(Link::Moved(now));
                 }
             }
@@ -758,9 +852,13 @@ async fn next_link(
 /// How often an open link asks where its next node is.
 const MOVE_CHECK: Duration = Duration::from_millis(500);
 
+/// Longest wait between two tries to connect to the next node.
+const MAX_LINK_BACKOFF: Duration = Duration::from_millis(500);
+
 /// Sends frames to the next node over one ordered stream, reconnecting with jittered
-/// exponential backoff (from 5 ms up to 1 s) when the link is down — including at
-/// startup, when the next node may not be listening yet.
+/// exponential backoff (from 5 ms up to [`MAX_LINK_BACKOFF`]) when the link is down —
+/// including at startup, when the next node may not be listening yet, and as soon as
+/// a connection closes, not only when the next frame finds it closed.
 async fn link_task(
     node: Arc<Node>,
     next: crate::StagePlace,
@@ -774,17 +872,24 @@ async fn link_task(
     let mut connection: Option<quinn::Connection> = None;
     let mut pending: Option<Vec<u8>> = None;
     let mut backoff = Duration::from_millis(5);
+    // Set while the link is down with no frame to send: when to try again.
+    let mut redial: Option<Duration> = None;
     // How often an open link asks where the next node is: its connection to an address
     // the node no longer has would only end at QUIC's idle timeout.
     let mut check = tokio::time::interval(MOVE_CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let jittered = |backoff: Duration| {
+        backoff + Duration::from_micros(u64::from(rand_u32() % 1000) * backoff.as_micros() as u64 / 2000)
+    };
     loop {
         // Set for a decode step's frame: when the link task took it, to time its write.
         let mut taken: Option<Instant> = None;
         let bytes = match pending.take() {
-            Some(b) => b,
+            Some(b) => Some(b),
             None => {
-                match next_link(&mut frames, &mut check, addresses.as_ref(), peer, addr, connection.is_some()).await {
+                match next_link(&mut frames, &mut check, addresses.as_ref(), (peer, addr), connection.as_ref(), redial)
+                    .await
+                {
                     Some(Link::Moved(now)) => {
                         tracing::info!(old = %addr, new = %now, "the next node has moved; connecting there");
                         if let Some(c) = connection.take() {
@@ -792,6 +897,7 @@ async fn link_task(
                         }
                         addr = now;
                         stream = None;
+                        redial = Some(Duration::ZERO);
                         continue;
                     }
                     Some(Link::Frame(f, handed)) => {
@@ -799,7 +905,7 @@ async fn link_task(
                             counters.steps.send_wait.add(handed.elapsed());
                             taken = Some(Instant::now());
                         }
-                        length_prefixed(&f)
+                        Some(length_prefixed(&f))
                     }
                     Some(Link::Renew) => {
                         if let Some(c) = connection.take() {
@@ -807,8 +913,19 @@ async fn link_task(
                             c.close(0u32.into(), b"you restarted");
                         }
                         stream = None;
+                        redial = Some(Duration::ZERO);
                         continue;
                     }
+                    Some(Link::Lost) => {
+                        tracing::info!(%addr, "the link to the next stage closed; connecting again");
+                        connection = None;
+                        stream = None;
+                        backoff = Duration::from_millis(5);
+                        redial = Some(Duration::ZERO);
+                        continue;
+                    }
+                    // A try to connect with no frame to send (below).
+                    Some(Link::Redial) => None,
                     None => return,
                 }
             }
@@ -818,22 +935,20 @@ async fn link_task(
                 tracing::info!(old = %addr, new = %now, "the next node has moved");
                 addr = now;
             }
-            let attempt = tokio::time::timeout(CONNECT_TIMEOUT, node.connect(addr, peer, alpn::PIPELINE)).await;
-            match attempt.map_err(|_| "timed out".to_string()).and_then(|c| c.map_err(|e| e.to_string())) {
-                Ok(conn) => match conn.open_uni().await {
-                    Ok(s) => {
-                        tokio::spawn(read_refusals(conn.clone(), counters.clone()));
-                        connection = Some(conn);
-                        backoff = Duration::from_millis(5);
-                        stream = Some(s);
-                        counters.link_connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        tracing::info!(%addr, "link to the next stage up");
-                    }
-                    Err(e) => tracing::debug!(%addr, "open stream: {e}"),
-                },
-                Err(e) => tracing::debug!(%addr, "connect: {e}"),
+            if let Some((conn, s)) = dial(&node, addr, peer, &counters).await {
+                connection = Some(conn);
+                stream = Some(s);
+                backoff = Duration::from_millis(5);
             }
         }
+        redial = None;
+        let Some(bytes) = bytes else {
+            if stream.is_none() {
+                redial = Some(jittered(backoff));
+                backoff = (backoff * 2).min(MAX_LINK_BACKOFF);
+            }
+            continue;
+        };
         let ok = match stream.as_mut() {
             Some(s) => s.write_all(&bytes).await.is_ok(),
             None => false,
@@ -843,10 +958,67 @@ async fn link_task(
         }
         if !ok {
             stream = None;
+            connection = None;
             pending = Some(bytes);
-            let jitter = Duration::from_micros(u64::from(rand_u32() % 1000) * backoff.as_micros() as u64 / 2000);
-            tokio::time::sleep(backoff + jitter).await;
-            backoff = (backoff * 2).min(Duration::from_secs(1));
+            tokio::time::sleep(jittered(backoff)).await;
+            backoff = (backoff * 2).min(MAX_LINK_BACKOFF);
+        }
+    }
+}
+
+/// One try to connect to the next node and open the frames' stream, within
+/// [`CONNECT_TIMEOUT`]. The connection gets its refusal reader and its heartbeat.
+async fn dial(
+    node: &Node,
+    addr: SocketAddr,
+    peer: NodeId,
+    counters: &Arc<ShellCounters>,
+) -> Option<(quinn::Connection, quinn::SendStream)> {
+    let attempt = tokio::time::timeout(CONNECT_TIMEOUT, node.connect(addr, peer, alpn::PIPELINE)).await;
+    let conn = match attempt.map_err(|_| "timed out".to_string()).and_then(|c| c.map_err(|e| e.to_string())) {
+        Ok(conn) => conn,
+        Err(e) => {
+            tracing::debug!(%addr, "connect: {e}");
+            return None;
+        }
+    };
+    match conn.open_uni().await {
+        Ok(s) => {
+            tokio::spawn(read_refusals(conn.clone(), counters.clone()));
+            tokio::spawn(heartbeat(conn.clone()));
+            counters.link_connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!(%addr, "link to the next stage up");
+            Some((conn, s))
+        }
+        Err(e) => {
+            tracing::debug!(%addr, "open stream: {e}");
+            None
+        }
+    }
+}
+
+/// How often a link's sender sends its heartbeat.
+pub const HEARTBEAT: Duration = Duration::from_millis(250);
+
+/// Sends a one-byte datagram every [`HEARTBEAT`] while `conn` is open. Frames flow one
+/// way on a link, and QUIC resends unanswered packets after probe timeouts that double
+/// each time: after a link was out for 4 s its sender would wait up to ~4 s more before
+/// it tried again, and the receiver, with nothing to send, never asks. A packet every
+/// beat is answered by an ACK as soon as the link is back, which makes the sender
+/// declare the frames lost and resend them at once. (The connection still dies at the
+/// idle timeout when nothing comes back: QUIC's idle timer restarts on what is
+/// received.)
+async fn heartbeat(conn: quinn::Connection) {
+    let mut beat = tokio::time::interval(HEARTBEAT);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = beat.tick() => {}
+            _ = conn.closed() => return,
+        }
+        // A peer that takes no datagrams (or a closed connection) ends the heartbeat.
+        if conn.send_datagram(bytes::Bytes::from_static(&[0])).is_err() {
+            return;
         }
     }
 }
@@ -901,6 +1073,8 @@ async fn accept_task(
     admission: Arc<Admission>,
     starts: Arc<Starts>,
 ) {
+    // Whether the previous stage has connected before.
+    let mut renewed = false;
     loop {
         let acc = tokio::select! {
             a = pipeline.accept() => a,
@@ -916,6 +1090,12 @@ async fn accept_task(
                 acc.conn.close(1u32.into(), b"not the previous stage");
                 continue;
             }
+            // A second connection from the same stage means the first closed, with
+            // whatever it carried.
+            if renewed {
+                let _ = events.send(Event::LinkRenewed).await;
+            }
+            renewed = true;
             tokio::spawn(read_frames(acc.conn, limits, events, counters.clone()));
         } else if acc.alpn == alpn::CONTROL {
             tokio::spawn(serve_control(
@@ -941,6 +1121,9 @@ async fn read_frames(
 ) {
     let max = HEADER_LEN + (limits.max_tokens as usize * limits.n_embd as usize * 4).max(limits.max_message as usize);
     let mut refusals = 0u32;
+    // The sender's heartbeats carry nothing: read and dropped, so they never queue.
+    let beats = conn.clone();
+    tokio::spawn(async move { while beats.read_datagram().await.is_ok() {} });
     while let Ok(mut rx) = conn.accept_uni().await {
         loop {
             let mut len = [0u8; 4];
@@ -1116,9 +1299,21 @@ async fn serve_control(
                     return;
                 }
             };
+            // A resumption ends what is left of its earlier attempt (whose stream may
+            // look alive here until QUIC's idle timeout): its session is freed for this.
+            let entered = req.tag.map(|tag| starts.running.enter((peer, tag)));
+            let end = entered.as_ref().map(|e| e.end.clone());
+            let superseded = async move {
+                match end {
+                    Some(end) => end.notified().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(superseded);
             // Held until the generation's stream ends: then its session is closed on
             // every stage (Close travels the same ordered link as the next Open).
             let _session = tokio::select! {
+                () = &mut superseded => return,
                 p = admission.enter() => match p {
                     Ok(p) => p,
                     Err(why) => {
@@ -1182,6 +1377,10 @@ async fn serve_control(
             let finished = tokio::select! {
                 done = writing => Some(done),
                 Ok(()) = cut => None,
+                () = &mut superseded => {
+                    tracing::info!(%peer, "a generation's client resumed it anew; this attempt ends");
+                    None
+                }
             };
             match finished {
                 Some(true) => {

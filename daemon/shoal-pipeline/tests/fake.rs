@@ -99,6 +99,7 @@ fn request(prompt: &[TokenId], max_new: u32) -> GenerateRequest {
         sampling: serde_json::json!({}),
         resume: vec![],
         speculative: None,
+        tag: None,
     }
 }
 
@@ -550,4 +551,54 @@ async fn a_resumed_generation_streams_only_what_follows_and_ends_as_the_uninterr
     stopped.stop = vec![want[1]];
     let e = generate(&client, &placement.stages[0], &stopped, |_, _| {}).await.unwrap_err().to_string();
     assert!(e.contains("stop token"), "{e}");
+}
+
+/// A client that lost its stream resumes at once, while the coordinator may take the
+/// old stream for alive until QUIC's idle timeout: the resumption (same tag, same
+/// node) ends the old attempt and takes its session, instead of queueing behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumption_ends_its_earlier_attempt_and_takes_its_session() {
+    let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];
+    let (placement, client, _) = start_custom(&ranges, None, 8192, &[]).await;
+    let client = Arc::new(client);
+    let coord = placement.stages[0].clone();
+    let prompt = |i: usize| -> Vec<TokenId> { (0..5 + i).map(|k| ((k * 5 + i * 3) % 50) as TokenId).collect() };
+    // Four long generations hold every session; the last is tagged.
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let mut long = Vec::new();
+    for i in 0..4 {
+        let (client, coord, started_tx) = (client.clone(), coord.clone(), started_tx.clone());
+        let mut req = request(&prompt(i), 6000);
+        req.tag = (i == 3).then_some(42);
+        long.push(tokio::spawn(async move {
+            let mut first = true;
+            generate(&client, &coord, &req, |_, _| {
+                if std::mem::take(&mut first) {
+                    let _ = started_tx.send(());
+                }
+            })
+            .await
+        }));
+    }
+    for _ in 0..4 {
+        started.recv().await.unwrap();
+    }
+    // The tagged one's client comes back with a resumption (here a short one).
+    let mut again = request(&prompt(3), 20);
+    again.tag = Some(42);
+    let report = tokio::time::timeout(std::time::Duration::from_secs(60), generate(&client, &coord, &again, |_, _| {}))
+        .await
+        .expect("the resumption waited for a session")
+        .unwrap();
+    assert_eq!(report.tokens, reference(&ranges, &prompt(3), 20).0);
+    // It did not wait for a long one to end: the untagged ones still run.
+    assert!(long[..3].iter().all(|h| !h.is_finished()), "a long generation ended first");
+    // The old attempt ended, without a result.
+    let old = long.pop().unwrap().await.unwrap();
+    assert!(old.is_err(), "the superseded attempt finished: {old:?}");
+    let st = shoal_pipeline::status(&client, &coord).await.unwrap();
+    assert!(st.sessions <= 3, "the old attempt still holds its session: {st:?}");
+    for h in long {
+        h.abort();
+    }
 }

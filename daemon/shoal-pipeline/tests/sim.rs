@@ -54,6 +54,8 @@ enum Ev {
     Done(usize, u64, shoal_pipeline::core::Job, Result<StepOutput, String>),
     /// Stage k's announcement that it restarted reaches the coordinator.
     Started(usize),
+    /// The tail connected to the coordinator again after its connection closed.
+    Renewed,
 }
 
 fn config(index: usize, n: usize) -> CoreConfig {
@@ -141,6 +143,7 @@ fn simulate_spec(
         sampling: serde_json::json!({}),
         resume: vec![],
         speculative,
+        tag: None,
     };
     let mut inputs: VecDeque<(usize, Input)> = VecDeque::from([(0, Input::Generate(req, 1))]);
     let mut next_tick = Duration::ZERO;
@@ -164,6 +167,12 @@ fn simulate_spec(
                             // The connection dies: what is in flight on it is lost.
                             for key in in_flight[node].drain(..) {
                                 queue.remove(&key);
+                            }
+                            if to == 0 {
+                                // The tail connects again at once, and the coordinator
+                                // hears of the new connection.
+                                let at = now - t0 + Duration::from_millis(1 + rng.below(20));
+                                push(&mut queue, at, Ev::Renewed);
                             }
                             continue; // this frame too
                         }
@@ -231,11 +240,17 @@ fn simulate_spec(
             Ev::Deliver(to, frame) => {
                 let from = (to + n - 1) % n;
                 in_flight[from].retain(|k| *k != key);
+                let mut renewals = Vec::new();
                 let mut down = |link: usize, rng: &mut Rng, queue: &mut BTreeMap<(Duration, u64), Ev>| {
                     let until = key.0 + Duration::from_millis(200 + rng.below(4800));
                     down_until[link] = down_until[link].max(until);
                     for k in in_flight[link].drain(..) {
                         queue.remove(&k);
+                    }
+                    // An outage past the idle timeout closes the tail's connection to
+                    // the coordinator: it connects again once the link is back.
+                    if link == n - 1 && rng.chance(0.5) {
+                        renewals.push(down_until[link] + Duration::from_millis(1));
                     }
                 };
                 if rng.chance(f.outage) {
@@ -260,6 +275,9 @@ fn simulate_spec(
                     let up = key.0.max(down_until[from]).max(down_until[to]) + Duration::from_millis(1);
                     push(&mut queue, up, Ev::Started(to));
                 }
+                for at in renewals {
+                    push(&mut queue, at, Ev::Renewed);
+                }
                 if restart_down || key.0 < down_until[from] {
                     continue; // arrived on a link that went down: lost
                 }
@@ -271,6 +289,7 @@ fn simulate_spec(
                 }
             }
             Ev::Started(k) => inputs.push_back((0, Input::StageStarted(k))),
+            Ev::Renewed => inputs.push_back((0, Input::LinkRenewed)),
         }
     }
     let r = result.unwrap();
@@ -449,6 +468,7 @@ impl Ring {
             sampling: serde_json::json!({}),
             resume: vec![],
             speculative: None,
+            tag: None,
         };
         self.queue.push_back((0, Input::Generate(req, client)));
     }

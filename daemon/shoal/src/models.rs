@@ -370,6 +370,7 @@ pub fn generate(model: String, dir: &Option<PathBuf>, progress: bool, t: &crate:
         sampling: serde_json::to_value(sampling)?,
         resume: Vec::new(),
         speculative: t.speculation()?,
+        tag: None,
     };
     let data_dir = data_dir(dir);
     let identity = Arc::new(shoal_net::Identity::load_or_create(&data_dir)?);

@@ -426,6 +426,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         sampling: serde_json::to_value(sampling)?,
         resume: Vec::new(),
         speculative: t.speculation()?,
+        tag: None,
     };
     let dir = data_dir(&a.data_dir);
     let identity = Arc::new(Identity::load_or_create(&dir)?);

@@ -15,8 +15,25 @@ use serde_json::Value;
 use shoal_node::api::{DraftState, NodeRequest, NodeResponse, StageStatus};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
+
+/// The machine, shared by this file's tests (the harness runs them side by side, one
+/// per core). A test whose promise rests on a measured speed runs alone ([`alone`]):
+/// a node measured while three other clusters generate on the same cores times them,
+/// not itself. Every other test shares ([`sharing`]).
+static MACHINE: RwLock<()> = RwLock::new(());
+
+/// Run beside the other tests of this file that share.
+fn sharing() -> RwLockReadGuard<'static, ()> {
+    // A test that panicked while holding it poisons nothing the others rely on.
+    MACHINE.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Run with no other test of this file beside.
+fn alone() -> RwLockWriteGuard<'static, ()> {
+    MACHINE.write().unwrap_or_else(PoisonError::into_inner)
+}
 
 const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -32,6 +49,7 @@ fn stages(dir: &Path) -> Vec<StageStatus> {
 
 #[test]
 fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run() {
+    let _machine = sharing();
     let model = model(SMOL);
     let model_bytes = std::fs::metadata(&model).unwrap().len();
     let tmp = tempfile::tempdir().unwrap();
@@ -288,6 +306,7 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
 
 #[test]
 fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change() {
+    let _machine = sharing();
     let model = model(SMOL);
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
@@ -416,6 +435,7 @@ fn a_stage_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change
 
 #[test]
 fn the_leaders_node_killed_mid_generation_is_replaced_and_the_answer_does_not_change() {
+    let _machine = sharing();
     let model = model(SMOL);
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
@@ -461,6 +481,9 @@ fn the_leaders_node_killed_mid_generation_is_replaced_and_the_answer_does_not_ch
 
 #[test]
 fn a_bigger_node_joining_takes_the_model_but_only_once_no_generation_runs() {
+    // The newcomer must measure faster than the others (it has twice their threads):
+    // measured beside other tests' generations, it may not, and then never wins a re-plan.
+    let _machine = alone();
     let model = model(SMOL);
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
@@ -548,6 +571,10 @@ fn a_bigger_node_joining_takes_the_model_but_only_once_no_generation_runs() {
     assert_eq!(g["tokens"], r["tokens"]);
     assert_eq!(g["logits_digest"], r["logits_digest"]);
     nodes.kill_all();
+    if std::env::var_os("SHOAL_TEST_LOGS").is_some() {
+        let _ = std::fs::remove_dir_all("/tmp/shoal-test-logs");
+        let _ = std::process::Command::new("cp").arg("-r").arg(tmp.path()).arg("/tmp/shoal-test-logs").status();
+    }
 }
 
 /// The stream's text of an OpenAI chat request through `api` (greedy, `max` tokens).
@@ -579,6 +606,7 @@ fn gauge(api: &str, name: &str) -> u64 {
 
 #[test]
 fn concurrent_streams_each_answer_as_alone_a_full_queue_is_429_and_a_client_gone_frees_its_place() {
+    let _machine = sharing();
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
     let mut nodes = start_cluster(&dir, &["a", "b", "c"]);
@@ -658,6 +686,7 @@ fn placement(dir: &Path) -> Value {
 /// settings, drafts, steps and acceptance included.
 #[test]
 fn a_node_drafts_with_its_draft_model_like_the_unsplit_run() {
+    let _machine = sharing();
     let model = model(SMOL);
     let tmp = tempfile::tempdir().unwrap();
     let draft = tmp.path().join("draft-q4_0.gguf");

@@ -504,6 +504,7 @@ fn probe_frames(placement: &std::path::Path, client: &std::path::Path, n_embd: u
         sampling: serde_json::json!({}),
         resume: Vec::new(),
         speculative: None,
+        tag: None,
     };
     shoal::pipeline::runtime()?.block_on(async {
         let node = shoal::pipeline::client_node(&placement, identity)?;
