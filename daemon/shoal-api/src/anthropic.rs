@@ -6,7 +6,7 @@
 //! a `thinking` block when the request enables `thinking` (see `thinking`).
 
 use crate::backend::{Backend, Failure, PromptOptions};
-use crate::common::{self, error_response, Dialect};
+use crate::common::{self, Dialect};
 use crate::gen::{self, Event, Finish, Job, Outcome};
 use crate::tools::{self, Call, Reply, Toolbox, Turn};
 use axum::body::Bytes;
@@ -204,72 +204,63 @@ fn thinking(v: &Option<Value>, max_tokens: u32) -> Result<(bool, PromptOptions),
 
 /// `POST /v1/messages`.
 pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
-    let streamed = common::wants_stream(&body);
-    let answer = async move {
-        let r = async {
-            let req: Request = common::parse(&body)?;
-            if req.max_tokens == 0 {
-                return Err(Failure::bad("max_tokens: must be at least 1"));
-            }
-            let mut toolbox = toolbox(req.tools.as_deref().unwrap_or_default(), req.tool_choice.as_ref())?;
-            let (show_thinking, options) = thinking(&req.thinking, req.max_tokens)?;
-            let mut turns = Vec::new();
-            if let Some(system) = &req.system {
-                turns.push(Turn { role: "system".into(), content: system.text()?, ..Turn::default() });
-            }
-            for m in &req.messages {
-                if m.role != "user" && m.role != "assistant" {
-                    return Err(Failure::bad(format!("messages: role {:?} (user or assistant)", m.role)));
-                }
-                turns.extend(m.turns()?);
-            }
-            if req.messages.is_empty() {
-                return Err(Failure::bad("messages: at least one"));
-            }
-            let model = common::resolve(&*backend, &req.model).await?;
-            let model = common::wait_ready(&*backend, model).await?;
-            let text = backend.text(&model.entry.name).await?;
-            if let Some(t) = toolbox.as_mut() {
-                t.speak(text.tool_syntax());
-            }
-            let prompt =
-                text.tokenize(&tools::prompt(&*text, &turns, toolbox.as_ref(), &options).map_err(Failure::bad)?, true);
-            let d = SamplingParams::default();
-            let sampling = SamplingParams {
-                // Anthropic's default temperature is 1.0; Shoal's, for every API, 0.8.
-                temperature: req.temperature.unwrap_or(crate::openai::DEFAULT_TEMPERATURE),
-                top_k: req.top_k.unwrap_or(d.top_k),
-                top_p: req.top_p.unwrap_or(d.top_p),
-                grammar: toolbox.as_ref().and_then(Toolbox::grammar),
-                ..d
-            };
-            let shown = toolbox.as_ref().map(|t| t.shown_markers(&*text)).unwrap_or_default();
-            let job = Job {
-                model: model.entry.name.clone(),
-                text,
-                prompt,
-                max_tokens: req.max_tokens,
-                sampling,
-                stop: req.stop_sequences.clone(),
-                ignore_eos: false,
-                speculative: req.speculative,
-                shown,
-                // Always apart: thinking is a block of its own or left out.
-                split_thinking: true,
-            };
-            match toolbox {
-                Some(toolbox) => answer_with_tools(backend, job, req.model, req.stream, toolbox, show_thinking).await,
-                None => answer(backend, job, req.model, req.stream, show_thinking).await,
-            }
+    common::respond(Dialect::Anthropic, body, |body| async move {
+        let req: Request = common::parse(&body)?;
+        if req.max_tokens == 0 {
+            return Err(Failure::bad("max_tokens: must be at least 1"));
         }
-        .await;
-        r.unwrap_or_else(|f| error_response(Dialect::Anthropic, &f))
-    };
-    if streamed {
-        common::stream_when_slow(answer, Dialect::Anthropic).await
-    } else {
-        answer.await
-    }
+        let mut toolbox = toolbox(req.tools.as_deref().unwrap_or_default(), req.tool_choice.as_ref())?;
+        let (show_thinking, options) = thinking(&req.thinking, req.max_tokens)?;
+        let mut turns = Vec::new();
+        if let Some(system) = &req.system {
+            turns.push(Turn { role: "system".into(), content: system.text()?, ..Turn::default() });
+        }
+        for m in &req.messages {
+            if m.role != "user" && m.role != "assistant" {
+                return Err(Failure::bad(format!("messages: role {:?} (user or assistant)", m.role)));
+            }
+            turns.extend(m.turns()?);
+        }
+        if req.messages.is_empty() {
+            return Err(Failure::bad("messages: at least one"));
+        }
+        let model = common::resolve(&*backend, &req.model).await?;
+        let model = common::wait_ready(&*backend, model).await?;
+        let text = backend.text(&model.entry.name).await?;
+        if let Some(t) = toolbox.as_mut() {
+            t.speak(text.tool_syntax());
+        }
+        let prompt =
+            text.tokenize(&tools::prompt(&*text, &turns, toolbox.as_ref(), &options).map_err(Failure::bad)?, true);
+        let d = SamplingParams::default();
+        let sampling = SamplingParams {
+            // Anthropic's default temperature is 1.0; Shoal's, for every API, 0.8.
+            temperature: req.temperature.unwrap_or(crate::openai::DEFAULT_TEMPERATURE),
+            top_k: req.top_k.unwrap_or(d.top_k),
+            top_p: req.top_p.unwrap_or(d.top_p),
+            grammar: toolbox.as_ref().and_then(Toolbox::grammar),
+            ..d
+        };
+        let shown = toolbox.as_ref().map(|t| t.shown_markers(&*text)).unwrap_or_default();
+        let job = Job {
+            model: model.entry.name.clone(),
+            text,
+            prompt,
+            max_tokens: req.max_tokens,
+            sampling,
+            stop: req.stop_sequences.clone(),
+            ignore_eos: false,
+            speculative: req.speculative,
+            shown,
+            // Always apart: thinking is a block of its own or left out.
+            split_thinking: true,
+        };
+        match toolbox {
+            Some(toolbox) => answer_with_tools(backend, job, req.model, req.stream, toolbox, show_thinking).await,
+            None => answer(backend, job, req.model, req.stream, show_thinking).await,
+        }
+    })
+    .await
 }
 
 fn stop_reason(o: &Outcome) -> &'static str {

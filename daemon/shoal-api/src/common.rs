@@ -211,6 +211,28 @@ pub(crate) fn wants_stream(body: &[u8]) -> bool {
     serde_json::from_slice::<Flag>(body).is_ok_and(|f| f.stream)
 }
 
+/// The answer of a generating route: `answer(body)`, a failure turned into the
+/// dialect's error response, and for a request that asks for a stream
+/// ([`wants_stream`]) one that waits in SSE comments when the answer is slow to start
+/// ([`stream_when_slow`]).
+pub(crate) async fn respond<F>(
+    dialect: Dialect,
+    body: axum::body::Bytes,
+    answer: impl FnOnce(axum::body::Bytes) -> F,
+) -> Response
+where
+    F: std::future::Future<Output = Result<Response, Failure>> + Send + 'static,
+{
+    let streamed = wants_stream(&body);
+    let answer = answer(body);
+    let answer = async move { answer.await.unwrap_or_else(|f| error_response(dialect, &f)) };
+    if streamed {
+        stream_when_slow(answer, dialect).await
+    } else {
+        answer.await
+    }
+}
+
 /// Answer a streamed request with what `answer` gives, if it gives it within
 /// [`STREAM_GRACE`]; else start an SSE answer at once that sends a comment (`: waiting
 /// for the model`) every [`WAIT_COMMENT_EVERY`] until `answer` is ready, then its

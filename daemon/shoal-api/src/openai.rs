@@ -290,78 +290,57 @@ enum Prompt {
 
 /// `POST /v1/chat/completions`.
 pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
-    let streamed = common::wants_stream(&body);
-    let answer = async move {
-        let r = async {
-            let req: ChatRequest = common::parse(&body)?;
-            let turns = req
-                .messages
-                .iter()
-                .map(|m| {
-                    if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
-                        return Err(Failure::bad(format!("unknown message role {:?}", m.role)));
-                    }
-                    // `developer` is OpenAI's newer name for `system`.
-                    let role = if m.role == "developer" { "system".to_string() } else { m.role.clone() };
-                    let calls = match (&m.tool_calls, role.as_str()) {
-                        (None | Some(Value::Null), _) => Vec::new(),
-                        (Some(c), "assistant") => {
-                            tools::calls_of(c).map_err(|e| Failure::bad(format!("messages: {e}")))?
-                        }
-                        (Some(_), _) => return Err(Failure::bad("messages: only assistant turns carry tool_calls")),
-                    };
-                    let (content, call_id) = (m.content.text()?, m.tool_call_id.clone());
-                    Ok(Turn { role, content, calls, call_id, tool: None })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            if turns.is_empty() {
-                return Err(Failure::bad("messages must not be empty"));
-            }
-            let options = req.knobs.prompt_options()?;
-            let (job, knobs, toolbox) = prepare(&*backend, &req.model, req.knobs, Kind::Chat, |text, toolbox| {
-                let prompt = tools::prompt(text, &turns, toolbox, &options).map_err(Failure::bad)?;
-                Ok(text.tokenize(&prompt, true))
+    common::respond(Dialect::OpenAi, body, |body| async move {
+        let req: ChatRequest = common::parse(&body)?;
+        let turns = req
+            .messages
+            .iter()
+            .map(|m| {
+                if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                    return Err(Failure::bad(format!("unknown message role {:?}", m.role)));
+                }
+                // `developer` is OpenAI's newer name for `system`.
+                let role = if m.role == "developer" { "system".to_string() } else { m.role.clone() };
+                let calls = match (&m.tool_calls, role.as_str()) {
+                    (None | Some(Value::Null), _) => Vec::new(),
+                    (Some(c), "assistant") => tools::calls_of(c).map_err(|e| Failure::bad(format!("messages: {e}")))?,
+                    (Some(_), _) => return Err(Failure::bad("messages: only assistant turns carry tool_calls")),
+                };
+                let (content, call_id) = (m.content.text()?, m.tool_call_id.clone());
+                Ok(Turn { role, content, calls, call_id, tool: None })
             })
-            .await?;
-            match toolbox {
-                Some(toolbox) => answer_with_tools(backend, job, knobs, toolbox).await,
-                None => answer(backend, job, knobs, Kind::Chat).await,
-            }
+            .collect::<Result<Vec<_>, _>>()?;
+        if turns.is_empty() {
+            return Err(Failure::bad("messages must not be empty"));
         }
-        .await;
-        r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
-    };
-    if streamed {
-        common::stream_when_slow(answer, Dialect::OpenAi).await
-    } else {
-        answer.await
-    }
+        let options = req.knobs.prompt_options()?;
+        let (job, knobs, toolbox) = prepare(&*backend, &req.model, req.knobs, Kind::Chat, |text, toolbox| {
+            let prompt = tools::prompt(text, &turns, toolbox, &options).map_err(Failure::bad)?;
+            Ok(text.tokenize(&prompt, true))
+        })
+        .await?;
+        match toolbox {
+            Some(toolbox) => answer_with_tools(backend, job, knobs, toolbox).await,
+            None => answer(backend, job, knobs, Kind::Chat).await,
+        }
+    })
+    .await
 }
 
 /// `POST /v1/completions`: the prompt as is, no chat template.
 pub(crate) async fn completions<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
-    let streamed = common::wants_stream(&body);
-    let answer = async move {
-        let r = async {
-            let req: CompletionRequest = common::parse(&body)?;
-            let prompt = match req.prompt {
-                Prompt::One(p) => p,
-                Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
-                Prompt::Many(_) => return Err(Failure::bad("prompt: one string per request")),
-            };
-            let (job, knobs, _) =
-                prepare(&*backend, &req.model, req.knobs, Kind::Text, |text, _| Ok(text.tokenize(&prompt, false)))
-                    .await?;
-            answer(backend, job, knobs, Kind::Text).await
-        }
-        .await;
-        r.unwrap_or_else(|f| error_response(Dialect::OpenAi, &f))
-    };
-    if streamed {
-        common::stream_when_slow(answer, Dialect::OpenAi).await
-    } else {
-        answer.await
-    }
+    common::respond(Dialect::OpenAi, body, |body| async move {
+        let req: CompletionRequest = common::parse(&body)?;
+        let prompt = match req.prompt {
+            Prompt::One(p) => p,
+            Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
+            Prompt::Many(_) => return Err(Failure::bad("prompt: one string per request")),
+        };
+        let (job, knobs, _) =
+            prepare(&*backend, &req.model, req.knobs, Kind::Text, |text, _| Ok(text.tokenize(&prompt, false))).await?;
+        answer(backend, job, knobs, Kind::Text).await
+    })
+    .await
 }
 
 /// The model, its vocabulary, the prompt's tokens (by `tokens`, told the tools the

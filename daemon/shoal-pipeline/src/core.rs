@@ -562,24 +562,22 @@ impl NodeCore {
                 self.on_done(job, result, now, &mut out)
             }
             Input::Tick => self.on_tick(now, &mut out),
-            Input::StageStarted(k) => {
-                let drivers = self.sessions.values_mut().filter_map(|s| s.driver.as_mut());
-                for d in drivers.filter(|d| d.replaying_for != Some(k)) {
-                    d.deadline = d.deadline.min(now);
-                    d.backoff = 0;
-                }
-                self.on_tick(now, &mut out)
-            }
-            Input::LinkRenewed => {
-                for d in self.sessions.values_mut().filter_map(|s| s.driver.as_mut()) {
-                    d.deadline = d.deadline.min(now);
-                    d.backoff = 0;
-                }
-                self.on_tick(now, &mut out)
-            }
+            Input::StageStarted(k) => self.redrive_now(now, |d| d.replaying_for != Some(k), &mut out),
+            Input::LinkRenewed => self.redrive_now(now, |_| true, &mut out),
         }
         self.counters.frames_out += out.iter().filter(|a| matches!(a, Action::Send(_))).count() as u64;
         out
+    }
+
+    /// Re-drive now, not at their deadlines, the awaited steps of the generations that
+    /// `which` picks (what was in flight toward a restarted stage, or on a closed
+    /// connection, is gone).
+    fn redrive_now(&mut self, now: Instant, which: impl Fn(&Driver) -> bool, out: &mut Vec<Action>) {
+        for d in self.sessions.values_mut().filter_map(|s| s.driver.as_mut()).filter(|d| which(d)) {
+            d.deadline = d.deadline.min(now);
+            d.backoff = 0;
+        }
+        self.on_tick(now, out)
     }
 
     /// Send toward the coordinator; when this node *is* the coordinator (the frame
