@@ -248,6 +248,7 @@ mod tests {
             link_connects: 0,
             malformed_frames: 0,
             refused_by_next: 0,
+            start_announced: true,
             hop_in: Vec::new(),
             decode_steps: 0,
             decode_compute_ms: 0.0,

@@ -144,6 +144,11 @@ pub struct NodeStatus {
     pub malformed_frames: u64,
     /// Refusals the next stage sent back about this node's frames.
     pub refused_by_next: u64,
+    /// Whether the stage before this one and the coordinator have taken in this
+    /// stage's start (always true at the coordinator). While false they may still be
+    /// sending to its previous life, or it cannot reach them.
+    #[serde(default)]
+    pub start_announced: bool,
     /// Latency of the frames received from the previous stage, by size class.
     #[serde(default)]
     pub hop_in: Vec<crate::latency::HopLatency>,

@@ -194,6 +194,10 @@ struct ShellCounters {
     link_connects: std::sync::atomic::AtomicU64,
     malformed_frames: std::sync::atomic::AtomicU64,
     refused_by_next: std::sync::atomic::AtomicU64,
+    /// Whether the stage before this one and the coordinator have taken in this stage's
+    /// start ([`announce_start`]); set from the start at the coordinator, which has
+    /// nobody to tell.
+    start_announced: std::sync::atomic::AtomicBool,
     /// Frees handed to the stage thread and not yet done: a decode step runs inline only
     /// when none is pending, so a slot freed for it is free when it runs.
     frees_pending: std::sync::atomic::AtomicUsize,
@@ -288,7 +292,9 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
     tokio::spawn(accept_task(incoming, prev, limits, events_tx.clone(), shell.clone(), admission.clone(), starts));
     if index != 0 {
         let (prev, coordinator) = (placement.prev(index).clone(), placement.stages[0].clone());
-        tokio::spawn(announce_start(node.clone(), prev, coordinator, addresses.clone()));
+        tokio::spawn(announce_start(node.clone(), prev, coordinator, addresses.clone(), shell.clone()));
+    } else {
+        shell.start_announced.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     let ring: Vec<NodeId> = placement.stages.iter().map(|s| s.node).collect();
     let coordinator = index == 0;
@@ -387,6 +393,7 @@ pub async fn serve_on(node: Arc<Node>, router: &Router, cfg: ServiceConfig) -> R
                     link_connects: shell.link_connects.load(Relaxed),
                     malformed_frames: shell.malformed_frames.load(Relaxed),
                     refused_by_next: shell.refused_by_next.load(Relaxed),
+                    start_announced: shell.start_announced.load(Relaxed),
                     hop_in: hops.summary(),
                     decode_steps: shell.decode_steps.load(Relaxed),
                     decode_compute_ms: shell.decode_ns.load(Relaxed) as f64
@@ -1029,12 +1036,15 @@ async fn heartbeat(conn: quinn::Connection) {
 /// timeouts), the other re-drives its generations, so a restarted stage's `Lost`
 /// comes in a round trip instead of after the backoffs. Retried with backoff while
 /// they are unreachable (a stage restarted while its link is down), for a minute; a
-/// first start is announced the same way and costs a reconnect nobody waits for.
+/// first start is announced the same way and costs a reconnect nobody waits for (and a
+/// re-drive of whatever generation already runs: its steps then pass twice, answered
+/// from the stages' caches). `counters.start_announced` is set once both took it in.
 async fn announce_start(
     node: Arc<Node>,
     prev: crate::StagePlace,
     coordinator: crate::StagePlace,
     addresses: Option<Addresses>,
+    counters: Arc<ShellCounters>,
 ) {
     let mut targets = vec![prev];
     if targets[0].node != coordinator.node {
@@ -1060,6 +1070,7 @@ async fn announce_start(
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     }
+    counters.start_announced.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Accepts connections: pipeline frames only from the previous stage's node; control

@@ -86,6 +86,23 @@ async fn start_custom(
     (placement, client, ids)
 }
 
+/// Waits until every stage's start has been taken in by its neighbours
+/// (`NodeStatus::start_announced`). Until then a start announcement may still renew a
+/// link or re-drive a generation already running, which passes its current step
+/// round the ring again: harmless, but a test that counts frames must not see it.
+async fn settled(client: &Node, placement: &Placement) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    for place in &placement.stages {
+        loop {
+            if shoal_pipeline::status(client, place).await.is_ok_and(|st| st.start_announced) {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "stage {} never announced its start", place.node);
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+}
+
 async fn start(ranges: &[LayerRange]) -> (Placement, Node) {
     let (p, c, _) = start_with_ids(ranges).await;
     (p, c)
@@ -133,6 +150,8 @@ async fn three_nodes_match_in_process_stages() {
 async fn a_decode_steps_time_is_broken_down_round_the_ring() {
     let ranges = [LayerRange::new(0, 2), LayerRange::new(2, 4), LayerRange::new(4, 6)];
     let (placement, client) = start(&ranges).await;
+    // The counts below are exact: no start announcement may re-drive the generation.
+    settled(&client, &placement).await;
     let prompt: Vec<TokenId> = (0..11).map(|i| (i * 7 % 50) as TokenId).collect();
     let report = generate(&client, &placement.stages[0], &request(&prompt, 40), |_, _| {}).await.unwrap();
     assert_eq!(report.tokens.len(), 40);

@@ -547,6 +547,9 @@ pub fn status(a: StatusArgs) -> Result<()> {
                     c.lost_reported, c.stale_dropped, c.duplicates_dropped, st.link_connects, st.malformed_frames, st.refused_by_next,
                     match (st.keepalive, st.keepalive_spinning) { (false, _) => "off", (true, false) => "on (idle)", (true, true) => "on (spinning)" }
                 );
+                if !st.start_announced {
+                    println!("    its start has not reached the stage before it and the coordinator yet (they may still send to its previous life)");
+                }
                 for h in &st.hop_in {
                     println!(
                         "    frames in, {:<16} {:>7} frames  mean {:>7} B  latency p50 {:>6} us  p99 {:>6} us  max {:>7} us",
