@@ -39,6 +39,11 @@ pub struct FaultsArgs {
     /// the one before.
     #[arg(long)]
     settle: bool,
+    /// Only these kinds of fault (comma-separated: cut, loss, restart,
+    /// coordinator-restart, restart-link-down, lid): the seed's schedule with the
+    /// other kinds drawn again.
+    #[arg(long, value_delimiter = ',', value_parser = ["cut", "loss", "restart", "coordinator-restart", "restart-link-down", "lid"])]
+    only: Vec<String>,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -79,6 +84,18 @@ impl Fault {
         }
     }
 
+    /// The kind's name for `--only`.
+    fn slug(&self) -> &'static str {
+        match self {
+            Fault::Cut(..) => "cut",
+            Fault::Loss(..) => "loss",
+            Fault::Restart(0, _) => "coordinator-restart",
+            Fault::Restart(..) => "restart",
+            Fault::RestartWhileDown(..) => "restart-link-down",
+            Fault::Lid(..) => "lid",
+        }
+    }
+
     fn describe(&self) -> String {
         match *self {
             Fault::Cut(k, d) => format!("host {k}'s link down {:.1} s", d.as_secs_f64()),
@@ -101,30 +118,36 @@ fn ms(rng: &mut Rng, lo: u64, hi: u64) -> Duration {
     Duration::from_millis(lo + rng.below(hi - lo))
 }
 
-/// The faults of seed `seed`, with the pause before each.
-fn schedule(seed: u64, n: usize) -> Vec<(Duration, Fault)> {
+/// The faults of seed `seed`, with the pause before each; only those of the kinds in
+/// `only` (by [`Fault::slug`]) where it is not empty.
+fn schedule(seed: u64, n: usize, only: &[String]) -> Vec<(Duration, Fault)> {
     let mut rng = Rng::new(seed);
-    (0..n)
-        .map(|_| {
-            let pause = ms(&mut rng, 1000, 3000);
-            let fault = match rng.below(5) {
-                0 => Fault::Cut(rng.below(3) as usize, ms(&mut rng, 1000, 4500)),
-                1 => Fault::Loss(rng.below(3) as usize),
-                // Any stage; the coordinator's restart ends the client's stream, and
-                // `shoal generate` resumes the generation from its tokens (as the API
-                // does).
-                2 => Fault::Restart(rng.below(3) as usize, ms(&mut rng, 200, 2000)),
-                3 => {
-                    Fault::RestartWhileDown(1 + rng.below(2) as usize, ms(&mut rng, 200, 1500), ms(&mut rng, 500, 2500))
-                }
-                // The middle stage or the tail. (A coordinator's host that sleeps
-                // stops its clients too, and a stop longer than QUIC's 10 s idle
-                // timeout ends their connections: the API's resumption is for that.)
-                _ => Fault::Lid(1 + rng.below(2) as usize, ms(&mut rng, 5000, 20000)),
-            };
-            (pause, fault)
-        })
-        .collect()
+    let mut out = Vec::new();
+    while out.len() < n {
+        let (pause, fault) = draw(&mut rng);
+        if only.is_empty() || only.iter().any(|k| k == fault.slug()) {
+            out.push((pause, fault));
+        }
+    }
+    out
+}
+
+/// The next fault of a schedule, with the pause before it.
+fn draw(rng: &mut Rng) -> (Duration, Fault) {
+    let pause = ms(rng, 1000, 3000);
+    let fault = match rng.below(5) {
+        0 => Fault::Cut(rng.below(3) as usize, ms(rng, 1000, 4500)),
+        1 => Fault::Loss(rng.below(3) as usize),
+        // Any stage; the coordinator's restart ends the client's stream, and
+        // `shoal generate` resumes the generation from its tokens (as the API does).
+        2 => Fault::Restart(rng.below(3) as usize, ms(rng, 200, 2000)),
+        3 => Fault::RestartWhileDown(1 + rng.below(2) as usize, ms(rng, 200, 1500), ms(rng, 500, 2500)),
+        // The middle stage or the tail. (A coordinator's host that sleeps stops its
+        // clients too, and a stop longer than QUIC's 10 s idle timeout ends their
+        // connections: the API's resumption is for that.)
+        _ => Fault::Lid(1 + rng.below(2) as usize, ms(rng, 5000, 20000)),
+    };
+    (pause, fault)
 }
 
 /// What one generation under one schedule gave.
@@ -149,7 +172,7 @@ pub fn faults(a: FaultsArgs) -> Result<()> {
     let unsplit: GenOutput = json_of(run, "run")?;
     let mut runs = Vec::new();
     for &seed in &a.seeds {
-        runs.push(one(&model, &stages, seed, a.faults, a.settle, &args, &unsplit)?);
+        runs.push(one(&model, &stages, seed, (a.faults, &a.only), a.settle, &args, &unsplit)?);
     }
     // Healing → next token, by kind, over every run.
     let mut by_kind: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -216,7 +239,7 @@ fn one(
     model: &std::path::Path,
     stages: &[LayerRange],
     seed: u64,
-    n_faults: usize,
+    (n_faults, only): (usize, &[String]),
     settle: bool,
     args: &[&str],
     unsplit: &GenOutput,
@@ -235,7 +258,7 @@ fn one(
         }
     }
     let mut applied: Vec<(Fault, Instant)> = Vec::new();
-    for (pause, fault) in schedule(seed, n_faults) {
+    for (pause, fault) in schedule(seed, n_faults, only) {
         std::thread::sleep(pause);
         drain(&mut arrivals);
         if gen.try_wait()?.is_some() {
@@ -306,12 +329,20 @@ mod tests {
 
     #[test]
     fn a_schedule_depends_on_its_seed_alone_and_mixes_every_kind() {
-        assert_eq!(schedule(7, 12), schedule(7, 12));
-        assert_ne!(schedule(7, 12), schedule(8, 12));
+        assert_eq!(schedule(7, 12, &[]), schedule(7, 12, &[]));
+        assert_ne!(schedule(7, 12, &[]), schedule(8, 12, &[]));
         let kinds: std::collections::BTreeSet<&str> =
-            (1..5).flat_map(|s| schedule(s, 8)).map(|(_, f)| f.kind()).collect();
+            (1..5).flat_map(|s| schedule(s, 8, &[])).map(|(_, f)| f.kind()).collect();
         assert_eq!(kinds.len(), 6, "{kinds:?}");
-        for (pause, f) in schedule(3, 50) {
+        // `--only` keeps the kinds named, in the seed's order.
+        let only = ["restart-link-down".to_string(), "lid".to_string()];
+        let picked = schedule(7, 6, &only);
+        assert_eq!(picked.len(), 6);
+        assert!(picked.iter().all(|(_, f)| matches!(f, Fault::RestartWhileDown(..) | Fault::Lid(..))), "{picked:?}");
+        let unfiltered: Vec<_> =
+            schedule(7, 60, &[]).into_iter().filter(|(_, f)| only.iter().any(|k| k == f.slug())).collect();
+        assert_eq!(picked[..], unfiltered[..6]);
+        for (pause, f) in schedule(3, 50, &[]) {
             assert!(pause >= Duration::from_secs(1) && pause < Duration::from_secs(3));
             match f {
                 Fault::Restart(k, _) => assert!(k < 3, "{f:?}"),
