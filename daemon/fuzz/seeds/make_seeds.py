@@ -152,3 +152,11 @@ bodies = [
 ]
 for i, (route, body) in enumerate(bodies):
     write("http_body", f"route{route}-{i}", bytes([route]) + json.dumps(body).encode())
+
+# template: a first byte whose low bit says raw template text (0) or choices for the
+# target's grammar (1); real templates' shapes as raw text, and a few grammar walks.
+write("template", "chatml", b"\x00{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+write("template", "tools_json", b"\x00{% if tools %}{{ tools | tojson(indent=4) }}{% endif %}{% for m in messages %}{{ m.content | indent(2, first=true) }}{% endfor %}")
+write("template", "nested_loops", b"\x01" + bytes([0, 2, 1, 0xa0, 0x86, 0, 2, 1, 0xa0, 0x86, 0, 1]))
+write("template", "recursion", b"\x01" + bytes([0, 3, 0, 200, 6, 1]))
+write("template", "wide", b"\x01" + bytes([2, 4, 2, 0xff, 0xff, 0xff, 0x7f, 5, 1, 0xff, 0xff, 11, 2, 0, 0, 0, 1]))

@@ -230,8 +230,11 @@ pub(crate) async fn messages<B: Backend>(State(backend): State<Arc<B>>, body: By
         if let Some(t) = toolbox.as_mut() {
             t.speak(text.tool_syntax());
         }
-        let prompt =
-            text.tokenize(&tools::prompt(&*text, &turns, toolbox.as_ref(), &options).map_err(Failure::bad)?, true);
+        let prompt = common::off_the_loop(|| {
+            tools::prompt(&*text, &turns, toolbox.as_ref(), &options)
+                .map(|p| text.tokenize(&p, true))
+                .map_err(Failure::bad)
+        })?;
         let d = SamplingParams::default();
         let sampling = SamplingParams {
             // Anthropic's default temperature is 1.0; Shoal's, for every API, 0.8.

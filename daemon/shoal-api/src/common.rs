@@ -62,6 +62,19 @@ pub(crate) fn error_response(dialect: Dialect, failure: &Failure) -> Response {
     response
 }
 
+/// Runs `work` (a chat template's render, a prompt's tokenization: CPU work sized by
+/// the request and by a model file's template) where it cannot hold up the tasks of
+/// this async worker: on a multi-threaded runtime the worker hands its other tasks on
+/// for the while (`block_in_place`), so membership beats, QUIC and other requests go
+/// on. A template's own budget (`shoal_engine::template::Budget`) bounds how long.
+/// Inline on a single-threaded runtime (tests), which cannot hand tasks on.
+pub(crate) fn off_the_loop<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
 /// Parse a JSON body; a malformed one is a 400 that says where and why.
 pub(crate) fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, Failure> {
     serde_json::from_slice(body).map_err(|e| Failure::bad(format!("invalid request body: {e}")))

@@ -386,7 +386,7 @@ async fn job<B: Backend>(
     if logprobs.is_some() && toolbox.is_some_and(|t| !t.replies_verbatim()) {
         return Err(Failure::bad(crate::openai::LOGPROBS_IN_GENERIC_FORMAT));
     }
-    let (prompt, split_thinking) = tokens(&*text, toolbox)?;
+    let (prompt, split_thinking) = common::off_the_loop(|| tokens(&*text, toolbox))?;
     let shown = toolbox.map(|t| t.shown_markers(&*text)).unwrap_or_default();
     Ok(Job {
         model: model.entry.name.clone(),
@@ -725,7 +725,8 @@ pub(crate) async fn show<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
             if t.fill_in_middle("", "").is_some() {
                 capabilities.push("insert");
             }
-            if t.chat_prompt(&[ChatMessage { role: "user".into(), content: "Hi".into() }]).is_ok() {
+            let hi = [ChatMessage { role: "user".into(), content: "Hi".into() }];
+            if common::off_the_loop(|| t.chat_prompt(&hi)).is_ok() {
                 capabilities.push("tools");
             }
             if t.thinking() != ThinkingSyntax::None {

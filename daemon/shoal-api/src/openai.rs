@@ -364,7 +364,7 @@ async fn prepare<B: Backend>(
             return Err(Failure::bad(LOGPROBS_IN_GENERIC_FORMAT));
         }
     }
-    let prompt = tokens(&*text, toolbox.as_ref())?;
+    let prompt = common::off_the_loop(|| tokens(&*text, toolbox.as_ref()))?;
     let max_tokens = knobs.max_tokens().unwrap_or_else(|| common::default_max_tokens(&model, prompt.len()));
     let (ignore_eos, speculative) = (knobs.ignore_eos, knobs.speculative);
     let shown = toolbox.as_ref().map(|t| t.shown_markers(&*text)).unwrap_or_default();

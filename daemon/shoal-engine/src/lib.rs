@@ -15,7 +15,9 @@ mod devices;
 mod draft;
 mod sampler;
 mod stage;
-pub mod template;
+/// The chat template renderer (its own crate: it needs no llama.cpp, and the fuzzer
+/// builds it alone).
+pub use shoal_template as template;
 mod vocab;
 
 pub use backend::{ggml_type_geometry, requantize, system_info, Quant, COMPILED_BACKENDS};

@@ -115,6 +115,9 @@ impl Vocab {
         let jinja: Vec<Turn<'_>> = turns.iter().map(|&(role, content)| Turn { role, content }).collect();
         match self.render(|bos, eos| crate::template::render_as(source, &jinja, bos, eos, vars)) {
             Ok(text) => return Ok(text),
+            // A template that parses but runs past its budget is refused, not
+            // replaced: it is what the file says, and the file may be hostile.
+            Err(why) if why.starts_with(crate::template::OVER_BUDGET) => return Err(err(why)),
             Err(why) => tracing::warn!(
                 path = %self.path.display(),
                 "the chat template does not render as Jinja ({why}); using llama.cpp's built-in version of its format"

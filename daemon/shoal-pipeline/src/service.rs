@@ -122,7 +122,10 @@ struct Starts {
 /// Tagged generations running at this coordinator, by client node and tag
 /// ([`GenerateRequest::tag`]): a serial (which registration) and what tells it to end.
 #[derive(Default)]
-struct Running(std::sync::Mutex<HashMap<(NodeId, u64), (u64, Arc<tokio::sync::Notify>)>>);
+struct Running(std::sync::Mutex<HashMap<(NodeId, u64), Registration>>);
+
+/// One tagged generation's entry in [`Running`]: its serial, and what ends it.
+type Registration = (u64, Arc<tokio::sync::Notify>);
 
 impl Running {
     /// Register the generation `key`; one still running under the same key is told to

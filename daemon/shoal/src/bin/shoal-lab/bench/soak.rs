@@ -99,9 +99,12 @@ struct Fault {
     detail: String,
 }
 
+/// A prompt, a length, and sampling: greedy (`None`) or a temperature and seed.
+type Ask = (&'static str, u32, Option<(f32, i64)>);
+
 /// The requests clients choose from: a prompt, a length, and sampling (greedy, or
 /// seeded sampling: both must give the same answer every time).
-const REQUESTS: &[(&str, u32, Option<(f32, i64)>)] = &[
+const REQUESTS: &[Ask] = &[
     ("Write a short story about a lighthouse keeper.", 96, None),
     ("Explain how a bicycle stays upright.", 64, None),
     ("List five uses for a paperclip.", 48, None),
