@@ -88,6 +88,14 @@ impl Structured {
         if size > shoal_types::MAX_GRAMMAR_BYTES {
             return Err(format!("the schema is too large ({size} bytes of grammar)"));
         }
+        // Each count becomes that many rules when the tail builds the sampler.
+        let n = shoal_types::grammar_repetitions(&s.grammar());
+        if n > shoal_types::MAX_GRAMMAR_REPETITIONS {
+            return Err(format!(
+                "the schema's maxLength, maxItems and the like add up to {n} repetitions (at most {})",
+                shoal_types::MAX_GRAMMAR_REPETITIONS
+            ));
+        }
         Ok(s)
     }
 
@@ -164,7 +172,7 @@ const PLUS_CLOSE: &str = "ws \"]\" \"\\n\"? \"```\"";
 /// template writes ids); harmony's one `<|channel|>commentary to=functions.NAME
 /// <|constrain|>json<|message|>ARGS`, maybe after an `analysis` message; a reply there
 /// is offered only as JSON ([`Besides::Json`]; free text needs no grammar). A tool's
-/// schema the grammar cannot follow (or one making the grammar too large) allows any
+/// schema the grammar cannot follow (or one making the grammar too large or its repetitions too many) allows any
 /// JSON object; the reply's schema is always followed (it was checked when the request
 /// was read).
 pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: bool, syntax: ToolSyntax) -> String {
@@ -361,7 +369,9 @@ pub(crate) fn tool_answer(tools: &[(&str, &Value)], besides: Besides, parallel: 
         out
     };
     let strict = build(true);
-    if strict.len() <= shoal_types::MAX_GRAMMAR_BYTES {
+    let within = strict.len() <= shoal_types::MAX_GRAMMAR_BYTES
+        && shoal_types::grammar_repetitions(&strict) <= shoal_types::MAX_GRAMMAR_REPETITIONS;
+    if within {
         strict
     } else {
         build(false)
@@ -748,6 +758,23 @@ mod tests {
         );
         assert!(root.contains("integer") && root.contains("( \"\\\"a\\\"\" | \"\\\"b\\\"\" )"), "{root}");
         assert!(root.contains("){0,2}"), "at most 3 items: {root}");
+    }
+
+    #[test]
+    fn a_schema_whose_lengths_add_up_past_the_bound_is_refused() {
+        // The review's schema (F14): many strings of maxLength 1,999 (each a count
+        // llama.cpp expands into rules). Ten fit; a hundred do not.
+        let strings = |n: usize| {
+            let props: serde_json::Map<String, Value> =
+                (0..n).map(|i| (format!("p{i}"), json!({"type": "string", "maxLength": 1999}))).collect();
+            json!({"type": "object", "properties": props})
+        };
+        assert!(from_schema(&strings(9)).is_ok());
+        let e = from_schema(&strings(100)).unwrap_err();
+        assert!(e.contains("repetitions") && e.contains("20000"), "{e}");
+        // Item counts count too.
+        let items = json!({"type": "array", "items": {"type": "string", "maxLength": 10000}, "maxItems": 10000});
+        assert!(from_schema(&items).unwrap_err().contains("repetitions"));
     }
 
     #[test]

@@ -19,8 +19,8 @@ pub use size::{fmt_size, parse_size, SizeError};
 pub mod speculative;
 pub mod text;
 pub use sampling::{
-    validate_generation, GenerationError, SamplingParams, TokenLogprobs, LOGPROB_FLOOR, MAX_GRAMMAR_BYTES,
-    MAX_TOP_LOGPROBS,
+    grammar_repetitions, validate_generation, GenerationError, SamplingParams, TokenLogprobs, LOGPROB_FLOOR,
+    MAX_GRAMMAR_BYTES, MAX_GRAMMAR_REPETITIONS, MAX_TOP_LOGPROBS,
 };
 pub use speculative::SpecSettings;
 pub use text::{StopText, Utf8Stream};

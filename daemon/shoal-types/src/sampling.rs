@@ -15,6 +15,66 @@ pub const MAX_REPEAT_LAST_N: i32 = 1 << 16;
 /// vocabulary anyway), so a bigger value can only be a client's mistake.
 pub const MAX_TOP_K: i32 = 1 << 20;
 
+/// Most repetitions a grammar may ask for in all: the sum over its `{m,n}` counts
+/// (`n`, or `m + 1` for `{m,}`). llama.cpp expands each count into that many rules
+/// when it builds the sampler, so a 64 KiB grammar of 1,000 `char{0,1999}` would make
+/// millions of rules, hundreds of MB and a long stall of the stage that builds it; the
+/// JSON building blocks use 54, a schema with ten strings of `maxLength` 1,000 about
+/// 10,000.
+pub const MAX_GRAMMAR_REPETITIONS: u64 = 20_000;
+
+/// The repetitions `grammar` (GBNF) asks for in all (see [`MAX_GRAMMAR_REPETITIONS`]):
+/// its `{m}`, `{m,n}` and `{m,}` counts outside string literals, character classes and
+/// comments, added up (saturating).
+pub fn grammar_repetitions(grammar: &str) -> u64 {
+    let mut total: u64 = 0;
+    let mut chars = grammar.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            // A literal or a class: up to its unescaped end.
+            '"' | '[' => {
+                let end = if c == '"' { '"' } else { ']' };
+                while let Some(d) = chars.next() {
+                    match d {
+                        '\\' => {
+                            chars.next();
+                        }
+                        d if d == end => break,
+                        _ => {}
+                    }
+                }
+            }
+            '#' => {
+                for d in chars.by_ref() {
+                    if d == '\n' {
+                        break;
+                    }
+                }
+            }
+            '{' => {
+                let mut number = |chars: &mut std::iter::Peekable<std::str::Chars<'_>>| {
+                    let mut n: Option<u64> = None;
+                    while let Some(d) = chars.peek().and_then(|d| d.to_digit(10)) {
+                        n = Some(n.unwrap_or(0).saturating_mul(10).saturating_add(u64::from(d)));
+                        chars.next();
+                    }
+                    n
+                };
+                let min = number(&mut chars).unwrap_or(0);
+                let count = if chars.peek() == Some(&',') {
+                    chars.next();
+                    number(&mut chars).unwrap_or(min.saturating_add(1))
+                } else {
+                    min
+                };
+                total = total.saturating_add(count);
+            }
+            _ => {}
+        }
+    }
+    total
+}
+
 /// Longest grammar accepted, in bytes (a JSON schema's grammar is a few KiB).
 pub const MAX_GRAMMAR_BYTES: usize = 64 << 10;
 
@@ -205,6 +265,11 @@ pub enum GenerationError {
     /// The grammar is longer than [`MAX_GRAMMAR_BYTES`] or empty.
     #[error("a grammar must be 1 to {MAX_GRAMMAR_BYTES} bytes, not {0}")]
     Grammar(usize),
+    /// The grammar asks for more repetitions than [`MAX_GRAMMAR_REPETITIONS`].
+    #[error(
+        "the grammar's repetition counts add up to {0} (at most {MAX_GRAMMAR_REPETITIONS}: lower maxLength, maxItems or the {{m,n}} counts)"
+    )]
+    GrammarRepetitions(u64),
     /// More alternatives asked for than [`MAX_TOP_LOGPROBS`].
     #[error("top_logprobs {0} is outside 0 ..= {MAX_TOP_LOGPROBS}")]
     TopLogprobs(u32),
@@ -244,6 +309,10 @@ impl SamplingParams {
         if let Some(g) = &self.grammar {
             if g.is_empty() || g.len() > MAX_GRAMMAR_BYTES {
                 return Err(GenerationError::Grammar(g.len()));
+            }
+            let n = grammar_repetitions(g);
+            if n > MAX_GRAMMAR_REPETITIONS {
+                return Err(GenerationError::GrammarRepetitions(n));
             }
         }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
@@ -291,6 +360,17 @@ mod tests {
     }
 
     #[test]
+    fn a_grammars_repetitions_are_counted_outside_literals_classes_and_comments() {
+        assert_eq!(
+            grammar_repetitions("root ::= [a-z]{2,5} x{3} y{4,} \"{9}\" [{]{1} # z{100}\nw{0,2}"),
+            5 + 3 + 5 + 1 + 2
+        );
+        assert_eq!(grammar_repetitions("s ::= \"\\\"{7}\" t{1}"), 1);
+        assert_eq!(grammar_repetitions("x{99999999999999999999999}"), u64::MAX);
+        assert_eq!(grammar_repetitions("x{"), 0);
+    }
+
+    #[test]
     fn defaults_and_edges_are_accepted() {
         assert_eq!(check(SamplingParams::default()), Ok(()));
         let edges = SamplingParams {
@@ -316,6 +396,14 @@ mod tests {
         }
         let off = SamplingParams { top_k: 0, top_p: 1.0, min_p: 0.0, repeat_last_n: 0, ..Default::default() };
         assert_eq!(check(off), Ok(()));
+        // The review's schema (F14) as a grammar: 1,000 strings of up to 1,999
+        // characters fit in 64 KiB and would make millions of rules.
+        let many: String = (0..1000).map(|i| format!("p{i} ::= \"\\\"\" char{{0,1999}} \"\\\"\"\n")).collect();
+        assert!(many.len() <= MAX_GRAMMAR_BYTES);
+        assert_eq!(
+            check(SamplingParams { grammar: Some(many), ..Default::default() }),
+            Err(GenerationError::GrammarRepetitions(1_999_000))
+        );
         // The default window is valid whatever the context.
         assert_eq!(validate_generation(&SamplingParams::default(), 1, 7, 8), Ok(()));
         // Prompt plus answer exactly filling the context is fine.
