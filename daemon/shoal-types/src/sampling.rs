@@ -52,7 +52,7 @@ pub fn grammar_repetitions(grammar: &str) -> u64 {
                 }
             }
             '{' => {
-                let mut number = |chars: &mut std::iter::Peekable<std::str::Chars<'_>>| {
+                let number = |chars: &mut std::iter::Peekable<std::str::Chars<'_>>| {
                     let mut n: Option<u64> = None;
                     while let Some(d) = chars.peek().and_then(|d| d.to_digit(10)) {
                         n = Some(n.unwrap_or(0).saturating_mul(10).saturating_add(u64::from(d)));
