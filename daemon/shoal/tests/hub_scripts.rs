@@ -137,6 +137,11 @@ fn apply_refuses_what_the_node_should_not_ask_and_changes_nothing() {
         (json!({"timezone": "Europe"}), "not a time zone"),
         (json!({"wifi": {"ssid": "x", "passphrase": "short"}}), "8 to 63"),
         (json!({"wifi": {"ssid": "x", "passphrase": "pässwörd-long-enough"}}), "8 to 63"),
+        // The review's F13: each line printable, the newline not, and the lines after
+        // it would be sections of iwd's file.
+        (json!({"wifi": {"ssid": "x", "passphrase": "abcdefgh\n[Settings]\nAutoConnect=false"}}), "8 to 63"),
+        (json!({"wifi": {"ssid": "x", "passphrase": "abcdefgh\tijk"}}), "8 to 63"),
+        (json!({"wifi": {"ssid": "x", "passphrase": {"not": "text"}}}), "8 to 63"),
         (json!({"wifi": {"ssid": "a\nb", "passphrase": "long enough pass"}}), "1 to 32 bytes"),
         (json!({"wifi": {"ssid": "x".repeat(33), "passphrase": "long enough pass"}}), "1 to 32 bytes"),
         (json!(["not", "an", "object"]), "not a JSON object"),

@@ -2,6 +2,9 @@
 # shows. Sourced, not run.
 # (The suite's test of these scripts points them at folders of its own, and replaces
 # systemctl, with SHOAL_HUB_*; systemd starts them with none of these set.)
+# Bytes, not characters: lengths, ranges and classes below count and match bytes
+# whatever locale systemd or a shell gave.
+export LC_ALL=C
 APPLIANCE=${SHOAL_HUB_APPLIANCE:-/var/lib/shoal/appliance}
 HUB=${SHOAL_HUB_DATA:-/data/hub}
 ZONEINFO=${SHOAL_HUB_ZONEINFO:-/usr/share/zoneinfo}
@@ -10,6 +13,9 @@ SYSTEMCTL=${SHOAL_HUB_SYSTEMCTL:-systemctl}
 booted_slot() { sed -n 's/.*rauc\.slot=\([AB]\).*/\1/p' /proc/cmdline; }
 other_slot() { if [ "$(booted_slot)" = A ]; then echo B; else echo A; fi; }
 log() { echo "shoal-hub: $*" >&2; }
+# Whether every byte of $1 is printable ASCII (0x20-0x7e: no newline, tab or other
+# control, nothing past 0x7e; LC_ALL=C above makes the range one of bytes).
+printable() { case $1 in *[!\ -~]*) return 1 ;; esac; }
 # A regular file (not a link, not a device) the node wrote, or nothing.
 regular() { [ -f "$1" ] && [ ! -L "$1" ]; }
 # Change status.json with a jq program (and its --arg/--argjson): read whatever is
