@@ -2153,11 +2153,6 @@ async fn accept_main(main: Arc<Node>, router: Router, tx: mpsc::Sender<Input>) {
         };
         let Some(acc) = acc else { return };
         let tx = tx.clone();
-        if acc.peer != me {
-            if let Some(trusted) = main.trusted() {
-                tokio::spawn(shoal_net::close_when_revoked(acc.conn.clone(), acc.peer, trusted.clone()));
-            }
-        }
         if acc.alpn == alpn::MEMBERSHIP && acc.peer != me {
             if tx.send(Input::Seen(acc.peer, acc.conn.remote_address())).await.is_err() {
                 return;

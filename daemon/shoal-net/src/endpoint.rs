@@ -208,7 +208,10 @@ impl Node {
             quinn::Endpoint::new_with_abstract_socket(config, Some(server), socket, runtime).map_err(bind)?
         };
         let (tx, rx) = tokio::sync::mpsc::channel(MAX_HANDSHAKES);
-        tokio::spawn(handshakes(endpoint.clone(), tx, open));
+        // A main endpoint watches every connection it accepts: a member removed later
+        // loses them at once, whatever protocol they carry.
+        let watch = trusted.clone().map(|t| (t, identity.id()));
+        tokio::spawn(handshakes(endpoint.clone(), tx, open, watch));
         Ok(Node { endpoint, identity, trusted, transport, accepted: tokio::sync::Mutex::new(rx) })
     }
 
@@ -236,7 +239,12 @@ impl Node {
         config.transport_config(self.transport.clone());
         let connecting =
             self.endpoint.connect_with(config, addr, "shoal").map_err(|source| NetError::Connect { addr, source })?;
-        connecting.await.map_err(|source| NetError::Connection { addr, source })
+        let conn = connecting.await.map_err(|source| NetError::Connection { addr, source })?;
+        // As for accepted connections: one to a member removed later closes at once.
+        if let Some(trusted) = self.trusted.as_ref().filter(|_| peer != self.id()) {
+            tokio::spawn(close_when_revoked(conn.clone(), peer, trusted.clone()));
+        }
+        Ok(conn)
     }
 
     /// The next incoming connection whose handshake succeeded; `None` once closed.
@@ -304,7 +312,14 @@ impl Drop for SourceSlot {
 
 /// Accept incoming connections, each handshake in a task of its own, and pass on the
 /// ones that succeed. `open`: the join endpoint (see the module docs for the limits).
-async fn handshakes(endpoint: quinn::Endpoint, tx: tokio::sync::mpsc::Sender<Accepted>, open: bool) {
+/// `watch`: a main endpoint's trusted keys and own id, to close a removed member's
+/// connections ([`close_when_revoked`]).
+async fn handshakes(
+    endpoint: quinn::Endpoint,
+    tx: tokio::sync::mpsc::Sender<Accepted>,
+    open: bool,
+    watch: Option<(TrustedKeys, NodeId)>,
+) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     let connections = Arc::new(tokio::sync::Semaphore::new(OPEN_MAX_CONNECTIONS));
     let sources = Arc::new(PerSource::default());
@@ -348,7 +363,7 @@ async fn handshakes(endpoint: quinn::Endpoint, tx: tokio::sync::mpsc::Sender<Acc
         } else {
             None
         };
-        let tx = tx.clone();
+        let (tx, watch) = (tx.clone(), watch.clone());
         tokio::spawn(async move {
             let hs = incoming.await;
             drop(slot);
@@ -374,6 +389,10 @@ async fn handshakes(endpoint: quinn::Endpoint, tx: tokio::sync::mpsc::Sender<Acc
                 drop((source, connection));
             } else {
                 drop(source);
+                // The node's own key (its owner's CLI) is not a member's to lose.
+                if let Some((trusted, _)) = watch.filter(|(_, me)| *me != peer) {
+                    tokio::spawn(close_when_revoked(conn.clone(), peer, trusted));
+                }
                 let _ = tx.send(Accepted { conn, peer, alpn }).await;
             }
         });
@@ -381,7 +400,8 @@ async fn handshakes(endpoint: quinn::Endpoint, tx: tokio::sync::mpsc::Sender<Acc
 }
 
 /// Close `conn` (application code [`REVOKED`]) the moment `peer`'s key is removed from
-/// `trusted`; returns when either happens. The handshake checked the key once, and
+/// `trusted`; returns when either happens. A main endpoint's [`Node`] runs it for every
+/// connection it accepts or dials (but its own key's), whatever the protocol. The handshake checked the key once, and
 /// keep-alives would hold the connection open for good. Spawn one per connection of
 /// a pinned endpoint, accepted or dialled.
 pub async fn close_when_revoked(conn: quinn::Connection, peer: NodeId, trusted: TrustedKeys) {

@@ -23,7 +23,7 @@ use runtime::{Engine, Runtime};
 use shoal_gguf::ShardCache;
 use shoal_membership::node::{self as membership, Handle, NodeConfig, SharedEndpoint};
 use shoal_membership::wire::{read_msg, write_msg, AdminRequest, AdminResponse};
-use shoal_net::{alpn, Identity, Incoming, NodeId, TrustedKeys};
+use shoal_net::{alpn, Identity, Incoming, NodeId};
 use shoal_types::NodeInventory;
 use std::future::Future;
 use std::path::PathBuf;
@@ -113,10 +113,10 @@ pub async fn run(
         events: Default::default(),
         speculation: options.speculation,
     });
-    let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, trusted: shared.trusted.clone(), rt: rt.clone() });
+    let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, rt: rt.clone() });
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(serve_api(shared.router.route(alpn::NODE), ctx));
-    tasks.spawn(serve_shards(shared.router.route(alpn::SHARD), rt.clone(), shared.trusted.clone()));
+    tasks.spawn(serve_shards(shared.router.route(alpn::SHARD), rt.clone()));
     tasks.spawn(runtime::lead(rt.clone()));
     tasks.spawn(runtime::offer(rt.clone()));
     tasks.spawn(runtime::supervise(rt.clone()));
@@ -223,11 +223,11 @@ async fn serve_http(
 }
 
 /// Serve shards to members that fetch them.
-async fn serve_shards(mut incoming: Incoming, rt: Arc<Runtime>, trusted: TrustedKeys) {
+async fn serve_shards(mut incoming: Incoming, rt: Arc<Runtime>) {
     let sources = Arc::new(runtime::LiveSources::new(rt.clone()));
     let server = shoal_transfer::Server::new(rt.cache.clone(), sources, shoal_transfer::ServerOptions::default());
     while let Some(acc) = incoming.accept().await {
-        tokio::spawn(shoal_net::close_when_revoked(acc.conn.clone(), acc.peer, trusted.clone()));
+        // (The endpoint closes a removed member's connections: `close_when_revoked`.)
         let server = server.clone();
         tokio::spawn(async move { server.serve(acc.conn).await });
     }
@@ -239,8 +239,6 @@ struct Ctx {
     me: NodeId,
     /// The way into membership.
     membership: Handle,
-    /// Members' keys (a removed member's connections close at once).
-    trusted: TrustedKeys,
     /// Placement, stages, generation.
     rt: Arc<Runtime>,
 }
@@ -250,9 +248,6 @@ async fn serve_api(mut incoming: Incoming, ctx: Arc<Ctx>) {
     while let Some(acc) = incoming.accept().await {
         let ctx = ctx.clone();
         let (owner, peer) = (acc.peer == ctx.me, acc.peer);
-        if !owner {
-            tokio::spawn(shoal_net::close_when_revoked(acc.conn.clone(), acc.peer, ctx.trusted.clone()));
-        }
         tokio::spawn(async move {
             while let Ok((mut send, mut recv)) = acc.conn.accept_bi().await {
                 let ctx = ctx.clone();
