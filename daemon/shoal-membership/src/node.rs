@@ -5,9 +5,10 @@
 //! A node starts *unpaired* (or resumes the cluster it stored). Unpaired, it advertises
 //! `cl=unpaired`; members that see it verify its key on its open join endpoint and list
 //! it as pending. It becomes a member only through something its own owner did: a
-//! pairing code or a join token typed or installed on it, or an approval from a member
-//! after its owner agreed to that cluster (`shoal join --accept`). An approval alone,
-//! from whatever cluster is on the LAN, is refused. With no cluster on the LAN, the node
+//! pairing code or a join token typed or installed on it, or an approval from the
+//! member its owner named (`shoal join --accept MEMBER-ID`). An approval alone, or one
+//! from another member, or a welcome naming the right cluster from a stranger, is
+//! refused. With no cluster on the LAN, the node
 //! with the lowest id among the unpaired ones creates one.
 
 use crate::core::{Action, Config, Core, Event, HardState, Liveness, Role as ElectionRole};
@@ -75,9 +76,10 @@ pub struct NodeConfig {
     pub web_port: Option<u16>,
     /// Creating a cluster when there is none.
     pub create: CreatePolicy,
-    /// The cluster (id or id prefix, at least 8 hex digits) whose approval this node's
-    /// owner agreed to at start (`shoal serve --accept`); none: approvals are taken only
-    /// after `shoal join --accept`. Codes and tokens join either way.
+    /// The member (node id or prefix, at least [`ACCEPT_ID_DIGITS`] hex digits) whose
+    /// approval this node's owner agreed to at start (`shoal serve --accept`); none:
+    /// approvals are taken only after `shoal join --accept`. Codes and tokens join
+    /// either way.
     pub accept: Option<String>,
     /// A join token given at install (`--join-token`, or [`JOIN_TOKEN_FILE`]): while
     /// unpaired, the node pairs with the member of the token's cluster that made it.
@@ -279,18 +281,27 @@ impl JoinSecret {
     }
 }
 
-/// An approval this node's owner agreed to take.
+/// An approval this node's owner agreed to take: from one member, named by its node
+/// id. Not by a cluster id, which is public (every member's mDNS advert carries it): a
+/// stranger could send a welcome into a state of its own making with the real id
+/// (security review F2). A welcome comes over a connection that proved its sender's
+/// key, which a stranger cannot forge.
 #[derive(Clone, Debug)]
 struct Acceptance {
-    /// Cluster id prefix (lower-case hex).
-    prefix: String,
+    /// The approving member's node id or a prefix of it (lower-case hex, at least
+    /// [`ACCEPT_ID_DIGITS`] digits).
+    member: String,
     /// Until then (ms on the node's clock); none: while the node runs (given at start).
     until: Option<u64>,
 }
 
+/// Fewest hex digits of the approving member's id `--accept` takes: 64 bits, which no
+/// one finds a key for by trying (12 digits, 48 bits, might take days of GPUs).
+pub const ACCEPT_ID_DIGITS: usize = 16;
+
 impl Acceptance {
-    fn admits(&self, cluster: &ClusterId, now: u64) -> bool {
-        cluster.to_string().starts_with(&self.prefix) && self.until.is_none_or(|u| now < u)
+    fn admits(&self, from: &NodeId, now: u64) -> bool {
+        from.to_string().starts_with(&self.member) && self.until.is_none_or(|u| now < u)
     }
 }
 
@@ -477,7 +488,7 @@ pub async fn run_shared(
         accepts_approval: cfg.accept.is_some(),
     }));
     let tokens: Tokens = store.get_json(Space::Node, TOKENS_KEY)?.unwrap_or_default();
-    let accepting = cfg.accept.as_ref().map(|p| Acceptance { prefix: p.trim().to_ascii_lowercase(), until: None });
+    let accepting = cfg.accept.as_ref().map(|p| Acceptance { member: p.trim().to_ascii_lowercase(), until: None });
     tracing::info!(node = %me, %main_addr, %join_addr, "cluster node starting");
     let mut actor = Actor {
         seed: random_u64(),
@@ -1112,14 +1123,15 @@ impl Actor {
             return Ok(JoinResponse::Error("this node already belongs to a cluster".into()));
         }
         let now = self.now();
-        if !self.accepting.as_ref().is_some_and(|a| a.admits(&state.cluster, now)) {
+        if !self.accepting.as_ref().is_some_and(|a| a.admits(&from, now)) {
             // Approval alone is never enough: a stranger's cluster on the LAN must not
-            // adopt a node whose owner did nothing.
+            // adopt a node whose owner did nothing, nor one whose owner agreed to
+            // another member.
             tracing::info!(%from, cluster = %state.cluster, "refused an approval its owner did not agree to");
             return Ok(JoinResponse::Error(format!(
-                "this node takes an approval only after its owner agrees: run `shoal join --accept {}` on it \
-                 (or join with a pairing code or a join token)",
-                &state.cluster.to_string()[..12]
+                "this node takes an approval only from the member its owner names: run `shoal join --accept {}` \
+                 on it (this member's id), or join with a pairing code or a join token",
+                &from.to_string()[..ACCEPT_ID_DIGITS]
             )));
         }
         let last: Option<ClusterState> = self.store.get_json(Space::Cluster, "last")?;
@@ -1330,8 +1342,8 @@ impl Actor {
                     }
                 }
             }
-            AdminRequest::Accept { cluster } => {
-                let answer = self.accept(&cluster);
+            AdminRequest::Accept { member } => {
+                let answer = self.accept(&member);
                 let _ = reply.send(answer);
             }
             AdminRequest::Token { valid_s } => {
@@ -1432,43 +1444,48 @@ impl Actor {
         });
     }
 
-    /// `shoal join --accept PREFIX`: take an approval from that cluster for a while.
-    fn accept(&mut self, prefix: &str) -> AdminResponse {
+    /// `shoal join --accept MEMBER`: take an approval from that member (its node id, or
+    /// its first [`ACCEPT_ID_DIGITS`] hex digits or more) for a while.
+    fn accept(&mut self, member: &str) -> AdminResponse {
         if self.core.is_some() {
             return AdminResponse::Error("this node already belongs to a cluster".into());
         }
-        let prefix = prefix.trim().to_ascii_lowercase();
-        if prefix.len() < 8 || !prefix.chars().all(|c| c.is_ascii_hexdigit()) {
-            return AdminResponse::Error(
-                "give at least the first 8 hex digits of the cluster id (`shoal status` lists the clusters on the LAN)"
-                    .into(),
-            );
+        let member = member.trim().to_ascii_lowercase();
+        let hex = member.chars().all(|c| c.is_ascii_hexdigit());
+        if hex && member.len() >= 8 && self.lan_clusters().iter().any(|(c, _)| c.to_string().starts_with(&member)) {
+            return AdminResponse::Error(format!(
+                "{member} is a cluster's id, which anyone on the LAN can see: give the node id of the member \
+                 that will approve this node (`shoal key` on it, or its `shoal status`; at least {ACCEPT_ID_DIGITS} \
+                 hex digits)"
+            ));
         }
-        let seen = self.lan_clusters();
-        let hits: Vec<&(ClusterId, usize)> = seen.iter().filter(|(c, _)| c.to_string().starts_with(&prefix)).collect();
-        match hits.as_slice() {
-            [(cluster, nodes)] => {
-                let until = self.now() + ACCEPT_MS;
-                self.accepting = Some(Acceptance { prefix: cluster.to_string(), until: Some(until) });
-                lock(&self.public).accepts_approval = true;
-                tracing::info!(%cluster, "the owner agreed to an approval from this cluster");
-                AdminResponse::Ok(format!(
-                    "this node takes an approval from cluster {cluster} ({nodes} node(s) on the LAN) for the next {} min: \
-                     approve it there with `shoal nodes approve {}`",
-                    ACCEPT_MS / 60_000,
-                    &self.me.to_string()[..12]
-                ))
-            }
-            [] => AdminResponse::Error(format!(
-                "no cluster {prefix}… advertises on the LAN; seen: {}",
-                if seen.is_empty() {
-                    "none".to_string()
-                } else {
-                    seen.iter().map(|(c, n)| format!("{c} ({n} node(s))")).collect::<Vec<_>>().join(", ")
-                }
-            )),
-            _ => AdminResponse::Error(format!("{prefix} matches {} clusters; give more digits", hits.len())),
+        if member.len() < ACCEPT_ID_DIGITS || member.len() > 64 || !hex {
+            return AdminResponse::Error(format!(
+                "give the node id of the member that will approve this node, at least its first {ACCEPT_ID_DIGITS} \
+                 hex digits (`shoal key` on it, or its `shoal status`)"
+            ));
         }
+        // Where the member was seen, for the owner to check it is the one they meant.
+        let seen = self
+            .peers
+            .values()
+            .find(|(a, _)| a.node.to_string().starts_with(&member))
+            .map(|(a, _)| (a.node, a.cluster));
+        let until = self.now() + ACCEPT_MS;
+        self.accepting = Some(Acceptance { member: member.clone(), until: Some(until) });
+        lock(&self.public).accepts_approval = true;
+        tracing::info!(%member, "the owner agreed to an approval from this member");
+        let whom = match seen {
+            Some((id, Some(cluster))) => format!("member {id} (of cluster {cluster})"),
+            Some((id, None)) => format!("node {id} (it advertises no cluster yet)"),
+            None => format!("node {member}… (not seen on the LAN yet)"),
+        };
+        AdminResponse::Ok(format!(
+            "this node takes an approval from {whom} for the next {} min: approve it there with \
+             `shoal nodes approve {}`",
+            ACCEPT_MS / 60_000,
+            &self.me.to_string()[..12]
+        ))
     }
 
     /// Clusters advertised on the LAN, with how many nodes advertise each.
@@ -1990,11 +2007,7 @@ impl Actor {
             pairing_s: self.offers.active(now).map(|until| until.saturating_sub(now) / 1000),
             tokens: self.tokens.active(unix_ms()),
             lan_clusters: if self.core.is_none() { self.lan_clusters() } else { Vec::new() },
-            accepting: self
-                .accepting
-                .as_ref()
-                .filter(|_| self.core.is_none())
-                .and_then(|a| a.prefix.parse::<ClusterId>().ok()),
+            accepting: self.accepting.as_ref().filter(|_| self.core.is_none()).map(|a| a.member.clone()),
             join_token: self
                 .cfg
                 .join_token

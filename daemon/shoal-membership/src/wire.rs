@@ -215,11 +215,11 @@ pub enum AdminRequest {
         /// The code or token.
         code: String,
     },
-    /// Take an approval from the cluster whose id starts with `cluster` (for 10
-    /// minutes): the owner of an unpaired node saw that cluster and agrees to join it.
+    /// Take an approval from the member whose node id starts with `member` (for 10
+    /// minutes): the owner of an unpaired node agrees to be approved by that member.
     Accept {
-        /// Cluster id or prefix (at least 8 hex digits).
-        cluster: String,
+        /// Node id or prefix (at least `node::ACCEPT_ID_DIGITS` hex digits).
+        member: String,
     },
     /// Make a join token (a one-time secret for a node installed unattended).
     Token {
@@ -345,9 +345,10 @@ pub struct ClusterStatus {
     /// Unpaired: the clusters whose members advertise on the LAN, with how many.
     #[serde(default)]
     pub lan_clusters: Vec<(ClusterId, usize)>,
-    /// Unpaired: the cluster whose approval this node's owner agreed to take.
+    /// Unpaired: the member (node id or prefix) whose approval this node's owner agreed
+    /// to take.
     #[serde(default)]
-    pub accepting: Option<ClusterId>,
+    pub accepting: Option<String>,
     /// Unpaired with a join token: how joining with it goes.
     #[serde(default)]
     pub join_token: Option<String>,

@@ -160,22 +160,50 @@ async fn nodes_join_by_approval_and_by_code_and_strangers_stay_out() {
         other => panic!("B was adopted without its owner: {other:?}"),
     }
     assert_eq!(b.status().await.role, "unpaired");
-    // B's owner sees the cluster on the LAN and agrees to it; then the approval from the
-    // CLI (an id prefix is enough) takes.
+    // B's owner agrees to an approval from A, named by A's node id (a cluster id is
+    // public: anyone on the LAN could claim it); then the approval from the CLI (an id
+    // prefix is enough) takes.
     // (A's advert with its cluster may reach B a moment after B's reached A; other
     // tests' clusters on `lo` may be listed too.)
     wait_for("A's cluster seen at B", 15, || async {
         b.status().await.lan_clusters.iter().any(|(c, _)| *c == cluster).then_some(())
     })
     .await;
-    match b.ask(AdminRequest::Accept { cluster: "0000000".into() }).await {
-        AdminResponse::Error(e) => assert!(e.contains("8 hex"), "{e}"),
+    match b.ask(AdminRequest::Accept { member: a.id.to_string()[..12].into() }).await {
+        AdminResponse::Error(e) => assert!(e.contains("16"), "{e}"),
         other => panic!("a short prefix was taken: {other:?}"),
     }
-    match b.ask(AdminRequest::Accept { cluster: cluster.to_string()[..8].into() }).await {
-        AdminResponse::Ok(text) => assert!(text.contains(&cluster.to_string()), "{text}"),
+    match b.ask(AdminRequest::Accept { member: cluster.to_string()[..16].into() }).await {
+        AdminResponse::Error(e) => assert!(e.contains("cluster's id"), "{e}"),
+        other => panic!("a cluster id was taken: {other:?}"),
+    }
+    match b.ask(AdminRequest::Accept { member: a.id.to_string()[..16].into() }).await {
+        AdminResponse::Ok(text) => {
+            assert!(text.contains(&a.id.to_string()) && text.contains(&cluster.to_string()), "{text}")
+        }
         other => panic!("accept: {other:?}"),
     }
+    assert_eq!(b.status().await.accepting.as_deref(), Some(&a.id.to_string()[..16]));
+    // The review's F2: while B is armed, a stranger (a fresh key, never approved) sends
+    // a welcome into a state of its making with the real cluster id, listing B and
+    // itself. Refused: the welcome is not from the member B's owner named.
+    let stranger = Arc::new(Identity::generate().unwrap());
+    let member =
+        |id: NodeId| shoal_membership::Member { id, name: "hub".into(), role: Role::Hub, memory_bytes: 1 << 40 };
+    let mut forged = shoal_membership::ClusterState::create(cluster, member(stranger.id()));
+    forged.apply(&shoal_membership::Change::AddMember(member(b.id))).unwrap();
+    forged.version = shoal_membership::Version { term: 1, index: 2 };
+    let open = Node::bind_open("127.0.0.1:0".parse().unwrap(), stranger.clone(), &TransportOptions::default()).unwrap();
+    let join_addr: SocketAddr = b.status().await.join_addr.parse().unwrap();
+    let conn = open.connect(join_addr, b.id, alpn::JOIN).await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    wire::write_msg(&mut send, &JoinRequest::Welcome { state: Box::new(forged) }).await.unwrap();
+    match wire::read_msg::<JoinResponse>(&mut recv).await.unwrap() {
+        Some(JoinResponse::Error(e)) => assert!(e.contains("--accept"), "{e}"),
+        other => panic!("a stranger's welcome with the real cluster id was taken: {other:?}"),
+    }
+    let sb = b.status().await;
+    assert_eq!((sb.cluster, sb.role.as_str()), (None, "unpaired"), "the stranger adopted B");
     match a.ask(AdminRequest::Approve { node: prefix }).await {
         AdminResponse::Ok(text) => assert!(text.contains(&b.id.to_string())),
         other => panic!("approve: {other:?}"),

@@ -53,10 +53,10 @@ pub struct ClusterArgs {
     /// With neither flag: listen this long (ms) for a cluster on the LAN before creating one.
     #[arg(long, default_value_t = 3000)]
     create_after_ms: u64,
-    /// Take an approval from the cluster whose id starts with this (at least 8 hex
-    /// digits). Without it, an approval is taken only after `shoal join --accept`; a
-    /// pairing code or a join token joins either way.
-    #[arg(long, value_name = "CLUSTER")]
+    /// Take an approval from the member whose node id starts with this (at least 16
+    /// hex digits: `shoal key` on it). Without it, an approval is taken only after
+    /// `shoal join --accept`; a pairing code or a join token joins either way.
+    #[arg(long, value_name = "MEMBER")]
     accept: Option<String>,
     /// Join the cluster this token admits to (made by `shoal nodes token` on a member);
     /// also read from the file `join-token` in the data directory.
@@ -211,9 +211,10 @@ pub struct JoinArgs {
     /// The code a member showed (`shoal nodes pair`), e.g. 1234-5678, or a join token
     /// (`shoal nodes token`).
     code: Option<String>,
-    /// Instead: take an approval from this cluster (an id prefix `shoal status` shows
-    /// among the clusters on the LAN) for 10 minutes; then approve this node there.
-    #[arg(long, value_name = "CLUSTER")]
+    /// Instead: take an approval from this member for 10 minutes (its node id, at least
+    /// the first 16 hex digits: `shoal key` or `shoal status` on it); then approve this
+    /// node there. Not a cluster id: anyone on the LAN can see those.
+    #[arg(long, value_name = "MEMBER")]
     accept: Option<String>,
     #[command(flatten)]
     dir: DirArg,
@@ -259,8 +260,9 @@ pub fn serve(
         .transpose()
         .map_err(|e| anyhow::anyhow!("the join token: {e}"))?;
     if let Some(prefix) = &args.accept {
-        if prefix.len() < 8 || !prefix.chars().all(|c| c.is_ascii_hexdigit()) {
-            bail!("--accept takes at least the first 8 hex digits of a cluster id");
+        let digits = shoal_membership::node::ACCEPT_ID_DIGITS;
+        if prefix.len() < digits || prefix.len() > 64 || !prefix.chars().all(|c| c.is_ascii_hexdigit()) {
+            bail!("--accept takes the node id of the member that will approve this node, at least its first {digits} hex digits (`shoal key` on it)");
         }
     }
     let appliance = if args.appliance {
@@ -392,13 +394,13 @@ pub fn nodes(c: NodesCommand) -> Result<()> {
     Ok(())
 }
 
-/// `shoal join CODE|TOKEN`, or `shoal join --accept CLUSTER`.
+/// `shoal join CODE|TOKEN`, or `shoal join --accept MEMBER`.
 pub fn join(a: JoinArgs) -> Result<()> {
     let req = match (a.code, a.accept) {
-        (_, Some(cluster)) => AdminRequest::Accept { cluster },
+        (_, Some(member)) => AdminRequest::Accept { member },
         (Some(code), None) => AdminRequest::Join { code },
         // clap's group requires one of them.
-        (None, None) => bail!("give a code, a token or --accept CLUSTER"),
+        (None, None) => bail!("give a code, a token or --accept MEMBER"),
     };
     match ask(&a.dir.data_dir, req)? {
         AdminResponse::Ok(text) => println!("{text}"),
@@ -551,7 +553,7 @@ fn print_status(st: &ClusterStatus) {
             });
             println!("cluster {c}  term {}  leader {leader}  state {}", st.term, st.version);
         }
-        None => println!("unpaired: not in a cluster yet (`shoal join CODE|TOKEN`, or `shoal join --accept CLUSTER` and an approval there)"),
+        None => println!("unpaired: not in a cluster yet (`shoal join CODE|TOKEN`, or `shoal join --accept MEMBER` and an approval there)"),
     }
     println!("this node {} ({}) at {}: {}", short(&st.node), shown(&st.name), st.addr, st.role);
     if st.cluster.is_none() {
@@ -561,8 +563,8 @@ fn print_status(st: &ClusterStatus) {
         for (c, n) in &st.lan_clusters {
             println!("cluster on the LAN: {c}  ({n} node(s))");
         }
-        if let Some(c) = &st.accepting {
-            println!("takes an approval from cluster {c} (agreed with `shoal join --accept`)");
+        if let Some(m) = &st.accepting {
+            println!("takes an approval from member {m}… (agreed with `shoal join --accept`)");
         }
         if let Some(t) = &st.join_token {
             println!("join token: {}", shown(t));

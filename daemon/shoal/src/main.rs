@@ -42,7 +42,7 @@ enum Command {
     #[command(subcommand)]
     Keys(keys::KeysCommand),
     /// Join a cluster: with a pairing code or a join token from one of its members, or
-    /// (`--accept CLUSTER`) by taking an approval from that cluster.
+    /// (`--accept MEMBER`) by taking an approval from that member.
     Join(cluster::JoinArgs),
     /// Set the admin page's password from this node (the first one, or one forgotten):
     /// read without echo, or one line from standard input; every page session ends.

@@ -197,9 +197,10 @@ fn a_placement_planned_on_the_live_cluster_serves_and_matches_one_machine() {
         if !approved {
             let st: Value = serde_json::from_str(&cli(&a, &["status", "--json"])).unwrap();
             if st["pending"].as_array().unwrap().iter().any(|p| p["node"] == id_b.as_str()) {
-                // B's owner agrees to A's cluster first: an approval alone is refused.
-                let cluster = st["cluster"].as_str().unwrap().to_string();
-                cli(&b, &["join", "--accept", &cluster[..12]]);
+                // B's owner agrees to an approval from A first: an approval alone is
+                // refused.
+                let member = st["node"].as_str().unwrap().to_string();
+                cli(&b, &["join", "--accept", &member[..16]]);
                 cli(&a, &["nodes", "approve", &id_b]);
                 approved = true;
             }

@@ -258,24 +258,14 @@ pub fn cluster(a: ClusterBenchArgs) -> Result<()> {
     let discover = t0.elapsed();
     eprintln!("[bench] node0 discovered and verified {} nodes in {:.2} s", n - 1, discover.as_secs_f64());
 
-    // Forming: odd nodes approved from node0's CLI (once their owner agreed to that
-    // cluster), even ones join with a code.
+    // Forming: odd nodes approved from node0's CLI (once their owner agreed to an
+    // approval from node0), even ones join with a code.
     let t1 = Instant::now();
-    let cluster = c.status(0).and_then(|s| s.cluster).context("node0 has no cluster")?.to_string();
+    c.status(0).and_then(|s| s.cluster).context("node0 has no cluster")?;
+    let approver = ids[0].to_string();
     for (k, id) in ids.iter().enumerate().skip(1) {
         if k % 2 == 1 {
-            // Node 0 seeing node k's advert does not mean node k has seen node 0's
-            // (mDNS answers arrive when they arrive): agree once the cluster is seen.
-            let seen = Instant::now();
-            loop {
-                match c.cli(k, &["join", "--accept", &cluster[..12]]) {
-                    Ok(_) => break,
-                    Err(e) if seen.elapsed() < WAIT && format!("{e:#}").contains("advertises on the LAN") => {
-                        std::thread::sleep(Duration::from_millis(200));
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
+            c.cli(k, &["join", "--accept", &approver[..16]])?;
             c.cli(0, &["nodes", "approve", &id.to_string()[..16]])?;
         } else {
             let code = c.cli(0, &["nodes", "pair"])?;

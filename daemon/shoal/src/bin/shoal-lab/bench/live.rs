@@ -121,10 +121,11 @@ fn one_delay(model: &Path, n_layer: u32, split: u32, delay: u64, a: &LivePlanArg
             }
             let pending = st["pending"].as_array().is_some_and(|p| p.iter().any(|p| p["node"] == id_b.as_str()));
             if !approved && pending {
-                // B's owner agrees to A's cluster first: an approval alone is refused.
-                let cluster = st["cluster"].as_str().unwrap_or_default().to_string();
-                let accepted = cluster.len() >= 12
-                    && cli(&["join", "--accept", &cluster[..12]], &data("b")).output()?.status.success();
+                // B's owner agrees to an approval from A first: an approval alone is
+                // refused.
+                let member = st["node"].as_str().unwrap_or_default().to_string();
+                let accepted = member.len() >= 16
+                    && cli(&["join", "--accept", &member[..16]], &data("b")).output()?.status.success();
                 approved = accepted && cli(&["nodes", "approve", &id_b], &data("a")).output()?.status.success();
             }
         }
