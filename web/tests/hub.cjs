@@ -31,9 +31,9 @@ function check(cond, what) {
   console.log(`ok: ${what}`);
 }
 
-/** The JSON of a file of the appliance folder, or null. */
+/** The JSON of a file the node wrote (in the appliance folder's inbox), or null. */
 function file(name) {
-  try { return JSON.parse(fs.readFileSync(path.join(dir, name), "utf8")); } catch { return null; }
+  try { return JSON.parse(fs.readFileSync(path.join(dir, "inbox", name), "utf8")); } catch { return null; }
 }
 
 /** Wait until `f()` is truthy (up to 10 s); its value. */
@@ -130,7 +130,7 @@ function status(fields) {
     await page.setInputFiles("#bundle-file", bundle);
     await page.click("#bundle-send");
     const update = await until("an update is asked", () => { const r = file("request.json"); return r && r.action === "update" && r; });
-    check(fs.readFileSync(path.join(dir, "update.raucb")).equals(fs.readFileSync(bundle)), "the bundle arrived whole");
+    check(fs.readFileSync(path.join(dir, "inbox", "update.raucb")).equals(fs.readFileSync(bundle)), "the bundle arrived whole");
     fs.unlinkSync(bundle);
     status({ request: { id: update.id, action: "update", state: "running", message: "" }, update: { state: "installing", message: "", at: 1 } });
     await page.locator("#update-status", { hasText: "Installing" }).waitFor({ timeout: 10000 });

@@ -1,12 +1,16 @@
 //! A hub appliance's system side, as files: the node (user `shoal`, no privileges) and
-//! the image's root-owned scripts talk only through `<data dir>/appliance/`:
+//! the image's root-owned scripts talk only through `<data dir>/appliance/`, a folder
+//! root owns (on the hub; the image makes it so), with one the node may write in,
+//! `inbox/`. Root never writes in the inbox and reads its files only after copying
+//! them out without following links (security review F3: a folder the node controls
+//! could have root write through a link it planted):
 //!
-//! - `settings.json`, written here (atomically: `settings.json.tmp`, fsync, rename;
+//! - `inbox/settings.json`, written here (atomically: `settings.json.tmp`, fsync, rename;
 //!   mode 0600, it holds the WiFi passphrase): `{"timezone": "Europe/Paris" | null,
 //!   "wifi": {"ssid", "passphrase"} | null}`, validated before it is written;
-//! - `request.json`, written here the same way: `{"id": "<16 hex>", "action":
+//! - `inbox/request.json`, written here the same way: `{"id": "<16 hex>", "action":
 //!   "apply" | "update" | "reset" | "reboot", "at": <unix seconds>}`;
-//! - `update.raucb`, an update bundle uploaded from the page (streamed there by the
+//! - `inbox/update.raucb`, an update bundle uploaded from the page (streamed there by the
 //!   upload route, at most [`MAX_BUNDLE_BYTES`]);
 //! - `status.json`, written by the system side and only read here: absent or malformed
 //!   reads as unknown (`None`), never as an error.
@@ -23,6 +27,8 @@ use std::sync::{Arc, Mutex};
 
 /// The folder, under the node's data directory.
 pub const DIR: &str = "appliance";
+/// The folder in it the node writes, the only one.
+pub const INBOX: &str = "inbox";
 /// The system settings the node writes.
 pub const SETTINGS_FILE: &str = "settings.json";
 /// The request the node writes.
@@ -216,8 +222,10 @@ pub struct UpdateStatus {
 /// A hub appliance's folder.
 #[derive(Clone, Debug)]
 pub struct Appliance {
-    /// `<data dir>/appliance`.
+    /// `<data dir>/appliance`: the system side's status.
     dir: PathBuf,
+    /// `<data dir>/appliance/inbox`: what the node writes.
+    inbox: PathBuf,
     /// The time zone database ([`ZONEINFO`]).
     zoneinfo: PathBuf,
     /// This machine's host name (the page may be reached as `<name>.local`).
@@ -227,26 +235,25 @@ pub struct Appliance {
 }
 
 impl Appliance {
-    /// The appliance folder of the node whose data directory is `data_dir`, created
-    /// (mode 0770) if missing; `host` is this machine's host name.
+    /// The appliance folder of the node whose data directory is `data_dir` and its
+    /// inbox, each created if missing (the folder 0755, the inbox 0770: on the hub the
+    /// image makes the folder root's and the inbox the node's); `host` is this
+    /// machine's host name.
     pub fn open(data_dir: &Path, host: Option<String>) -> Result<Appliance, ApplianceError> {
         let dir = data_dir.join(DIR);
-        if !dir.is_dir() {
-            let mut builder = std::fs::DirBuilder::new();
-            #[cfg(unix)]
-            std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o770);
-            match builder.create(&dir) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(source) => return Err(ApplianceError::Io { path: dir, source }),
+        let inbox = dir.join(INBOX);
+        make_dir(&dir, 0o755)?;
+        make_dir(&inbox, 0o770)?;
+        // A box made before the inbox kept its settings beside status.json: carried
+        // over once, so the page still shows them.
+        let (old, new) = (dir.join(SETTINGS_FILE), inbox.join(SETTINGS_FILE));
+        if !new.exists() && old.is_file() && !old.is_symlink() {
+            if let Ok(bytes) = std::fs::read(&old) {
+                write_atomic(&inbox, SETTINGS_FILE, &bytes)?;
             }
-            // The mode asked at creation is cut by the umask.
-            #[cfg(unix)]
-            std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o770))
-                .map_err(|source| ApplianceError::Io { path: dir.clone(), source })?;
         }
         let host = host.map(|h| h.trim().to_ascii_lowercase()).filter(|h| !h.is_empty());
-        Ok(Appliance { dir, zoneinfo: PathBuf::from(ZONEINFO), host, writing: Arc::default() })
+        Ok(Appliance { dir, inbox, zoneinfo: PathBuf::from(ZONEINFO), host, writing: Arc::default() })
     }
 
     /// The same, looking time zones up under `zoneinfo` (tests).
@@ -255,9 +262,14 @@ impl Appliance {
         self
     }
 
-    /// The folder.
+    /// The folder (the system side's `status.json`).
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The folder the node writes (settings, requests, the bundle).
+    pub fn inbox(&self) -> &Path {
+        &self.inbox
     }
 
     /// This machine's host name, lower case.
@@ -267,12 +279,12 @@ impl Appliance {
 
     /// Where an uploaded bundle goes.
     pub fn bundle_path(&self) -> PathBuf {
-        self.dir.join(BUNDLE_FILE)
+        self.inbox.join(BUNDLE_FILE)
     }
 
     /// The settings written last; none yet (or an unreadable file): the defaults.
     pub fn settings(&self) -> SystemSettings {
-        let path = self.dir.join(SETTINGS_FILE);
+        let path = self.inbox.join(SETTINGS_FILE);
         match std::fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
                 tracing::warn!("{}: {e}; read as no settings", path.display());
@@ -329,7 +341,7 @@ impl Appliance {
         self.validate(settings)?;
         // Invariant: strings and options always serialise.
         let bytes = serde_json::to_vec_pretty(settings).expect("settings serialise");
-        write_atomic(&self.dir, SETTINGS_FILE, &bytes)?;
+        write_atomic(&self.inbox, SETTINGS_FILE, &bytes)?;
         self.write_request(RequestKind::Apply)
     }
 
@@ -351,7 +363,7 @@ impl Appliance {
         let request = Request { id: hex::encode(id), action, at };
         // Invariant: strings and numbers always serialise.
         let bytes = serde_json::to_vec_pretty(&request).expect("a request serialises");
-        write_atomic(&self.dir, REQUEST_FILE, &bytes)?;
+        write_atomic(&self.inbox, REQUEST_FILE, &bytes)?;
         tracing::info!(id = %request.id, action = ?action, "appliance request written");
         Ok(request)
     }
@@ -371,6 +383,28 @@ impl Appliance {
             _ => None,
         }
     }
+}
+
+/// Create the folder `dir` with `mode` if it is missing (the mode asked at creation is
+/// cut by the umask, so it is set again).
+fn make_dir(dir: &Path, mode: u32) -> Result<(), ApplianceError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let mut builder = std::fs::DirBuilder::new();
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, mode);
+    match builder.create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+        Err(source) => return Err(ApplianceError::Io { path: dir.to_path_buf(), source }),
+    }
+    #[cfg(unix)]
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode))
+        .map_err(|source| ApplianceError::Io { path: dir.to_path_buf(), source })?;
+    #[cfg(not(unix))]
+    let _ = mode;
+    Ok(())
 }
 
 /// Whether `zone` names a time zone of the database at `zoneinfo`: `UTC`, or a
@@ -569,22 +603,23 @@ mod tests {
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
-            assert_eq!(std::fs::metadata(a.dir()).unwrap().permissions().mode() & 0o777, 0o770);
+            assert_eq!(std::fs::metadata(a.dir()).unwrap().permissions().mode() & 0o777, 0o755);
+            assert_eq!(std::fs::metadata(a.inbox()).unwrap().permissions().mode() & 0o777, 0o770);
         }
         assert_eq!(a.settings(), SystemSettings::default(), "nothing written yet");
         let settings =
             SystemSettings { timezone: Some("Europe/Paris".into()), wifi: Some(wifi("home", "correct horse")) };
         // A stale temporary file readable by all is replaced, not reused as it was.
-        std::fs::write(a.dir().join("settings.json.tmp"), b"stale").unwrap();
+        std::fs::write(a.inbox().join("settings.json.tmp"), b"stale").unwrap();
         #[cfg(unix)]
         std::fs::set_permissions(
-            a.dir().join("settings.json.tmp"),
+            a.inbox().join("settings.json.tmp"),
             std::os::unix::fs::PermissionsExt::from_mode(0o644),
         )
         .unwrap();
         let request = a.store(&settings).unwrap();
         let written: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(a.dir().join(SETTINGS_FILE)).unwrap()).unwrap();
+            serde_json::from_slice(&std::fs::read(a.inbox().join(SETTINGS_FILE)).unwrap()).unwrap();
         assert_eq!(
             written,
             json!({"timezone": "Europe/Paris", "wifi": {"ssid": "home", "passphrase": "correct horse"}})
@@ -592,26 +627,26 @@ mod tests {
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::metadata(a.dir().join(SETTINGS_FILE)).unwrap().permissions().mode();
+            let mode = std::fs::metadata(a.inbox().join(SETTINGS_FILE)).unwrap().permissions().mode();
             assert_eq!(mode & 0o777, 0o600);
         }
-        assert!(!a.dir().join("settings.json.tmp").exists(), "the temporary file was renamed");
+        assert!(!a.inbox().join("settings.json.tmp").exists(), "the temporary file was renamed");
         assert_eq!(a.settings(), settings);
-        let on_disk: Request = serde_json::from_slice(&std::fs::read(a.dir().join(REQUEST_FILE)).unwrap()).unwrap();
+        let on_disk: Request = serde_json::from_slice(&std::fs::read(a.inbox().join(REQUEST_FILE)).unwrap()).unwrap();
         assert_eq!(on_disk, request);
         assert_eq!(request.action, RequestKind::Apply);
         assert!(request.id.len() == 16 && request.id.bytes().all(|b| b.is_ascii_hexdigit()), "{}", request.id);
         assert!(request.at > 1_600_000_000);
         assert_eq!(a.settings().public(), json!({"timezone": "Europe/Paris", "wifi": {"ssid": "home"}}));
 
-        let before = std::fs::read(a.dir().join(SETTINGS_FILE)).unwrap();
+        let before = std::fs::read(a.inbox().join(SETTINGS_FILE)).unwrap();
         let bad = SystemSettings { timezone: Some("Mars/Olympus".into()), wifi: None };
         assert_eq!(a.store(&bad).unwrap_err().status(), 400);
         let bad = SystemSettings { timezone: None, wifi: Some(wifi("home", "short")) };
         assert_eq!(a.store(&bad).unwrap_err().status(), 400);
-        assert_eq!(std::fs::read(a.dir().join(SETTINGS_FILE)).unwrap(), before, "refused: unchanged");
+        assert_eq!(std::fs::read(a.inbox().join(SETTINGS_FILE)).unwrap(), before, "refused: unchanged");
         assert_eq!(
-            serde_json::from_slice::<Request>(&std::fs::read(a.dir().join(REQUEST_FILE)).unwrap()).unwrap(),
+            serde_json::from_slice::<Request>(&std::fs::read(a.inbox().join(REQUEST_FILE)).unwrap()).unwrap(),
             request
         );
 
@@ -624,7 +659,7 @@ mod tests {
         assert_eq!(a.settings(), after);
         let (_, _) = a.change(&Change { timezone: Some(None), wifi: Some(Some(wifi("cafe", ""))) }).unwrap();
         let written: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(a.dir().join(SETTINGS_FILE)).unwrap()).unwrap();
+            serde_json::from_slice(&std::fs::read(a.inbox().join(SETTINGS_FILE)).unwrap()).unwrap();
         assert_eq!(written, json!({"timezone": null, "wifi": {"ssid": "cafe", "passphrase": ""}}));
     }
 
@@ -633,7 +668,7 @@ mod tests {
         let data = tempfile::tempdir().unwrap();
         let a = Appliance::open(data.path(), None).unwrap();
         assert!(matches!(a.request(RequestKind::Update), Err(ApplianceError::NoBundle)));
-        assert!(!a.dir().join(REQUEST_FILE).exists(), "a refused update writes nothing");
+        assert!(!a.inbox().join(REQUEST_FILE).exists(), "a refused update writes nothing");
         std::fs::write(a.bundle_path(), b"bundle").unwrap();
         let mut ids = std::collections::HashSet::new();
         for (kind, name) in
@@ -641,7 +676,7 @@ mod tests {
         {
             let r = a.request(kind).unwrap();
             let on_disk: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(a.dir().join(REQUEST_FILE)).unwrap()).unwrap();
+                serde_json::from_slice(&std::fs::read(a.inbox().join(REQUEST_FILE)).unwrap()).unwrap();
             assert_eq!(on_disk, json!({"id": r.id, "action": name, "at": r.at}));
             ids.insert(r.id);
         }

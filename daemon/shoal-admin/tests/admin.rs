@@ -509,9 +509,9 @@ fn wrong_passwords_sent_at_once_cannot_slip_past_the_limit() {
     assert!(answers.iter().all(|s| [401, 429, 503].contains(s)), "{answers:?}");
 }
 
-/// The JSON of file `name` in `fake`'s appliance folder.
+/// The JSON of file `name` the node wrote (in `fake`'s appliance inbox).
 fn appliance_file(fake: &Fake, name: &str) -> Option<serde_json::Value> {
-    let bytes = std::fs::read(fake.appliance.as_ref().unwrap().dir().join(name)).ok()?;
+    let bytes = std::fs::read(fake.appliance.as_ref().unwrap().inbox().join(name)).ok()?;
     Some(serde_json::from_slice(&bytes).unwrap())
 }
 
@@ -696,14 +696,17 @@ fn a_hub_appliance_writes_settings_and_requests_reads_its_status_and_takes_a_bun
     // closed connection.)
     assert_eq!(upload("b", None, None).status, 401);
     assert_eq!(upload("b", Some(&token), None).status, 403);
-    assert!(!dir.join("update.raucb").exists());
+    assert!(!dir.join("inbox/update.raucb").exists());
     let a = upload(&bundle, Some(&token), Some(&csrf));
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(a.json()["bytes"], bundle.len());
-    assert_eq!(std::fs::read(dir.join("update.raucb")).unwrap(), bundle.as_bytes());
+    assert_eq!(std::fs::read(dir.join("inbox/update.raucb")).unwrap(), bundle.as_bytes());
+    let mut names: Vec<_> = std::fs::read_dir(dir.join("inbox")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    names.sort();
+    assert_eq!(names, ["request.json", "settings.json", "update.raucb"], "no staging file left");
     let mut names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
     names.sort();
-    assert_eq!(names, ["request.json", "settings.json", "status.json", "update.raucb"], "no staging file left");
+    assert_eq!(names, ["inbox", "status.json"], "the node writes only in its inbox");
     for (body, name) in [
         (r#"{"action":"appliance_update"}"#, "update"),
         (r#"{"action":"appliance_reboot"}"#, "reboot"),
@@ -718,7 +721,7 @@ fn a_hub_appliance_writes_settings_and_requests_reads_its_status_and_takes_a_bun
     }
     // Another bundle takes the first one's place.
     assert_eq!(upload("second", Some(&token), Some(&csrf)).status, 200);
-    assert_eq!(std::fs::read(dir.join("update.raucb")).unwrap(), b"second");
+    assert_eq!(std::fs::read(dir.join("inbox/update.raucb")).unwrap(), b"second");
 }
 
 #[test]

@@ -1,8 +1,10 @@
 //! The hub image's root script that applies what the page asks
 //! (`firmware/rootfs/usr/lib/shoal-hub/apply`), run here on folders of its own: the
-//! node (an unprivileged user) writes `settings.json` and `request.json`, the script
-//! (root, on the box) must check every value before use, apply the time zone and WiFi
-//! network, report in `status.json`, and handle each request once. The whole box is
+//! node (an unprivileged user) writes `settings.json` and `request.json` in its inbox,
+//! the script (root, on the box) must check every value before use, apply the time zone
+//! and WiFi network, report in `status.json`, and handle each request once; and it
+//! must never write or read through a link the node plants in its inbox, however it
+//! races (security review F3). The whole box is
 //! tested by `hub_image.rs` (opt-in, under qemu).
 
 use serde_json::{json, Value};
@@ -26,7 +28,8 @@ impl Box {
         let tmp = tempfile::tempdir().unwrap();
         let appliance = tmp.path().join("var/lib/shoal/appliance");
         let hub = tmp.path().join("data/hub");
-        std::fs::create_dir_all(&appliance).unwrap();
+        // Root's folder (as the image makes it), the node's inbox in it.
+        std::fs::create_dir_all(appliance.join("inbox")).unwrap();
         std::fs::create_dir_all(&hub).unwrap();
         let calls = tmp.path().join("systemctl.calls");
         let fake = tmp.path().join("systemctl");
@@ -38,10 +41,10 @@ impl Box {
     /// Write `settings` and a request `id` for `action`, run the script; its status.
     fn run(&self, settings: Option<&Value>, id: &str, action: &str) -> Value {
         if let Some(s) = settings {
-            std::fs::write(self.appliance.join("settings.json"), s.to_string()).unwrap();
+            std::fs::write(self.appliance.join("inbox/settings.json"), s.to_string()).unwrap();
         }
         let req = json!({"id": id, "action": action, "at": 0});
-        std::fs::write(self.appliance.join("request.json"), req.to_string()).unwrap();
+        std::fs::write(self.appliance.join("inbox/request.json"), req.to_string()).unwrap();
         let out = Command::new("bash")
             .arg(script())
             .env("SHOAL_HUB_APPLIANCE", &self.appliance)
@@ -164,10 +167,10 @@ fn apply_refuses_what_the_node_should_not_ask_and_changes_nothing() {
     let st = b.run(None, "20", "format-disk");
     assert_eq!(st["request"]["state"], "failed");
     // A request file that is a link (to a file the node may not read) is not followed.
-    std::fs::remove_file(b.appliance.join("request.json")).unwrap();
+    std::fs::remove_file(b.appliance.join("inbox/request.json")).unwrap();
     let elsewhere = b.hub.join("req");
     std::fs::write(&elsewhere, json!({"id": "21", "action": "apply"}).to_string()).unwrap();
-    std::os::unix::fs::symlink(&elsewhere, b.appliance.join("request.json")).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, b.appliance.join("inbox/request.json")).unwrap();
     let out = Command::new("bash")
         .arg(script())
         .env("SHOAL_HUB_APPLIANCE", &b.appliance)
@@ -177,10 +180,95 @@ fn apply_refuses_what_the_node_should_not_ask_and_changes_nothing() {
         .unwrap();
     assert!(out.status.success());
     assert_ne!(b.status()["request"]["id"], "21", "a linked request was followed");
-    std::fs::remove_file(b.appliance.join("request.json")).unwrap();
+    std::fs::remove_file(b.appliance.join("inbox/request.json")).unwrap();
     // No update without a bundle; nothing rebooted.
     let st = b.run(None, "22", "update");
     assert_eq!(st["request"]["state"], "failed");
     assert!(st["request"]["message"].as_str().unwrap().contains("no update bundle"), "{st}");
     assert!(!b.systemctl().contains("reboot"), "{}", b.systemctl());
+}
+
+/// The review's F3 recipe, and more: while the script runs again and again as root, a
+/// racer (the node, in its inbox) swaps every file there for links to files outside,
+/// in a loop, and floods the appliance folder's names it can guess. Nothing outside
+/// the inbox changes: not the files the links point to (content and mode), and no
+/// request is taken from a linked file; the script refuses to run at all when the
+/// appliance folder is not root's alone.
+#[test]
+fn links_raced_into_the_inbox_are_never_followed() {
+    if !tools() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let b = Box::new();
+    b.run(Some(&json!({"timezone": "Europe/Paris", "wifi": null})), "01", "apply");
+    // Targets a root script must never write, chmod or read on the node's behalf.
+    let victim = b.hub.join("victim");
+    std::fs::write(&victim, "root's secret\n").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let lure = b.hub.join("lure.json");
+    std::fs::write(&lure, json!({"id": "bad", "action": "apply"}).to_string()).unwrap();
+    std::fs::set_permissions(&lure, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let inbox = b.appliance.join("inbox");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let racer = {
+        let (inbox, victim, lure, stop) = (inbox.clone(), victim.clone(), lure.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for (name, to) in [("request.json", &lure), ("settings.json", &victim), ("update.raucb", &victim)] {
+                    let path = inbox.join(name);
+                    // A real file a moment, then a link: the swap the script must lose.
+                    let _ = std::fs::remove_file(&path);
+                    let _ = std::fs::write(&path, json!({"id": format!("{n:x}"), "action": "apply"}).to_string());
+                    let _ = std::fs::remove_file(&path);
+                    let _ = std::os::unix::fs::symlink(to, &path);
+                }
+                n += 1;
+            }
+            n
+        })
+    };
+    for _ in 0..40 {
+        let out = Command::new("bash")
+            .arg(script())
+            .env("SHOAL_HUB_APPLIANCE", &b.appliance)
+            .env("SHOAL_HUB_DATA", &b.hub)
+            .env("SHOAL_HUB_SYSTEMCTL", "true")
+            .output()
+            .unwrap();
+        let _ = out;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let swaps = racer.join().unwrap();
+    assert!(swaps > 40, "the racer hardly ran: {swaps} swaps");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root's secret\n", "written through a link");
+    assert_eq!(std::fs::metadata(&victim).unwrap().permissions().mode() & 0o777, 0o600, "chmod through a link");
+    assert_eq!(std::fs::metadata(&lure).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_ne!(b.status()["request"]["id"], "bad", "a request was read through a link");
+    // Nothing appeared outside the inbox but root's own files.
+    let mut names: Vec<String> = std::fs::read_dir(&b.appliance)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, [".taken", "inbox", "status.json"]);
+    for e in std::fs::read_dir(b.appliance.join(".taken")).unwrap() {
+        let meta = std::fs::symlink_metadata(e.unwrap().path()).unwrap();
+        assert!(meta.is_file(), "a link kept in root's folder");
+    }
+    // An appliance folder others may write in: the script does nothing at all.
+    std::fs::set_permissions(&b.appliance, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let before = b.status();
+    std::fs::write(inbox.join("request.json"), json!({"id": "77", "action": "apply"}).to_string()).unwrap();
+    let out = Command::new("bash")
+        .arg(script())
+        .env("SHOAL_HUB_APPLIANCE", &b.appliance)
+        .env("SHOAL_HUB_DATA", &b.hub)
+        .env("SHOAL_HUB_SYSTEMCTL", "true")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not root's alone"));
+    assert_eq!(b.status(), before);
 }

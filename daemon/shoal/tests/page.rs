@@ -283,7 +283,9 @@ fn a_hub_box_is_set_up_from_its_lan_and_its_system_managed_from_the_page() {
     {
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&appliance).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o770, "the appliance folder");
+        assert_eq!(mode & 0o777, 0o755, "the appliance folder");
+        let mode = std::fs::metadata(appliance.join("inbox")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o770, "the appliance folder's inbox");
     }
     let artifacts = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("admin-page");
     run_browser(
@@ -295,7 +297,7 @@ fn a_hub_box_is_set_up_from_its_lan_and_its_system_managed_from_the_page() {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(appliance.join("settings.json")).unwrap().permissions().mode();
+        let mode = std::fs::metadata(appliance.join("inbox/settings.json")).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600, "settings.json holds the WiFi passphrase");
     }
     drop(nodes);
