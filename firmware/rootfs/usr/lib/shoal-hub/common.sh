@@ -43,6 +43,8 @@ take() {
 # Change status.json with a jq program (and its --arg/--argjson), in root's folder.
 status_update() {
   local f=$APPLIANCE/status.json tmp old='{}'
+  # Never a temporary file in a folder someone else may write in.
+  appliance_is_roots || { log "$APPLIANCE is not root's alone: status not written"; return 1; }
   if regular "$f" && jq -e 'type == "object"' "$f" >/dev/null 2>&1; then old=$(cat "$f"); fi
   tmp=$(mktemp "$APPLIANCE/.status.XXXXXX") || return 1
   if printf '%s' "$old" | jq "$@" > "$tmp"; then
