@@ -66,8 +66,8 @@ impl Backend for Fake {
     fn metrics(&self) -> &shoal_api::Metrics {
         &self.0
     }
-    fn authorized(&self, _key: &str) -> bool {
-        false
+    fn key_scope(&self, _key: &str) -> Option<shoal_types::KeyScope> {
+        None
     }
     async fn load(&self, _model: &str) -> Result<(), Failure> {
         Ok(())

@@ -155,6 +155,9 @@ pub enum Action {
     KeyCreate {
         /// What it is for, e.g. open-webui.
         name: String,
+        /// What it may do (a chat client's key by default).
+        #[serde(default)]
+        scope: shoal_types::KeyScope,
     },
     /// Revoke an API key: every node refuses it from then on.
     KeyRevoke {

@@ -52,9 +52,9 @@ pub trait Backend: Send + Sync + 'static {
         async { String::new() }
     }
 
-    /// Whether `key` (as a client presented it) is one of the cluster's API keys.
-    /// Constant time in the key.
-    fn authorized(&self, key: &str) -> bool;
+    /// What `key` (as a client presented it) may do, if it is one of the cluster's API
+    /// keys. Constant time in the key.
+    fn key_scope(&self, key: &str) -> Option<shoal_types::KeyScope>;
 
     /// Whether the cluster's owner let every machine in without a key (a setting that
     /// can change while the node runs; `Access::open` is the node's own flag).

@@ -131,41 +131,124 @@ async fn metrics<B: Backend>(State(backend): State<Arc<B>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], backend.metrics().render(&extra)).into_response()
 }
 
+/// Who a request comes from, as the key check found; routes that change what the
+/// cluster holds (`/api/pull`, `/api/delete`, loading or unloading on its own) ask
+/// [`Caller::administers`]. Absent (the admin page's chat routes, behind its login):
+/// the owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// This machine's own tools, or anyone where the owner opened the API.
+    Owner,
+    /// A client with one of the cluster's API keys, of this scope.
+    Key(shoal_types::KeyScope),
+}
+
+impl Caller {
+    /// Whether it may change what the cluster holds.
+    pub fn administers(caller: Option<Caller>) -> bool {
+        !matches!(caller, Some(Caller::Key(shoal_types::KeyScope::Chat)))
+    }
+
+    /// The refusal for a chat key asking for `what`.
+    pub(crate) fn refused(what: &str) -> Failure {
+        Failure::new(
+            FailureKind::Forbidden,
+            format!(
+                "this API key may chat and list models, not {what}: use an admin key (`shoal keys create NAME --admin`) \
+                 or this machine's own tools"
+            ),
+        )
+    }
+}
+
+/// Routes that change what the cluster holds, whatever their body says.
+const ADMIN_ROUTES: &[&str] = &["/api/pull", "/api/delete"];
+
 /// Let a request through when `access` allows it without a key, or with one of the
 /// cluster's keys (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`); else
-/// 401 in the shape of the route's API. The key is never logged.
+/// 401 in the shape of the route's API. The key is never logged. What it found goes
+/// into the request as a [`Caller`]. Where no key is needed because the owner opened
+/// the API, a request that changes something (any but GET) from a web page of another
+/// site is refused (a page can make a browser send a "simple" POST anywhere); and
+/// [`ADMIN_ROUTES`] take JSON only (a form or text body is what such a page sends).
 async fn auth<B: Backend>(
     State((backend, access)): State<(Arc<B>, Access)>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Response {
-    let loopback = serve::is_loopback(peer.ip());
-    let local = access.loopback_free && loopback && local_caller(req.headers(), &access.cors_origins);
-    if access.open || local || req.uri().path() == "/" || backend.open() {
-        return next.run(req).await;
-    }
-    let headers = req.headers();
-    let presented = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
-        .map(str::trim);
-    if presented.is_some_and(|k| backend.authorized(k)) {
-        return next.run(req).await;
-    }
-    let message = if presented.is_some() {
-        "invalid API key (make one with `shoal keys create NAME` on a node)"
-    } else {
-        "an API key is needed from other machines: send `Authorization: Bearer KEY` (`shoal keys create NAME`)"
-    };
     let dialect = match req.uri().path() {
         "/v1/messages" => Dialect::Anthropic,
         p if p.starts_with("/v1/") => Dialect::OpenAi,
         _ => Dialect::Ollama,
     };
-    common::error_response(dialect, &Failure::new(FailureKind::Unauthorized, message))
+    let admin_route = ADMIN_ROUTES.contains(&req.uri().path());
+    if admin_route && !json_body(req.headers()) {
+        let why = "send the body as JSON (Content-Type: application/json)";
+        return common::error_response(dialect, &Failure::new(FailureKind::BadRequest, why));
+    }
+    let loopback = serve::is_loopback(peer.ip());
+    let local = access.loopback_free && loopback && local_caller(req.headers(), &access.cors_origins);
+    let caller = if local || req.uri().path() == "/" {
+        Some(Caller::Owner)
+    } else if access.open || backend.open() {
+        let changes = !matches!(*req.method(), axum::http::Method::GET | axum::http::Method::HEAD);
+        if changes && !origin_allowed(req.headers(), &access.cors_origins) {
+            let why = "a web page of another site may not change anything here (its Origin is not this node's nor a --cors-origin)";
+            return common::error_response(dialect, &Failure::new(FailureKind::Forbidden, why));
+        }
+        Some(Caller::Owner)
+    } else {
+        let headers = req.headers();
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
+            .map(str::trim);
+        match presented.and_then(|k| backend.key_scope(k)) {
+            Some(scope) => Some(Caller::Key(scope)),
+            None => {
+                let message = if presented.is_some() {
+                    "invalid API key (make one with `shoal keys create NAME` on a node)"
+                } else {
+                    "an API key is needed from other machines: send `Authorization: Bearer KEY` (`shoal keys create NAME`)"
+                };
+                return common::error_response(dialect, &Failure::new(FailureKind::Unauthorized, message));
+            }
+        }
+    };
+    if admin_route && !Caller::administers(caller) {
+        let what = if req.uri().path() == "/api/pull" { "pull models" } else { "delete models" };
+        return common::error_response(dialect, &Caller::refused(what));
+    }
+    if let Some(c) = caller {
+        req.extensions_mut().insert(c);
+    }
+    next.run(req).await
+}
+
+/// Whether the request says its body is JSON (`application/json`, parameters aside).
+fn json_body(headers: &header::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(';').next().is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json")))
+}
+
+/// Whether a request's `Origin`, if any, is this machine, the node itself (the same
+/// host and port as the request's `Host`: a page it served), or one listed for CORS.
+fn origin_allowed(headers: &header::HeaderMap, cors_origins: &[String]) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN) else { return true };
+    let Ok(origin) = origin.to_str() else { return false };
+    if cors_origins.iter().any(|c| c == origin || c == "*") {
+        return true;
+    }
+    let Some((scheme, rest)) = origin.split_once("://") else { return false };
+    let authority = rest.trim_end_matches('/');
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+    matches!(scheme, "http" | "https")
+        && (is_this_machine(&host_of(authority)) || host.is_some_and(|h| h.eq_ignore_ascii_case(authority)))
 }
 
 /// The CORS layer: the listed origins (or any, for `*`) may call every route from a

@@ -170,6 +170,16 @@ fn unloads(keep_alive: &Option<Value>) -> Result<bool, Failure> {
     }
 }
 
+/// Refuses a caller that may not administer (a chat key) a request that unloads the
+/// model (`keep_alive: 0`) or is empty (a load on its own).
+fn refuse_unless(admin: bool, unload: bool, empty: bool) -> Result<(), Failure> {
+    match (admin, unload, empty) {
+        (false, true, _) => Err(crate::Caller::refused("unload models (keep_alive 0)")),
+        (false, _, true) => Err(crate::Caller::refused("load models on their own (an empty request)")),
+        _ => Ok(()),
+    }
+}
+
 /// An empty chat or generate request: load the model (Ollama's way to preload it), or
 /// unload it when `keep_alive` is 0; answered at once.
 async fn load_or_unload<B: Backend>(
@@ -265,7 +275,12 @@ fn refuse_images(images: bool) -> Result<(), Failure> {
 }
 
 /// `POST /api/chat`.
-pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
+pub(crate) async fn chat<B: Backend>(
+    State(backend): State<Arc<B>>,
+    caller: Option<axum::Extension<crate::Caller>>,
+    body: Bytes,
+) -> Response {
+    let admin = crate::Caller::administers(caller.map(|c| c.0));
     let r = async {
         let req: ChatRequest = common::parse(&body)?;
         let images = req.messages.iter().any(|m| m.images.as_ref().is_some_and(|i| !i.is_empty()));
@@ -282,6 +297,7 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
         };
         let scored = common::top_logprobs(req.logprobs, req.top_logprobs)?;
         let unload = unloads(&req.keep_alive)?;
+        refuse_unless(admin, unload, req.messages.is_empty())?;
         let think = think(&req.think)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.messages.is_empty() {
@@ -317,13 +333,19 @@ pub(crate) async fn chat<B: Backend>(State(backend): State<Arc<B>>, body: Bytes)
 
 /// `POST /api/generate`: the prompt in the chat template as one user turn (after
 /// `system`), or as is with `raw`.
-pub(crate) async fn generate<B: Backend>(State(backend): State<Arc<B>>, body: Bytes) -> Response {
+pub(crate) async fn generate<B: Backend>(
+    State(backend): State<Arc<B>>,
+    caller: Option<axum::Extension<crate::Caller>>,
+    body: Bytes,
+) -> Response {
+    let admin = crate::Caller::administers(caller.map(|c| c.0));
     let r = async {
         let req: GenerateRequest = common::parse(&body)?;
         refuse_images(req.images.as_ref().is_some_and(|i| !i.is_empty()))?;
         let grammar = format_json(&req.format)?.map(|f| f.grammar());
         let scored = common::top_logprobs(req.logprobs, req.top_logprobs)?;
         let unload = unloads(&req.keep_alive)?;
+        refuse_unless(admin, unload, req.prompt.is_empty())?;
         let think = think(&req.think)?;
         let model = common::resolve(&*backend, &req.model).await?;
         if req.prompt.is_empty() {

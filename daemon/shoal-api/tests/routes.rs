@@ -40,6 +40,8 @@ const NODE_SPECULATION: shoal_types::SpecSettings = shoal_types::SpecSettings {
 const FITTED_STEP_COST: u32 = 777;
 /// The one key the fake backend takes.
 const GOOD_KEY: &str = "sk-shoal-good";
+/// A chat client's key (`KeyScope::Chat`; the fake's GOOD_KEY is an admin one).
+const CHAT_KEY: &str = "sk-shoal-chat";
 
 /// Fill-in-the-middle tokens of the fake vocabulary (model `slow` has them).
 const FIM: [TokenId; 3] = [301, 302, 303];
@@ -208,8 +210,12 @@ impl Backend for Fake {
         &self.metrics
     }
 
-    fn authorized(&self, key: &str) -> bool {
-        key == GOOD_KEY
+    fn key_scope(&self, key: &str) -> Option<shoal_types::KeyScope> {
+        match key {
+            GOOD_KEY => Some(shoal_types::KeyScope::Admin),
+            CHAT_KEY => Some(shoal_types::KeyScope::Chat),
+            _ => None,
+        }
     }
 
     fn speculation(&self) -> Option<shoal_types::SpecSettings> {
@@ -2366,4 +2372,110 @@ async fn harmony_answers_are_split_into_channels_and_calls() {
     let held = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>\
                 {\"city\": \"Oslo\", \"unit\": \"c\"}";
     assert!(gbnf::accepts(&g, held) && !gbnf::accepts(&g, "<|channel|>final<|message|>Hi"), "{g}");
+}
+
+/// A raw request of `method` to `addr`; the status and the head, lower-cased.
+fn raw(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let mut req =
+        format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n", body.len());
+    for (k, v) in headers {
+        req += &format!("{k}: {v}\r\n");
+    }
+    req += "\r\n";
+    req += body;
+    std::io::Write::write_all(&mut s, req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let lower = out.to_ascii_lowercase();
+    (lower[9..12].parse().unwrap(), lower)
+}
+
+/// Security review F6: a key made for a chat client chats and lists models, and cannot
+/// pull, delete, load or unload (an admin key can); the routes that change what the
+/// cluster holds take JSON only; and where the owner opened the API to every machine,
+/// a web page of another site still cannot change anything (a "simple" POST needs no
+/// preflight), while this node's own pages and listed origins can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_key_chats_only_and_an_open_api_refuses_other_sites() {
+    // Keys needed even on loopback: the tests stand for another machine.
+    let keyed = shoal_api::Access { loopback_free: false, ..Default::default() };
+    let (url, fake) = server_with(keyed).await;
+    let open = shoal_api::Access {
+        loopback_free: false,
+        open: true,
+        cors_origins: vec!["http://app.example:8080".into()],
+    };
+    let (open_url, open_fake) = server_with(open).await;
+    tokio::task::spawn_blocking(move || {
+        let addr = url.trim_start_matches("http://").to_string();
+        let json = ("content-type", "application/json");
+        let with = |key: &'static str| (("authorization", format!("Bearer {key}")), json);
+        let send = |method: &str, path: &str, key: &'static str, body: Value| {
+            let ((h, v), j) = with(key);
+            raw(&addr, method, path, &[(h, v.as_str()), j], &body.to_string())
+        };
+        let generate = json!({"model": "tiny", "prompt": "Hi", "stream": false});
+        // A chat key: generates, lists …
+        assert_eq!(send("POST", "/api/generate", CHAT_KEY, generate.clone()).0, 200);
+        assert_eq!(send("POST", "/v1/chat/completions", CHAT_KEY, json!({"model": "tiny",
+            "messages": [{"role": "user", "content": "Hi"}]})).0, 200);
+        assert_eq!(send("GET", "/api/tags", CHAT_KEY, json!(null)).0, 200);
+        // … and no more.
+        let refused = [
+            ("POST", "/api/pull", json!({"model": "http://example.com/x.gguf", "stream": false})),
+            ("DELETE", "/api/delete", json!({"model": "tiny"})),
+            ("POST", "/api/generate", json!({"model": "tiny", "prompt": "Hi", "keep_alive": 0, "stream": false})),
+            ("POST", "/api/generate", json!({"model": "cold", "prompt": ""})),
+            ("POST", "/api/chat", json!({"model": "tiny", "messages": []})),
+            ("POST", "/api/chat", json!({"model": "tiny", "keep_alive": "0s", "stream": false,
+                "messages": [{"role": "user", "content": "Hi"}]})),
+        ];
+        let prompts = fake.prompts.lock().unwrap().len();
+        for (method, path, body) in &refused {
+            let (status, text) = send(method, path, CHAT_KEY, body.clone());
+            assert_eq!(status, 403, "{method} {path} {body}: {text}");
+            assert!(text.contains("admin key"), "{text}");
+        }
+        assert_eq!(fake.prompts.lock().unwrap().len(), prompts, "a refused request reached the model");
+        assert!(fake.loads.lock().unwrap().is_empty() && fake.unloads.lock().unwrap().is_empty());
+        assert!(fake.removed.lock().unwrap().is_empty());
+        // An admin key may.
+        assert_eq!(send("DELETE", "/api/delete", GOOD_KEY, json!({"model": "tiny"})).0, 200);
+        assert_eq!(send("POST", "/api/generate", GOOD_KEY, json!({"model": "cold", "prompt": ""})).0, 200);
+        assert_eq!(fake.loads.lock().unwrap().as_slice(), ["cold"]);
+        // Pull and delete take JSON only (what a page's form or text POST is not).
+        let bearer = format!("Bearer {GOOD_KEY}");
+        for ct in ["text/plain", "application/x-www-form-urlencoded"] {
+            let h = [("authorization", bearer.as_str()), ("content-type", ct)];
+            let (status, text) = raw(&addr, "POST", "/api/pull", &h, r#"{"model": "x"}"#);
+            assert_eq!(status, 400, "{text}");
+            assert!(text.contains("application/json"), "{text}");
+        }
+
+        // The open API: any machine, no key …
+        let open_addr = open_url.trim_start_matches("http://").to_string();
+        let post = |origin: Option<&str>, ct: &str| {
+            let mut h = vec![("content-type", ct)];
+            h.extend(origin.map(|o| ("origin", o)));
+            raw(&open_addr, "POST", "/api/generate", &h, &generate.to_string()).0
+        };
+        assert_eq!(post(None, "application/json"), 200);
+        // … the node's own page, a listed origin …
+        assert_eq!(post(Some(&format!("http://{open_addr}")), "application/json"), 200);
+        assert_eq!(post(Some("http://app.example:8080"), "application/json"), 200);
+        // … but not another site's page, whatever its body.
+        let before = open_fake.prompts.lock().unwrap().len();
+        for ct in ["text/plain", "application/json"] {
+            assert_eq!(post(Some("http://evil.example"), ct), 403);
+        }
+        let h = [("origin", "http://evil.example"), json];
+        assert_eq!(raw(&open_addr, "POST", "/api/pull", &h, r#"{"model": "x"}"#).0, 403);
+        assert_eq!(open_fake.prompts.lock().unwrap().len(), before, "another site's page reached the model");
+        // Reading is still open to it (the browser keeps the answer from the page
+        // unless CORS allows it).
+        assert_eq!(raw(&open_addr, "GET", "/api/tags", &[("origin", "http://evil.example")], "").0, 200);
+    })
+    .await
+    .unwrap();
 }

@@ -349,9 +349,9 @@ impl shoal_admin::AdminBackend for NodeAdmin {
                     other => Err(ActionError { status: 503, message: format!("unexpected answer: {other:?}") }),
                 }
             }
-            Action::KeyCreate { name } => crate::keys::create(&rt.membership, &name)
+            Action::KeyCreate { name, scope } => crate::keys::create(&rt.membership, &name, scope)
                 .await
-                .map(|(key, secret)| json!({"name": key.name, "secret": secret}))
+                .map(|(key, secret)| json!({"name": key.name, "secret": secret, "scope": key.scope}))
                 .map_err(failure),
             Action::KeyRevoke { name } => {
                 crate::keys::revoke(&rt.membership, &name).await.map(|k| json!({"revoked": k.name})).map_err(failure)

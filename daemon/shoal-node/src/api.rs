@@ -117,6 +117,9 @@ pub enum NodeRequest {
     KeyCreate {
         /// What it is for.
         name: String,
+        /// What it may do (a chat client's key by default).
+        #[serde(default)]
+        scope: shoal_types::KeyScope,
     },
     /// The API keys (names and dates; no secrets).
     KeyList,

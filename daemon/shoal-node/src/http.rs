@@ -200,7 +200,7 @@ impl Backend for NodeBackend {
         out
     }
 
-    fn authorized(&self, key: &str) -> bool {
+    fn key_scope(&self, key: &str) -> Option<shoal_types::KeyScope> {
         crate::keys::check(&self.rt.membership.view().borrow(), key)
     }
 

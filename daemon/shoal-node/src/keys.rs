@@ -8,7 +8,7 @@ use crate::models::commit;
 use shoal_membership::node::{Handle, View};
 use shoal_membership::wire::AdminRequest;
 use shoal_types::apikey::SECRET_PREFIX;
-use shoal_types::ApiKey;
+use shoal_types::{ApiKey, KeyScope};
 
 /// The keys of `view`'s state that parse.
 pub fn list(view: &View) -> Vec<ApiKey> {
@@ -21,14 +21,16 @@ pub fn list(view: &View) -> Vec<ApiKey> {
         .collect()
 }
 
-/// Whether `presented` is the secret of one of `view`'s keys. Every key is compared
-/// (constant time each), so the time taken says nothing about which one matched.
-pub fn check(view: &View, presented: &str) -> bool {
-    list(view).iter().fold(false, |found, k| k.matches(presented) | found)
+/// The scope of the key of `view`'s whose secret `presented` is, if any. Every key is
+/// compared (constant time each), so the time taken says nothing about which one
+/// matched.
+pub fn check(view: &View, presented: &str) -> Option<KeyScope> {
+    list(view).iter().fold(None, |found, k| if k.matches(presented) { Some(k.scope) } else { found })
 }
 
-/// Make a key named `name`; returns it and its secret (shown once, never stored).
-pub async fn create(membership: &Handle, name: &str) -> Result<(ApiKey, String), ApiError> {
+/// Make a key named `name` allowed `scope`; returns it and its secret (shown once,
+/// never stored).
+pub async fn create(membership: &Handle, name: &str, scope: KeyScope) -> Result<(ApiKey, String), ApiError> {
     if !ApiKey::valid_name(name) {
         return Err(ApiError::new(
             ErrorKind::BadRequest,
@@ -43,7 +45,7 @@ pub async fn create(membership: &Handle, name: &str) -> Result<(ApiKey, String),
         .map_err(|e| ApiError::new(ErrorKind::Unavailable, format!("no randomness for a key: {e}")))?;
     let secret = format!("{SECRET_PREFIX}{}", hex::encode(bytes));
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let key = ApiKey::new(name, &secret, now);
+    let key = ApiKey::new(name, &secret, now, scope);
     // Invariant: plain strings and numbers always serialise.
     let value = serde_json::to_value(&key).expect("a key serialises");
     commit(membership, AdminRequest::Put { key: key.key(), value }).await?;

@@ -303,9 +303,9 @@ async fn handle(ctx: &Ctx, req: NodeRequest) -> NodeResponse {
         }
         NodeRequest::ModelUnload { model } => runtime::unload(&ctx.rt, &model).await.map(NodeResponse::Ok),
         NodeRequest::ModelPlan { model } => runtime::plan_of(&ctx.rt, &model),
-        NodeRequest::KeyCreate { name } => {
-            keys::create(&ctx.membership, &name).await.map(|(key, secret)| NodeResponse::KeyCreated { key, secret })
-        }
+        NodeRequest::KeyCreate { name, scope } => keys::create(&ctx.membership, &name, scope)
+            .await
+            .map(|(key, secret)| NodeResponse::KeyCreated { key, secret }),
         NodeRequest::KeyList => Ok(NodeResponse::Keys(keys::list(&ctx.membership.view().borrow()))),
         NodeRequest::KeyRevoke { name } => {
             keys::revoke(&ctx.membership, &name).await.map(|k| NodeResponse::Keys(vec![k]))

@@ -13,6 +13,31 @@ pub struct ApiKey {
     pub hash: String,
     /// When it was made, seconds since the Unix epoch.
     pub created_unix: u64,
+    /// What it may do. Keys made before scopes existed read as [`KeyScope::Chat`].
+    #[serde(default)]
+    pub scope: KeyScope,
+}
+
+/// What an API key may do.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyScope {
+    /// What a chat client needs: list and describe models, generate (a request for a
+    /// model not loaded yet loads it, as with Ollama). Not pull, delete, or load and
+    /// unload on its own (an empty prompt, `keep_alive: 0`).
+    #[default]
+    Chat,
+    /// Everything the API does, as this machine's own tools may.
+    Admin,
+}
+
+impl std::fmt::Display for KeyScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KeyScope::Chat => "chat",
+            KeyScope::Admin => "admin",
+        })
+    }
 }
 
 /// Longest key name accepted.
@@ -30,9 +55,9 @@ impl ApiKey {
         format!("{}{}", Self::KEY_PREFIX, self.name)
     }
 
-    /// A key named `name` for `secret`.
-    pub fn new(name: &str, secret: &str, created_unix: u64) -> ApiKey {
-        ApiKey { name: name.into(), hash: blake3::hash(secret.as_bytes()).to_hex().to_string(), created_unix }
+    /// A key named `name` for `secret`, allowed `scope`.
+    pub fn new(name: &str, secret: &str, created_unix: u64, scope: KeyScope) -> ApiKey {
+        ApiKey { name: name.into(), hash: blake3::hash(secret.as_bytes()).to_hex().to_string(), created_unix, scope }
     }
 
     /// Whether `name` is one people can type and the state can hold: 1 to
@@ -55,11 +80,19 @@ impl ApiKey {
 
 #[cfg(test)]
 mod tests {
-    use super::ApiKey;
+    use super::{ApiKey, KeyScope};
+
+    #[test]
+    fn a_key_made_before_scopes_is_a_chat_key() {
+        let old: ApiKey = serde_json::from_str(r#"{"name": "w", "hash": "00", "created_unix": 1}"#).unwrap();
+        assert_eq!(old.scope, KeyScope::Chat);
+        let admin = ApiKey::new("a", "s", 1, KeyScope::Admin);
+        assert!(serde_json::to_string(&admin).unwrap().contains(r#""scope":"admin""#));
+    }
 
     #[test]
     fn a_key_matches_its_secret_only_and_keeps_no_secret() {
-        let k = ApiKey::new("webui", "sk-shoal-abc", 1);
+        let k = ApiKey::new("webui", "sk-shoal-abc", 1, KeyScope::Chat);
         assert!(k.matches("sk-shoal-abc"));
         assert!(!k.matches("sk-shoal-abd") && !k.matches("") && !k.matches("sk-shoal-abc "));
         assert!(!serde_json::to_string(&k).unwrap().contains("sk-shoal-abc"));

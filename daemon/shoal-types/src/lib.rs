@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 pub mod apikey;
-pub use apikey::ApiKey;
+pub use apikey::{ApiKey, KeyScope};
 pub mod catalog;
 pub use catalog::{CatalogEntry, Holder};
 mod inventory;

@@ -103,10 +103,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // On hosts, the client is on n0's host and calls n1's API over the bridge: not
     // loopback, so with a key, as another machine would.
     let key = match a.netns {
-        true => match lab.ask("n0", NodeRequest::KeyCreate { name: "bench".into() })? {
-            shoal_node::api::NodeResponse::KeyCreated { secret, .. } => Some(secret),
-            other => bail!("creating a key: {other:?}"),
-        },
+        true => {
+            match lab.ask("n0", NodeRequest::KeyCreate { name: "bench".into(), scope: shoal_types::KeyScope::Chat })? {
+                shoal_node::api::NodeResponse::KeyCreated { secret, .. } => Some(secret),
+                other => bail!("creating a key: {other:?}"),
+            }
+        }
         false => None,
     };
     let api = Api { lab: &lab, url: lab.api_url("n1")?, key, client: if a.netns { "n0" } else { "n1" } };
