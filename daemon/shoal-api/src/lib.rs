@@ -59,12 +59,16 @@ pub struct Access {
     /// addresses (`localhost`) needs no entry to be let in without a key, but still
     /// one to read answers across origins.
     pub cors_origins: Vec<String>,
+    /// `/api/pull` may download from loopback, LAN and other non-public addresses (a
+    /// model server on the LAN: `shoal serve --allow-private-downloads`); else from
+    /// public ones only, whatever a URL's name resolves to, redirects included.
+    pub private_downloads: bool,
 }
 
 impl Default for Access {
     /// Keys for every other machine; none for this one; no CORS.
     fn default() -> Access {
-        Access { loopback_free: true, open: false, cors_origins: Vec::new() }
+        Access { loopback_free: true, open: false, cors_origins: Vec::new(), private_downloads: false }
     }
 }
 

@@ -2405,6 +2405,7 @@ async fn a_chat_key_chats_only_and_an_open_api_refuses_other_sites() {
         loopback_free: false,
         open: true,
         cors_origins: vec!["http://app.example:8080".into()],
+        private_downloads: false,
     };
     let (open_url, open_fake) = server_with(open).await;
     tokio::task::spawn_blocking(move || {
@@ -2418,8 +2419,17 @@ async fn a_chat_key_chats_only_and_an_open_api_refuses_other_sites() {
         let generate = json!({"model": "tiny", "prompt": "Hi", "stream": false});
         // A chat key: generates, lists …
         assert_eq!(send("POST", "/api/generate", CHAT_KEY, generate.clone()).0, 200);
-        assert_eq!(send("POST", "/v1/chat/completions", CHAT_KEY, json!({"model": "tiny",
-            "messages": [{"role": "user", "content": "Hi"}]})).0, 200);
+        assert_eq!(
+            send(
+                "POST",
+                "/v1/chat/completions",
+                CHAT_KEY,
+                json!({"model": "tiny",
+            "messages": [{"role": "user", "content": "Hi"}]})
+            )
+            .0,
+            200
+        );
         assert_eq!(send("GET", "/api/tags", CHAT_KEY, json!(null)).0, 200);
         // … and no more.
         let refused = [
@@ -2428,8 +2438,12 @@ async fn a_chat_key_chats_only_and_an_open_api_refuses_other_sites() {
             ("POST", "/api/generate", json!({"model": "tiny", "prompt": "Hi", "keep_alive": 0, "stream": false})),
             ("POST", "/api/generate", json!({"model": "cold", "prompt": ""})),
             ("POST", "/api/chat", json!({"model": "tiny", "messages": []})),
-            ("POST", "/api/chat", json!({"model": "tiny", "keep_alive": "0s", "stream": false,
-                "messages": [{"role": "user", "content": "Hi"}]})),
+            (
+                "POST",
+                "/api/chat",
+                json!({"model": "tiny", "keep_alive": "0s", "stream": false,
+                "messages": [{"role": "user", "content": "Hi"}]}),
+            ),
         ];
         let prompts = fake.prompts.lock().unwrap().len();
         for (method, path, body) in &refused {

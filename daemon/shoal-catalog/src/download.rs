@@ -8,6 +8,11 @@
 //! Blocking (ureq): a download is one long sequential copy to disk; an async caller
 //! runs it on a blocking thread. Retrying is the caller's: each call makes one attempt
 //! and keeps what it got, so a retry (with the caller's backoff) resumes.
+//!
+//! A download asked for over the network ([`Limits::for_clients`]) goes only to public
+//! addresses, checked after every name resolution, redirects included (a URL from a
+//! client must not reach this machine's or its LAN's services, nor a cloud metadata
+//! address), and stops before it would fill the disk.
 
 use crate::describe::{describe, CatalogError, Described};
 use std::fs::{self, File, OpenOptions};
@@ -73,6 +78,17 @@ pub enum DownloadError {
         path: PathBuf,
         /// What the OS said.
         source: io::Error,
+    },
+    /// The file is larger than the room it may take (the disk's free space less a
+    /// reserve); what arrived of it was deleted.
+    #[error("{url}: {size} bytes would not fit: {room} bytes may be used on this disk (free space less 1 GiB)")]
+    TooLarge {
+        /// The URL requested.
+        url: String,
+        /// Its size, or what had arrived when it passed the room.
+        size: u64,
+        /// The room it had.
+        room: u64,
     },
     /// The whole file arrived but is not a model Shoal can run; it was deleted (it
     /// could never be served, and resuming it would only fetch the same bytes).
@@ -157,10 +173,45 @@ fn file_name_of(segment: &str) -> Option<String> {
     ok.then(|| segment.to_owned())
 }
 
+/// What a download may reach and take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Whether it may connect to loopback, private, link-local, CGNAT, ULA and other
+    /// non-public addresses (a model server on the LAN).
+    pub private_addresses: bool,
+    /// Whether it must leave the disk this much free space ([`RESERVE`]); a file that
+    /// would not fit is refused (from its announced size) or stopped.
+    pub keep_free: bool,
+}
+
+/// Space a client's download leaves free on its disk: the node's state and logs.
+pub const RESERVE: u64 = 1 << 30;
+
+impl Limits {
+    /// The owner's own download (the CLI, the admin page): anywhere.
+    pub const OWNER: Limits = Limits { private_addresses: true, keep_free: true };
+
+    /// One a client asked for (`/api/pull`): public addresses only unless the node
+    /// allows private ones (`--allow-private-downloads`).
+    pub fn for_clients(allow_private: bool) -> Limits {
+        Limits { private_addresses: allow_private, keep_free: true }
+    }
+}
+
 /// Download `url` into `dest_dir`, resuming a `.part` left by an earlier call, then
 /// describe the file (see [`crate::describe()`]): a file Shoal cannot run is deleted and
-/// refused. `progress` is called as bytes arrive.
+/// refused. `progress` is called as bytes arrive. The owner's: see [`download_within`].
 pub fn download(url: &str, dest_dir: &Path, progress: &mut dyn FnMut(Progress)) -> Result<Downloaded, DownloadError> {
+    download_within(url, dest_dir, progress, Limits::OWNER)
+}
+
+/// [`download`] within `limits`.
+pub fn download_within(
+    url: &str,
+    dest_dir: &Path,
+    progress: &mut dyn FnMut(Progress),
+    limits: Limits,
+) -> Result<Downloaded, DownloadError> {
     let resolved = resolve_url(url)?;
     let io_err = |path: &Path| {
         let path = path.to_owned();
@@ -177,7 +228,16 @@ pub fn download(url: &str, dest_dir: &Path, progress: &mut dyn FnMut(Progress)) 
     // rather than splice two versions together.
     let validator_path = dest_dir.join(format!("{}.part.validator", resolved.file_name));
 
-    fetch(&resolved.url, &part, &validator_path, progress)?;
+    let room = limits.keep_free.then(|| free_space(dest_dir).map(|f| f.saturating_sub(RESERVE))).flatten();
+    if let Err(e) = fetch(&resolved.url, (&part, &validator_path), progress, (limits, room)) {
+        // Nothing to resume from (refused before a byte came): nothing left behind.
+        let empty = fs::metadata(&part).is_ok_and(|m| m.len() == 0);
+        if empty || matches!(e, DownloadError::TooLarge { .. }) {
+            let _ = fs::remove_file(&part);
+            let _ = fs::remove_file(&validator_path);
+        }
+        return Err(e);
+    }
 
     let mut described = match describe(&part) {
         Ok(d) => d,
@@ -206,23 +266,29 @@ pub fn download(url: &str, dest_dir: &Path, progress: &mut dyn FnMut(Progress)) 
 }
 
 /// Fetch `url` into `part`, resuming from its current length; returns once `part`
-/// holds the whole file.
+/// holds the whole file. Within `limits`; `room`: the bytes the file may take.
 fn fetch(
     url: &str,
-    part: &Path,
-    validator_path: &Path,
+    (part, validator_path): (&Path, &Path),
     progress: &mut dyn FnMut(Progress),
+    (limits, room): (Limits, Option<u64>),
 ) -> Result<(), DownloadError> {
     let io_err = |source| DownloadError::Io { path: part.to_owned(), source };
-    let agent: ureq::Agent = ureq::Agent::config_builder()
+    let config = ureq::Agent::config_builder()
         // Statuses are ours to read: 206, 200 and 416 each mean something here.
         .http_status_as_error(false)
         .timeout_connect(Some(Duration::from_secs(30)))
         .timeout_recv_response(Some(STALL_TIMEOUT))
         .timeout_per_read(Some(STALL_TIMEOUT))
         .user_agent(concat!("shoal/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .into();
+        .build();
+    let agent = if limits.private_addresses {
+        ureq::Agent::new_with_config(config)
+    } else {
+        // Every connection, redirects' too, resolves through it.
+        ureq::Agent::with_parts(config, ureq::unversioned::transport::DefaultConnector::new(), PublicOnly::default())
+    };
+    let too_large = |size: u64, room: u64| DownloadError::TooLarge { url: url.to_owned(), size, room };
     let mut file = OpenOptions::new().create(true).read(true).write(true).truncate(false).open(part).map_err(io_err)?;
     let mut have = file.metadata().map_err(io_err)?.len();
     let validator = if have > 0 { fs::read_to_string(validator_path).ok() } else { None };
@@ -276,6 +342,11 @@ fn fetch(
             }
             _ => return Err(DownloadError::Status { url: url.to_owned(), status }),
         };
+        if let (Some(t), Some(room)) = (total, room) {
+            if t > room {
+                return Err(too_large(t, room));
+            }
+        }
         file.seek(SeekFrom::Start(have)).map_err(io_err)?;
         let resumed_from = have;
         progress(Progress { done: have, total, resumed_from });
@@ -297,6 +368,9 @@ fn fetch(
                     return Err(interrupted(have, e.to_string()));
                 }
             };
+            if let Some(room) = room.filter(|r| have + n as u64 > *r) {
+                return Err(too_large(have + n as u64, room));
+            }
             file.write_all(&buf[..n]).map_err(io_err)?;
             have += n as u64;
             progress(Progress { done: have, total, resumed_from });
@@ -307,6 +381,92 @@ fn fetch(
             _ => Ok(()),
         };
     }
+}
+
+/// A resolver that keeps public addresses only: what a client's download may reach.
+#[derive(Debug, Default)]
+struct PublicOnly(ureq::unversioned::resolver::DefaultResolver);
+
+impl ureq::unversioned::resolver::Resolver for PublicOnly {
+    fn resolve(
+        &self,
+        uri: &ureq::http::Uri,
+        config: &ureq::config::Config,
+        timeout: ureq::unversioned::transport::NextTimeout,
+    ) -> Result<ureq::unversioned::resolver::ResolvedSocketAddrs, ureq::Error> {
+        let all = self.0.resolve(uri, config, timeout)?;
+        let mut public = self.empty();
+        for a in all.iter().filter(|a| is_public(a.ip())) {
+            public.push(*a);
+        }
+        if public.is_empty() {
+            let host = uri.host().unwrap_or_default();
+            let first = all.first().map_or_else(String::new, |a| format!(" ({})", a.ip()));
+            return Err(ureq::Error::Io(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{host}{first} is not a public address: downloads asked over the API go to the Internet only \
+                     (a model server on the LAN: shoal serve --allow-private-downloads)"
+                ),
+            )));
+        }
+        Ok(public)
+    }
+}
+
+/// Whether `ip` is a public unicast address: not loopback, private (10/8, 172.16/12,
+/// 192.168/16), link-local (169.254/16: cloud metadata too), CGNAT (100.64/10), this
+/// network (0/8), benchmarking (198.18/15), reserved (240/4), broadcast or multicast;
+/// for IPv6 not loopback, unspecified, unique local (fc00::/7), link-local (fe80::/10),
+/// multicast, nor an IPv4 address in an IPv6 one (mapped, NAT64 64:ff9b::/96) that is
+/// not public itself.
+pub fn is_public(ip: std::net::IpAddr) -> bool {
+    use std::net::IpAddr;
+    match ip {
+        IpAddr::V4(v4) => {
+            let [a, b, ..] = v4.octets();
+            !(v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.is_documentation()
+                || a == 0
+                || (a == 100 && (64..128).contains(&b))
+                || (a == 198 && (b == 18 || b == 19))
+                || a >= 240)
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_public(IpAddr::V4(v4));
+            }
+            let s = v6.segments();
+            if s[0] == 0x64 && s[1] == 0xff9b && s[2..6] == [0, 0, 0, 0] {
+                let [.., a, b, c, d] = v6.octets();
+                return is_public(IpAddr::V4(std::net::Ipv4Addr::new(a, b, c, d)));
+            }
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || s[0..6] == [0, 0, 0, 0, 0, 0])
+        }
+    }
+}
+
+/// Free bytes on the disk holding `dir` (the mount whose path is its longest prefix);
+/// none where it cannot be told.
+fn free_space(dir: &Path) -> Option<u64> {
+    let dir = std::path::absolute(dir).ok()?;
+    let disks = sysinfo::Disks::new_with_refreshed_list();
+    disks
+        .list()
+        .iter()
+        .filter(|d| dir.starts_with(d.mount_point()))
+        .max_by_key(|d| d.mount_point().as_os_str().len())
+        .map(sysinfo::Disk::available_space)
 }
 
 /// Empty the `.part` (and forget its validator); returns the new length, 0.
@@ -340,6 +500,41 @@ fn parse_unsatisfied_range(v: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_public_unicast_addresses_are_public() {
+        for ip in ["8.8.8.8", "1.1.1.1", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808", "100.128.0.1"] {
+            assert!(is_public(ip.parse().unwrap()), "{ip}");
+        }
+        for ip in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "172.31.255.255",
+            "192.168.1.20",
+            "169.254.169.254",
+            "100.64.0.1",
+            "100.127.255.255",
+            "0.0.0.0",
+            "0.1.2.3",
+            "255.255.255.255",
+            "224.0.0.251",
+            "198.18.0.1",
+            "240.0.0.1",
+            "::1",
+            "::",
+            "fc00::1",
+            "fd00:ec2::254",
+            "fe80::1",
+            "ff02::fb",
+            "::ffff:127.0.0.1",
+            "::ffff:10.0.0.1",
+            "64:ff9b::a00:1",
+            "::127.0.0.1",
+        ] {
+            assert!(!is_public(ip.parse().unwrap()), "{ip}");
+        }
+    }
 
     #[test]
     fn hf_urls_map_to_the_resolve_endpoint_with_main_or_the_revision() {

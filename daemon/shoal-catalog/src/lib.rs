@@ -14,7 +14,9 @@ pub mod scan;
 pub use describe::{
     check_unchanged, describe, describe_with_progress, hash_file, mtime_ns, CatalogError, Described, Verified,
 };
-pub use download::{download, resolve_url, DownloadError, Downloaded, Progress, Resolved};
+pub use download::{
+    download, download_within, is_public, resolve_url, DownloadError, Downloaded, Limits, Progress, Resolved, RESERVE,
+};
 pub use scan::{
     hf_cache_root, lmstudio_roots, ollama_roots, scan_hf_cache, scan_lmstudio, scan_ollama, Candidate, Scan,
     SkipReason, Skipped, Source,

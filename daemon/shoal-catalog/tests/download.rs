@@ -151,3 +151,39 @@ fn download_never_overwrites_an_existing_file() {
     assert_eq!(fs::read(dest.path().join(SMOL)).unwrap(), b"mine");
     assert!(server.log().is_empty(), "refused before any request");
 }
+
+/// Security review F6: a download a client asked for (`Limits::for_clients`) reaches
+/// public addresses only, whatever the URL names (an address, a name that resolves to
+/// loopback); the owner's reaches the LAN; and a file larger than the disk's room is
+/// refused from its announced size, leaving nothing behind.
+#[test]
+fn a_clients_download_reaches_public_addresses_only_and_fits_the_disk() {
+    use shoal_catalog::{download_within, Limits};
+    let server = Server::start(real_model());
+    let dest = tempfile::tempdir().unwrap();
+    let port = server.addr.port();
+    for url in [server.url(SMOL), format!("http://localhost:{port}/{SMOL}"), format!("http://[::1]:{port}/{SMOL}")] {
+        let err = download_within(&url, dest.path(), &mut |_| {}, Limits::for_clients(false)).unwrap_err();
+        assert!(err.to_string().contains("not a public address"), "{url}: {err}");
+    }
+    assert!(server.log().is_empty(), "a request reached the private server");
+    assert!(listing(dest.path()).is_empty(), "{:?}", listing(dest.path()));
+    // The node's setting for a LAN model server, and the owner's own downloads, reach it.
+    download_within(&server.url(SMOL), dest.path(), &mut |_| {}, Limits::for_clients(true)).unwrap();
+    assert_eq!(listing(dest.path()), [SMOL]);
+
+    // A server announcing a petabyte.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        if let Ok((mut s, _)) = listener.accept() {
+            let mut buf = [0u8; 4096];
+            let _ = std::io::Read::read(&mut s, &mut buf);
+            let _ = std::io::Write::write_all(&mut s, b"HTTP/1.1 200 OK\r\nContent-Length: 1125899906842624\r\n\r\n");
+        }
+    });
+    let other = tempfile::tempdir().unwrap();
+    let err = download(&format!("http://{addr}/huge.gguf"), other.path(), &mut |_| {}).unwrap_err();
+    assert!(matches!(err, DownloadError::TooLarge { size: 1125899906842624, .. }), "{err}");
+    assert!(listing(other.path()).is_empty(), "{:?}", listing(other.path()));
+}

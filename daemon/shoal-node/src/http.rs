@@ -33,6 +33,10 @@ pub struct NodeBackend {
     pub(crate) metrics: shoal_api::Metrics,
     /// Where `/api/pull` downloads go (`<data dir>/models`, as `shoal models add URL`).
     pub(crate) downloads: PathBuf,
+    /// Where `/api/pull` may download from (`Access::private_downloads`).
+    pub(crate) pull_limits: shoal_catalog::Limits,
+    /// Held while a pull runs: one at a time (each may take the disk's free space).
+    pub(crate) pulling: tokio::sync::Mutex<()>,
 }
 
 impl Backend for NodeBackend {
@@ -103,11 +107,15 @@ impl Backend for NodeBackend {
         source: &str,
         progress: mpsc::UnboundedSender<shoal_api::PullProgress>,
     ) -> Result<String, Failure> {
-        let (url, dest) = (source.to_string(), self.downloads.clone());
+        let Ok(_one) = self.pulling.try_lock() else {
+            return Err(Failure::new(FailureKind::Busy, "a pull runs on this node; try again when it is done"));
+        };
+        let (url, dest, limits) = (source.to_string(), self.downloads.clone(), self.pull_limits);
         let fetched = tokio::task::spawn_blocking(move || {
-            shoal_catalog::download(&url, &dest, &mut |p| {
+            let report = &mut |p: shoal_catalog::Progress| {
                 let _ = progress.send(shoal_api::PullProgress { completed: p.done, total: p.total });
-            })
+            };
+            shoal_catalog::download_within(&url, &dest, report, limits)
         })
         .await
         .map_err(|e| Failure::new(FailureKind::Internal, e.to_string()))?;

@@ -204,6 +204,8 @@ async fn serve_http(
         texts: Default::default(),
         metrics: shoal_api::Metrics::new(),
         downloads: data_dir.join("models"),
+        pull_limits: shoal_catalog::Limits::for_clients(access.private_downloads),
+        pulling: Default::default(),
     });
     eprintln!("[shoal] admin page: http://{bound}/admin/");
     // The admin page's routes carry their own login; the API's key check and CORS

@@ -81,6 +81,10 @@ pub struct ClusterArgs {
     /// (CORS); repeat for more, `*` for any. None by default.
     #[arg(long, value_name = "ORIGIN")]
     cors_origin: Vec<String>,
+    /// Let `/api/pull` download from addresses on this machine or the LAN (a model
+    /// server there); by default a URL a client gives reaches public addresses only.
+    #[arg(long)]
+    allow_private_downloads: bool,
     /// For the hub box's disk image only (with --role hub): this node is a hub appliance
     /// whose system is managed from the admin page. The page sets the time zone and
     /// WiFi, installs updates, reboots and factory-resets the box by writing files in
@@ -338,6 +342,7 @@ pub fn serve(
                 loopback_free: true,
                 open: args.api_open,
                 cors_origins: args.cors_origin.clone(),
+                private_downloads: args.allow_private_downloads,
             },
             // Only when asked: `shoal-lab bench serve` measured no gain for one stream and a
             // loss for concurrent ones with several nodes on one machine (they spin on

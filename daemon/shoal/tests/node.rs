@@ -54,7 +54,10 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
     let model_bytes = std::fs::metadata(&model).unwrap().len();
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| -> PathBuf { tmp.path().join(n) };
-    let mut nodes = start_cluster(&dir, &["a", "b", "c"]);
+    // B lets clients pull from the LAN (a model server there); A and C do not.
+    let mut nodes = start_cluster(&dir, &["a"]);
+    add_node_with(&mut nodes, &dir, "a", "b", "90M", "1", &["--allow-private-downloads"]);
+    add_node(&mut nodes, &dir, "a", "c");
 
     // Added on A only; loaded from C (which holds no copy).
     let added = run_ok(&["models", "add", model.to_str().unwrap()], &dir("a"));
@@ -286,6 +289,12 @@ fn three_plain_nodes_split_a_model_added_on_one_and_answer_like_the_unsplit_run(
         .spawn()
         .unwrap();
     let source = format!("http://127.0.0.1:{port}/{SMOL}");
+    // Through A's API the same URL is refused: a client's URL reaches public addresses
+    // only (review F6: no requests to this machine's or the LAN's services).
+    let api_a = std::fs::read_to_string(dir("a").join("http")).unwrap().trim().to_string();
+    let (status, body) = http_post(&format!("http://{api_a}/api/pull"), &serde_json::json!({"model": source}));
+    assert!(body.contains("not a public address"), "{status}: {body}");
+    assert!(!dir("a").join("models").join(SMOL).exists());
     let pulled = wait_for("the pull", 60, || {
         let (status, body) = http_post(&format!("http://{api}/api/pull"), &serde_json::json!({"model": source}));
         (status == 200 && body.lines().last().is_some_and(|l| l.contains("success"))).then_some(body)

@@ -231,8 +231,21 @@ pub fn add_node_offering(
     memory: &str,
     threads: &str,
 ) {
+    add_node_with(nodes, dir, member, name, memory, threads, &[])
+}
+
+/// [`add_node_offering`] with `extra` arguments to its `shoal serve`.
+pub fn add_node_with(
+    nodes: &mut Nodes,
+    dir: &dyn Fn(&str) -> PathBuf,
+    member: &str,
+    name: &'static str,
+    memory: &str,
+    threads: &str,
+    extra: &[&str],
+) {
     let before = members(&dir(member));
-    nodes.0.push((name, serve_offering(&dir(name), name, false, memory, threads)));
+    nodes.0.push((name, serve_with(&dir(name), name, false, memory, threads, extra)));
     wait_for("the node up", 30, || status(&dir(name)));
     wait_for(&format!("{name} joined"), 60, || {
         let code = run_ok(&["nodes", "pair"], &dir(member));
