@@ -733,7 +733,7 @@ async fn post_with(url: String, body: Value, headers: Vec<(&'static str, String)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_loopback_exemption_a_key_is_needed_and_checked() {
     // As a request from another machine is treated (loopback here is not exempt).
-    let (url, fake) = server_with(shoal_api::Access { loopback_free: false, open: false, cors_origins: vec![] }).await;
+    let (url, fake) = server_with(shoal_api::Access { loopback_free: false, open: false, ..Default::default() }).await;
     let chat = format!("{url}/v1/chat/completions");
     let req = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": false});
     let (status, body) = post_with(chat.clone(), req.clone(), vec![]).await;
@@ -760,7 +760,7 @@ async fn without_the_loopback_exemption_a_key_is_needed_and_checked() {
     assert_eq!(status, 200);
 
     // Open: no key needed at all.
-    let (url, _) = server_with(shoal_api::Access { loopback_free: false, open: true, cors_origins: vec![] }).await;
+    let (url, _) = server_with(shoal_api::Access { loopback_free: false, open: true, ..Default::default() }).await;
     let (status, _) = post_with(format!("{url}/v1/chat/completions"), req, vec![]).await;
     assert_eq!(status, 200);
 }
