@@ -836,7 +836,8 @@ fn read_until_closed(s: &mut std::net::TcpStream, secs: u64) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_over_the_cap_are_closed_and_a_freed_place_is_served() {
-    let limits = shoal_api::Limits { max_connections: 2, per_peer: 64, header_timeout: Duration::from_secs(60) };
+    // (Loopback's own places: the test's connections are this machine's.)
+    let limits = shoal_api::Limits { loopback: 2, header_timeout: Duration::from_secs(60), ..Default::default() };
     let addr = limited(limits).await;
     tokio::task::spawn_blocking(move || {
         let first = std::net::TcpStream::connect(addr).unwrap();
@@ -863,7 +864,7 @@ async fn connections_over_the_cap_are_closed_and_a_freed_place_is_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_and_idle_connections_are_closed_after_the_header_timeout() {
-    let limits = shoal_api::Limits { max_connections: 8, per_peer: 8, header_timeout: Duration::from_secs(1) };
+    let limits = shoal_api::Limits { loopback: 8, header_timeout: Duration::from_secs(1), ..Default::default() };
     let addr = limited(limits).await;
     tokio::task::spawn_blocking(move || {
         // Says nothing.
@@ -880,6 +881,45 @@ async fn silent_and_idle_connections_are_closed_after_the_header_timeout() {
         let answered = read_until_closed(&mut idle, 20).expect("the idle keep-alive one stayed open");
         assert!(answered.starts_with("HTTP/1.1 200") && answered.contains("Shoal is running"), "{answered}");
         assert!(start.elapsed() < Duration::from_secs(20));
+    })
+    .await
+    .unwrap();
+}
+
+/// Security review F7: a request whose body trickles (the review's login body of 60,000
+/// bytes, one byte a minute) no longer holds its connection: it fails once it falls
+/// behind the minimum rate after the grace, and the connection closes; a body sent at
+/// once is answered meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_trickles_loses_its_connection() {
+    let limits = shoal_api::Limits { body_grace: Duration::from_secs(1), ..Default::default() };
+    let addr = limited(limits).await;
+    tokio::task::spawn_blocking(move || {
+        let mut slow = std::net::TcpStream::connect(addr).unwrap();
+        let head = "POST /api/generate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 60000\r\n\r\n{";
+        std::io::Write::write_all(&mut slow, head.as_bytes()).unwrap();
+        let start = Instant::now();
+        // One byte every 200 ms: 5 B/s, far under the minimum.
+        let writer = {
+            let mut s = slow.try_clone().unwrap();
+            std::thread::spawn(move || {
+                for _ in 0..100 {
+                    std::thread::sleep(Duration::from_millis(200));
+                    if std::io::Write::write_all(&mut s, b" ").is_err() {
+                        return;
+                    }
+                }
+            })
+        };
+        // Meanwhile a whole request is answered.
+        let (status, _) = raw(&addr.to_string(), "GET", "/api/tags", &[], "");
+        assert_eq!(status, 200);
+        let answer = read_until_closed(&mut slow, 15).expect("the trickling request still holds its connection");
+        let took = start.elapsed();
+        assert!(took < Duration::from_secs(10), "closed only after {took:?}");
+        assert!(!answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let _ = slow.shutdown(std::net::Shutdown::Both);
+        let _ = writer.join();
     })
     .await
     .unwrap();
