@@ -973,6 +973,17 @@ impl shoal_transfer::Sources for LiveSources {
     fn model_path(&self, source: &SourceHash) -> Option<PathBuf> {
         CatalogSources::of(&self.rt, &self.rt.view()).model_path(source)
     }
+
+    /// The ranges the cluster runs: a committed placement's stages, the measurement's
+    /// (`measured_layers`), the whole model.
+    fn cuts(&self, source: &SourceHash, layers: LayerRange) -> bool {
+        let view = self.rt.view();
+        let hash = source.to_hex();
+        let Some(entry) = models::entries(&view).into_iter().find(|e| e.content_hash == hash) else { return false };
+        layers == LayerRange::new(0, entry.n_layer)
+            || layers == measured_layers(entry.n_layer, entry.layer_period)
+            || placements(&view).get(&hash).is_some_and(|p| p.stages.iter().any(|s| s.layers == layers))
+    }
 }
 
 /// How long a generation waits for the cluster to serve its model again after an

@@ -27,6 +27,7 @@ pub use shoal_gguf::SourceHash;
 pub use wire::Refusal;
 
 use shoal_net::NodeId;
+use shoal_types::LayerRange;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -39,6 +40,16 @@ pub trait Sources: Send + Sync {
     /// `source`, if this node holds it. The implementer vouches for the hash: shards
     /// built from the file carry it in their manifests.
     fn model_path(&self, source: &SourceHash) -> Option<PathBuf>;
+
+    /// Whether this node cuts shard `layers` of `source` for a member that asks (it
+    /// serves a shard it already has either way). Each cut shard stays on disk, so a
+    /// member asking for every range `a..b` of a large model could fill it (security
+    /// review F11): a node says yes only to the ranges the cluster runs. Every range by
+    /// default (tests, tools).
+    fn cuts(&self, source: &SourceHash, layers: LayerRange) -> bool {
+        let _ = (source, layers);
+        true
+    }
 }
 
 /// A fixed map (tests, tools).

@@ -15,6 +15,12 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// How long a request for a range this node does not know to be run waits for its
+/// view of the cluster to catch up before it is refused.
+const CUT_WAIT: Duration = Duration::from_secs(5);
+/// How often it looks again meanwhile.
+const CUT_POLL: Duration = Duration::from_millis(100);
+
 /// How a holder serves.
 #[derive(Clone, Debug)]
 pub struct ServerOptions {
@@ -200,6 +206,17 @@ impl Server {
             return Ok(m);
         }
         let model = self.inner.sources.model_path(&source).ok_or(Refusal::NotHere)?;
+        // A range the cluster runs, or none: the asker may have seen a placement this
+        // node has not applied yet, so it is given a few seconds to.
+        let mut waited = Duration::ZERO;
+        while !self.inner.sources.cuts(&source, layers) {
+            if waited >= CUT_WAIT {
+                let why = "not a range this cluster runs (a placed stage's, the measurement's or the whole model)";
+                return Err(Refusal::BadRange { why: why.into() });
+            }
+            tokio::time::sleep(CUT_POLL).await;
+            waited += CUT_POLL;
+        }
         let _building = locks::lock(&cache.content_path(&source, layers)).await;
         let built = tokio::task::spawn_blocking(move || cache.build_for(&source, &model, layers))
             .await

@@ -323,3 +323,34 @@ async fn holder_at_its_transfer_cap_says_busy() {
     let e = fetch(&b.node, a.id, a.holder().addr, model_hash(), MIDDLE, &b.cache, &mut quiet()).await.unwrap_err();
     assert!(matches!(e, FetchError::Refused { refusal: Refusal::Busy { max: 0 }, .. }), "{e:?}");
 }
+
+/// Sources that hold the model but cut only `MIDDLE` for others (as a node cuts only
+/// the ranges its cluster runs).
+struct OnlyMiddle(HashMap<shoal_transfer::SourceHash, std::path::PathBuf>);
+
+impl shoal_transfer::Sources for OnlyMiddle {
+    fn model_path(&self, source: &shoal_transfer::SourceHash) -> Option<std::path::PathBuf> {
+        self.0.model_path(source)
+    }
+    fn cuts(&self, _: &shoal_transfer::SourceHash, layers: LayerRange) -> bool {
+        layers == MIDDLE
+    }
+}
+
+/// Security review F11: a member asking a holder for ranges the cluster does not run
+/// (every `a..b` of a large model would fill the holder's disk) is refused, after the
+/// holder gave its view a few seconds to catch up, and nothing is cut; a range it runs
+/// travels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_cuts_only_the_ranges_its_cluster_runs() {
+    let ids = identities(2);
+    let all: Vec<NodeId> = ids.iter().map(|i| i.id()).collect();
+    let a = member_serving(ids[0].clone(), &all, Arc::new(OnlyMiddle(holding_model())), ServerOptions::default());
+    let b = member(ids[1].clone(), &all, HashMap::new());
+    let odd = LayerRange { start: 3, end: 17 };
+    let e = fetch_from_any(&b.node, &[a.holder()], model_hash(), odd, &b.cache, &mut quiet()).await.unwrap_err();
+    assert!(e.to_string().contains("not a range this cluster runs"), "{e}");
+    assert!(a.cache.content_manifest(&model_hash(), odd).is_none(), "the holder cut the shard anyway");
+    let got = fetch_from_any(&b.node, &[a.holder()], model_hash(), MIDDLE, &b.cache, &mut quiet()).await.unwrap();
+    assert_eq!(fs::read(&got.file.path).unwrap(), local_shard(a.dir.path(), MIDDLE));
+}

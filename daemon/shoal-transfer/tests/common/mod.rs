@@ -55,6 +55,16 @@ pub fn member_with(
     sources: HashMap<SourceHash, PathBuf>,
     opts: ServerOptions,
 ) -> Member {
+    member_serving(identity, trusted, Arc::new(sources), opts)
+}
+
+/// [`member_with`] over any [`shoal_transfer::Sources`].
+pub fn member_serving(
+    identity: Arc<Identity>,
+    trusted: &[NodeId],
+    sources: Arc<dyn shoal_transfer::Sources>,
+    opts: ServerOptions,
+) -> Member {
     let dir = tempfile::tempdir().unwrap();
     let id = identity.id();
     let node = Arc::new(
@@ -67,7 +77,7 @@ pub fn member_with(
         .unwrap(),
     );
     let cache = ShardCache::new(dir.path().join("shards"));
-    let server = Server::new(cache.clone(), Arc::new(sources), opts);
+    let server = Server::new(cache.clone(), sources, opts);
     let (n, s) = (node.clone(), server.clone());
     tokio::spawn(async move {
         while let Some(acc) = n.accept().await {
