@@ -212,7 +212,7 @@ impl Attempts {
     /// the next one may come.
     pub fn begin(&mut self, ip: IpAddr, now: u64) -> Result<(), u64> {
         self.expire(now);
-        let (key, counted) = (group(ip), !shoal_api::is_loopback(ip));
+        let (key, counted) = (shoal_api::machine(ip), !shoal_api::is_loopback(ip));
         let retry = |oldest: Option<&u64>, window: u64| oldest.map_or(1, |t| (t + window).saturating_sub(now).max(1));
         if let Some(q) = self.by_addr.get(&key) {
             if q.len() >= self.max {
@@ -231,7 +231,7 @@ impl Attempts {
 
     /// The attempt from `ip` begun at `at` was right: it no longer counts.
     pub fn right(&mut self, ip: IpAddr, at: u64) {
-        let key = group(ip);
+        let key = shoal_api::machine(ip);
         if let Some(q) = self.by_addr.get_mut(&key) {
             if let Some(i) = q.iter().rposition(|t| *t == at) {
                 q.remove(i);
@@ -261,18 +261,6 @@ impl Attempts {
             }
             !q.is_empty()
         });
-    }
-}
-
-/// The address attempts are counted under: an IPv4 address, or an IPv6 one's /64.
-fn group(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_none() => {
-            let s = v6.segments();
-            IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
-        }
-        IpAddr::V6(v6) => IpAddr::V4(v6.to_ipv4_mapped().unwrap_or(std::net::Ipv4Addr::UNSPECIFIED)),
-        v4 => v4,
     }
 }
 

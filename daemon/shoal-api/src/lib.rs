@@ -20,7 +20,7 @@ mod openai;
 mod serve;
 mod thinking;
 mod tools;
-pub use serve::{is_loopback, serve_router, Limits};
+pub use serve::{is_loopback, machine, serve_router, Limits};
 
 pub use backend::{
     Backend, ChatMessage, Failure, FailureKind, ModelInfo, ModelState, PromptOptions, PullProgress, Sampled, TextModel,

@@ -77,9 +77,10 @@ struct Slot {
     peer: Option<IpAddr>,
 }
 
-/// The machine `ip` stands for in the per-machine count: itself, or for IPv6 its /64
-/// (a host is given a whole /64 and may pick any address in it).
-fn machine(ip: IpAddr) -> IpAddr {
+/// The machine `ip` stands for where requests are counted per machine: itself, or
+/// for IPv6 its /64 (a host is given a whole /64 and may pick any address in it); an
+/// IPv4-mapped address as IPv4.
+pub fn machine(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) if v6.to_ipv4_mapped().is_none() => {
             let s = v6.segments();

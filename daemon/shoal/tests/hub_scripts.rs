@@ -45,15 +45,20 @@ impl Box {
         }
         let req = json!({"id": id, "action": action, "at": 0});
         std::fs::write(self.appliance.join("inbox/request.json"), req.to_string()).unwrap();
-        let out = Command::new("bash")
+        let out = self.apply(&self.calls.with_file_name("systemctl"));
+        eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+        self.status()
+    }
+
+    /// Run the script on the files as they are, with `systemctl` standing for it.
+    fn apply(&self, systemctl: &Path) -> std::process::Output {
+        Command::new("bash")
             .arg(script())
             .env("SHOAL_HUB_APPLIANCE", &self.appliance)
             .env("SHOAL_HUB_DATA", &self.hub)
-            .env("SHOAL_HUB_SYSTEMCTL", self.calls.with_file_name("systemctl"))
+            .env("SHOAL_HUB_SYSTEMCTL", systemctl)
             .output()
-            .unwrap();
-        eprintln!("{}", String::from_utf8_lossy(&out.stderr));
-        self.status()
+            .unwrap()
     }
 
     fn status(&self) -> Value {
@@ -171,13 +176,7 @@ fn apply_refuses_what_the_node_should_not_ask_and_changes_nothing() {
     let elsewhere = b.hub.join("req");
     std::fs::write(&elsewhere, json!({"id": "21", "action": "apply"}).to_string()).unwrap();
     std::os::unix::fs::symlink(&elsewhere, b.appliance.join("inbox/request.json")).unwrap();
-    let out = Command::new("bash")
-        .arg(script())
-        .env("SHOAL_HUB_APPLIANCE", &b.appliance)
-        .env("SHOAL_HUB_DATA", &b.hub)
-        .env("SHOAL_HUB_SYSTEMCTL", "false")
-        .output()
-        .unwrap();
+    let out = b.apply(Path::new("false"));
     assert!(out.status.success());
     assert_ne!(b.status()["request"]["id"], "21", "a linked request was followed");
     std::fs::remove_file(b.appliance.join("inbox/request.json")).unwrap();
@@ -230,14 +229,7 @@ fn links_raced_into_the_inbox_are_never_followed() {
         })
     };
     for _ in 0..40 {
-        let out = Command::new("bash")
-            .arg(script())
-            .env("SHOAL_HUB_APPLIANCE", &b.appliance)
-            .env("SHOAL_HUB_DATA", &b.hub)
-            .env("SHOAL_HUB_SYSTEMCTL", "true")
-            .output()
-            .unwrap();
-        let _ = out;
+        b.apply(Path::new("true"));
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let swaps = racer.join().unwrap();
@@ -261,13 +253,7 @@ fn links_raced_into_the_inbox_are_never_followed() {
     std::fs::set_permissions(&b.appliance, std::fs::Permissions::from_mode(0o777)).unwrap();
     let before = b.status();
     std::fs::write(inbox.join("request.json"), json!({"id": "77", "action": "apply"}).to_string()).unwrap();
-    let out = Command::new("bash")
-        .arg(script())
-        .env("SHOAL_HUB_APPLIANCE", &b.appliance)
-        .env("SHOAL_HUB_DATA", &b.hub)
-        .env("SHOAL_HUB_SYSTEMCTL", "true")
-        .output()
-        .unwrap();
+    let out = b.apply(Path::new("true"));
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not root's alone"));
     assert_eq!(b.status(), before);
