@@ -77,6 +77,9 @@ pub struct TransportOptions {
     pub idle_timeout: Duration,
     /// Test/bench only: delay, jitter and loss applied to outgoing datagrams.
     pub impair: Impairment,
+    /// The open join endpoint closes a connection this long after its handshake, busy
+    /// or not ([`OPEN_CONNECTION_LIFE`]; tests shorten it).
+    pub open_connection_life: Duration,
 }
 
 impl Default for TransportOptions {
@@ -85,9 +88,16 @@ impl Default for TransportOptions {
             keep_alive: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(10),
             impair: Impairment::default(),
+            open_connection_life: OPEN_CONNECTION_LIFE,
         }
     }
 }
+
+/// How long a join connection may live: a join request, a hello or a pairing exchange
+/// (which gives up after 35 s) takes far less. Without it, a stranger's keep-alives
+/// held the join endpoint's 64 places for good: no pairing, no welcome, no removal
+/// check for anyone (security review F7).
+pub const OPEN_CONNECTION_LIFE: Duration = Duration::from_secs(60);
 
 /// An accepted connection.
 pub struct Accepted {
@@ -211,7 +221,7 @@ impl Node {
         // A main endpoint watches every connection it accepts: a member removed later
         // loses them at once, whatever protocol they carry.
         let watch = trusted.clone().map(|t| (t, identity.id()));
-        tokio::spawn(handshakes(endpoint.clone(), tx, open, watch));
+        tokio::spawn(handshakes(endpoint.clone(), tx, (open, opts.open_connection_life), watch));
         Ok(Node { endpoint, identity, trusted, transport, accepted: tokio::sync::Mutex::new(rx) })
     }
 
@@ -311,13 +321,14 @@ impl Drop for SourceSlot {
 }
 
 /// Accept incoming connections, each handshake in a task of its own, and pass on the
-/// ones that succeed. `open`: the join endpoint (see the module docs for the limits).
+/// ones that succeed. `open`: the join endpoint (see the module docs for the limits),
+/// whose connections close `life` after their handshake.
 /// `watch`: a main endpoint's trusted keys and own id, to close a removed member's
 /// connections ([`close_when_revoked`]).
 async fn handshakes(
     endpoint: quinn::Endpoint,
     tx: tokio::sync::mpsc::Sender<Accepted>,
-    open: bool,
+    (open, life): (bool, Duration),
     watch: Option<(TrustedKeys, NodeId)>,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
@@ -383,9 +394,15 @@ async fn handshakes(
                 return;
             };
             if open {
-                // The join endpoint's shares are held for the connection's life.
+                // The join endpoint's shares are held for the connection's life, which
+                // has an end.
                 let _ = tx.send(Accepted { conn: conn.clone(), peer, alpn }).await;
-                conn.closed().await;
+                tokio::select! {
+                    _ = conn.closed() => {}
+                    () = tokio::time::sleep(life) => {
+                        conn.close(0u32.into(), b"join connection lived its time");
+                    }
+                }
                 drop((source, connection));
             } else {
                 drop(source);

@@ -119,3 +119,30 @@ async fn a_one_mib_welcome_still_crosses_the_small_join_windows() {
     let back = tokio::time::timeout(Duration::from_secs(30), echo(&conn, &welcome)).await.expect("stalled");
     assert!(back == welcome, "the 1 MiB message came back altered ({} bytes)", back.len());
 }
+
+/// A join connection has a life (review F7): one a stranger keeps alive with its
+/// keep-alives is closed once it is over, and its place comes back, so a stranger's
+/// connections cannot hold the endpoint's places for good.
+#[tokio::test]
+async fn a_join_connection_is_closed_when_its_life_is_over_and_its_place_comes_back() {
+    let id = Identity::generate().unwrap();
+    let server_id = id.id();
+    let opts = shoal_net::TransportOptions { open_connection_life: Duration::from_secs(2), ..Default::default() };
+    let server = Node::bind_open("127.0.0.1:0".parse().unwrap(), Arc::new(id), &opts).unwrap();
+    let addr = serve_echo(server);
+    let (stranger, _) = open();
+    let mut held = Vec::new();
+    for _ in 0..MAX_HANDSHAKES_PER_SOURCE {
+        held.push(stranger.connect(addr, server_id, alpn::JOIN).await.expect("within the share"));
+    }
+    assert!(stranger.connect(addr, server_id, alpn::JOIN).await.is_err(), "the share is full");
+    // Kept alive (1 s keep-alives) past the life: closed by the endpoint.
+    for conn in &held {
+        let why =
+            tokio::time::timeout(Duration::from_secs(10), conn.closed()).await.expect("still open after its life");
+        assert!(matches!(why, quinn::ConnectionError::ApplicationClosed(_)), "{why}");
+    }
+    // The places are free again.
+    let again = stranger.connect(addr, server_id, alpn::JOIN).await.expect("a place came back");
+    assert_eq!(echo(&again, b"hi").await, b"hi");
+}
