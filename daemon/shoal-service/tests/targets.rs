@@ -48,3 +48,23 @@ fn builds_for_windows() {
 fn builds_for_macos() {
     check("x86_64-apple-darwin");
 }
+
+/// Security review F5: the installer's data folder (the node's key) is locked to the
+/// service and administrators, as `shoal service install` locks it, with access-list
+/// entries that replace ProgramData's (whose Users entries would let any local user
+/// read the key). Checked on the installer's source here; building and installing the
+/// .msi needs Windows and WiX.
+#[test]
+fn the_installer_locks_the_data_folder_to_the_service_and_administrators() {
+    let wxs =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../packaging/windows/main.wxs")).unwrap();
+    let data = wxs.split("<Component Id=\"ShoalData\"").nth(1).expect("the data folder's component");
+    let data = data.split("</Component>").next().unwrap();
+    let perms: Vec<&str> = data.split("<Permission ").skip(1).map(|p| p.split("/>").next().unwrap()).collect();
+    assert_eq!(perms.len(), 2, "{data}");
+    assert!(perms[0].contains("User=\"[WIX_ACCOUNT_LOCALSYSTEM]\"") && perms[0].contains("GenericAll=\"yes\""));
+    assert!(perms[1].contains("User=\"[WIX_ACCOUNT_ADMINISTRATORS]\"") && perms[1].contains("GenericAll=\"yes\""));
+    for sid in ["WIX_ACCOUNT_LOCALSYSTEM", "WIX_ACCOUNT_ADMINISTRATORS"] {
+        assert!(wxs.contains(&format!("<PropertyRef Id=\"{sid}\"/>")), "{sid} is not brought in");
+    }
+}
