@@ -179,7 +179,9 @@ pub fn check_length(password: &str) -> Result<(), AuthError> {
 /// attempts sent at once cannot all slip past the limit while their hashes run.
 /// IPv6 addresses count by their /64 (one machine can hold many addresses in it). A
 /// total over every address (loopback aside) bounds a LAN full of addresses to
-/// `max_total` per window; this machine's own browser is never locked out by others.
+/// `max_total` per window; this machine's own browser is never locked out by others, nor
+/// is a machine that logged in before (the owner's laptop: strangers guessing from
+/// many addresses fill the total, security review F7).
 #[derive(Debug)]
 pub struct Attempts {
     /// Attempts allowed per address within the window.
@@ -190,9 +192,15 @@ pub struct Attempts {
     window: u64,
     /// Times (Unix seconds) of recent attempts not proven right, per address.
     by_addr: HashMap<IpAddr, VecDeque<u64>>,
-    /// The same, all addresses but loopback.
+    /// The same, all addresses but loopback and `known`.
     all: VecDeque<u64>,
+    /// Machines (as counted) a right password came from, with when: the total does not
+    /// hold them back. At most [`MAX_KNOWN`], the oldest forgotten first.
+    known: HashMap<IpAddr, u64>,
 }
+
+/// Machines remembered as having logged in (a household's few, with room to spare).
+const MAX_KNOWN: usize = 64;
 
 impl Default for Attempts {
     /// Five per address per minute, sixty in all.
@@ -204,7 +212,7 @@ impl Default for Attempts {
 impl Attempts {
     /// A limit of `max` attempts per address and `max_total` in all per `window` seconds.
     pub fn new(max: usize, max_total: usize, window: u64) -> Attempts {
-        Attempts { max, max_total, window, by_addr: HashMap::new(), all: VecDeque::new() }
+        Attempts { max, max_total, window, by_addr: HashMap::new(), all: VecDeque::new(), known: HashMap::new() }
     }
 
     /// Let an attempt from `ip` at `now` be checked, counting it as wrong until
@@ -212,7 +220,8 @@ impl Attempts {
     /// the next one may come.
     pub fn begin(&mut self, ip: IpAddr, now: u64) -> Result<(), u64> {
         self.expire(now);
-        let (key, counted) = (shoal_api::machine(ip), !shoal_api::is_loopback(ip));
+        let key = shoal_api::machine(ip);
+        let counted = !shoal_api::is_loopback(ip) && !self.known.contains_key(&key);
         let retry = |oldest: Option<&u64>, window: u64| oldest.map_or(1, |t| (t + window).saturating_sub(now).max(1));
         if let Some(q) = self.by_addr.get(&key) {
             if q.len() >= self.max {
@@ -232,6 +241,15 @@ impl Attempts {
     /// The attempt from `ip` begun at `at` was right: it no longer counts.
     pub fn right(&mut self, ip: IpAddr, at: u64) {
         let key = shoal_api::machine(ip);
+        let was_known = self.known.contains_key(&key);
+        if !shoal_api::is_loopback(ip) {
+            if self.known.len() >= MAX_KNOWN && !was_known {
+                if let Some(oldest) = self.known.iter().min_by_key(|(_, t)| **t).map(|(k, _)| *k) {
+                    self.known.remove(&oldest);
+                }
+            }
+            self.known.insert(key, at);
+        }
         if let Some(q) = self.by_addr.get_mut(&key) {
             if let Some(i) = q.iter().rposition(|t| *t == at) {
                 q.remove(i);
@@ -240,7 +258,8 @@ impl Attempts {
                 self.by_addr.remove(&key);
             }
         }
-        if !shoal_api::is_loopback(ip) {
+        // A known machine's attempt was never in the total.
+        if !shoal_api::is_loopback(ip) && !was_known {
             if let Some(i) = self.all.iter().rposition(|t| *t == at) {
                 self.all.remove(i);
             }
@@ -341,5 +360,27 @@ mod tests {
             "this machine's browser is not locked out by others"
         );
         assert!(at.begin("::ffff:127.0.0.1".parse().unwrap(), 0).is_ok());
+    }
+
+    #[test]
+    fn strangers_filling_the_total_do_not_lock_out_a_machine_that_logged_in_before() {
+        let mut at = Attempts::new(5, 10, 60);
+        let laptop: IpAddr = "192.168.1.30".parse().unwrap();
+        at.begin(laptop, 0).unwrap();
+        at.right(laptop, 0);
+        // Eight strangers' addresses, wrong passwords, until the total is full.
+        let mut refused = 0;
+        for k in 0..8u8 {
+            for _ in 0..5 {
+                refused += usize::from(at.begin(IpAddr::from([10, 0, 0, k]), 1).is_err());
+            }
+        }
+        assert!(refused > 0, "the total never filled");
+        assert!(at.begin("10.0.1.1".parse().unwrap(), 1).is_err(), "a new address is held by the total");
+        // The owner's laptop still gets its own five tries.
+        for _ in 0..5 {
+            assert_eq!(at.begin(laptop, 2), Ok(()));
+        }
+        assert!(at.begin(laptop, 2).is_err(), "its own limit holds");
     }
 }
