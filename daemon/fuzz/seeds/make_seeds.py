@@ -40,7 +40,7 @@ info = {"node": A, "cluster": None, "name": "box", "role": "hub", "memory_bytes"
 msgs = [
     (0, {"Beat": {"term": 3, "leader": True, "version": {"term": 3, "index": 9}}}),
     (0, {"State": {"term": 3, "state": state}}),
-    (0, {"Forward": {"req": 1, "change": {"AddMember": member}}}),
+    (0, {"Forward": {"req": 1, "proposal": {"Owner": {"action": "approve box", "change": {"AddMember": member}}}}}),
     (0, {"Forwarded": {"req": 1, "result": {"Err": {"Invalid": {"NotMember": B}}}}}),
     (1, "hello"),
     (1, {"pair_start": {"msg": list(range(33)), "info": info}}),

@@ -37,6 +37,16 @@ pub const REQUEST_FILE: &str = "request.json";
 pub const BUNDLE_FILE: &str = "update.raucb";
 /// What the system side reports.
 pub const STATUS_FILE: &str = "status.json";
+/// The digits of a setup code as someone typed it (spaces, dashes and the like left out).
+pub fn code_digits(text: &str) -> String {
+    text.chars().filter(char::is_ascii_digit).take(64).collect()
+}
+
+/// The box's setup code, beside `status.json` (root's: the image's
+/// `usr/lib/shoal-hub/setup-code` makes it at first boot and shows it on the console and
+/// the boot partition): what the page asks a machine of the LAN for before it sets the
+/// first password (security review F10).
+pub const SETUP_CODE_FILE: &str = "setup-code";
 /// Largest update bundle taken.
 pub const MAX_BUNDLE_BYTES: u64 = 4 << 30;
 /// Where time zones are looked up.
@@ -275,6 +285,19 @@ impl Appliance {
     /// This machine's host name, lower case.
     pub fn host_name(&self) -> Option<&str> {
         self.host.as_deref()
+    }
+
+    /// The box's setup code ([`SETUP_CODE_FILE`]), its digits only; `None` when there is
+    /// none (or it is a link, or not a code): then no machine of the LAN may set the
+    /// box up.
+    pub fn setup_code(&self) -> Option<String> {
+        let path = self.dir.join(SETUP_CODE_FILE);
+        let meta = std::fs::symlink_metadata(&path).ok()?;
+        if !meta.is_file() || meta.len() > 64 {
+            return None;
+        }
+        let digits = code_digits(&std::fs::read_to_string(&path).ok()?);
+        (digits.len() >= 8).then_some(digits)
     }
 
     /// Where an uploaded bundle goes.

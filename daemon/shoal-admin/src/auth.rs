@@ -1,11 +1,16 @@
 //! Admin authentication, pure (time comes in as an argument): the password's slow
-//! salted hash (Argon2id, a PHC string), session tokens any node checks on its own (a
-//! MAC under the cluster's session key, which the cluster state carries to every
-//! member), the CSRF token bound to a session, and the limit on wrong passwords.
+//! salted hash (Argon2id, a PHC string), session tokens a node checks on its own (a MAC
+//! under a key only that node can compute), the CSRF token bound to a session, and the
+//! limit on wrong passwords.
 //!
-//! Why tokens and not a session table: the same login must work on every node (the
-//! owner's browser may reach any of them) without a round of consensus per login.
-//! A new password brings a new session key, which ends every session at once.
+//! Why tokens and not a session table: no state to keep or replicate per login. Whose
+//! key: the cluster state carries the record (hash and a random session key) to every
+//! member, so a key taken from it alone would let any member, or whoever holds a
+//! member's disk, mint sessions for every other node unnoticed (security review F1). A
+//! node's sessions are signed with the record's key *and* a secret derived from the
+//! node's own private key: a login is good on the node it was made on (a browser keeps a
+//! cookie per address anyway), and a new password (a new record key) still ends every
+//! session on every node at once.
 
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
@@ -99,18 +104,21 @@ impl AuthRecord {
         argon2::PasswordVerifier::verify_password(&argon2::Argon2::default(), password.as_bytes(), &hash).is_ok()
     }
 
-    /// A new session token for `cluster`, valid for `ttl` seconds from `now`.
-    pub fn issue(&self, cluster: &str, now: u64, ttl: u64) -> Result<String, AuthError> {
+    /// A new session token for `cluster` on the node whose secret is `node`, valid for
+    /// `ttl` seconds from `now`.
+    pub fn issue(&self, node: &[u8; 32], cluster: &str, now: u64, ttl: u64) -> Result<String, AuthError> {
         let mut nonce = [0u8; 16];
         getrandom::getrandom(&mut nonce).map_err(|e| AuthError::Random(e.to_string()))?;
         let body = format!("{TOKEN_TAG}.{}.{}", now.saturating_add(ttl), hex::encode(nonce));
-        let mac =
-            self.mac(cluster, &body).ok_or_else(|| AuthError::Hash("the session key is not 32 hex bytes".into()))?;
+        let mac = self
+            .mac(node, cluster, &body)
+            .ok_or_else(|| AuthError::Hash("the session key is not 32 hex bytes".into()))?;
         Ok(format!("{body}.{}", mac.to_hex()))
     }
 
-    /// The session `token` proves, for `cluster` at `now`.
-    pub fn check(&self, cluster: &str, token: &str, now: u64) -> Result<Session, SessionError> {
+    /// The session `token` proves, for `cluster` on the node whose secret is `node`, at
+    /// `now`.
+    pub fn check(&self, node: &[u8; 32], cluster: &str, token: &str, now: u64) -> Result<Session, SessionError> {
         let (body, mac) = token.rsplit_once('.').ok_or(SessionError::Malformed)?;
         let mut parts = body.split('.');
         let (Some(TOKEN_TAG), Some(expires), Some(nonce), None) =
@@ -124,7 +132,7 @@ impl AuthRecord {
         }
         let presented = blake3::Hash::from_hex(mac).map_err(|_| SessionError::Malformed)?;
         // blake3::Hash compares in constant time.
-        if self.mac(cluster, body) != Some(presented) {
+        if self.mac(node, cluster, body) != Some(presented) {
             return Err(SessionError::Forged);
         }
         if now >= expires {
@@ -137,23 +145,25 @@ impl AuthRecord {
     /// every change it asks for. Bound to the session (a token of another session, or
     /// of another cluster, does not match) and secret to the page (the session cookie
     /// is HttpOnly, so a script cannot derive it).
-    pub fn csrf(&self, cluster: &str, token: &str) -> String {
-        self.mac(cluster, &format!("csrf.{token}")).map(|h| h.to_hex()[..32].to_string()).unwrap_or_default()
+    pub fn csrf(&self, node: &[u8; 32], cluster: &str, token: &str) -> String {
+        self.mac(node, cluster, &format!("csrf.{token}")).map(|h| h.to_hex()[..32].to_string()).unwrap_or_default()
     }
 
     /// Whether `presented` is session `token`'s CSRF token (constant time).
-    pub fn csrf_matches(&self, cluster: &str, token: &str, presented: &str) -> bool {
-        let want = self.csrf(cluster, token);
+    pub fn csrf_matches(&self, node: &[u8; 32], cluster: &str, token: &str, presented: &str) -> bool {
+        let want = self.csrf(node, cluster, token);
         !want.is_empty()
             && want.len() == presented.len()
             && want.bytes().zip(presented.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
     }
 
-    /// MAC of `body` under the session key, with the cluster's id in the input too
-    /// (two clusters never share a key, but a copied record still names its cluster).
-    fn mac(&self, cluster: &str, body: &str) -> Option<blake3::Hash> {
+    /// MAC of `body` under this node's session key (the record's key keyed by the
+    /// node's secret: see the module's doc), with the cluster's id in the input too (two
+    /// clusters never share a key, but a copied record still names its cluster).
+    fn mac(&self, node: &[u8; 32], cluster: &str, body: &str) -> Option<blake3::Hash> {
         let key: [u8; 32] = hex::decode(&self.session_key).ok()?.try_into().ok()?;
-        let mut h = blake3::Hasher::new_keyed(&key);
+        let key = blake3::keyed_hash(node, &key);
+        let mut h = blake3::Hasher::new_keyed(key.as_bytes());
         h.update(cluster.as_bytes());
         h.update(b"\n");
         h.update(body.as_bytes());
@@ -300,35 +310,44 @@ mod tests {
         assert_ne!(rec.session_key, again.session_key);
     }
 
+    /// A node's secret, as `Identity::derive_key` makes it.
+    const N: &[u8; 32] = &[7; 32];
+
     #[test]
-    fn tokens_are_bound_to_key_cluster_and_time() {
+    fn tokens_are_bound_to_key_cluster_node_and_time() {
         let rec = AuthRecord::new("correct horse", 0).unwrap();
-        let token = rec.issue("c1", 100, 60).unwrap();
-        let s = rec.check("c1", &token, 159).unwrap();
+        let token = rec.issue(N, "c1", 100, 60).unwrap();
+        let s = rec.check(N, "c1", &token, 159).unwrap();
         assert_eq!(s.expires, 160);
-        assert_eq!(rec.check("c1", &token, 160), Err(SessionError::Expired));
-        assert_eq!(rec.check("c2", &token, 120), Err(SessionError::Forged), "another cluster's id");
+        assert_eq!(rec.check(N, "c1", &token, 160), Err(SessionError::Expired));
+        assert_eq!(rec.check(N, "c2", &token, 120), Err(SessionError::Forged), "another cluster's id");
         let other = AuthRecord::new("correct horse", 0).unwrap();
-        assert_eq!(other.check("c1", &token, 120), Err(SessionError::Forged), "another key (a new password)");
+        assert_eq!(other.check(N, "c1", &token, 120), Err(SessionError::Forged), "another key (a new password)");
         // Moving the expiry breaks the MAC.
         let (_, rest) = token.split_once('.').unwrap();
         let (_, tail) = rest.split_once('.').unwrap();
-        assert_eq!(rec.check("c1", &format!("s1.999999.{tail}"), 120), Err(SessionError::Forged));
+        assert_eq!(rec.check(N, "c1", &format!("s1.999999.{tail}"), 120), Err(SessionError::Forged));
         for bad in ["", "s1", "s1.1.2.3", "s2.1.00.00", "s1.x.y.z", &format!("{token}.x")] {
-            assert_eq!(rec.check("c1", bad, 120), Err(SessionError::Malformed), "{bad:?}");
+            assert_eq!(rec.check(N, "c1", bad, 120), Err(SessionError::Malformed), "{bad:?}");
         }
+        // Another node (another node secret) holding the same record cannot mint or
+        // accept this node's sessions (security review F1).
+        assert_eq!(rec.check(&[8; 32], "c1", &token, 120), Err(SessionError::Forged));
+        let theirs = rec.issue(&[8; 32], "c1", 100, 60).unwrap();
+        assert_eq!(rec.check(N, "c1", &theirs, 120), Err(SessionError::Forged));
+        assert_ne!(rec.csrf(&[8; 32], "c1", &token), rec.csrf(N, "c1", &token));
     }
 
     #[test]
     fn csrf_tokens_belong_to_one_session() {
         let rec = AuthRecord::new("correct horse", 0).unwrap();
-        let (a, b) = (rec.issue("c1", 0, 60).unwrap(), rec.issue("c1", 0, 60).unwrap());
-        let ca = rec.csrf("c1", &a);
+        let (a, b) = (rec.issue(N, "c1", 0, 60).unwrap(), rec.issue(N, "c1", 0, 60).unwrap());
+        let ca = rec.csrf(N, "c1", &a);
         assert_eq!(ca.len(), 32);
-        assert!(rec.csrf_matches("c1", &a, &ca));
-        assert!(!rec.csrf_matches("c1", &b, &ca));
-        assert!(!rec.csrf_matches("c2", &a, &ca));
-        assert!(!rec.csrf_matches("c1", &a, ""));
+        assert!(rec.csrf_matches(N, "c1", &a, &ca));
+        assert!(!rec.csrf_matches(N, "c1", &b, &ca));
+        assert!(!rec.csrf_matches(N, "c2", &a, &ca));
+        assert!(!rec.csrf_matches(N, "c1", &a, ""));
     }
 
     #[test]

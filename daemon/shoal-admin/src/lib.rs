@@ -68,6 +68,11 @@ pub trait AdminBackend: Send + Sync + 'static {
     /// credentials the cluster state holds, `None` before the first password.
     fn credentials(&self) -> (Option<String>, Option<AuthRecord>);
 
+    /// This node's own secret, which signs its admin sessions with the record's key
+    /// (derived from the node's private key: no other member can compute it; see
+    /// [`auth`]).
+    fn session_secret(&self) -> [u8; 32];
+
     /// Store `record` as the cluster's admin credentials, replacing any; resolve once
     /// this node's own view of the cluster state holds them (so the session issued
     /// next is honoured here at once).
@@ -387,13 +392,15 @@ async fn session<B: AdminBackend>(
             "here": here,
             "why": why,
             "appliance": appliance.is_some(),
+            // The box's setup code is asked for (see `setup`).
+            "code": appliance.is_some() && !this_machine(peer, &headers),
         })));
     };
     match admin.session(&cluster, &record, &headers) {
         Ok((token, s)) => no_store(Json(json!({
             "state": "in",
             "cluster": cluster,
-            "csrf": record.csrf(&cluster, &token),
+            "csrf": record.csrf(&admin.backend.session_secret(), &cluster, &token),
             "expires": s.expires,
         }))),
         Err(_) => no_store(Json(json!({"state": "login", "cluster": cluster}))),
@@ -407,7 +414,16 @@ const SETUP_HERE: &str = "set the first admin password from a browser on one of 
 /// Where a hub appliance's first password may be set from.
 const SETUP_APPLIANCE: &str = "set up this hub box from a browser on its network, at \
      http://shoal.local:11434/admin/ or at the box's IP address (not through another name), \
-     or with `shoal password` on the box";
+     with the setup code it shows, or with `shoal password` on the box";
+
+/// Why a machine of the LAN cannot set a hub appliance up without its code.
+const SETUP_CODE: &str = "give the box's setup code: it is shown on a screen plugged into the box \
+     (at its login prompt) and in SHOAL-SETUP.TXT on its boot partition";
+
+/// Whether `a` and `b` are the same bytes, in time that depends on their lengths only.
+fn constant_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
 
 /// Whether a request comes from a program on this machine, addressed to this machine
 /// (loopback, and a `Host` and `Origin` that name it: not a DNS-rebinding page).
@@ -511,6 +527,10 @@ struct SetupBody {
     timezone: Option<String>,
     #[serde(default)]
     wifi: Option<appliance::Wifi>,
+    /// A hub appliance's setup code, which a machine of its LAN must give
+    /// ([`appliance::Appliance::setup_code`]).
+    #[serde(default)]
+    code: Option<String>,
 }
 
 /// `POST /admin/api/setup {"password", "cluster_name"?, "timezone"?, "wifi"?}`: the first
@@ -539,6 +559,25 @@ async fn setup<B: AdminBackend>(
         Ok(b) => b,
         Err(r) => return r,
     };
+    // Another machine of a hub's LAN proves it has the box in hand: the code the box
+    // shows (security review F10). Wrong codes count as wrong passwords.
+    if let Some(a) = appliance.filter(|_| !this_machine(peer, &headers)) {
+        let Some(want) = a.setup_code() else {
+            return error(
+                StatusCode::FORBIDDEN,
+                "this box has no setup code yet: restart it, or use `shoal password` on it",
+            );
+        };
+        let given = appliance::code_digits(body.code.as_deref().unwrap_or(""));
+        if given.is_empty() {
+            return error(StatusCode::FORBIDDEN, SETUP_CODE);
+        }
+        match admin.check_password(peer.ip(), move || constant_eq(given.as_bytes(), want.as_bytes())).await {
+            Ok(true) => {}
+            Ok(false) => return error(StatusCode::FORBIDDEN, &format!("the setup code is wrong: {SETUP_CODE}")),
+            Err(r) => return r,
+        }
+    }
     let (cluster, record) = admin.backend.credentials();
     let Some(cluster) = cluster else {
         return error(StatusCode::CONFLICT, "this node is in no cluster yet: it forms or joins one first");
@@ -984,7 +1023,7 @@ impl<B: AdminBackend> Admin<B> {
             .map_err(|why| error(StatusCode::UNAUTHORIZED, &format!("log in first ({why})")))?;
         if method != Method::GET && method != Method::HEAD {
             let presented = headers.get(CSRF_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("");
-            if !record.csrf_matches(&cluster, &token, presented) {
+            if !record.csrf_matches(&self.backend.session_secret(), &cluster, &token, presented) {
                 return Err(error(StatusCode::FORBIDDEN, "missing or wrong CSRF token: reload the page"));
             }
         }
@@ -1048,7 +1087,8 @@ impl<B: AdminBackend> Admin<B> {
         headers: &HeaderMap,
     ) -> Result<(String, auth::Session), String> {
         let token = cookie(headers).ok_or_else(|| "no session".to_string())?;
-        let s = record.check(cluster, &token, unix_now()).map_err(|e| e.to_string())?;
+        let node = self.backend.session_secret();
+        let s = record.check(&node, cluster, &token, unix_now()).map_err(|e| e.to_string())?;
         if lock(&self.revoked).contains_key(&s.nonce) {
             return Err("the session was logged out".into());
         }
@@ -1059,11 +1099,12 @@ impl<B: AdminBackend> Admin<B> {
     /// when there are some: what was asked beside it and not done).
     fn start_session(&self, cluster: &str, record: &AuthRecord, warnings: Vec<String>) -> Response {
         let ttl = self.cfg.session_ttl.as_secs().max(1);
-        let token = match record.issue(cluster, unix_now(), ttl) {
+        let node = self.backend.session_secret();
+        let token = match record.issue(&node, cluster, unix_now(), ttl) {
             Ok(t) => t,
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
         };
-        let mut body = json!({"state": "in", "cluster": cluster, "csrf": record.csrf(cluster, &token)});
+        let mut body = json!({"state": "in", "cluster": cluster, "csrf": record.csrf(&node, cluster, &token)});
         if !warnings.is_empty() {
             body["warnings"] = json!(warnings);
         }

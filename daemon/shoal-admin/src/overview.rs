@@ -112,7 +112,7 @@ pub struct LogEvent {
     /// When, Unix milliseconds.
     pub at_ms: u64,
     /// Kind: `join`, `leave`, `down`, `up`, `leader`, `placed`, `replaced`, `unplaced`,
-    /// `unloaded`.
+    /// `unloaded`, `owner` (an owner's action, with the member it came through).
     pub kind: String,
     /// For people.
     pub text: String,

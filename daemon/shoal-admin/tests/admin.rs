@@ -19,11 +19,17 @@ struct Fake {
     uploads: tempfile::TempDir,
     /// A hub appliance's folder, under `uploads`; `None`: a PC.
     appliance: Option<Appliance>,
+    /// This node's session secret (each fake has its own, as each node does).
+    secret: [u8; 32],
 }
 
 impl AdminBackend for Fake {
     fn credentials(&self) -> (Option<String>, Option<AuthRecord>) {
         (self.cluster.clone(), self.record.lock().unwrap().clone())
+    }
+
+    fn session_secret(&self) -> [u8; 32] {
+        self.secret
     }
 
     async fn set_credentials(&self, record: AuthRecord) -> Result<(), String> {
@@ -83,6 +89,9 @@ impl AdminBackend for Fake {
     }
 }
 
+/// Makes each fake node's session secret its own.
+static NEXT_SECRET: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(1);
+
 /// A server for `cluster` with `cfg`; its base URL and the fake.
 fn server(cluster: Option<&str>, cfg: Config) -> (String, Arc<Fake>) {
     serve(cluster, cfg, false)
@@ -100,7 +109,10 @@ fn serve(cluster: Option<&str>, cfg: Config, appliance: bool) -> (String, Arc<Fa
         let zones = uploads.path().join("zoneinfo");
         std::fs::create_dir_all(zones.join("Europe")).unwrap();
         std::fs::write(zones.join("Europe/Paris"), b"TZif2").unwrap();
-        Appliance::open(uploads.path(), Some("hubbox".into())).unwrap().with_zoneinfo(zones)
+        let a = Appliance::open(uploads.path(), Some("hubbox".into())).unwrap().with_zoneinfo(zones);
+        // What the image's system side writes at first boot (root's, beside status.json).
+        std::fs::write(uploads.path().join("appliance/setup-code"), format!("{SETUP_CODE}\n")).unwrap();
+        a
     });
     let fake = Arc::new(Fake {
         cluster: cluster.map(str::to_string),
@@ -108,6 +120,7 @@ fn serve(cluster: Option<&str>, cfg: Config, appliance: bool) -> (String, Arc<Fa
         done: Mutex::default(),
         uploads,
         appliance,
+        secret: [NEXT_SECRET.fetch_add(1, std::sync::atomic::Ordering::Relaxed); 32],
     });
     // Stands for the node's OpenAI routes.
     let llm = axum::Router::new().route("/v1/chat/completions", axum::routing::post(|| async { "chat" }));
@@ -180,6 +193,8 @@ fn get(url: &str, token: Option<&str>) -> Answer {
 }
 
 const PASSWORD: &str = "correct horse battery";
+/// The fake hub box's setup code.
+const SETUP_CODE: &str = "1234-5678-9012";
 
 /// Set the first password on `url`; the session token and CSRF token.
 fn setup(url: &str) -> (String, String) {
@@ -286,6 +301,34 @@ fn a_session_of_one_cluster_is_refused_by_another() {
     assert_eq!(get(&format!("{one}/admin/api/overview"), Some(&token)).status, 200);
     assert_eq!(get(&format!("{two}/admin/api/overview"), Some(&token)).status, 401);
     assert_eq!(get(&format!("{two}/admin/api/session"), Some(&token)).json()["state"], "login");
+}
+
+/// Security review F1: every member holds the admin record; a session made on one node
+/// is not good on another (each signs with a secret of its own), so a member cannot
+/// mint sessions for the others from the record it holds.
+#[test]
+fn a_session_is_good_on_the_node_that_made_it_only() {
+    let (one, a) = server(Some("c1"), Config::default());
+    let (two, b) = server(Some("c1"), Config::default());
+    let (token, csrf) = setup(&one);
+    *b.record.lock().unwrap() = a.record.lock().unwrap().clone();
+    assert_eq!(get(&format!("{one}/admin/api/overview"), Some(&token)).status, 200);
+    assert_eq!(get(&format!("{two}/admin/api/overview"), Some(&token)).status, 401);
+    assert_eq!(get(&format!("{two}/admin/api/session"), Some(&token)).json()["state"], "login");
+    // The same password logs in there, with a session of its own.
+    let login = call(
+        "POST",
+        &format!("{two}/admin/api/login"),
+        None,
+        None,
+        Some(&format!("{{\"password\":\"{PASSWORD}\"}}")),
+        &[],
+    );
+    assert_eq!(login.status, 200, "{}", login.body);
+    let (there, there_csrf) = (login.token(), login.json()["csrf"].as_str().unwrap().to_string());
+    assert_ne!(there_csrf, csrf);
+    assert_eq!(get(&format!("{two}/admin/api/overview"), Some(&there)).status, 200);
+    assert_eq!(get(&format!("{one}/admin/api/overview"), Some(&there)).status, 401);
 }
 
 #[test]
@@ -521,8 +564,8 @@ fn a_hub_appliance_is_set_up_from_its_lan_and_checks_everything_before_storing_a
     let session = |extra: &[(&str, &str)]| call("GET", &format!("{url}/admin/api/session"), None, None, None, extra);
     let s = session(&[("host", "shoal.local:11434")]).json();
     assert_eq!(
-        (s["state"].as_str(), s["appliance"].as_bool(), s["here"].as_bool()),
-        (Some("setup"), Some(true), Some(true))
+        (s["state"].as_str(), s["appliance"].as_bool(), s["here"].as_bool(), s["code"].as_bool()),
+        (Some("setup"), Some(true), Some(true), Some(true))
     );
     for (k, v) in [("host", "evil.example"), ("origin", "http://evil.example")] {
         assert_eq!(session(&[(k, v)]).json()["here"], false, "{k}: {v}");
@@ -531,8 +574,21 @@ fn a_hub_appliance_is_set_up_from_its_lan_and_checks_everything_before_storing_a
         call("POST", &format!("{url}/admin/api/setup"), None, None, Some(body), extra)
     };
     let good = format!(
-        r#"{{"password":"{PASSWORD}","cluster_name":"Home","timezone":"Europe/Paris","wifi":{{"ssid":"home net","passphrase":"correct horse"}}}}"#
+        r#"{{"password":"{PASSWORD}","code":"1234 5678 9012","cluster_name":"Home","timezone":"Europe/Paris","wifi":{{"ssid":"home net","passphrase":"correct horse"}}}}"#
     );
+    // Without the box's setup code, or with a wrong one: refused, nothing stored
+    // (security review F10: a stranger on the LAN would own the box).
+    let lan = [("host", "shoal.local:11434")];
+    for (body, why) in [
+        (good.replace(r#""code":"1234 5678 9012","#, ""), "setup code"),
+        (good.replace("1234 5678 9012", "1234 5678 9013"), "wrong"),
+        (good.replace("1234 5678 9012", "123456789012345"), "wrong"),
+    ] {
+        let a = setup(&body, &lan);
+        assert_eq!(a.status, 403, "{body}: {}", a.body);
+        assert!(a.json()["error"].as_str().unwrap().contains(why), "{why}: {}", a.body);
+        assert!(fake.record.lock().unwrap().is_none() && appliance_file(&fake, "settings.json").is_none());
+    }
     // A DNS-rebinding page (its own name in Host) and another site's page are refused.
     let rebound = setup(&good, &[("host", "evil.example:11434")]);
     assert_eq!(rebound.status, 403, "{}", rebound.body);
@@ -573,9 +629,9 @@ fn a_hub_appliance_is_set_up_from_its_lan_and_checks_everything_before_storing_a
 }
 
 #[test]
-fn a_hub_appliance_is_set_up_through_shoal_local_with_the_password_alone() {
+fn a_hub_appliance_is_set_up_through_shoal_local_with_the_password_and_its_code_alone() {
     let (url, fake) = hub();
-    let body = format!(r#"{{"password":"{PASSWORD}"}}"#);
+    let body = format!(r#"{{"password":"{PASSWORD}","code":"{SETUP_CODE}"}}"#);
     let a = call(
         "POST",
         &format!("{url}/admin/api/setup"),
@@ -587,6 +643,14 @@ fn a_hub_appliance_is_set_up_through_shoal_local_with_the_password_alone() {
     assert_eq!(a.status, 200, "{}", a.body);
     assert!(fake.record.lock().unwrap().is_some());
     assert!(appliance_file(&fake, "settings.json").is_none(), "no system setting asked: none written");
+    // This machine's own browser (loopback, addressed as localhost) needs no code.
+    let (url, fake) = hub();
+    let body = format!(r#"{{"password":"{PASSWORD}"}}"#);
+    let s = call("GET", &format!("{url}/admin/api/session"), None, None, None, &[]).json();
+    assert_eq!(s["code"], false);
+    let a = call("POST", &format!("{url}/admin/api/setup"), None, None, Some(&body), &[]);
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(fake.record.lock().unwrap().is_some());
     assert!(fake.done.lock().unwrap().is_empty());
 }
 
@@ -706,7 +770,8 @@ fn a_hub_appliance_writes_settings_and_requests_reads_its_status_and_takes_a_bun
     assert_eq!(names, ["request.json", "settings.json", "update.raucb"], "no staging file left");
     let mut names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
     names.sort();
-    assert_eq!(names, ["inbox", "status.json"], "the node writes only in its inbox");
+    // (setup-code: the system side's, written by the fake as the image would.)
+    assert_eq!(names, ["inbox", "setup-code", "status.json"], "the node writes only in its inbox");
     for (body, name) in [
         (r#"{"action":"appliance_update"}"#, "update"),
         (r#"{"action":"appliance_reboot"}"#, "reboot"),

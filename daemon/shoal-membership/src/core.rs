@@ -12,7 +12,7 @@
 //! a new leader first stores a snapshot of its own term (Raft's no-op entry), and
 //! membership changes go one at a time.
 
-use crate::state::{Change, ChangeError, ClusterState, Version};
+use crate::state::{ChangeError, ClusterState, Proposal, Version};
 
 /// How far ahead of ours a term from a peer may be. Terms grow by one per election;
 /// further jumps are refused so that no member can push the counters to their end.
@@ -143,12 +143,13 @@ pub enum Msg {
         /// The sender's snapshot.
         state: Box<ClusterState>,
     },
-    /// A proposal forwarded to the leader.
+    /// A proposal forwarded to the leader, which applies it only as far as
+    /// [`Proposal::authorise`] lets the sender.
     Forward {
         /// The sender's request number.
         req: u64,
-        /// The change.
-        change: Change,
+        /// The change, typed by whose it is.
+        proposal: Proposal,
     },
     /// The leader's answer to a forwarded proposal.
     Forwarded {
@@ -523,9 +524,9 @@ impl Core {
                     }
                 }
             }
-            Msg::Forward { req, change } => {
+            Msg::Forward { req, proposal } => {
                 if self.role == Role::Leader {
-                    self.propose_as_leader(now, Origin::Remote(from, req), change);
+                    self.propose_as_leader(now, Origin::Remote(from, req), proposal);
                 } else {
                     self.send(from, Msg::Forwarded { req, result: Err(ProposeError::NoLeader) });
                 }
@@ -597,14 +598,19 @@ impl Core {
         }
     }
 
-    /// Ask for `change`; the answer comes as [`Action::Reply`] with `req` once a
-    /// majority stored it (or it failed). A follower forwards it to the leader.
-    pub fn propose(&mut self, now: u64, req: u64, change: Change) -> Vec<Action> {
+    /// Ask for `proposal`; the answer comes as [`Action::Reply`] with `req` once a
+    /// majority stored it (or it failed). A follower forwards it to the leader (but for
+    /// a [`Proposal::Lead`]: only the leader decides those, and this node no longer
+    /// leads).
+    pub fn propose(&mut self, now: u64, req: u64, proposal: Proposal) -> Vec<Action> {
         match (&self.role, self.leader) {
-            (Role::Leader, _) => self.propose_as_leader(now, Origin::Local(req), change),
+            (Role::Leader, _) => self.propose_as_leader(now, Origin::Local(req), proposal),
+            (_, _) if matches!(proposal, Proposal::Lead(_)) => {
+                self.out.push(Action::Reply { req, result: Err(ProposeError::NoLeader) })
+            }
             (Role::Follower, Some(leader)) => {
                 self.forwarded.insert(req, now + self.config.forward_timeout_ms);
-                self.send(leader, Msg::Forward { req, change });
+                self.send(leader, Msg::Forward { req, proposal });
             }
             _ => self.out.push(Action::Reply { req, result: Err(ProposeError::NoLeader) }),
         }
@@ -853,16 +859,30 @@ impl Core {
         self.next_beat = now + self.config.beat_ms;
     }
 
-    fn propose_as_leader(&mut self, now: u64, origin: Origin, change: Change) {
+    fn propose_as_leader(&mut self, now: u64, origin: Origin, proposal: Proposal) {
+        let (from, local) = match origin {
+            Origin::Local(_) => (self.me, true),
+            Origin::Remote(from, _) => (from, false),
+        };
+        if let Err(e) = proposal.authorise(&from, local) {
+            self.answer(origin, Err(e.into()));
+            return;
+        }
+        let change = proposal.change();
         if change.is_membership() && (!self.term_committed || self.pending.iter().any(|(_, _, membership)| *membership))
         {
             self.answer(origin, Err(ProposeError::Busy));
             return;
         }
         let mut next = self.state.clone();
-        if let Err(e) = next.apply(&change) {
+        if let Err(e) = next.apply(change) {
             self.answer(origin, Err(e.into()));
             return;
+        }
+        if let Proposal::Owner { action, .. } = &proposal {
+            // The version `stamp_and_send` gives it next.
+            let version = Version { term: self.hard.term, index: self.state.version.index.saturating_add(1) };
+            next.record(version, from, action);
         }
         let removed: Vec<NodeId> =
             self.state.members.keys().filter(|id| !next.members.contains_key(id)).copied().collect();
@@ -1055,7 +1075,7 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::Member;
+    use crate::state::{Change, Member};
     use shoal_types::{ClusterId, Role as NodeRole};
 
     fn member(k: u8) -> Member {
@@ -1073,9 +1093,104 @@ mod tests {
         let persist = actions.iter().position(|a| matches!(a, Action::PersistHard(h) if h.term == 1)).unwrap();
         let leader = actions.iter().position(|a| matches!(a, Action::Event(Event::Leader { .. }))).unwrap();
         assert!(persist < leader);
-        let actions = core.propose(5001, 9, Change::Put { key: "k".into(), value: 1.into() });
+        let actions =
+            core.propose(5001, 9, Proposal::of(&NodeId([1; 32]), Change::Put { key: "k".into(), value: 1.into() }));
         assert!(actions.iter().any(|a| matches!(a, Action::Reply { req: 9, result: Ok(_) })));
         assert_eq!(core.state().entries["k"], 1);
+    }
+
+    /// Node 1 leading node 2 (two members), from time 10 s.
+    fn leader_of_two() -> Core {
+        let mut state = ClusterState::create(ClusterId([1; 16]), member(1));
+        state.apply(&Change::AddMember(member(2))).unwrap();
+        let mut core = Core::new(Config::default(), NodeId([1; 32]), HardState::default(), state, 0, 7);
+        core.tick(10_000);
+        core.receive(10_001, NodeId([2; 32]), Msg::PreVoteReply { term: 1, granted: true, current: 0 });
+        core.receive(10_002, NodeId([2; 32]), Msg::VoteReply { term: 1, granted: true });
+        assert_eq!(core.role(), &Role::Leader);
+        core
+    }
+
+    /// Security review F1: the leader applied any change any member forwarded.
+    #[test]
+    fn a_member_writes_only_its_own_entries_placements_are_the_leaders_and_owner_actions_are_recorded() {
+        let mut core = leader_of_two();
+        let (one, two) = (NodeId([1; 32]), NodeId([2; 32]));
+        let put = |key: &str| Change::Put { key: key.to_string(), value: 1.into() };
+        let owner = |change: Change| Proposal::Owner { action: "x".into(), change };
+        let forward = |core: &mut Core, req: u64, proposal: Proposal| {
+            let actions = core.receive(10_100, two, Msg::Forward { req, proposal });
+            actions
+                .into_iter()
+                .find_map(|a| match a {
+                    Action::Send { to, msg: Msg::Forwarded { req: r, result } } if to == two && r == req => {
+                        Some(result)
+                    }
+                    _ => None,
+                })
+                .expect("an answer to the member")
+        };
+        let (their_offer, my_offer) = (format!("offer/{one}"), format!("offer/{two}"));
+        let refused = [
+            // Another member's entries, as the member's own traffic or as an owner's action.
+            Proposal::Own(put(&their_offer)),
+            owner(put(&their_offer)),
+            Proposal::Own(put(&format!("speed/{one}/m"))),
+            // A placement from a member, however it is labelled.
+            Proposal::Lead(put("placement/m")),
+            owner(put("placement/m")),
+            Proposal::Own(put("placement/m")),
+            owner(Change::Delete { key: "placement/m".into() }),
+            // Shared entries and membership as a member's automatic traffic.
+            Proposal::Own(put("admin/auth")),
+            Proposal::Own(Change::AddMember(member(9))),
+            // Its own entries labelled as an owner's action are still its own lane.
+            owner(put(&my_offer)),
+        ];
+        for (req, p) in refused.into_iter().enumerate() {
+            let what = format!("{p:?}");
+            let answer = forward(&mut core, req as u64, p);
+            assert!(matches!(answer, Err(ProposeError::Invalid(ChangeError::NotAllowed(_)))), "{what}: {answer:?}");
+        }
+        assert!(core.state().entries.is_empty() && core.state().audit.is_empty());
+        assert!(!core.state().is_member(&NodeId([9; 32])));
+        // Its own offer: taken.
+        let _ = forward_taken(&mut core, 20, Proposal::Own(put(&my_offer)));
+        assert_eq!(core.state().entries[&my_offer], 1);
+        // An owner's action through the member: taken, and recorded with the member.
+        let _ = forward_taken(
+            &mut core,
+            21,
+            Proposal::Owner { action: "set the admin password".into(), change: put("admin/auth") },
+        );
+        assert_eq!(core.state().entries["admin/auth"], 1);
+        let audit: Vec<_> = core.state().audit.iter().map(|a| (a.from, a.action.clone(), a.version)).collect();
+        assert_eq!(audit, [(two, "set the admin password".to_string(), core.state().version)]);
+        // An owner may forget another node's entries (a model's speeds), not write them.
+        let _ = forward_taken(&mut core, 22, owner(Change::Delete { key: format!("speed/{one}/m") }));
+        // The leader's own placement: taken.
+        let actions = core.propose(10_300, 99, Proposal::Lead(put("placement/m")));
+        assert!(!actions.iter().any(|a| matches!(a, Action::Reply { result: Err(_), .. })));
+        assert_eq!(core.state().entries["placement/m"], 1);
+        assert_eq!(core.state().audit.len(), 2);
+    }
+
+    /// Deliver a forwarded proposal that must be taken (stored by the leader, sent to the
+    /// others): no refusal comes back.
+    fn forward_taken(core: &mut Core, req: u64, proposal: Proposal) -> Vec<Action> {
+        let actions = core.receive(10_200, NodeId([2; 32]), Msg::Forward { req, proposal });
+        assert!(
+            !actions.iter().any(|a| matches!(a, Action::Send { msg: Msg::Forwarded { result: Err(_), .. }, .. })),
+            "refused: {actions:?}"
+        );
+        actions
+    }
+
+    #[test]
+    fn a_follower_does_not_forward_placements() {
+        let mut core = follower_of_2(100);
+        let actions = core.propose(150, 5, Proposal::Lead(Change::Put { key: "placement/m".into(), value: 1.into() }));
+        assert!(matches!(&actions[..], [Action::Reply { req: 5, result: Err(ProposeError::NoLeader) }]), "{actions:?}");
     }
 
     #[test]

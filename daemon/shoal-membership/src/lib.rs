@@ -13,4 +13,4 @@ pub mod token;
 pub mod wire;
 
 pub use crate::core::{Action, Config, Core, Event, HardState, Liveness, Msg, ProposeError, Role};
-pub use crate::state::{Change, ChangeError, ClusterState, Member, Version};
+pub use crate::state::{Audit, Change, ChangeError, ClusterState, Lane, Member, Proposal, Version};

@@ -350,6 +350,14 @@ struct Proposal {
 /// Where the tokens a member made are kept ([`Space::Node`]).
 const TOKENS_KEY: &str = "join_tokens";
 
+/// Nodes discovery reports that are kept (members and pending nodes always): a LAN host
+/// advertising thousands of made-up ids fills no more (security review F15).
+const MAX_PEERS: usize = 512;
+/// Unpaired nodes listed as pending at most (the admin page's list stays readable).
+pub const MAX_PENDING: usize = 32;
+/// Verifications of unpaired nodes' keys (a handshake each) under way at most.
+const MAX_VERIFYING: usize = 8;
+
 /// How long a proposal is retried while there is no leader (ms).
 const PROPOSAL_MS: u64 = 30_000;
 
@@ -506,6 +514,7 @@ pub async fn run_shared(
         peers: HashMap::new(),
         pending: BTreeMap::new(),
         verifying: BTreeSet::new(),
+        deferred: BTreeSet::new(),
         addrs: Arc::new(Mutex::new(HashMap::new())),
         hints: Arc::new(Mutex::new(HashMap::new())),
         join_addrs: Arc::new(Mutex::new(HashMap::new())),
@@ -587,6 +596,9 @@ struct Actor {
     pending: BTreeMap<NodeId, (PublicInfo, SocketAddr)>,
     /// Verifications under way.
     verifying: BTreeSet<NodeId>,
+    /// Unpaired nodes whose verification waits for a place ([`MAX_VERIFYING`],
+    /// [`MAX_PENDING`]): tried on a later tick.
+    deferred: BTreeSet<NodeId>,
     /// Members' main endpoints, shared with the link tasks: where each was last reached.
     /// Only a successful handshake (which proves the member's key) puts an address here
     /// over one that is known; mDNS alone never replaces it.
@@ -854,6 +866,7 @@ impl Actor {
             let actions = core.tick(now);
             self.execute(actions)?;
             self.welcome_approved(now);
+            self.verify_unpaired();
             let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retry).into_iter().partition(|r| r.0 <= now);
             self.retry = later;
             for (_, p) in due {
@@ -945,7 +958,9 @@ impl Actor {
                     .is_some_and(|c| c.state().is_member(&info.node) || c.state().revoked.contains(&info.node));
                 // Listed whether or not its owner armed it to take an approval yet: an
                 // approval then fails with the reason, and works once armed.
-                if info.cluster.is_none() && !known {
+                if info.cluster.is_none() && !known && self.pending.len() >= MAX_PENDING {
+                    tracing::warn!(node = %info.node, "{MAX_PENDING} nodes wait to be approved already: not listed");
+                } else if info.cluster.is_none() && !known {
                     tracing::info!(node = %info.node, name = %info.name, "pending: an unpaired node asks to join");
                     self.pending.insert(info.node, (info, addr));
                 }
@@ -1691,7 +1706,10 @@ impl Actor {
             self.answer(req, Err(crate::core::ProposeError::NoLeader));
             return Ok(());
         };
-        let actions = core.propose(now, req, change);
+        // Typed by what it writes: this node's own entries, the leader's placements,
+        // else an owner's action (the only other way a change reaches here: the local
+        // CLI, the admin page, an API call this node authorised; see `Proposal`).
+        let actions = core.propose(now, req, crate::state::Proposal::of(&self.me, change));
         self.execute(actions)
     }
 
@@ -1903,28 +1921,13 @@ impl Actor {
                     }
                     drop(addrs);
                     self.first_join_port.entry(advert.node).or_insert(advert.join_port);
-                } else if advert.cluster.is_none() && cluster.is_some() && !self.verifying.contains(&advert.node) {
-                    let revoked = self.core.as_ref().is_some_and(|c| c.state().revoked.contains(&advert.node));
-                    if !revoked && !self.pending.contains_key(&advert.node) {
-                        self.verifying.insert(advert.node);
-                        let (open, tx, node) = (self.open.clone(), self.tx.clone(), advert.node);
-                        let addr = SocketAddr::new(ip, advert.join_port);
-                        tokio::spawn(async move {
-                            match join_request(&open, addr, node, &JoinRequest::Hello).await {
-                                Ok(JoinResponse::Info(info)) if info.node == node => {
-                                    let _ = tx.send(Input::Verified(info, addr)).await;
-                                }
-                                Ok(other) => {
-                                    tracing::warn!(%node, "unexpected answer to hello: {other:?}");
-                                    let _ = tx.send(Input::VerifyFailed(node)).await;
-                                }
-                                Err(e) => {
-                                    tracing::info!(%node, "could not verify a discovered node: {e}");
-                                    let _ = tx.send(Input::VerifyFailed(node)).await;
-                                }
-                            }
-                        });
-                    }
+                } else if advert.cluster.is_none() && cluster.is_some() {
+                    self.verify(advert.node, SocketAddr::new(ip, advert.join_port));
+                }
+                if !self.peers.contains_key(&advert.node) && self.peers.len() >= MAX_PEERS && !self.make_room() {
+                    // A flood of adverts (security review F15): the members' own and the
+                    // pending nodes' stay; the rest is forgotten first.
+                    return;
                 }
                 self.peers.insert(advert.node, (advert, addrs));
             }
@@ -1932,7 +1935,81 @@ impl Actor {
                 self.peers.remove(&node);
                 self.pending.remove(&node);
                 self.verifying.remove(&node);
+                self.deferred.remove(&node);
             }
+        }
+    }
+
+    /// Check the key of an unpaired node discovery reports, on its join endpoint, so it
+    /// can be listed as pending; at most [`MAX_VERIFYING`] at once (the rest are tried
+    /// again on a later tick: [`Self::verify_unpaired`]), and none for a node already
+    /// pending, revoked, or while [`MAX_PENDING`] wait.
+    fn verify(&mut self, node: NodeId, addr: SocketAddr) {
+        let revoked = self.core.as_ref().is_some_and(|c| c.state().revoked.contains(&node));
+        if revoked || self.verifying.contains(&node) || self.pending.contains_key(&node) {
+            return;
+        }
+        if self.verifying.len() >= MAX_VERIFYING || self.pending.len() >= MAX_PENDING {
+            if self.deferred.len() < MAX_PEERS {
+                self.deferred.insert(node);
+            }
+            return;
+        }
+        self.deferred.remove(&node);
+        self.verifying.insert(node);
+        let (open, tx) = (self.open.clone(), self.tx.clone());
+        tokio::spawn(async move {
+            match join_request(&open, addr, node, &JoinRequest::Hello).await {
+                Ok(JoinResponse::Info(info)) if info.node == node => {
+                    let _ = tx.send(Input::Verified(info, addr)).await;
+                }
+                Ok(other) => {
+                    tracing::warn!(%node, "unexpected answer to hello: {other:?}");
+                    let _ = tx.send(Input::VerifyFailed(node)).await;
+                }
+                Err(e) => {
+                    tracing::info!(%node, "could not verify a discovered node: {e}");
+                    let _ = tx.send(Input::VerifyFailed(node)).await;
+                }
+            }
+        });
+    }
+
+    /// The unpaired nodes whose verification waited for a place ([`Self::verify`]):
+    /// verified now, as places allow (those discovery no longer reports, or that are
+    /// in a cluster now, are dropped).
+    fn verify_unpaired(&mut self) {
+        if self.core.is_none() || self.verifying.len() >= MAX_VERIFYING || self.pending.len() >= MAX_PENDING {
+            return;
+        }
+        let free = MAX_VERIFYING - self.verifying.len();
+        let mut due = Vec::new();
+        for node in std::mem::take(&mut self.deferred) {
+            let Some((a, ips)) = self.peers.get(&node).filter(|(a, _)| a.cluster.is_none()) else { continue };
+            let Some(ip) = reachable(ips, self.main_addr) else { continue };
+            if due.len() < free {
+                due.push((node, SocketAddr::new(*ip, a.join_port)));
+            } else {
+                self.deferred.insert(node);
+            }
+        }
+        for (node, addr) in due {
+            self.verify(node, addr);
+        }
+    }
+
+    /// Forget one peer that is neither a member nor pending, to make room for another;
+    /// whether there was one.
+    fn make_room(&mut self) -> bool {
+        let members = self.core.as_ref().map(|c| &c.state().members);
+        let keep = |id: &NodeId| members.is_some_and(|m| m.contains_key(id)) || self.pending.contains_key(id);
+        match spare(&self.peers, keep) {
+            Some(id) => {
+                self.peers.remove(&id);
+                self.deferred.remove(&id);
+                true
+            }
+            None => false,
         }
     }
 
@@ -2637,6 +2714,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A peer that may be forgotten to make room for another: any that `keep` does not
+/// hold on to (members, pending nodes); `None` when all are kept.
+fn spare<V>(peers: &HashMap<NodeId, V>, keep: impl Fn(&NodeId) -> bool) -> Option<NodeId> {
+    peers.keys().find(|id| !keep(id)).copied()
+}
+
 /// The first of a peer's advertised addresses this node's endpoints can reach: one of
 /// the same family (an endpoint bound to IPv4 cannot dial `::1`), else the first.
 fn reachable(ips: &[IpAddr], local: SocketAddr) -> Option<&IpAddr> {
@@ -2674,5 +2757,28 @@ mod tests {
         assert!(find("a", ids.iter()).unwrap_err().contains("2 nodes"));
         assert!(find("ff", ids.iter()).is_err());
         assert!(find("", ids.iter()).is_err());
+    }
+
+    /// Security review F15: adverts of made-up ids fill the table to its bound, churn
+    /// through it, and never push out a member or a pending node.
+    #[test]
+    fn a_flood_of_adverts_never_pushes_out_members_or_pending_nodes() {
+        let (member, pending) = (NodeId([1; 32]), NodeId([2; 32]));
+        let keep = |id: &NodeId| *id == member || *id == pending;
+        let mut peers: HashMap<NodeId, ()> = HashMap::from([(member, ()), (pending, ())]);
+        for k in 0..5000u32 {
+            let mut b = [9u8; 32];
+            b[..4].copy_from_slice(&k.to_le_bytes());
+            if peers.len() >= MAX_PEERS {
+                let out = spare(&peers, keep).expect("room among the flood");
+                assert!(!keep(&out));
+                peers.remove(&out);
+            }
+            peers.insert(NodeId(b), ());
+            assert!(peers.len() <= MAX_PEERS);
+        }
+        assert!(peers.contains_key(&member) && peers.contains_key(&pending));
+        // When everything held is kept, a newcomer finds no room.
+        assert_eq!(spare(&HashMap::from([(member, ())]), |_| true), None);
     }
 }

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 use shoal_types::{ClusterId, NodeId, Role};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// Orders snapshots: the term of the leader that made it, then a counter. A snapshot
 /// with a higher version contains every change of the lower ones made in its history
@@ -81,7 +81,156 @@ impl Change {
     pub fn is_membership(&self) -> bool {
         matches!(self, Change::AddMember(_) | Change::RemoveMember(_))
     }
+
+    /// Whose lane the change is in (see [`Lane`]).
+    pub fn lane(&self) -> Lane {
+        match self {
+            Change::AddMember(_) | Change::RemoveMember(_) => Lane::Owner,
+            Change::Put { key, .. } | Change::Delete { key } => lane_of(key),
+        }
+    }
+
+    /// What the change does, for people (the audit log): `approve NAME (ID)`, `remove
+    /// ID`, `set KEY`, `delete KEY`.
+    pub fn describe(&self) -> String {
+        let short = |id: &NodeId| id.to_string().chars().take(12).collect::<String>();
+        let text = match self {
+            Change::AddMember(m) => format!("approve {} ({})", m.name, short(&m.id)),
+            Change::RemoveMember(id) => format!("remove {}", short(id)),
+            Change::Put { key, .. } => format!("set {key}"),
+            Change::Delete { key } => format!("delete {key}"),
+        };
+        text.chars().take(MAX_ACTION).collect()
+    }
 }
+
+/// Who may propose a change, by what it writes (security review F1): a member's
+/// automatic traffic stays in its own lane, placements are the leader's alone, and
+/// everything else (who is in, the admin password, API keys, settings, the catalog) is
+/// an owner's action, recorded in the [`ClusterState::audit`] log with the node it came
+/// through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lane {
+    /// An entry in this node's own namespace: its memory offer (`offer/ID`), its
+    /// measured speeds (`speed/ID/…`), its links (`links/ID`), its device profiles
+    /// (`profile/ID/…`).
+    Own(NodeId),
+    /// A placement (`placement/…`): only the leader decides them.
+    Leader,
+    /// Anything else: membership and every shared entry.
+    Owner,
+}
+
+/// Prefixes of the entries a node keeps about itself, each followed by the node's id
+/// (and, where the bool says so, a `/` and more: `profile/HASH` without one is a model's
+/// description, which is shared).
+const OWN_PREFIXES: [(&str, bool); 4] = [
+    (shoal_types::Offer::KEY_PREFIX, false),
+    (shoal_types::Speed::KEY_PREFIX, true),
+    ("links/", false),
+    ("profile/", true),
+];
+
+/// The lane of the entry named `key` (see [`Lane`]).
+pub fn lane_of(key: &str) -> Lane {
+    if key.starts_with(shoal_types::ModelPlacement::KEY_PREFIX) {
+        return Lane::Leader;
+    }
+    for (prefix, nested) in OWN_PREFIXES {
+        let Some(rest) = key.strip_prefix(prefix) else { continue };
+        let (id, tail) = match rest.split_once('/') {
+            Some((id, tail)) => (id, Some(tail)),
+            None => (rest, None),
+        };
+        if nested != tail.is_some() {
+            continue;
+        }
+        if let Ok(id) = id.parse::<NodeId>() {
+            return Lane::Own(id);
+        }
+    }
+    Lane::Owner
+}
+
+/// A change as a node proposes it, typed by who it is for (see [`Lane`]). The leader
+/// applies a proposal only when its kind matches the lane of what it writes
+/// ([`Proposal::authorise`]): a member's [`Proposal::Own`] may write only its own
+/// namespace; [`Proposal::Lead`] never comes from another node; an
+/// [`Proposal::Owner`] action is recorded with the node it came from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Proposal {
+    /// The proposing node's automatic traffic about itself.
+    Own(Change),
+    /// The leader's own decision (a placement).
+    Lead(Change),
+    /// An owner's action made on the proposing node (its local CLI, its admin page, an
+    /// API call it authorised): recorded in the audit log as `action`.
+    Owner {
+        /// What the owner did, for people.
+        action: String,
+        /// The change.
+        change: Change,
+    },
+}
+
+impl Proposal {
+    /// How node `me` proposes `change` on its own behalf: in its own lane when the entry
+    /// is its own, as the leader's decision for a placement, else as an owner's action.
+    pub fn of(me: &NodeId, change: Change) -> Proposal {
+        match change.lane() {
+            Lane::Own(id) if id == *me => Proposal::Own(change),
+            Lane::Leader => Proposal::Lead(change),
+            _ => Proposal::Owner { action: change.describe(), change },
+        }
+    }
+
+    /// The change proposed.
+    pub fn change(&self) -> &Change {
+        match self {
+            Proposal::Own(c) | Proposal::Lead(c) | Proposal::Owner { change: c, .. } => c,
+        }
+    }
+
+    /// Whether the leader may apply this proposal from `from` (`local`: the leader's
+    /// own). An owner's action may delete another node's entries (forgetting a model
+    /// drops every node's speeds on it), never write them.
+    pub fn authorise(&self, from: &NodeId, local: bool) -> Result<(), ChangeError> {
+        let lane = self.change().lane();
+        let ok = match self {
+            Proposal::Own(_) => lane == Lane::Own(*from),
+            Proposal::Lead(_) => local && lane == Lane::Leader,
+            Proposal::Owner { change, .. } => {
+                lane == Lane::Owner || (matches!(change, Change::Delete { .. }) && matches!(lane, Lane::Own(_)))
+            }
+        };
+        if ok {
+            return Ok(());
+        }
+        let what = self.change().describe();
+        Err(ChangeError::NotAllowed(match (self, lane) {
+            (_, Lane::Leader) => format!("{what}: placements come from the leader only"),
+            (_, Lane::Own(id)) if id != *from => format!("{what}: another node's entry"),
+            (Proposal::Own(_), _) => format!("{what}: not this node's own entry"),
+            _ => format!("{what}: not an owner's action"),
+        }))
+    }
+}
+
+/// One owner action in the [`ClusterState::audit`] log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Audit {
+    /// The state version that holds it.
+    pub version: Version,
+    /// The member it came through.
+    pub from: NodeId,
+    /// What the owner did ([`Proposal::Owner`]'s `action`).
+    pub action: String,
+}
+
+/// Owner actions the audit log keeps (the newest).
+pub const AUDIT_KEEP: usize = 64;
+/// Longest action text kept (characters).
+pub const MAX_ACTION: usize = 200;
 
 /// Why a change was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
@@ -101,6 +250,9 @@ pub enum ChangeError {
     /// The change would make the state larger than [`MAX_STATE_BYTES`].
     #[error("the cluster state would exceed {} bytes; delete entries first", MAX_STATE_BYTES)]
     StateFull,
+    /// The proposer may not make this change (see [`Lane`]).
+    #[error("not allowed: {0}")]
+    NotAllowed(String),
 }
 
 /// The replicated cluster state.
@@ -118,6 +270,11 @@ pub struct ClusterState {
     pub revoked: BTreeSet<NodeId>,
     /// Named entries (catalog, placements).
     pub entries: BTreeMap<String, serde_json::Value>,
+    /// The newest owner actions ([`Proposal::Owner`]), oldest first, at most
+    /// [`AUDIT_KEEP`]: every node's event log shows them with the member they came
+    /// through. (Empty in states of versions before it.)
+    #[serde(default)]
+    pub audit: VecDeque<Audit>,
 }
 
 impl ClusterState {
@@ -130,6 +287,17 @@ impl ClusterState {
             members: BTreeMap::from([(creator.id, creator)]),
             revoked: BTreeSet::new(),
             entries: BTreeMap::new(),
+            audit: VecDeque::new(),
+        }
+    }
+
+    /// Record an owner action that version `version` holds, forgetting the oldest past
+    /// [`AUDIT_KEEP`], and while the state would exceed [`MAX_STATE_BYTES`] (a full state
+    /// keeps no record rather than outgrow the messages that carry it).
+    pub fn record(&mut self, version: Version, from: NodeId, action: &str) {
+        self.audit.push_back(Audit { version, from, action: action.chars().take(MAX_ACTION).collect() });
+        while self.audit.len() > AUDIT_KEEP || (!self.audit.is_empty() && self.encoded_len() > MAX_STATE_BYTES) {
+            self.audit.pop_front();
         }
     }
 
@@ -246,6 +414,62 @@ mod tests {
         const { assert!(MAX_STATE_BYTES + crate::wire::ENVELOPE <= crate::wire::MAX_MESSAGE) };
         // Replacing an entry by a smaller one is still allowed when full.
         s.apply(&Change::Put { key: "k0".into(), value: 1.into() }).unwrap();
+    }
+
+    #[test]
+    fn entries_fall_in_the_lane_of_the_node_they_name() {
+        let id = NodeId([7; 32]);
+        let own =
+            [format!("offer/{id}"), format!("links/{id}"), format!("speed/{id}/abc"), format!("profile/{id}/x.gguf")];
+        for key in own {
+            assert_eq!(lane_of(&key), Lane::Own(id), "{key}");
+        }
+        let shared = [
+            format!("offer/{id}/x"),
+            format!("speed/{id}"),
+            format!("profile/{id}"),
+            "offer/nobody".to_string(),
+            "admin/auth".into(),
+            "apikey/abc".into(),
+            "settings/api_open".into(),
+            "catalog/abc".into(),
+            "load/abc".into(),
+        ];
+        for key in shared {
+            assert_eq!(lane_of(&key), Lane::Owner, "{key}");
+        }
+        assert_eq!(lane_of("placement/abc"), Lane::Leader);
+        assert_eq!(Change::RemoveMember(id).lane(), Lane::Owner);
+        // A node proposes its own entries in its own lane, others' as an owner's action
+        // (which the leader refuses for a write: see `Proposal::authorise`).
+        let put = |key: String| Change::Put { key, value: 1.into() };
+        assert!(matches!(Proposal::of(&id, put(format!("offer/{id}"))), Proposal::Own(_)));
+        assert!(matches!(Proposal::of(&NodeId([8; 32]), put(format!("offer/{id}"))), Proposal::Owner { .. }));
+        assert!(matches!(Proposal::of(&id, put("placement/m".into())), Proposal::Lead(_)));
+        match Proposal::of(&id, put("settings/api_open".into())) {
+            Proposal::Owner { action, .. } => assert_eq!(action, "set settings/api_open"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_audit_log_keeps_the_newest_and_never_outgrows_the_state_bound() {
+        let mut s = ClusterState::create(ClusterId([1; 16]), member(1));
+        for i in 0..(AUDIT_KEEP as u64 + 10) {
+            s.record(Version { term: 1, index: i }, NodeId([1; 32]), &"a".repeat(MAX_ACTION * 2));
+        }
+        assert_eq!(s.audit.len(), AUDIT_KEEP);
+        assert_eq!(s.audit.front().map(|a| a.version.index), Some(10));
+        assert!(s.audit.iter().all(|a| a.action.chars().count() == MAX_ACTION));
+        // A full state keeps no record rather than grow past the bound.
+        let value = serde_json::Value::String("x".repeat(MAX_VALUE - 100));
+        for i in 0.. {
+            if s.apply(&Change::Put { key: format!("k{i}"), value: value.clone() }).is_err() {
+                break;
+            }
+        }
+        s.record(Version { term: 2, index: 1 }, NodeId([1; 32]), "one more");
+        assert!(s.encoded_len() <= MAX_STATE_BYTES);
     }
 
     #[test]

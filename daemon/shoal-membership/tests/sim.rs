@@ -7,10 +7,15 @@
 //! Members are removed and approved again along the way (a removed node is "welcomed"
 //! back with the leader's state when the leader adds it, as the shell does).
 
-use shoal_membership::{Action, Change, ClusterState, Config, Core, Event, HardState, Member, Msg, Role};
+use shoal_membership::{Action, Change, ClusterState, Config, Core, Event, HardState, Member, Msg, Proposal, Role};
 use shoal_types::{ClusterId, NodeId, Role as NodeRole};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
+
+/// `change` as an owner's action (membership and shared entries: what the sim proposes).
+fn owner(change: Change) -> Proposal {
+    Proposal::Owner { action: change.describe(), change }
+}
 
 struct Rng(u64);
 
@@ -251,7 +256,7 @@ impl Sim {
         };
         self.next_req += 1;
         self.changes += 1;
-        let actions = core.propose(now, self.next_req, change);
+        let actions = core.propose(now, self.next_req, owner(change));
         self.handle(k, actions);
     }
 
@@ -295,7 +300,7 @@ impl Sim {
         let (req, key, value) = (self.next_req, format!("k{}", self.next_req), self.rng.below(1000));
         if let Some(core) = self.nodes[k].core.as_mut() {
             self.asked.insert(req, (key.clone(), value));
-            let actions = core.propose(now, req, Change::Put { key, value: value.into() });
+            let actions = core.propose(now, req, owner(Change::Put { key, value: value.into() }));
             self.handle(k, actions);
         }
     }
@@ -457,7 +462,7 @@ fn schedule(n: usize, seed: u64) -> (u64, u64, u64) {
         let actions = sim.nodes[k].core.as_mut().unwrap().propose(
             now,
             req,
-            Change::Put { key: format!("k{req}"), value: 1.into() },
+            owner(Change::Put { key: format!("k{req}"), value: 1.into() }),
         );
         sim.handle(k, actions);
         sim.run(500);

@@ -113,6 +113,14 @@ impl Identity {
         u64::from_le_bytes([k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7]])
     }
 
+    /// A secret of this node's own for `context` (a fixed string naming its use),
+    /// derived from its private key: stable across restarts, and no other node (no
+    /// member holding the cluster state either) can compute it. The admin page signs
+    /// this node's sessions with one (security review F1).
+    pub fn derive_key(&self, context: &'static str) -> [u8; 32] {
+        blake3::derive_key(context, &self.pkcs8)
+    }
+
     /// Certificate chain to present in TLS.
     pub(crate) fn cert_chain(&self) -> Vec<CertificateDer<'static>> {
         vec![self.cert.clone()]

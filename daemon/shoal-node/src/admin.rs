@@ -93,6 +93,10 @@ impl shoal_admin::AdminBackend for NodeAdmin {
         (Some(state.cluster.to_string()), record)
     }
 
+    fn session_secret(&self) -> [u8; 32] {
+        self.rt.admin_secret
+    }
+
     async fn set_credentials(&self, record: AuthRecord) -> Result<(), String> {
         // Invariant: strings and numbers always serialise.
         let value = serde_json::to_value(&record).expect("a record serialises");

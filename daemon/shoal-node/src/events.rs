@@ -1,11 +1,13 @@
 //! The node's event log, as the admin page shows it: what changed in the cluster as
 //! this node saw it (members joining and leaving, going down and coming back, leader
-//! changes, models placed, re-placed, unplaced and unloaded), with times. Derived
-//! from successive membership views by a pure diff ([`diff`]); kept in memory, the
-//! newest [`KEEP`].
+//! changes, models placed, re-placed, unplaced and unloaded, and every owner action with
+//! the member it came through: the cluster state's audit log, security review F1), with
+//! times. Derived from successive membership views by a pure diff ([`diff`]); kept in
+//! memory, the newest [`KEEP`].
 
 use crate::runtime;
 use shoal_membership::node::View;
+use shoal_membership::Version;
 use shoal_net::NodeId;
 use shoal_types::ModelPlacement;
 use std::collections::{BTreeMap, VecDeque};
@@ -20,7 +22,7 @@ pub struct Event {
     /// When this node saw it, Unix milliseconds.
     pub at_ms: u64,
     /// What kind: `join`, `leave`, `down`, `up`, `leader`, `placed`, `replaced`,
-    /// `unplaced`, `unloaded`.
+    /// `unplaced`, `unloaded`, `owner` (an owner's action, through the member named).
     pub kind: String,
     /// For people.
     pub text: String,
@@ -56,6 +58,10 @@ pub struct Seen {
     leader: Option<NodeId>,
     /// Placements by model hash: generation, error, the model's name.
     placements: BTreeMap<String, (u64, Option<String>, String)>,
+    /// The owner actions the state records: version, the member, the action.
+    audit: Vec<(Version, NodeId, String)>,
+    /// Catalog names by content hash (to tell actions on models by name).
+    names: BTreeMap<String, String>,
 }
 
 impl Seen {
@@ -76,6 +82,8 @@ impl Seen {
             alive: view.alive.iter().copied().collect(),
             leader: view.leader,
             placements,
+            audit: state.audit.iter().map(|a| (a.version, a.from, a.action.clone())).collect(),
+            names,
         }
     }
 }
@@ -127,7 +135,51 @@ pub fn diff(before: &Seen, after: &Seen) -> Vec<(&'static str, String)> {
             out.push(("unloaded", format!("{model} unloaded")));
         }
     }
+    // Owner actions new since: the first state a node adopts is not a flood of them.
+    let last = before.audit.last().map(|a| a.0);
+    for (version, from, action) in after.audit.iter().filter(|_| !before.members.is_empty()) {
+        if last.is_none_or(|l| *version > l) {
+            out.push(("owner", format!("{}: {}", name(from), owner_action(action, after))));
+        }
+    }
     out
+}
+
+/// An audit log's action text for people: known entries by what they are (the admin
+/// password, an API key, a model by its name), anything else as recorded.
+fn owner_action(action: &str, seen: &Seen) -> String {
+    let model = |hash: &str| seen.names.get(hash).cloned().unwrap_or_else(|| hash.chars().take(12).collect());
+    let (verb, key) = match action.split_once(' ') {
+        Some((verb @ ("set" | "delete"), key)) => (verb == "set", key),
+        _ => return action.to_string(),
+    };
+    if key == shoal_admin::AUTH_KEY {
+        return "set the admin password".into();
+    }
+    if let Some(name) = key.strip_prefix(shoal_types::ApiKey::KEY_PREFIX) {
+        return format!("{} the API key {name}", if verb { "made" } else { "revoked" });
+    }
+    if let Some(hash) = key.strip_prefix(shoal_types::CatalogEntry::KEY_PREFIX) {
+        return format!(
+            "{} {} {} the catalog",
+            if verb { "added" } else { "removed" },
+            model(hash),
+            if verb { "to" } else { "from" }
+        );
+    }
+    if let Some(hash) = key.strip_prefix(shoal_types::LoadSpec::KEY_PREFIX) {
+        return format!("{} {}", if verb { "loaded" } else { "unloaded" }, model(hash));
+    }
+    if let Some((_, hash)) = key.strip_prefix(shoal_types::Speed::KEY_PREFIX).and_then(|r| r.split_once('/')) {
+        return format!("{} a measured speed on {}", if verb { "set" } else { "forgot" }, model(hash));
+    }
+    if let Some(hash) = key.strip_prefix(crate::runtime::PROFILE_PREFIX).filter(|h| !h.contains('/')) {
+        return format!("{} the description of {}", if verb { "stored" } else { "removed" }, model(hash));
+    }
+    if let Some(setting) = key.strip_prefix("settings/") {
+        return format!("{} the setting {setting}", if verb { "changed" } else { "reset" });
+    }
+    action.to_string()
 }
 
 /// Watch this node's view and log what changes, until the node stops.
@@ -175,7 +227,41 @@ mod tests {
                 .iter()
                 .map(|(h, g, e)| (h.to_string(), (*g, e.map(str::to_string), format!("m-{h}"))))
                 .collect(),
+            ..Default::default()
         }
+    }
+
+    #[test]
+    fn owner_actions_are_told_once_with_the_member_they_came_through() {
+        let a = seen(&[(1, "alpha"), (2, "beta")], &[1, 2], Some(1), &[]);
+        let v = |index| Version { term: 3, index };
+        let mut b = a.clone();
+        b.names.insert("h".repeat(64), "smollm".into());
+        b.audit = vec![
+            (v(5), id(2), "set admin/auth".into()),
+            (v(6), id(1), format!("set catalog/{}", "h".repeat(64))),
+            (v(7), id(2), "set apikey/webui".into()),
+            (v(8), id(2), "delete load/abc".into()),
+            (v(9), id(1), "approve gamma (0303)".into()),
+        ];
+        let texts: Vec<_> = diff(&a, &b).into_iter().map(|(k, t)| format!("{k}: {t}")).collect();
+        assert_eq!(
+            texts,
+            [
+                "owner: beta: set the admin password",
+                "owner: alpha: added smollm to the catalog",
+                "owner: beta: made the API key webui",
+                "owner: beta: unloaded abc",
+                "owner: alpha: approve gamma (0303)",
+            ]
+        );
+        // Seen ones are not told again; a new one is.
+        let mut c = b.clone();
+        c.audit.push((v(10), id(2), "set settings/api_open".into()));
+        let texts: Vec<_> = diff(&b, &c).into_iter().map(|(_, t)| t).collect();
+        assert_eq!(texts, ["beta: changed the setting api_open"]);
+        // A fresh node's first state is not a flood of old actions.
+        assert!(diff(&Seen::default(), &c).iter().all(|(k, _)| *k != "owner"));
     }
 
     #[test]

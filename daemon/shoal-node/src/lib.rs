@@ -67,6 +67,10 @@ pub struct Options {
     pub speculation: Option<shoal_types::SpecSettings>,
 }
 
+/// The context the admin sessions' node secret is derived in (see
+/// [`shoal_net::Identity::derive_key`]).
+const ADMIN_SESSION_CONTEXT: &str = "shoal 2026-12-07 admin session secret";
+
 /// Memory left to the system when the offer is not given.
 pub const RESERVE_BYTES: u64 = 512 << 20;
 
@@ -112,6 +116,7 @@ pub async fn run(
         inventory: inventory.clone(),
         events: Default::default(),
         speculation: options.speculation,
+        admin_secret: identity.derive_key(ADMIN_SESSION_CONTEXT),
     });
     let ctx = Arc::new(Ctx { me: identity.id(), membership: handle, rt: rt.clone() });
     let mut tasks = tokio::task::JoinSet::new();

@@ -143,6 +143,8 @@ pub struct Runtime {
     pub events: crate::events::Log,
     /// How API generations speculate unless a request says otherwise (`Options`).
     pub speculation: Option<shoal_types::SpecSettings>,
+    /// This node's own secret for its admin sessions ([`shoal_admin::AdminBackend::session_secret`]).
+    pub admin_secret: [u8; 32],
 }
 
 impl Runtime {
