@@ -44,7 +44,11 @@ async function start() {
   if (status !== 200) { show("loading"); $("loading").textContent = s.error || `The node answered ${status}.`; return; }
   if (s.cluster) $("cluster").textContent = `cluster ${s.cluster.slice(0, 8)}`;
   if (s.state === "in") { csrf = s.csrf; enter(); }
-  else if (s.state === "setup") { setupFor(Boolean(s.appliance)); show(s.here ? "setup" : "setup-elsewhere"); }
+  else if (s.state === "setup") {
+    setupFor(Boolean(s.appliance));
+    $("setup-code-box").hidden = !s.code;
+    show(s.here ? "setup" : "setup-elsewhere");
+  }
   else show(s.state === "unpaired" ? "unpaired" : "login");
 }
 
@@ -110,6 +114,11 @@ $("setup-form").addEventListener("submit", async (e) => {
   const password = $("setup-password").value;
   if (password !== $("setup-confirm").value) { error.textContent = "The two passwords differ."; return; }
   const body = { password };
+  if (!$("setup-code-box").hidden) {
+    const code = $("setup-code").value.trim();
+    if (!code) { error.textContent = "Type the box's setup code."; $("setup-code").focus(); return; }
+    body.code = code;
+  }
   if (!$("setup-hub").hidden) {
     const name = $("setup-name").value.trim();
     const zone = $("setup-timezone").value.trim();

@@ -2,7 +2,7 @@
 // playwright-core, as admin.cjs): first boot from "another machine" that reaches the
 // box as shoal.local (a host-resolver rule maps it to the node on loopback), then the
 // System card. Run by daemon/shoal/tests/page.rs against one `shoal serve --role hub
-// --appliance` node; the script plays the image's system side by writing status.json.
+// --appliance` node; the script plays the image's system side by writing status.json and the setup code.
 //   SHOAL_URL        the node's API, e.g. http://127.0.0.1:41234
 //   SHOAL_APPLIANCE  its appliance folder (<data dir>/appliance)
 //   SHOAL_ZONE       a time zone of this machine's database (the browser's, here)
@@ -70,24 +70,35 @@ function status(fields) {
     await stranger.locator("#setup-elsewhere").waitFor({ state: "visible" });
     check(await stranger.locator("#elsewhere-hub").isVisible(), "through another name: where to set the box up");
 
+    // The image's system side makes the box's setup code at first boot (root's file).
+    const CODE = "4821-9375-1064";
+    fs.writeFileSync(path.join(dir, "setup-code"), CODE + "\n");
     const context = await browser.newContext({ timezoneId: zone });
     const page = await context.newPage();
     page.on("pageerror", (e) => errors.push(String(e)));
     await page.goto(`http://shoal.local:${port}/admin/`);
     await page.locator("#setup").waitFor({ state: "visible" });
     check(await page.locator("#setup-hub").isVisible(), "the first-boot form asks for the box's settings");
+    check(await page.locator("#setup-code").isVisible(), "and, from another machine, for the box's setup code");
     check(await page.inputValue("#setup-timezone") === zone, `the time zone is the browser's (${zone})`);
     check(await page.locator("#timezones option").count() > 100, "time zones to pick from");
     await page.fill("#setup-password", PASSWORD);
     await page.fill("#setup-confirm", PASSWORD);
     await page.fill("#setup-name", "Home");
     await page.fill("#setup-ssid", "home net");
+    await page.fill("#setup-code", "4821 9375 1065");
     await page.fill("#setup-passphrase", "short");
     await page.click("#setup-submit");
     check((await page.textContent("#setup-error")).includes("8 to 63"), "a bad passphrase is said inline");
     check(file("settings.json") === null, "and nothing is written");
-    // The node checks too: a time zone it does not have.
+    // A wrong setup code: refused by the node, nothing stored (a stranger on the LAN
+    // would own the box).
     await page.fill("#setup-passphrase", "correct horse");
+    await page.click("#setup-submit");
+    await page.locator("#setup-error", { hasText: "setup code" }).waitFor();
+    check(file("settings.json") === null && file("request.json") === null, "a wrong setup code: refused, nothing stored");
+    // The node checks the rest too: a time zone it does not have.
+    await page.fill("#setup-code", CODE);
     await page.fill("#setup-timezone", "Mars/Olympus");
     await page.click("#setup-submit");
     await page.locator("#setup-error", { hasText: "time zone" }).waitFor();

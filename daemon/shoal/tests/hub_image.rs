@@ -161,6 +161,19 @@ impl Lan {
         (lines.len(), last)
     }
 
+    /// The box's setup code, as its console showed it last (the login prompt on the
+    /// serial console prints it: `usr/lib/shoal-hub/setup-code`), once it is not `not`.
+    fn setup_code(&mut self, not: Option<&str>) -> String {
+        wait_for("the setup code on the console", 120, || {
+            self.check_vm();
+            let log = std::fs::read(self.serial()).unwrap_or_default();
+            let log = String::from_utf8_lossy(&log);
+            let at = log.rfind("Shoal hub setup code: ")? + 22;
+            let code: String = log[at..].chars().take(14).collect();
+            (code.len() == 14 && Some(code.as_str()) != not).then_some(code)
+        })
+    }
+
     /// Wait for boot number `n` (1-based) to reach the node's page; its time.
     fn wait_boot(&mut self, n: usize, http: &Http) -> Duration {
         let t0 = Instant::now();
@@ -456,9 +469,13 @@ fn the_hub_image_boots_is_set_up_from_the_lan_updates_rolls_back_and_resets() {
         });
         assert_eq!(s["appliance"], true, "{s}");
         assert_eq!(s["here"], true, "a LAN browser at shoal.local may set the box up: {s}");
+        // Without the box's setup code (on its console), a LAN browser cannot.
+        let (code, v) = http.post("/admin/api/setup", &json!({"password": PASSWORD}));
+        assert_eq!(code, 403, "setup without the box's code: {v}");
+        let setup_code = lan.setup_code(None);
         let (code, v) = http.post(
             "/admin/api/setup",
-            &json!({"password": PASSWORD, "cluster_name": "Home lab", "timezone": "Europe/Paris"}),
+            &json!({"password": PASSWORD, "code": setup_code, "cluster_name": "Home lab", "timezone": "Europe/Paris"}),
         );
         assert_eq!(code, 200, "setup: {v}");
         http.login();
@@ -569,7 +586,9 @@ fn the_hub_image_boots_is_set_up_from_the_lan_updates_rolls_back_and_resets() {
         assert_ne!(s["cluster"], cluster_id, "the reset kept the cluster");
         let (code, _) = http.post("/admin/api/login", &json!({"password": PASSWORD}));
         assert_ne!(code, 200, "the old password still works after a factory reset");
-        let (code, v) = http.post("/admin/api/setup", &json!({"password": "a new owner's password"}));
+        // A new data partition, a new setup code.
+        let new_code = lan.setup_code(Some(&setup_code));
+        let (code, v) = http.post("/admin/api/setup", &json!({"password": "a new owner's password", "code": new_code}));
         assert_eq!(code, 200, "setup after the reset: {v}");
         *http.csrf.borrow_mut() = v["csrf"].as_str().unwrap_or_default().to_string();
         let a = http.appliance();

@@ -4,8 +4,9 @@
 //! the script (root, on the box) must check every value before use, apply the time zone
 //! and WiFi network, report in `status.json`, and handle each request once; and it
 //! must never write or read through a link the node plants in its inbox, however it
-//! races (security review F3). The whole box is
-//! tested by `hub_image.rs` (opt-in, under qemu).
+//! races (security review F3). And the script that makes the box's setup code
+//! (`setup-code`, review F10). The whole box is tested by `hub_image.rs` (opt-in, under
+//! qemu).
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -257,4 +258,57 @@ fn links_raced_into_the_inbox_are_never_followed() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not root's alone"));
     assert_eq!(b.status(), before);
+}
+
+/// The box's setup code (security review F10): made once, in root's folder, readable by
+/// the node's group only; shown at the console's login prompt and on the boot
+/// partition; a link planted in its place is replaced, never followed; nothing is done
+/// in a folder others may write in.
+#[test]
+fn the_setup_code_is_made_once_shown_and_never_written_through_a_link() {
+    use std::os::unix::fs::PermissionsExt;
+    let b = Box::new();
+    let (issue, esp) = (b.hub.join("issue"), b.hub.join("esp"));
+    std::fs::create_dir_all(&esp).unwrap();
+    let run = || {
+        Command::new("bash")
+            .arg(script().with_file_name("setup-code"))
+            .env("SHOAL_HUB_APPLIANCE", &b.appliance)
+            .env("SHOAL_HUB_ISSUE", &issue)
+            .env("SHOAL_HUB_ESP", &esp)
+            .env("SHOAL_HUB_GROUP", "root")
+            .output()
+            .unwrap()
+    };
+    let out = run();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let file = b.appliance.join("setup-code");
+    let code = std::fs::read_to_string(&file).unwrap().trim().to_string();
+    let digits: Vec<&str> = code.split('-').collect();
+    assert!(
+        digits.len() == 3 && digits.iter().all(|d| d.len() == 4 && d.bytes().all(|c| c.is_ascii_digit())),
+        "{code}"
+    );
+    assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o640);
+    assert!(std::fs::read_to_string(&issue).unwrap().contains(&code));
+    assert!(std::fs::read_to_string(esp.join("SHOAL-SETUP.TXT")).unwrap().contains(&code));
+    // The next boot keeps it.
+    assert!(run().status.success());
+    assert_eq!(std::fs::read_to_string(&file).unwrap().trim(), code);
+    // A link in its place (say, planted before root made the folder its own): replaced
+    // by a new code, and what it pointed at is untouched.
+    let victim = b.hub.join("victim");
+    std::fs::write(&victim, "root's secret\n").unwrap();
+    std::fs::remove_file(&file).unwrap();
+    std::os::unix::fs::symlink(&victim, &file).unwrap();
+    assert!(run().status.success());
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root's secret\n");
+    assert!(std::fs::symlink_metadata(&file).unwrap().is_file());
+    assert_ne!(std::fs::read_to_string(&file).unwrap().trim(), code);
+    // A folder others may write in: nothing.
+    std::fs::set_permissions(&b.appliance, std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::remove_file(&file).unwrap();
+    let out = run();
+    assert!(!out.status.success());
+    assert!(!file.exists());
 }
