@@ -60,6 +60,7 @@ impl Backend for Fake {
             quantisation: "Q8_0".into(),
             layer_period: 1,
             holders: Default::default(),
+            header_hash: None,
         };
         vec![ModelInfo { entry, state: ModelState::Ready, context: Some(256) }]
     }

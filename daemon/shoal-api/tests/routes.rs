@@ -185,6 +185,7 @@ fn entry(name: &str, hash_digit: char) -> CatalogEntry {
         quantisation: "Q8_0".into(),
         layer_period: 1,
         holders: Default::default(),
+        header_hash: None,
     }
 }
 

@@ -172,6 +172,7 @@ pub fn describe_with_progress(path: &Path, progress: &mut dyn FnMut(u64, u64)) -
     if hashed != before.len() || after.len() != before.len() || mtime_ns(&after) != mtime_ns(&before) {
         return Err(CatalogError::ChangedWhileReading { path });
     }
+    let header_hash = header_hash(&mut file, gguf.data_offset).map_err(|e| CatalogError::unreadable(&path, e))?;
     let name = path.file_name().map_or_else(|| path_str.clone(), |n| n.to_string_lossy().into_owned());
     let entry = CatalogEntry {
         name,
@@ -183,6 +184,7 @@ pub fn describe_with_progress(path: &Path, progress: &mut dyn FnMut(u64, u64)) -
         quantisation,
         layer_period: meta.layer_period(),
         holders: BTreeMap::new(),
+        header_hash: Some(header_hash),
     };
     let holder = Holder { path: path_str, size: before.len(), mtime_ns: mtime_ns(&before) };
     Ok(Described { entry, holder })
@@ -228,6 +230,19 @@ pub fn hash_file(path: &Path) -> Result<String, CatalogError> {
 }
 
 /// Hash everything `r` yields; returns the hex hash and the bytes read.
+/// BLAKE3 of the first `len` bytes of `file` (its header: see
+/// [`CatalogEntry::header_hash`]), hex.
+fn header_hash(file: &mut File, len: u64) -> io::Result<String> {
+    use std::io::Seek;
+    file.seek(io::SeekFrom::Start(0))?;
+    let mut hasher = blake3::Hasher::new();
+    let copied = io::copy(&mut Read::by_ref(file).take(len), &mut hasher)?;
+    if copied != len {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ends inside its header"));
+    }
+    Ok(hasher.finalize().to_hex().to_string())
+}
+
 fn hash_reader(r: &mut impl Read, total: u64, progress: &mut dyn FnMut(u64, u64)) -> io::Result<(String, u64)> {
     // From the start whatever was read before (the magic check).
     let mut hasher = blake3::Hasher::new();

@@ -25,6 +25,11 @@ fn describe_reads_the_real_model_facts_and_hashes_the_whole_file() {
     let bytes = fs::read(&path).unwrap();
     assert_eq!(e.size, bytes.len() as u64);
     assert_eq!(e.content_hash, blake3::hash(&bytes).to_hex().to_string());
+    // The header's own hash: what a node without a copy checks a fetched header
+    // against (security review F8).
+    let data_offset = shoal_gguf::open_model(&path).unwrap().0.data_offset as usize;
+    assert!(data_offset > 1000 && data_offset < bytes.len());
+    assert_eq!(e.header_hash.as_deref(), Some(blake3::hash(&bytes[..data_offset]).to_hex().as_str()));
     assert!(e.holders.is_empty());
     assert_eq!(d.holder.path, path.to_str().unwrap());
     assert_eq!(d.holder.size, e.size);

@@ -266,6 +266,19 @@ impl NodeBackend {
     }
 }
 
+/// Whether `header` (fetched from a member) is the one the node that added `entry`
+/// read: its hash against the catalog's (security review F8: a member could otherwise
+/// hand out another vocabulary or chat template). An entry from before headers were
+/// hashed has none to check against.
+fn header_matches(entry: &shoal_types::CatalogEntry, header: &[u8]) -> Result<(), String> {
+    match &entry.header_hash {
+        Some(want) if blake3::hash(header).to_hex().as_str() != want.as_str() => {
+            Err("its header is not the one the catalog names (the member served other bytes)".into())
+        }
+        _ => Ok(()),
+    }
+}
+
 impl NodeBackend {
     /// Build a vocabulary-only file of `entry` from its header, fetched from a member
     /// that holds the model: the header's bytes, then a hole to the model's full size
@@ -337,6 +350,7 @@ impl NodeBackend {
                     if bytes.len() as u64 >= data_offset {
                         bytes.truncate(data_offset as usize);
                         conn.close(0u32.into(), b"done");
+                        header_matches(entry, &bytes)?;
                         return Ok((bytes, file_size));
                     }
                 }
@@ -365,4 +379,33 @@ fn failure(e: ApiError) -> Failure {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A panic while holding the map leaves it whole (inserts are single calls).
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fetched_header_must_be_the_one_the_catalog_names() {
+        let header = b"GGUF and the rest of a header".to_vec();
+        let mut entry = shoal_types::CatalogEntry {
+            name: "m".into(),
+            content_hash: "a".repeat(64),
+            size: 1 << 20,
+            arch: "llama".into(),
+            n_layer: 2,
+            context_length: 128,
+            quantisation: "Q4_1".into(),
+            layer_period: 1,
+            holders: Default::default(),
+            header_hash: Some(blake3::hash(&header).to_hex().to_string()),
+        };
+        assert_eq!(header_matches(&entry, &header), Ok(()));
+        let mut forged = header.clone();
+        forged[5] ^= 1;
+        assert!(header_matches(&entry, &forged).unwrap_err().contains("other bytes"));
+        // An entry from before headers were hashed: nothing to check against.
+        entry.header_hash = None;
+        assert_eq!(header_matches(&entry, &forged), Ok(()));
+    }
 }

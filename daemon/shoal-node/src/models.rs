@@ -120,6 +120,7 @@ async fn add_described(
     if let Some(name) = name {
         fresh.name = name;
     }
+    let header_hash = fresh.header_hash.clone();
     let mut entry = match all.iter().find(|e| e.content_hash == fresh.content_hash) {
         // The same bytes are one entry, under the name they were first added with.
         Some(existing) => existing.clone(),
@@ -138,6 +139,10 @@ async fn add_described(
         }
     };
     entry.holders.insert(me, holder);
+    // An entry added before headers were hashed gets this node's hash of the same bytes.
+    if entry.header_hash.is_none() {
+        entry.header_hash = header_hash;
+    }
     entry.validate().map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
     // The planner's profile first: a catalog entry is loadable once it exists.
     let profile_key = format!("{}{}", crate::runtime::PROFILE_PREFIX, entry.content_hash);

@@ -679,6 +679,7 @@ mod tests {
             quantisation: "Q4_1".into(),
             layer_period: 1,
             holders: [(id(1), Holder { path: "/m.gguf".into(), size: 100 * MB, mtime_ns: 1 })].into(),
+            header_hash: None,
         };
         let profile = ModelProfile {
             layers: 30,

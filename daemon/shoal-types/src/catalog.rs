@@ -39,6 +39,12 @@ pub struct CatalogEntry {
     pub layer_period: u32,
     /// The nodes holding a copy, and where.
     pub holders: BTreeMap<NodeId, Holder>,
+    /// BLAKE3 of the file's header (its bytes before the tensor data: metadata,
+    /// vocabulary, chat template), 64 lowercase hex digits, as the node that added it
+    /// read them: a node without a copy that fetches the header from a member checks it
+    /// against this (security review F8). `None` in entries added before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header_hash: Option<String>,
 }
 
 /// Where one node keeps its copy of a model, and what the file looked like when its
@@ -94,6 +100,9 @@ impl CatalogEntry {
         if self.content_hash.len() != 64 || !self.content_hash.chars().all(hex) {
             return Err(EntryError::BadHash(self.content_hash.chars().take(80).collect()));
         }
+        if let Some(h) = self.header_hash.as_ref().filter(|h| h.len() != 64 || !h.chars().all(hex)) {
+            return Err(EntryError::BadHash(h.chars().take(80).collect()));
+        }
         if self.holders.len() > MAX_HOLDERS {
             return Err(EntryError::TooManyHolders(self.holders.len()));
         }
@@ -138,6 +147,7 @@ mod tests {
                 NodeId([7; 32]),
                 Holder { path: "/home/a/.ollama/models/blobs/sha256-00".into(), size: 2_000_000_000, mtime_ns: 1 },
             )]),
+            header_hash: Some("b".repeat(64)),
         }
     }
 
@@ -148,6 +158,11 @@ mod tests {
         assert!(json.contains(&"07".repeat(32)), "{json}");
         assert_eq!(serde_json::from_str::<CatalogEntry>(&json).unwrap(), e);
         assert_eq!(e.key(), format!("catalog/{}", "ab".repeat(32)));
+        // An entry of a version before header hashes reads as one without.
+        let mut old: serde_json::Value = serde_json::from_str(&json).unwrap();
+        old.as_object_mut().unwrap().remove("header_hash");
+        let read: CatalogEntry = serde_json::from_value(old).unwrap();
+        assert_eq!(read.header_hash, None);
     }
 
     #[test]
@@ -174,6 +189,11 @@ mod tests {
         let mut e = entry();
         e.content_hash = "AB".repeat(32);
         assert!(matches!(e.validate(), Err(EntryError::BadHash(_))));
+        let mut e = entry();
+        e.header_hash = Some("ab".into());
+        assert!(matches!(e.validate(), Err(EntryError::BadHash(_))));
+        e.header_hash = None;
+        e.validate().unwrap();
         let mut e = entry();
         e.holders.values_mut().for_each(|h| h.path.clear());
         assert_eq!(e.validate(), Err(EntryError::BadPath { len: 0 }));
