@@ -1,7 +1,10 @@
 //! Sampling on hand-made logits: greedy is the argmax, a seed fixes the draw, top-k
-//! and the repetition penalty do what they say.
+//! and the repetition penalty do what they say; and the largest grammar the API lets
+//! through builds against the test model's vocabulary (its cost printed).
 
-use shoal_engine::{Sampler, SamplingParams};
+mod common;
+
+use shoal_engine::{Sampler, SamplingParams, Vocab};
 
 fn flat_logits() -> Vec<f32> {
     (0..100).map(|i| ((i * 37 % 11) as f32) * 0.1 + i as f32 * 1e-3).collect()
@@ -52,4 +55,28 @@ fn repetition_penalty_discourages_repeats() {
     let mut penalised = Sampler::new(&SamplingParams { repeat_penalty: 2.0, ..Default::default() });
     assert_eq!(penalised.sample(&logits), 5);
     assert_eq!(penalised.sample(&logits), 3, "token 5 was just used and should be penalised");
+}
+
+/// Security review F14: the largest grammar the API lets through (repetition counts
+/// adding up to `MAX_GRAMMAR_REPETITIONS`, llama.cpp's limit of 2,000 per count) builds
+/// against a real vocabulary. The tail builds a session's sampler once, when the session
+/// opens; the time it takes is printed (`--nocapture`): what one session's opening may
+/// hold the tail's loop for.
+#[test]
+fn the_largest_grammar_within_the_bound_builds_and_its_cost_is_printed() {
+    let vocab = std::sync::Arc::new(Vocab::load(&common::model("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap());
+    // Ten JSON string properties of up to 1,999 characters: 19,990 repetitions.
+    let props: Vec<String> = (0..10).map(|i| format!(r#""\"p{i}\":\"" [a-z ]{{0,1999}} "\"""#)).collect();
+    let grammar = format!(r#"root ::= "{{" {} "}}""#, props.join(r#" "," "#));
+    let n = shoal_types::grammar_repetitions(&grammar);
+    assert!(n > 19_000 && n <= shoal_types::MAX_GRAMMAR_REPETITIONS, "{n} repetitions");
+    let params = SamplingParams { grammar: Some(grammar), ..SamplingParams::default() };
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let built = Sampler::with_vocab(&params, Some(vocab.clone()));
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        assert!(built.is_ok(), "{:?}", built.err());
+    }
+    println!("a grammar of {n} repetitions builds in {:.1} / {:.1} / {:.1} ms", times[0], times[1], times[2]);
 }
