@@ -51,8 +51,10 @@ pub enum BenchCommand {
     /// killing the leader; heartbeat traffic; a partition with the leader cut off.
     Cluster(cluster::ClusterBenchArgs),
     /// The cluster against a stranger on namespace hosts: a stranger's cluster approves
-    /// a fresh node (it stays out), its owner lets it in with a code and with a token,
-    /// and a member restarts through a flood of spoofed QUIC handshakes.
+    /// a fresh node (it stays out), a stranger's forged welcome while the node waits for
+    /// its owner's approval (refused), its owner lets it in by approval, with a code and
+    /// with a token, a member restarts through a flood of spoofed QUIC handshakes, and
+    /// this machine's own requests are answered while 8 addresses hold slow bodies.
     Adoption(adoption::AdoptionArgs),
     /// The one-daemon flow on loopback: time from `models load` to ready, cold
     /// (shards travel) and warm (cache); transfer throughput against the link;
@@ -79,6 +81,14 @@ pub enum BenchCommand {
     /// Lab tool: send spoofed QUIC Initial packets (loopback or namespace hosts only).
     #[command(hide = true)]
     Flood(adoption::FloodArgs),
+    /// Lab tool: send a stranger's welcome (a cluster state of its making) to a node's
+    /// join endpoint; print the answer.
+    #[command(hide = true)]
+    ForgeWelcome(adoption::ForgeArgs),
+    /// Lab tool: hold HTTP requests open with bodies sent a byte at a time, from several
+    /// source addresses; print what the server did with them.
+    #[command(hide = true)]
+    SlowBodies(adoption::SlowArgs),
 }
 
 #[derive(Args, Debug)]
@@ -154,6 +164,8 @@ pub fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Cluster(a) => cluster::cluster(a),
         BenchCommand::Adoption(a) => adoption::adoption(a),
         BenchCommand::Flood(a) => adoption::flood(a),
+        BenchCommand::ForgeWelcome(a) => adoption::forge_welcome(a),
+        BenchCommand::SlowBodies(a) => adoption::slow_bodies(a),
         BenchCommand::Keepalive(a) => keepalive::keepalive(a),
         BenchCommand::LivePlan(a) => live::live_plan(a),
         BenchCommand::Load(a) => node::load(a),
