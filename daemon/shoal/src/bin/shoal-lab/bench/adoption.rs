@@ -135,6 +135,8 @@ struct Figures {
     loopback_failed: usize,
     loopback_p50_ms: f64,
     loopback_max_ms: f64,
+    /// The median time of the same requests before the slow bodies.
+    loopback_before_p50_ms: f64,
 }
 
 fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> Result<(T, Duration)> {
@@ -280,7 +282,10 @@ pub fn adoption(a: AdoptionArgs) -> Result<()> {
         Err(e) => bail!("{e} (flood of {flood_sent} Initials)"),
     };
 
-    // Slow bodies from 8 addresses of host 0 while the owner's machine asks its node.
+    // Slow bodies from 8 addresses of host 0 while the owner's machine asks its node
+    // (and, to compare, before).
+    let before = c.net().within(2, || loopback_times(Duration::from_secs(3)))??;
+    let before: Vec<f64> = before.iter().filter_map(|t| *t).collect();
     let sources = extra_addresses(&c, 0, SLOW_SOURCES)?;
     let target = SocketAddr::from((owner_ip, HTTP_PORT));
     let slow_tool = c
@@ -312,6 +317,7 @@ pub fn adoption(a: AdoptionArgs) -> Result<()> {
         loopback_failed: times.len() - answered.len(),
         loopback_p50_ms,
         loopback_max_ms,
+        loopback_before_p50_ms: percentile(&before, 0.5),
         stranger_approve_default,
         default_stayed_out,
         stranger_approve_no_create,
@@ -349,10 +355,11 @@ pub fn adoption(a: AdoptionArgs) -> Result<()> {
             f.slow.first_close_s.map_or("-".into(), |s| format!("{s:.1} s"))
         );
         println!(
-            "this machine's own requests meanwhile: {} answered of {}, median {:.1} ms, longest {:.1} ms",
+            "this machine's own requests meanwhile: {} answered of {}, median {:.1} ms (before: {:.1} ms), longest {:.1} ms",
             f.loopback_requests - f.loopback_failed,
             f.loopback_requests,
             f.loopback_p50_ms,
+            f.loopback_before_p50_ms,
             f.loopback_max_ms
         );
     }
@@ -379,11 +386,12 @@ fn extra_addresses(c: &Cluster, k: usize, n: u8) -> Result<Vec<Ipv4Addr>> {
     Ok(out)
 }
 
-/// GET `/health` on this host's node (127.0.0.1) every 250 ms for `window`: each
-/// request's time in ms, `None` where it failed (5 s at most).
+/// GET `/api/version` (answered with or without a model) on this host's node
+/// (127.0.0.1) every 250 ms for `window`: each request's time in ms, `None` where it
+/// failed (5 s at most).
 fn loopback_times(window: Duration) -> Result<Vec<Option<f64>>> {
     let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(5))).build().into();
-    let url = format!("http://127.0.0.1:{HTTP_PORT}/health");
+    let url = format!("http://127.0.0.1:{HTTP_PORT}/api/version");
     let mut out = Vec::new();
     let t0 = Instant::now();
     while t0.elapsed() < window {
