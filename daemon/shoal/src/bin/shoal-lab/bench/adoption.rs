@@ -256,8 +256,12 @@ pub fn adoption(a: AdoptionArgs) -> Result<()> {
         }
     };
 
-    // The member restarts while host 0 floods the owner's node.
+    // The member restarts while host 0 floods the owner's node: once the owner has
+    // seen it go (else "back" would be the owner not having noticed yet).
     c.kill(1, false)?;
+    poll("the owner sees the member gone", WAIT, || {
+        c.status(2).filter(|s| s.members.iter().any(|m| m.node == fresh && m.state != Liveness::Alive))
+    })?;
     let owner_ip = c.net().addr(2);
     let targets = [SocketAddr::from((owner_ip, 47070)), SocketAddr::from((owner_ip, 47071))];
     let flooder = c
