@@ -152,9 +152,7 @@ impl AuthRecord {
     /// Whether `presented` is session `token`'s CSRF token (constant time).
     pub fn csrf_matches(&self, node: &[u8; 32], cluster: &str, token: &str, presented: &str) -> bool {
         let want = self.csrf(node, cluster, token);
-        !want.is_empty()
-            && want.len() == presented.len()
-            && want.bytes().zip(presented.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+        !want.is_empty() && constant_eq(want.as_bytes(), presented.as_bytes())
     }
 
     /// MAC of `body` under this node's session key (the record's key keyed by the
@@ -169,6 +167,12 @@ impl AuthRecord {
         h.update(body.as_bytes());
         Some(h.finalize())
     }
+}
+
+/// Whether `a` and `b` are the same bytes, in time that depends on their lengths only
+/// (CSRF tokens, a hub's setup code).
+pub(crate) fn constant_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Whether `password` has an acceptable length.

@@ -420,11 +420,6 @@ const SETUP_APPLIANCE: &str = "set up this hub box from a browser on its network
 const SETUP_CODE: &str = "give the box's setup code: it is shown on a screen plugged into the box \
      (at its login prompt) and in SHOAL-SETUP.TXT on its boot partition";
 
-/// Whether `a` and `b` are the same bytes, in time that depends on their lengths only.
-fn constant_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// Whether a request comes from a program on this machine, addressed to this machine
 /// (loopback, and a `Host` and `Origin` that name it: not a DNS-rebinding page).
 fn this_machine(peer: SocketAddr, headers: &HeaderMap) -> bool {
@@ -572,7 +567,7 @@ async fn setup<B: AdminBackend>(
         if given.is_empty() {
             return error(StatusCode::FORBIDDEN, SETUP_CODE);
         }
-        match admin.check_password(peer.ip(), move || constant_eq(given.as_bytes(), want.as_bytes())).await {
+        match admin.check_password(peer.ip(), move || auth::constant_eq(given.as_bytes(), want.as_bytes())).await {
             Ok(true) => {}
             Ok(false) => return error(StatusCode::FORBIDDEN, &format!("the setup code is wrong: {SETUP_CODE}")),
             Err(r) => return r,
