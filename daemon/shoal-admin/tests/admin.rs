@@ -333,11 +333,13 @@ fn a_session_is_good_on_the_node_that_made_it_only() {
 
 #[test]
 fn sessions_expire() {
-    let cfg = Config { session_ttl: Duration::from_secs(1), ..Config::default() };
+    // Expiry counts whole Unix seconds: a 1 s session made late in a second could be
+    // over before the first request (CI saw it once); 3 s leaves room for that request.
+    let cfg = Config { session_ttl: Duration::from_secs(3), ..Config::default() };
     let (url, _) = server(Some("c1"), cfg);
     let (token, _) = setup(&url);
     assert_eq!(get(&format!("{url}/admin/api/overview"), Some(&token)).status, 200);
-    std::thread::sleep(Duration::from_millis(2100));
+    std::thread::sleep(Duration::from_millis(4100));
     let a = get(&format!("{url}/admin/api/overview"), Some(&token));
     assert_eq!(a.status, 401);
     assert!(a.body.contains("expired"), "{}", a.body);
